@@ -1,0 +1,84 @@
+"""``elastic-runner``: the command-line entry point.
+
+    elastic-runner train --config FILE [--set k=v ...]    one worker (as python -m elastic_runner.train)
+    elastic-runner launch [torchrun flags] -m elastic_runner.train ...   torchrun with elastic defaults
+    elastic-runner snapshot inspect RUN_DIR               JSON summary of the snapshots
+    elastic-runner snapshot export RUN_DIR --out FILE     plain model state_dict
+    elastic-runner audit RUN_DIR                          exactly-once check of the audit trail
+    elastic-runner config [FILE] [--set ...] [--docs]     validate / print the effective config
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Sequence
+
+from . import __version__
+
+
+def _audit(args: argparse.Namespace) -> int:
+    from .audit import check_audit
+
+    report = check_audit(args.run_dir)
+    print(json.dumps(report.to_dict(), indent=2) if args.json else report.render())
+    return 0 if report.ok else 1
+
+
+def _config(args: argparse.Namespace) -> int:
+    from .config import ConfigError, dump_yaml, load_config, reference_markdown
+
+    if args.docs:
+        print(reference_markdown())
+        return 0
+    try:
+        cfg = load_config(args.file, args.overrides)
+    except ConfigError as exc:
+        print(f"elastic-runner: config error: {exc}", file=sys.stderr)
+        return 2
+    print(dump_yaml(cfg), end="")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "train":
+        # Hand over untouched: the worker has its own parser (and --local_rank).
+        from .train import main as train_main
+
+        return train_main(argv[1:])
+    if argv and argv[0] == "launch":
+        # torchrun's own parser handles every flag and PET_* variable.
+        from .launch import main as launch_main
+
+        return launch_main(argv[1:])
+    parser = argparse.ArgumentParser(prog="elastic-runner", description="Elastic, fault-tolerant PyTorch training.")
+    parser.add_argument("--version", action="version", version=f"elastic-runner {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("train", help="run one training worker (see: elastic-runner train --help)")
+    sub.add_parser("launch", help="torchrun with elastic defaults (see: elastic-runner launch --help)")
+
+    from .snapshot import cli as snapshot_cli
+
+    snapshot_cli.add_parser(sub)
+    pa = sub.add_parser("audit", help="replay RUN_DIR/audit and check every sample was used exactly once")
+    pa.add_argument("run_dir")
+    pa.add_argument("--json", action="store_true", help="machine-readable report")
+    pc = sub.add_parser("config", help="validate a config and print the effective values")
+    pc.add_argument("file", nargs="?", default=None)
+    pc.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    pc.add_argument("--docs", action="store_true", help="print the config reference (Markdown)")
+    args = parser.parse_args(argv)
+    if args.command == "snapshot":
+        return snapshot_cli.run(args)
+    if args.command == "audit":
+        return _audit(args)
+    if args.command == "config":
+        return _config(args)
+    parser.error(f"unknown command {args.command}")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,271 @@
+"""Datasets from config, and the sources that turn index lists into batches.
+
+Built in:
+- ``digits``: the UCI optical-recognition digits (1,797 8x8 images, CC BY 4.0),
+  shipped inside the package, so the quickstart needs no download.
+- ``synthetic``: deterministic Gaussian class clusters of any size and shape,
+  for benchmarks.
+- ``image_folder`` and ``cifar10``: from a local directory via torchvision
+  (optional extra, imported only when used).
+- ``package.module:callable``: the user's own.
+
+The training loop never iterates a dataset directly: the elastic sampler says
+which indices each rank consumes in each step, and a :class:`BatchSource`
+fetches exactly those (indexing tensors when the data fits in memory, a
+DataLoader with worker processes otherwise).
+"""
+
+from __future__ import annotations
+
+import gzip
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Protocol, Sequence
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from .config import ConfigError, DataConfig
+from .imports import call, resolve
+
+#: The digits split does not depend on run.seed: every run evaluates on the same images.
+DIGITS_SPLIT_SEED = 20240917
+
+
+@dataclass
+class DatasetBundle:
+    train: Dataset[Any]
+    test: Dataset[Any] | None
+    input_shape: tuple[int, ...]
+    num_classes: int
+    description: str
+
+    @property
+    def num_train(self) -> int:
+        return len(self.train)  # type: ignore[arg-type]
+
+
+class TensorPairDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """Inputs and labels held as two tensors; batches are one indexing op."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        if len(x) != len(y):
+            raise ValueError(f"inputs ({len(x)}) and labels ({len(y)}) differ in length")
+        self.x = x
+        self.y = y
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.x[index], self.y[index]
+
+
+# --------------------------------------------------------------------------- builders
+
+
+def _split(x: torch.Tensor, y: torch.Tensor, test_fraction: float, seed: int) -> tuple[TensorPairDataset, TensorPairDataset]:
+    g = torch.Generator().manual_seed(seed)
+    order = torch.randperm(len(x), generator=g)
+    n_test = max(1, int(round(len(x) * test_fraction)))
+    test_idx, train_idx = order[:n_test].sort().values, order[n_test:].sort().values
+    return TensorPairDataset(x[train_idx], y[train_idx]), TensorPairDataset(x[test_idx], y[test_idx])
+
+
+def load_digits_tensors() -> tuple[torch.Tensor, torch.Tensor]:
+    raw = resources.files("elastic_runner").joinpath("_data/digits.csv.gz").read_bytes()
+    rows = [line.split(",") for line in gzip.decompress(raw).decode().splitlines() if line]
+    values = torch.tensor([[float(v) for v in row] for row in rows])
+    x = (values[:, :64] / 16.0).reshape(-1, 1, 8, 8).contiguous()
+    y = values[:, 64].long()
+    return x, y
+
+
+def _digits(cfg: DataConfig) -> DatasetBundle:
+    if cfg.params:
+        raise ConfigError("data.params", f"digits takes no parameters, got {sorted(cfg.params)}", "Remove data.params")
+    x, y = load_digits_tensors()
+    train, test = _split(x, y, cfg.test_fraction, DIGITS_SPLIT_SEED)
+    return DatasetBundle(train, test, (1, 8, 8), 10, f"digits ({len(train)} train / {len(test)} test)")
+
+
+SYNTHETIC_DEFAULTS: dict[str, Any] = {
+    "size": 4096, "test_size": 512, "shape": [1, 8, 8], "num_classes": 10, "noise": 1.0, "seed": 0,
+}
+
+
+def make_synthetic(size: int = 4096, test_size: int = 512, shape: Sequence[int] = (1, 8, 8),
+                   num_classes: int = 10, noise: float = 1.0, seed: int = 0) -> tuple[TensorPairDataset, TensorPairDataset]:
+    """Gaussian clusters around one random prototype per class: learnable, fixed by seed."""
+    g = torch.Generator().manual_seed(seed)
+    shape = tuple(int(s) for s in shape)
+    prototypes = torch.randn((num_classes, *shape), generator=g)
+    total = size + test_size
+    y = torch.randint(num_classes, (total,), generator=g)
+    x = prototypes[y] + noise * torch.randn((total, *shape), generator=g)
+    return TensorPairDataset(x[:size], y[:size]), TensorPairDataset(x[size:], y[size:])
+
+
+def _synthetic(cfg: DataConfig) -> DatasetBundle:
+    unknown = set(cfg.params) - set(SYNTHETIC_DEFAULTS)
+    if unknown:
+        raise ConfigError(
+            "data.params", f"unknown synthetic parameter(s) {sorted(unknown)}",
+            f"Valid parameters: {', '.join(SYNTHETIC_DEFAULTS)}",
+        )
+    p = SYNTHETIC_DEFAULTS | cfg.params
+    for key in ("size", "test_size", "num_classes"):
+        if not isinstance(p[key], int) or p[key] <= 0:
+            raise ConfigError(f"data.params.{key}", f"got {p[key]!r}, must be a positive integer", f"Set data.params.{key} to e.g. {SYNTHETIC_DEFAULTS[key]}")
+    if not isinstance(p["shape"], (list, tuple)) or not p["shape"] or not all(isinstance(s, int) and s > 0 for s in p["shape"]):
+        raise ConfigError("data.params.shape", f"got {p['shape']!r}, must be a list of positive integers", "Set it to e.g. [3, 32, 32] or [64]")
+    train, test = make_synthetic(**p)
+    return DatasetBundle(train, test, tuple(p["shape"]), p["num_classes"], f"synthetic ({p['size']} x {tuple(p['shape'])})")
+
+
+def _torchvision(key: str) -> Any:
+    try:
+        import torchvision  # noqa: F401 - imported lazily: an optional extra
+        from torchvision import datasets, transforms
+    except ImportError as exc:
+        raise ConfigError(
+            key, f"needs torchvision, which cannot be imported ({exc})",
+            "Install the vision extra matching your torch build: pip install 'elastic-runner[vision]'",
+        ) from exc
+    return datasets, transforms
+
+
+def _image_folder(cfg: DataConfig) -> DatasetBundle:
+    datasets, transforms = _torchvision("data.name=image_folder")
+    size = int(cfg.params.get("image_size", 32))
+    tf = transforms.Compose([transforms.Resize((size, size)), transforms.ToTensor()])
+    root = Path(cfg.path or "")
+    train_dir = root / "train" if (root / "train").is_dir() else root
+    test_dir = next((root / d for d in ("test", "val") if (root / d).is_dir()), None)
+    try:
+        train = datasets.ImageFolder(str(train_dir), transform=tf)
+        test = datasets.ImageFolder(str(test_dir), transform=tf) if test_dir else None
+    except (FileNotFoundError, RuntimeError) as exc:
+        raise ConfigError("data.path", f"no images found under {str(train_dir)!r} ({exc})", "Use one sub-directory per class: PATH/train/<class>/<image>") from exc
+    return DatasetBundle(train, test, (3, size, size), len(train.classes), f"image_folder {root} ({len(train)} images)")
+
+
+def _cifar10(cfg: DataConfig) -> DatasetBundle:
+    datasets, transforms = _torchvision("data.name=cifar10")
+    tf = transforms.Compose([
+        transforms.ToTensor(),
+        transforms.Normalize((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
+    ])
+    try:
+        train = datasets.CIFAR10(cfg.path, train=True, download=False, transform=tf)
+        test = datasets.CIFAR10(cfg.path, train=False, download=False, transform=tf)
+    except RuntimeError as exc:
+        raise ConfigError(
+            "data.path", f"CIFAR-10 not found under {cfg.path!r} ({exc})",
+            "Extract cifar-10-python.tar.gz there so that PATH/cifar-10-batches-py exists",
+        ) from exc
+    return DatasetBundle(train, test, (3, 32, 32), 10, f"cifar10 ({len(train)} train / {len(test)} test)")
+
+
+def _infer_num_classes(ds: Any) -> int | None:
+    for attr in ("num_classes",):
+        if isinstance(getattr(ds, attr, None), int):
+            return getattr(ds, attr)
+    classes = getattr(ds, "classes", None)
+    if classes is not None:
+        return len(classes)
+    if isinstance(ds, TensorPairDataset):
+        return int(ds.y.max()) + 1
+    return None
+
+
+def _user_dataset(cfg: DataConfig) -> DatasetBundle:
+    factory = resolve(cfg.name, "data.name")
+    result = call(factory, dict(cfg.params), "data.params", cfg.name)
+    train, test = (result if isinstance(result, tuple) else (result, None))
+    if not hasattr(train, "__len__") or not hasattr(train, "__getitem__"):
+        raise ConfigError("data.name", f"{cfg.name} returned {type(train).__name__}, not a map-style dataset", "Return a torch Dataset with __len__ and __getitem__ (or a (train, test) pair)")
+    if len(train) == 0:
+        raise ConfigError("data.name", f"{cfg.name} returned an empty dataset", "Check the dataset's source")
+    sample_x = train[0][0]
+    shape = tuple(sample_x.shape) if isinstance(sample_x, torch.Tensor) else ()
+    num_classes = _infer_num_classes(train)
+    if num_classes is None:
+        raise ConfigError("data.name", f"cannot tell the number of classes of {cfg.name}", "Give the dataset a 'num_classes' or 'classes' attribute")
+    return DatasetBundle(train, test, shape, num_classes, f"{cfg.name} ({len(train)} samples)")
+
+
+def build_datasets(cfg: DataConfig) -> DatasetBundle:
+    builders = {"digits": _digits, "synthetic": _synthetic, "image_folder": _image_folder, "cifar10": _cifar10}
+    bundle = builders[cfg.name](cfg) if cfg.name in builders else _user_dataset(cfg)
+    return bundle
+
+
+# --------------------------------------------------------------------------- batch sources
+
+
+class BatchSource(Protocol):
+    def batches(self, index_lists: Iterable[list[int]]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """One (inputs, targets) batch per index list, in order."""
+
+
+class TensorSource:
+    """In-memory data: a batch is one indexing operation, no worker processes."""
+
+    def __init__(self, dataset: TensorPairDataset, device: torch.device) -> None:
+        # Keep the data on the training device when it is small: no per-step copies.
+        self.on_device = device.type == "cuda" and dataset.x.numel() * dataset.x.element_size() < (1 << 30)
+        self.x = dataset.x.to(device) if self.on_device else dataset.x
+        self.y = dataset.y.to(device) if self.on_device else dataset.y
+        self.device = device
+
+    def batches(self, index_lists: Iterable[list[int]]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for indices in index_lists:
+            idx = torch.as_tensor(indices, dtype=torch.long, device=self.x.device)
+            x, y = self.x.index_select(0, idx), self.y.index_select(0, idx)
+            if not self.on_device:
+                x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+            yield x, y
+
+
+class LoaderSource:
+    """File-backed data: a DataLoader whose batch sampler is our index lists."""
+
+    def __init__(self, dataset: Dataset[Any], device: torch.device, num_workers: int, seed: int) -> None:
+        self.dataset = dataset
+        self.device = device
+        self.num_workers = num_workers
+        self.seed = seed
+
+    def batches(self, index_lists: Iterable[list[int]]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        generator = torch.Generator().manual_seed(self.seed)
+        loader = DataLoader(
+            self.dataset, batch_sampler=_Once(index_lists), num_workers=self.num_workers,
+            pin_memory=self.device.type == "cuda", generator=generator,
+            persistent_workers=False,
+        )
+        for x, y in loader:
+            yield x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+
+
+class _Once:
+    """A batch sampler over a one-shot iterable (DataLoader only iterates it once)."""
+
+    def __init__(self, index_lists: Iterable[list[int]]) -> None:
+        self.index_lists = index_lists
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return iter(self.index_lists)
+
+
+def make_source(dataset: Dataset[Any], device: torch.device, cfg: DataConfig, seed: int) -> BatchSource:
+    if isinstance(dataset, TensorPairDataset):
+        return TensorSource(dataset, device)
+    return LoaderSource(dataset, device, cfg.num_workers, seed)
+
+
+def shard(n: int, rank: int, world: int) -> range:
+    """Evaluation shard of rank r: every world-th index, so shards cover [0, n) once."""
+    return range(rank, n, world)
+

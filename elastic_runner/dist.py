@@ -1,0 +1,216 @@
+"""Process group up and down, device choice, and the few collectives we use.
+
+Besides the training loop, this is the only module that touches
+``torch.distributed``. A world of size 1 still gets a (gloo, in-memory store)
+process group so that the loop has one code path for every launch mode.
+
+Process-group creation is guarded by a hard deadline: a worker whose peers
+never arrive (a stale rendezvous, a half-dead node) would otherwise wait for
+gloo's 30-minute default inside C++ where no Python exception can reach it.
+When the deadline passes the worker logs what to check and exits, so torchrun
+starts the next rendezvous round.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, TypeVar
+
+import torch
+import torch.distributed as tdist
+
+from .env import WorkerEnv
+
+log = logging.getLogger(__name__)
+
+#: Exit status of a worker that gave up waiting for its peers.
+EXIT_PEER_TIMEOUT = 75
+
+T = TypeVar("T")
+
+
+class DistError(RuntimeError):
+    """A device or process-group problem with a message the user can act on."""
+
+
+class Deadline:
+    """Ends the process if ``disarm()`` is not called within ``seconds``.
+
+    Used around blocking native calls (store connect, gloo/NCCL init) that
+    ignore Python signals and exceptions. ``os._exit`` is deliberate: the
+    interpreter cannot unwind a thread stuck in C++.
+    """
+
+    def __init__(self, seconds: float, message: str, exit_code: int = EXIT_PEER_TIMEOUT,
+                 on_expire: Callable[[], None] | None = None) -> None:
+        self.seconds = seconds
+        self.message = message
+        self.exit_code = exit_code
+        self.on_expire = on_expire
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="elastic-runner-deadline", daemon=True)
+
+    def __enter__(self) -> "Deadline":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.disarm()
+
+    def disarm(self) -> None:
+        self._done.set()
+
+    def _watch(self) -> None:
+        if self._done.wait(self.seconds):
+            return
+        log.critical(self.message)
+        sys.stderr.write(f"elastic_runner: {self.message}\n")
+        sys.stderr.flush()
+        if self.on_expire is not None:
+            try:
+                self.on_expire()
+            except Exception:  # noqa: BLE001 - we are exiting anyway
+                log.exception("deadline hook failed")
+        logging.shutdown()
+        os._exit(self.exit_code)
+
+
+def choose_device(env: WorkerEnv, requested: str = "auto") -> torch.device:
+    if requested == "cpu":
+        return torch.device("cpu")
+    cuda = torch.cuda.is_available()
+    if requested == "cuda" and not cuda:
+        raise DistError("dist.device is 'cuda' but no CUDA device is available; set dist.device: auto or cpu")
+    if cuda and requested in ("auto", "cuda"):
+        count = torch.cuda.device_count()
+        if env.local_rank >= count:
+            raise DistError(
+                f"LOCAL_RANK={env.local_rank} but this node has {count} CUDA device(s); "
+                f"start at most {count} workers per node (--nproc_per_node={count} or 'gpu')"
+            )
+        return torch.device("cuda", env.local_rank)
+    return torch.device("cpu")
+
+
+def choose_backend(device: torch.device, requested: str = "auto") -> str:
+    if requested == "auto":
+        return "nccl" if device.type == "cuda" else "gloo"
+    if requested == "nccl" and device.type != "cuda":
+        raise DistError("dist.backend is 'nccl' but the device is the CPU; use dist.backend: gloo or auto")
+    return requested
+
+
+@dataclass
+class Dist:
+    """The process group of one training attempt and its small collectives."""
+
+    env: WorkerEnv
+    device: torch.device
+    backend: str
+
+    @property
+    def rank(self) -> int:
+        return self.env.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.env.world_size
+
+    # -- lifecycle -----------------------------------------------------------------
+
+    @classmethod
+    def up(cls, env: WorkerEnv, *, backend: str = "auto", device: str = "auto",
+           timeout_seconds: float = 300.0, init_timeout_seconds: float = 30.0) -> "Dist":
+        dev = choose_device(env, device)
+        chosen = choose_backend(dev, backend)
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
+        timeout = datetime.timedelta(seconds=timeout_seconds)
+        message = (
+            f"rank {env.rank}: process group ({chosen}, world size {env.world_size}, "
+            f"master {env.master_addr}:{env.master_port}) was not ready within "
+            f"dist.init_timeout_seconds={init_timeout_seconds:g}s; a peer did not arrive or is stuck. "
+            "Ending this attempt so torchrun can start a new rendezvous round. If nodes are just "
+            "slow to start, raise dist.init_timeout_seconds."
+        )
+        started = time.monotonic()
+        with Deadline(init_timeout_seconds, message):
+            if env.world_size == 1 and env.master_port is None:
+                tdist.init_process_group(chosen, store=tdist.HashStore(), rank=0, world_size=1, timeout=timeout)
+            else:
+                if env.master_addr is None or env.master_port is None:
+                    raise DistError(
+                        f"WORLD_SIZE={env.world_size} but MASTER_ADDR/MASTER_PORT are not set; "
+                        "launch with torchrun (or elastic-runner launch)"
+                    )
+                kwargs: dict[str, Any] = {}
+                if dev.type == "cuda":
+                    kwargs["device_id"] = dev
+                tdist.init_process_group(
+                    chosen, init_method="env://", rank=env.rank, world_size=env.world_size,
+                    timeout=timeout, **kwargs,
+                )
+            dist = cls(env=env, device=dev, backend=chosen)
+            # The first collective proves every peer is reachable, not just registered.
+            dist.all_reduce_sum(torch.zeros(1, device=dev))
+        log.debug("process group up in %.3fs", time.monotonic() - started)
+        return dist
+
+    def down(self) -> None:
+        if tdist.is_initialized():
+            try:
+                tdist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - teardown after a failure must not mask it
+                log.debug("destroy_process_group failed", exc_info=True)
+
+    # -- collectives -----------------------------------------------------------------
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        tdist.all_reduce(tensor, op=tdist.ReduceOp.SUM)
+        return tensor
+
+    def all_reduce_max(self, tensor: torch.Tensor) -> torch.Tensor:
+        tdist.all_reduce(tensor, op=tdist.ReduceOp.MAX)
+        return tensor
+
+    def sum_floats(self, values: list[float]) -> list[float]:
+        """Sum a few Python numbers across ranks (float64, so counts stay exact)."""
+        t = torch.tensor(values, dtype=torch.float64, device=self.device if self.backend != "gloo" else "cpu")
+        self.all_reduce_sum(t)
+        return [float(v) for v in t.tolist()]
+
+    def broadcast_object(self, obj: T, src: int = 0) -> T:
+        box = [obj if self.rank == src else None]
+        tdist.broadcast_object_list(box, src=src, device=self._object_device())
+        return box[0]  # type: ignore[return-value]
+
+    def all_gather_object(self, obj: T) -> list[T]:
+        out: list[Any] = [None] * self.world_size
+        tdist.all_gather_object(out, obj)
+        return out
+
+    def broadcast_tensor(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
+        tdist.broadcast(tensor, src=src)
+        return tensor
+
+    def barrier(self) -> None:
+        self.all_reduce_sum(torch.zeros(1, device=self.device))
+
+    def _object_device(self) -> torch.device:
+        return self.device if self.backend == "nccl" else torch.device("cpu")
+
+    # -- models --------------------------------------------------------------------------
+
+    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        """DDP around the model (also at world size 1: one code path)."""
+        from torch.nn.parallel import DistributedDataParallel
+
+        device_ids = [self.device.index] if self.device.type == "cuda" else None
+        return DistributedDataParallel(model, device_ids=device_ids)
+

@@ -1,0 +1,87 @@
+"""What a worker learns about its place in the job from its environment.
+
+torchrun (torch.distributed.elastic's agent) sets RANK, LOCAL_RANK, WORLD_SIZE,
+LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR/PORT, TORCHELASTIC_RESTART_COUNT,
+TORCHELASTIC_MAX_RESTARTS and TORCHELASTIC_RUN_ID. ``torch.distributed.launch``
+passed ``--local_rank`` on the command line instead. Without either, the worker
+runs alone: world size 1.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from typing import Mapping
+
+
+class EnvError(ValueError):
+    """A malformed launcher environment variable."""
+
+
+def _int(environ: Mapping[str, str], name: str, default: int) -> int:
+    raw = environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError as exc:
+        raise EnvError(f"environment variable {name}={raw!r} is not an integer; unset it or launch through torchrun") from exc
+
+
+@dataclass(frozen=True)
+class WorkerEnv:
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+    group_rank: int = 0
+    restart_count: int = 0
+    max_restarts: int = 0
+    run_id: str = "local"
+    master_addr: str | None = None
+    master_port: int | None = None
+    under_torchrun: bool = False
+    hostname: str = ""
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] | None = None, legacy_local_rank: int | None = None) -> "WorkerEnv":
+        env = os.environ if environ is None else environ
+        world_size = _int(env, "WORLD_SIZE", 1)
+        rank = _int(env, "RANK", 0)
+        local_rank = _int(env, "LOCAL_RANK", legacy_local_rank if legacy_local_rank is not None else 0)
+        local_world_size = _int(env, "LOCAL_WORLD_SIZE", world_size)
+        if world_size < 1:
+            raise EnvError(f"WORLD_SIZE={world_size} must be >= 1")
+        if not 0 <= rank < world_size:
+            raise EnvError(f"RANK={rank} is outside 0..WORLD_SIZE-1 (WORLD_SIZE={world_size})")
+        if local_rank < 0:
+            raise EnvError(f"LOCAL_RANK={local_rank} must be >= 0")
+        port = env.get("MASTER_PORT")
+        return cls(
+            rank=rank,
+            local_rank=local_rank,
+            world_size=world_size,
+            local_world_size=local_world_size,
+            group_rank=_int(env, "GROUP_RANK", 0),
+            restart_count=_int(env, "TORCHELASTIC_RESTART_COUNT", 0),
+            max_restarts=_int(env, "TORCHELASTIC_MAX_RESTARTS", 0),
+            run_id=env.get("TORCHELASTIC_RUN_ID", "local") or "local",
+            master_addr=env.get("MASTER_ADDR") or None,
+            master_port=int(port) if port and port.isdigit() else None,
+            under_torchrun="TORCHELASTIC_RUN_ID" in env,
+            hostname=socket.gethostname(),
+        )
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_rank0(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_local_leader(self) -> bool:
+        """The first worker on its node: the one that writes node-local state."""
+        return self.local_rank == 0

@@ -1,0 +1,69 @@
+"""The run's event log: what happened when, for people and for ``report``.
+
+Every process appends JSON lines to its own file under ``RUN_DIR/events/``
+(one writer per file, so lines never interleave): start, world (size after a
+rendezvous), resume, snapshot_saved / snapshot_loaded / snapshot_failed /
+snapshot_rejected, progress (loss, throughput), eval, failure, stop, end.
+Agents of ``elastic-runner launch`` and the chaos tool write here too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any, Iterator, TextIO
+
+EVENTS_DIR = "events"
+
+
+class EventLog:
+    def __init__(self, run_dir: str | os.PathLike[str], source: str, **context: Any) -> None:
+        directory = Path(run_dir) / EVENTS_DIR
+        directory.mkdir(parents=True, exist_ok=True)
+        self.path = directory / f"{source}.jsonl"
+        self.source = source
+        self.context = {"host": socket.gethostname(), "pid": os.getpid()} | context
+        self._fh: TextIO | None = open(self.path, "a", buffering=1)
+
+    def emit(self, kind: str, **fields: Any) -> None:
+        if self._fh is None:
+            return
+        record = {"time": time.time(), "kind": kind, "source": self.source} | self.context | fields
+        try:
+            self._fh.write(json.dumps(record, separators=(",", ":"), default=str) + "\n")
+        except OSError:
+            pass  # the event log must never take training down (e.g. disk full)
+
+    def close(self) -> None:
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
+
+
+class NullEventLog(EventLog):
+    def __init__(self) -> None:  # noqa: D107 - deliberately writes nothing
+        self.source = "null"
+        self.context = {}
+        self._fh = None
+
+
+def read_events(run_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """All events of a run, in time order; torn lines from killed writers are skipped."""
+    events: list[dict[str, Any]] = []
+    for path in sorted((Path(run_dir) / EVENTS_DIR).glob("*.jsonl")):
+        events.extend(_lines(path))
+    events.sort(key=lambda e: e.get("time", 0))
+    return events
+
+
+def _lines(path: Path) -> Iterator[dict[str, Any]]:
+    with open(path) as fh:
+        for line in fh:
+            if line.endswith("\n"):
+                try:
+                    yield json.loads(line)
+                except ValueError:
+                    continue

@@ -1,0 +1,58 @@
+"""Resolve ``package.module:callable`` references from the config.
+
+Users plug in their own models, datasets, optimizers and schedules without
+forking: ``model.name: torchvision.models:resnet18``. Every failure names the
+config key, the reference and the likely fix.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from typing import Any, Callable
+
+from .config import ConfigError, is_import_path
+
+
+def resolve(reference: str, key: str) -> Callable[..., Any]:
+    if not is_import_path(reference):
+        raise ConfigError(key, f"{reference!r} is not an import path", "Write it as 'package.module:callable'")
+    module_name, _, attr_path = reference.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        missing = exc.name or module_name
+        hint = (
+            "Install the 'vision' extra: pip install 'elastic-runner[vision]'"
+            if missing.split(".")[0] == "torchvision"
+            else f"Install the package that provides {missing!r} or fix the module name (is it on PYTHONPATH?)"
+        )
+        raise ConfigError(key, f"cannot import module {module_name!r} ({exc})", hint) from exc
+    except Exception as exc:  # an import-time error inside the user's module
+        raise ConfigError(
+            key, f"importing {module_name!r} failed: {type(exc).__name__}: {exc}", "Fix the error in that module"
+        ) from exc
+    target: Any = module
+    for part in attr_path.split("."):
+        try:
+            target = getattr(target, part)
+        except AttributeError as exc:
+            public = sorted(n for n in dir(module) if not n.startswith("_"))[:12]
+            raise ConfigError(
+                key, f"module {module_name!r} has no attribute {attr_path!r}",
+                f"Check the name after ':'; the module defines e.g. {', '.join(public)}",
+            ) from exc
+    if not callable(target):
+        raise ConfigError(key, f"{reference!r} is not callable", "Point at a class or function")
+    return target
+
+
+def call(factory: Callable[..., Any], kwargs: dict[str, Any], key: str, reference: str, *args: Any) -> Any:
+    """Call a user factory; a bad keyword becomes a ConfigError naming ``key``."""
+    try:
+        inspect.signature(factory).bind(*args, **kwargs)
+    except TypeError as exc:
+        raise ConfigError(key, f"{reference} does not accept these arguments: {exc}", f"Fix the keys under {key}") from exc
+    except ValueError:
+        pass  # builtins without a signature: let the call itself decide
+    return factory(*args, **kwargs)

@@ -1,0 +1,302 @@
+"""A local elastic job of several torchrun agents on loopback.
+
+Shared by the chaos tool, the benchmarks and the tests: start agents (plain
+``torchrun`` or ``elastic-runner launch``), find their workers, inject faults
+by PID, and clean up everything that was started (and only that), also when
+the caller fails.
+
+torchrun starts each worker in its own session, so signalling an agent's
+process group does not reach its workers. We find workers as the agent's
+children in ``/proc`` and read their RANK from ``/proc/PID/environ``. This
+process makes itself a *child subreaper*, so a worker orphaned by a killed
+agent is re-parented to us and can still be found and reaped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Sequence
+
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def become_subreaper() -> None:
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as fh:
+                ppid = int(fh.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == pid:
+            kids.append(int(entry.name))
+    return kids
+
+
+def descendants(pid: int) -> list[int]:
+    out: list[int] = []
+    stack = [pid]
+    while stack:
+        for child in _children(stack.pop()):
+            out.append(child)
+            stack.append(child)
+    return out
+
+
+def process_env(pid: int) -> dict[str, str]:
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return {}
+    env = {}
+    for item in raw.split(b"\0"):
+        key, sep, value = item.partition(b"=")
+        if sep:
+            env[key.decode(errors="replace")] = value.decode(errors="replace")
+    return env
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            state = fh.read().rsplit(")", 1)[1].split()[0]
+        return state != "Z"
+    except OSError:
+        return False
+
+
+@dataclass
+class Worker:
+    pid: int
+    rank: int
+    local_rank: int
+    agent: "Agent"
+
+
+@dataclass
+class Agent:
+    index: int
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+    started_at: float
+    stopped: bool = False
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def running(self) -> bool:
+        return self.proc.poll() is None
+
+    def log_text(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+
+@dataclass
+class LocalJob:
+    """Agents of one elastic job; use as a context manager so cleanup always runs."""
+
+    config: str
+    run_dir: str
+    overrides: Sequence[str] = ()
+    nnodes: str = "1:2"
+    nproc_per_node: int = 1
+    rdzv_backend: str = "c10d"
+    rdzv_endpoint: str | None = None
+    rdzv_conf: str | None = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3"
+    max_restarts: int = 10
+    launcher: str = "torchrun"  #: "torchrun" or "elastic-runner" (elastic-runner launch)
+    env: dict[str, str] = field(default_factory=dict)
+    log_dir: str | None = None
+    agents: list[Agent] = field(default_factory=list)
+    _orphans: set[int] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        become_subreaper()
+        if self.rdzv_endpoint is None and self.rdzv_backend == "c10d":
+            self.rdzv_endpoint = f"127.0.0.1:{free_port()}"
+        Path(self.log_dir or self.run_dir).mkdir(parents=True, exist_ok=True)
+
+    def __enter__(self) -> "LocalJob":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- starting ---------------------------------------------------------------------------
+
+    def command(self) -> list[str]:
+        if self.launcher == "torchrun":
+            cmd = [sys.executable, "-m", "torch.distributed.run"]
+        else:
+            cmd = [sys.executable, "-m", "elastic_runner", "launch"]
+        cmd += [
+            f"--nnodes={self.nnodes}", f"--nproc_per_node={self.nproc_per_node}",
+            f"--rdzv_backend={self.rdzv_backend}", f"--rdzv_endpoint={self.rdzv_endpoint}",
+            f"--rdzv_id=job-{Path(self.run_dir).name}", f"--max_restarts={self.max_restarts}",
+            "--monitor_interval=0.1",
+        ]
+        if self.rdzv_conf:
+            cmd.append(f"--rdzv_conf={self.rdzv_conf}")
+        cmd += ["-m", "elastic_runner.train", "--config", self.config, "--set", f"run.dir={self.run_dir}"]
+        for item in self.overrides:
+            cmd += ["--set", item]
+        return cmd
+
+    def start_agent(self) -> Agent:
+        index = len(self.agents)
+        log_path = Path(self.log_dir or self.run_dir) / f"agent-{index}.log"
+        env = os.environ | {"PYTHONUNBUFFERED": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} | self.env
+        fh = open(log_path, "ab")
+        fh.write(f"$ {shlex.join(self.command())}\n".encode())
+        fh.flush()
+        proc = subprocess.Popen(self.command(), stdout=fh, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True, stdin=subprocess.DEVNULL)
+        fh.close()
+        agent = Agent(index=index, proc=proc, log_path=log_path, started_at=time.time())
+        self.agents.append(agent)
+        return agent
+
+    # -- looking -------------------------------------------------------------------------------
+
+    def workers(self, agent: Agent | None = None) -> list[Worker]:
+        found = []
+        for a in ([agent] if agent else self.agents):
+            if not a.running():
+                continue
+            for pid in _children(a.pid):
+                env = process_env(pid)
+                if "RANK" in env and alive(pid):
+                    found.append(Worker(pid, int(env["RANK"]), int(env.get("LOCAL_RANK", "0")), a))
+        return sorted(found, key=lambda w: w.rank)
+
+    def wait_for_workers(self, count: int, timeout: float, agent: Agent | None = None) -> list[Worker]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            found = self.workers(agent)
+            if len(found) >= count:
+                return found
+            time.sleep(0.05)
+        raise TimeoutError(f"expected {count} workers within {timeout:.0f}s, found {len(self.workers(agent))}\n{self.logs_tail()}")
+
+    def running_agents(self) -> list[Agent]:
+        return [a for a in self.agents if a.running()]
+
+    def logs_tail(self, lines: int = 40) -> str:
+        out = []
+        for a in self.agents:
+            text = a.log_text().splitlines()[-lines:]
+            out.append(f"--- agent {a.index} (pid {a.pid}, exit {a.proc.poll()}) ---\n" + "\n".join(text))
+        return "\n".join(out)
+
+    # -- faults -----------------------------------------------------------------------------------
+
+    def signal_worker(self, worker: Worker, sig: int = signal.SIGKILL) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(worker.pid, sig)
+
+    def kill_agent(self, agent: Agent, sig: int = signal.SIGKILL, with_workers: bool = True) -> list[int]:
+        """Kill an agent (node loss when SIGKILL, preemption when SIGTERM)."""
+        workers = descendants(agent.pid)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(agent.pid, sig)
+        if sig == signal.SIGKILL:
+            agent.stopped = True
+            if with_workers:
+                for pid in workers:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+            else:
+                self._orphans.update(workers)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                agent.proc.wait(timeout=10)
+        return workers
+
+    # -- ending -------------------------------------------------------------------------------------
+
+    def wait(self, timeout: float) -> list[int | None]:
+        deadline = time.monotonic() + timeout
+        for a in self.agents:
+            remaining = max(0.1, deadline - time.monotonic())
+            try:
+                a.proc.wait(timeout=remaining)
+            except subprocess.TimeoutExpired:
+                raise TimeoutError(f"agents still running after {timeout:.0f}s\n{self.logs_tail()}") from None
+        return [a.proc.returncode for a in self.agents]
+
+    def leftover_processes(self) -> list[int]:
+        """Processes we started (or inherited as subreaper) that are still alive."""
+        pids = set()
+        for a in self.agents:
+            if a.running():
+                pids.add(a.pid)
+                pids.update(descendants(a.pid))
+        pids.update(p for p in self._orphans if alive(p))
+        pids.update(p for p in _children(os.getpid()) if alive(p) and "RANK" in process_env(p))
+        return sorted(p for p in pids if alive(p))
+
+    def close(self) -> None:
+        for a in self.agents:
+            if a.running():
+                for pid in descendants(a.pid):
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(a.pid, signal.SIGKILL)
+        leftovers = self.leftover_processes()
+        for pid in leftovers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        for a in self.agents:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                a.proc.wait(timeout=10)
+        _reap(set(leftovers) | self._orphans)
+
+
+def _reap(pids: set[int]) -> None:
+    """Collect exit statuses of re-parented orphans (we are their subreaper)."""
+    for pid in pids:
+        with contextlib.suppress(ChildProcessError, OSError):
+            os.waitpid(pid, 0)
+
+
+def iter_new_lines(path: Path, start: int = 0) -> Iterator[tuple[int, str]]:
+    """Lines appended to ``path`` since byte offset ``start`` (for following logs)."""
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(start)
+            data = fh.read()
+    except OSError:
+        return
+    offset = start
+    for line in data.splitlines(keepends=True):
+        if not line.endswith(b"\n"):
+            break
+        offset += len(line)
+        yield offset, line.decode(errors="replace").rstrip("\n")

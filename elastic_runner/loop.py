@@ -1,0 +1,353 @@
+"""TrainState and the training loop.
+
+Read :meth:`Trainer.fit` top to bottom: for each step the sampler says which
+samples this rank takes, the audit records them, the micro-batches run
+forward/backward with gradient sync only on the last one, the optimizer
+steps, and then the between-step duties run (progress, evaluation, snapshot,
+stop request). Everything that must survive a restart lives in objects with
+``state_dict()``: the model, optimizer, scheduler, sampler and
+:class:`TrainState`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import nn
+
+from .audit import AuditWriter
+from .batching import BatchLayout, split_even
+from .config import Config
+from .data import BatchSource, shard
+from .dist import Dist
+from .events import EventLog
+from .lifecycle import StopRequest
+from .logs import Progress, RankZero
+from .metrics import Metrics
+from .models import per_sample_loss
+from .sampler import ElasticSampler, StepPlan
+
+log = logging.getLogger(__name__)
+
+
+class GracefulStop(Exception):
+    """Raised after a stop signal was honoured: snapshot written, exit 0."""
+
+
+@dataclass
+class TrainState:
+    """Job-level progress that is not already inside the model/optimizer/sampler."""
+
+    step: int = 0  #: optimizer steps completed (the next step is step + 1)
+    generation: int = 0  #: training attempt that produced this state
+    samples_total: int = 0  #: samples consumed over all epochs, all ranks
+    membership_changes: int = 0
+    recoveries: int = 0
+    world_history: list[dict[str, Any]] = field(default_factory=list)
+
+    def state_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for key, value in state.items():
+            if hasattr(self, key):
+                setattr(self, key, value)
+
+    def enter_generation(self, generation: int, world_size: int, resumed: bool) -> None:
+        previous = self.world_history[-1]["world_size"] if self.world_history else None
+        if previous is not None and previous != world_size:
+            self.membership_changes += 1
+        if resumed:
+            self.recoveries += 1
+        self.generation = generation
+        self.world_history.append({"generation": generation, "step": self.step, "world_size": world_size, "time": time.time()})
+
+
+def rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    try:
+        import numpy as np
+
+        kind, keys, pos, has_gauss, cached = np.random.get_state()
+        state["numpy"] = {"kind": kind, "keys": keys.tolist(), "pos": pos, "has_gauss": has_gauss, "cached": cached}
+    except ImportError:
+        pass
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    if "python" in state:
+        version, internal, gauss = state["python"]
+        random.setstate((version, tuple(internal), gauss))
+    if "torch" in state:
+        torch.set_rng_state(state["torch"].cpu())
+    if "cuda" in state and torch.cuda.is_available():
+        states = state["cuda"][: torch.cuda.device_count()]
+        torch.cuda.set_rng_state_all([s.cpu() for s in states])
+    if "numpy" in state:
+        try:
+            import numpy as np
+
+            n = state["numpy"]
+            np.random.set_state((n["kind"], np.array(n["keys"], dtype=np.uint32), n["pos"], n["has_gauss"], n["cached"]))
+        except ImportError:
+            pass
+
+
+def step_seed(seed: int, step: int, rank: int) -> int:
+    """Per-step, per-rank seed: randomness (dropout, augmentation) after a resume is
+    the same as in an uninterrupted run, without gathering every rank's RNG state."""
+    return (seed * 6_364_136_223_846_793_005 + step * 1_442_695_040_888_963_407 + rank * 2_654_435_761) % (2**63 - 1)
+
+
+@dataclass
+class Components:
+    """Everything the loop drives, built by :mod:`elastic_runner.train`."""
+
+    cfg: Config
+    dist: Dist
+    model: nn.Module  #: the un-wrapped model (state_dict keys without ``module.``)
+    ddp: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    scaler: Any
+    sampler: ElasticSampler
+    layout: BatchLayout
+    source: BatchSource
+    test_source: BatchSource | None
+    test_size: int
+    input_shape: tuple[int, ...]
+    state: TrainState
+    total_steps: int
+    events: EventLog
+    metrics: Metrics
+    audit: AuditWriter | None
+    stop: StopRequest
+    save_snapshot: Callable[..., Any]  #: (reason, sync) -> None; rank filtering inside
+    check_writer: Callable[[], None]  #: raises when a snapshot writer became stale
+    started_at: float  #: process start (wall clock), for the recovery duration
+    resumed: bool
+
+
+class Trainer:
+    def __init__(self, c: Components) -> None:
+        self.c = c
+        self.cfg = c.cfg
+        self.rank0 = RankZero(c.dist.rank)
+        self.progress = Progress(c.total_steps, c.cfg.logging.every_steps, c.cfg.logging.format, c.cfg.logging.progress_bar)
+        self.autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(c.cfg.train.precision)
+        self._window_loss = torch.zeros(2, dtype=torch.float64, device=c.dist.device)
+        self._window_started = time.monotonic()
+        self._window_samples = 0
+        self._last_snapshot_time = time.monotonic()
+        self._first_step_done = False
+        self.last_eval: dict[str, float] = {}
+
+    # ------------------------------------------------------------------ the loop
+
+    def fit(self) -> dict[str, Any]:
+        c, state, sampler = self.c, self.c.state, self.c.sampler
+        epochs = self.cfg.train.epochs
+        while state.step < c.total_steps:
+            if sampler.epoch_done():
+                sampler.next_epoch()
+                continue
+            if epochs is not None and sampler.epoch >= epochs:
+                break
+            plans = self._plans_until_limit()
+            batches = c.source.batches(self._micro_index_lists(self._plans_until_limit()))
+            for plan in plans:
+                self.train_step(plan, batches)
+                self.after_step(plan)
+        return self.finish()
+
+    def _plans_until_limit(self) -> Iterator[StepPlan]:
+        step = self.c.state.step
+        for plan in self.c.sampler.plans():
+            if step >= self.c.total_steps:
+                return
+            step += 1
+            yield plan
+
+    def _micro_index_lists(self, plans: Iterator[StepPlan]) -> Iterator[list[int]]:
+        for plan in plans:
+            for micro in split_even(plan.indices, self.c.layout.accumulation):
+                if micro:
+                    yield list(micro)
+
+    def train_step(self, plan: StepPlan, batches: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        c, layout = self.c, self.c.layout
+        step = c.state.step + 1
+        started = time.perf_counter()
+        if c.audit is not None:
+            # Before any collective: see the audit module for why this order matters.
+            c.audit.step(step=step, epoch=plan.epoch, start=plan.start, global_count=plan.global_count,
+                         indices=plan.indices, micro_batch=layout.micro_size, accumulation=layout.accumulation)
+        torch.manual_seed(step_seed(self.cfg.run.seed, step, c.dist.rank))
+        c.ddp.train()
+        scale = c.dist.world_size / plan.global_count
+        micro_lists = list(split_even(plan.indices, layout.accumulation))
+        data_wait = 0.0
+        for i, micro in enumerate(micro_lists):
+            sync = i == len(micro_lists) - 1
+            with contextlib.nullcontext() if sync else c.ddp.no_sync():  # type: ignore[operator]
+                if micro:
+                    t0 = time.perf_counter()
+                    x, y = next(batches)
+                    data_wait += time.perf_counter() - t0
+                else:
+                    # A rank without samples in this micro-step still joins the gradient sync.
+                    x = torch.zeros((0, *c.input_shape), device=c.dist.device)
+                    y = torch.zeros((0,), dtype=torch.long, device=c.dist.device)
+                with self._autocast():
+                    losses = per_sample_loss(self.cfg.model.loss, c.ddp(x), y)
+                    loss = losses.sum() * scale
+                if c.scaler is not None:
+                    c.scaler.scale(loss).backward()
+                else:
+                    loss.backward()
+                self._window_loss[0] += losses.detach().sum().double()
+                self._window_loss[1] += len(micro)
+        if self.cfg.optim.grad_clip_norm is not None:
+            if c.scaler is not None:
+                c.scaler.unscale_(c.optimizer)
+            nn.utils.clip_grad_norm_(c.model.parameters(), self.cfg.optim.grad_clip_norm)
+        if c.scaler is not None:
+            c.scaler.step(c.optimizer)
+            c.scaler.update()
+        else:
+            c.optimizer.step()
+        c.scheduler.step()
+        c.optimizer.zero_grad(set_to_none=True)
+        c.sampler.advance(plan)
+        c.state.step = step
+        c.state.samples_total += plan.global_count
+        self._window_samples += plan.global_count
+        c.metrics.steps.inc()
+        c.metrics.samples.inc(len(plan.indices))
+        c.metrics.step_duration.observe(time.perf_counter() - started)
+        c.metrics.data_wait.observe(data_wait)
+
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.c.dist.device.type, dtype=self.autocast_dtype)
+
+    # ------------------------------------------------------------------ between steps
+
+    def after_step(self, plan: StepPlan) -> None:
+        c, step = self.c, self.c.state.step
+        c.check_writer()
+        if not self._first_step_done:
+            self._first_step_done = True
+            if c.resumed:
+                recovery = time.time() - c.started_at
+                c.metrics.recovery.set(recovery)
+                c.events.emit("first_step", step=step, recovery_s=recovery)
+        last = step >= c.total_steps
+        if step % self.cfg.logging.every_steps == 0 or last:
+            self.report_progress(plan)
+        else:
+            self.rank0(self.progress.tick, step, None, None)
+        every = self.cfg.train.eval_every_steps
+        if every and step % every == 0 and not last:
+            self.evaluate()
+        snap = self.cfg.snapshot
+        due_steps = snap.every_steps and step % snap.every_steps == 0
+        due_time = snap.every_seconds and time.monotonic() - self._last_snapshot_time >= snap.every_seconds
+        if (due_steps or due_time) and not last:
+            c.save_snapshot("periodic", sync=False)
+            self._last_snapshot_time = time.monotonic()
+        if c.stop.requested:
+            c.events.emit("stop", step=step, signal=c.stop.signal_name)
+            c.save_snapshot("stop", sync=True)
+            raise GracefulStop(c.stop.signal_name)
+
+    def report_progress(self, plan: StepPlan) -> None:
+        c = self.c
+        loss_sum, count = c.dist.all_reduce_sum(self._window_loss.clone()).tolist()
+        self._window_loss.zero_()
+        now = time.monotonic()
+        rate = self._window_samples / max(1e-9, now - self._window_started)
+        self._window_started, self._window_samples = now, 0
+        loss = loss_sum / max(1.0, count)
+        lr = c.optimizer.param_groups[0]["lr"]
+        c.metrics.loss.set(loss)
+        c.metrics.lr.set(lr)
+        c.metrics.step.set(c.state.step)
+        c.metrics.epoch.set(plan.epoch)
+        fields = {
+            "step": c.state.step, "epoch": plan.epoch, "loss": loss, "samples_per_s": round(rate, 1),
+            "world_size": c.dist.world_size, "lr": lr,
+        }
+        if self.rank0.active:
+            c.events.emit("progress", **fields)
+            self.progress.line(fields)
+
+    def evaluate(self) -> dict[str, float]:
+        c = self.c
+        if c.test_source is None or c.test_size == 0:
+            return {}
+        c.ddp.eval()
+        indices = list(shard(c.test_size, c.dist.rank, c.dist.world_size))
+        batch = self.cfg.data.eval_batch_size
+        chunks = [indices[i:i + batch] for i in range(0, len(indices), batch)]
+        loss_sum = torch.zeros((), dtype=torch.float64, device=c.dist.device)
+        correct = torch.zeros((), dtype=torch.float64, device=c.dist.device)
+        with torch.no_grad(), self._autocast():
+            for x, y in c.test_source.batches(chunks):
+                out = c.model(x)
+                loss_sum += per_sample_loss(self.cfg.model.loss, out, y).double().sum()
+                if out.dim() == 2 and y.dim() == 1:
+                    correct += (out.argmax(1) == y).double().sum()
+        totals = torch.stack([loss_sum, correct, torch.tensor(float(len(indices)), dtype=torch.float64, device=c.dist.device)])
+        loss_total, correct_total, n = c.dist.all_reduce_sum(totals).tolist()
+        result = {"eval_loss": loss_total / max(1.0, n), "eval_accuracy": correct_total / max(1.0, n), "eval_samples": int(n)}
+        c.metrics.eval_loss.set(result["eval_loss"])
+        c.metrics.eval_accuracy.set(result["eval_accuracy"])
+        self.last_eval = result
+        if self.rank0.active:
+            c.events.emit("eval", step=c.state.step, **result)
+            self.progress.line({"step": c.state.step, "eval_loss": result["eval_loss"], "eval_accuracy": result["eval_accuracy"]})
+        return result
+
+    def finish(self) -> dict[str, Any]:
+        c = self.c
+        self.rank0(self.progress.close)
+        result: dict[str, Any] = dict(self.evaluate())
+        # Every rank records a digest of its replica: equal digests prove DDP kept them identical.
+        result["params_sha256"] = state_digest(c.model)
+        c.save_snapshot("final", sync=True)
+        if c.audit is not None and c.dist.rank == 0:
+            c.audit.end(c.state.step)
+        return result | {"step": c.state.step}
+
+
+def state_digest(model: nn.Module) -> str:
+    """SHA-256 over the model's state_dict (names, dtypes, shapes, bytes), device independent."""
+    import hashlib
+
+    sha = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        t = tensor.detach().to("cpu").contiguous()
+        sha.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+        sha.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return sha.hexdigest()
+
+
+def total_steps(cfg: Config, steps_per_epoch: int) -> int:
+    limits = []
+    if cfg.train.max_steps is not None:
+        limits.append(cfg.train.max_steps)
+    if cfg.train.epochs is not None:
+        limits.append(cfg.train.epochs * steps_per_epoch)
+    return min(limits) if limits else math.inf  # type: ignore[return-value]

@@ -1,0 +1,127 @@
+"""Choose the snapshot to resume from, check it fits, and restore it.
+
+Rank 0 chooses (newest intact snapshot by generation, then step) and
+broadcasts the choice; every rank then loads that one snapshot itself with
+``map_location`` set to its own device, so a state saved from ``cuda:0`` lands
+on ``cuda:LOCAL_RANK`` or the CPU.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .config import Config, diff_configs
+from .dist import Dist
+from .events import EventLog, read_events
+from .snapshot import Loaded, LocalStore, SnapshotRef, find_newest, load_exact
+
+log = logging.getLogger(__name__)
+
+
+class ResumeError(RuntimeError):
+    """The snapshot cannot be resumed with this configuration."""
+
+
+@dataclass
+class Compatibility:
+    differing: list[str]
+    model_ok: bool
+    data_ok: bool
+    optim_ok: bool
+
+    @property
+    def exact(self) -> bool:
+        return self.model_ok and self.data_ok and self.optim_ok
+
+
+def compatibility(meta: dict[str, Any], cfg: Config) -> Compatibility:
+    theirs = meta.get("fingerprint", {})
+    ours = cfg.fingerprint()
+    saved_cfg = meta.get("config", {})
+    current = cfg.to_dict()
+    sections = ("model", "data", "optim", "schedule", "batch")
+    differing = [
+        k for k in diff_configs({s: saved_cfg.get(s, {}) for s in sections}, {s: current[s] for s in sections})
+        if k not in ("data.num_workers", "data.eval_batch_size")
+    ]
+    if saved_cfg.get("run", {}).get("seed") != cfg.run.seed:
+        differing.append("run.seed")
+    return Compatibility(
+        differing=differing,
+        model_ok=theirs.get("model") == ours["model"],
+        data_ok=theirs.get("data") == ours["data"],
+        optim_ok=theirs.get("optim") == ours["optim"],
+    )
+
+
+def check_compatible(loaded: Loaded, cfg: Config) -> Compatibility:
+    compat = compatibility(loaded.meta, cfg)
+    if compat.exact:
+        return compat
+    keys = ", ".join(compat.differing) or "the config fingerprint"
+    if not cfg.snapshot.allow_mismatch:
+        raise ResumeError(
+            f"snapshot {loaded.ref.name} in {cfg.snapshot_dir} was written with a different configuration "
+            f"({keys} differ). To resume it anyway (e.g. fine-tuning) set snapshot.allow_mismatch: true; "
+            "to start from scratch, use a new run.dir"
+        )
+    log.warning("resuming %s although %s differ (snapshot.allow_mismatch: true)", loaded.ref.name, keys)
+    return compat
+
+
+def select_snapshot(dist: Dist, store: LocalStore, cfg: Config, events: EventLog) -> Loaded | None:
+    """Rank 0 picks and verifies; everyone loads the same snapshot."""
+    loaded: Loaded | None = None
+    choice: SnapshotRef | None = None
+    if dist.rank == 0:
+        loaded = find_newest(
+            store, map_location=dist.device, verify=cfg.snapshot.verify,
+            on_rejected=lambda ref, why: events.emit("snapshot_rejected", snapshot=ref.name, reason=why),
+        )
+        choice = loaded.ref if loaded is not None else None
+    choice = dist.broadcast_object(choice)
+    if choice is None:
+        return None
+    if loaded is None:
+        loaded = load_exact(store, choice, map_location=dist.device, verify=cfg.snapshot.verify)
+    return loaded
+
+
+def furthest_step_reached(run_dir: str, before_generation: int) -> int:
+    """The highest step any earlier attempt reported: the loss bound for steps recomputed."""
+    furthest = 0
+    for event in read_events(run_dir):
+        if event.get("generation", before_generation) < before_generation and isinstance(event.get("step"), int):
+            furthest = max(furthest, event["step"])
+    return furthest
+
+
+def restore(loaded: Loaded, compat: Compatibility, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+            scheduler: Any, scaler: Any, sampler: Any, state: Any) -> list[str]:
+    """Apply a loaded snapshot; returns the parts that were skipped (allow_mismatch)."""
+    s = loaded.state
+    skipped: list[str] = []
+    try:
+        model.load_state_dict(s["model"])
+    except RuntimeError as exc:
+        raise ResumeError(
+            f"snapshot {loaded.ref.name} does not fit this model: {str(exc).splitlines()[0]} "
+            "(the architecture changed; use a new run.dir or export and fine-tune explicitly)"
+        ) from exc
+    if compat.optim_ok:
+        optimizer.load_state_dict(s["optimizer"])
+        scheduler.load_state_dict(s["scheduler"])
+        if scaler is not None and s.get("scaler"):
+            scaler.load_state_dict(s["scaler"])
+    else:
+        skipped.append("optimizer/schedule state (optimisation config changed)")
+    if compat.data_ok:
+        sampler.load_state_dict(s["sampler"])
+    else:
+        skipped.append("data position (data config changed: the epoch restarts)")
+    state.load_state_dict(s["train"])
+    return skipped

@@ -1,0 +1,152 @@
+"""ElasticSampler: every sample of an epoch exactly once, across any restarts.
+
+One permutation of the dataset per epoch, a pure function of (seed, epoch).
+The job's position in it (``consumed``) is part of the snapshot. Optimizer
+step k of an epoch uses the window ``perm[start : start + G]`` of the
+permutation, where G is the global batch; rank r of a world of W ranks takes
+``window[r::W]``. Hence the union over ranks of one step is exactly the next G
+samples of the permutation, whatever W is, and after a restart with a new W
+the job simply continues at ``consumed``: nothing is skipped, nothing repeats.
+
+This is *not* torch's ``ElasticDistributedSampler(start_index)``, which skips
+dataset ids below ``start_index`` (not the consumed samples of a shuffled order).
+
+The last, incomplete window of an epoch follows ``partial_batch``: ``drop``
+skips those samples for this epoch (each epoch's permutation differs, so
+different samples are dropped), ``partial`` runs one smaller step. Samples are
+never padded with repeats.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What one rank consumes in one optimizer step."""
+
+    epoch: int
+    start: int  #: position of the step's window in the epoch's permutation
+    global_count: int  #: samples in the whole step, all ranks together
+    indices: list[int]  #: dataset indices this rank consumes
+
+    @property
+    def end(self) -> int:
+        return self.start + self.global_count
+
+
+def epoch_permutation(num_samples: int, seed: int, epoch: int, shuffle: bool = True) -> torch.Tensor:
+    if not shuffle:
+        return torch.arange(num_samples)
+    # A fixed mixing of (seed, epoch) keeps epochs independent of each other.
+    g = torch.Generator().manual_seed((seed * 1_000_003 + epoch * 7_919 + 0x5EED) % (2**63))
+    return torch.randperm(num_samples, generator=g)
+
+
+class ElasticSampler:
+    def __init__(self, num_samples: int, global_batch: int, *, seed: int = 0, shuffle: bool = True,
+                 partial_batch: str = "drop", rank: int = 0, world_size: int = 1) -> None:
+        if num_samples <= 0:
+            raise ValueError("the dataset is empty")
+        if global_batch <= 0:
+            raise ValueError(f"global batch must be positive, got {global_batch}")
+        if partial_batch not in ("drop", "partial"):
+            raise ValueError(f"partial_batch must be 'drop' or 'partial', got {partial_batch!r}")
+        if partial_batch == "drop" and global_batch > num_samples:
+            raise ValueError(
+                f"the global batch ({global_batch}) is larger than the dataset ({num_samples}); "
+                "with data.partial_batch: drop no step would ever run"
+            )
+        self.num_samples = num_samples
+        self.global_batch = global_batch
+        self.seed = seed
+        self.shuffle = shuffle
+        self.partial_batch = partial_batch
+        self.epoch = 0
+        self.consumed = 0
+        self.rank = 0
+        self.world_size = 1
+        self._perm_epoch = -1
+        self._perm: list[int] = []
+        self.reshard(rank, world_size)
+
+    # -- placement ------------------------------------------------------------------
+
+    def reshard(self, rank: int, world_size: int) -> None:
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} outside world of size {world_size}")
+        if world_size > self.global_batch:
+            raise ValueError(
+                f"world size {world_size} exceeds the global batch {self.global_batch}: some ranks would get no samples"
+            )
+        self.rank = rank
+        self.world_size = world_size
+
+    # -- order ------------------------------------------------------------------------
+
+    def permutation(self, epoch: int) -> list[int]:
+        if epoch != self._perm_epoch:
+            self._perm = epoch_permutation(self.num_samples, self.seed, epoch, self.shuffle).tolist()
+            self._perm_epoch = epoch
+        return self._perm
+
+    def steps_per_epoch(self) -> int:
+        full, rest = divmod(self.num_samples, self.global_batch)
+        return full + (1 if rest and self.partial_batch == "partial" else 0)
+
+    def usable_per_epoch(self) -> int:
+        """Samples consumed by a complete epoch (the rest are dropped)."""
+        if self.partial_batch == "partial":
+            return self.num_samples
+        return (self.num_samples // self.global_batch) * self.global_batch
+
+    def plan_at(self, epoch: int, start: int) -> StepPlan | None:
+        """The step whose window starts at ``start``; None when the epoch is done."""
+        remaining = self.num_samples - start
+        if remaining <= 0 or (remaining < self.global_batch and self.partial_batch == "drop"):
+            return None
+        count = min(self.global_batch, remaining)
+        window = self.permutation(epoch)[start:start + count]
+        return StepPlan(epoch=epoch, start=start, global_count=count, indices=window[self.rank::self.world_size])
+
+    def plans(self) -> Iterator[StepPlan]:
+        """The remaining steps of the current epoch, without advancing."""
+        start = self.consumed
+        while (plan := self.plan_at(self.epoch, start)) is not None:
+            yield plan
+            start = plan.end
+
+    def epoch_done(self) -> bool:
+        return self.plan_at(self.epoch, self.consumed) is None
+
+    # -- progress ---------------------------------------------------------------------
+
+    def advance(self, plan: StepPlan) -> None:
+        if plan.epoch != self.epoch or plan.start != self.consumed:
+            raise RuntimeError(
+                f"step plan (epoch {plan.epoch}, start {plan.start}) does not continue the sampler "
+                f"(epoch {self.epoch}, consumed {self.consumed})"
+            )
+        self.consumed = plan.end
+
+    def next_epoch(self) -> None:
+        self.epoch += 1
+        self.consumed = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "epoch": self.epoch, "consumed": self.consumed, "seed": self.seed,
+            "num_samples": self.num_samples, "shuffle": self.shuffle,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state["num_samples"] != self.num_samples:
+            raise ValueError(
+                f"the snapshot's dataset had {state['num_samples']} samples, this one has {self.num_samples}"
+            )
+        self.epoch = int(state["epoch"])
+        self.consumed = int(state["consumed"])

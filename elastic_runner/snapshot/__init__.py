@@ -1,0 +1,19 @@
+"""Durable training snapshots: atomic, asynchronous, verified, fenced."""
+
+from .format import load_snapshot, read_meta
+from .loader import Loaded, find_newest, load_exact
+from .store import (
+    AlreadyCommittedError,
+    LocalStore,
+    SnapshotError,
+    SnapshotRef,
+    StaleWriterError,
+    open_store,
+)
+from .writer import SaveResult, SnapshotWriter, require_ok, to_host
+
+__all__ = [
+    "AlreadyCommittedError", "Loaded", "LocalStore", "SaveResult", "SnapshotError", "SnapshotRef",
+    "SnapshotWriter", "StaleWriterError", "find_newest", "load_exact", "load_snapshot", "open_store",
+    "read_meta", "require_ok", "to_host",
+]

@@ -1,0 +1,140 @@
+"""``elastic-runner snapshot inspect|export``: look into a run's snapshots."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .format import load_snapshot, read_meta, read_verified_bytes
+from .loader import find_newest
+from .store import LocalStore, SnapshotError, SnapshotRef, open_store
+
+
+def snapshot_dir_of(run_dir: str) -> str:
+    """RUN_DIR/snapshots, or snapshot.dir from the run's effective config."""
+    root = Path(run_dir)
+    if (root / "generations").is_dir() or any(SnapshotRef.parse(p.name) for p in root.glob("step-*")):
+        return str(root)  # already a snapshot directory
+    cfg_path = root / "config.yaml"
+    if cfg_path.is_file():
+        try:
+            cfg = yaml.safe_load(cfg_path.read_text()) or {}
+            custom = (cfg.get("snapshot") or {}).get("dir")
+            if custom:
+                return str(custom)
+        except yaml.YAMLError:
+            pass
+    return str(root / "snapshots")
+
+
+def inspect(run_dir: str, verify: bool = False) -> dict[str, Any]:
+    location = snapshot_dir_of(run_dir)
+    store = open_store(location)
+    if not Path(location).is_dir():
+        raise SnapshotError(f"no snapshot directory at {location}; is {run_dir!r} a run directory (run.dir)?")
+    now = time.time()
+    entries = []
+    for ref in store.complete():
+        entry: dict[str, Any] = {"name": ref.name, "step": ref.step, "generation": ref.generation, "complete": True}
+        try:
+            meta = read_meta(store.path(ref))
+            entry |= {
+                "epoch": meta.get("epoch"), "consumed_samples": meta.get("consumed"),
+                "world_size": meta.get("world_size"), "world_size_history": meta.get("world_history"),
+                "size_bytes": meta.get("size_bytes"), "age_seconds": round(now - meta.get("written_at", now), 1),
+                "sha256": meta.get("sha256"),
+            }
+            if verify:
+                read_verified_bytes(store.path(ref), meta, True)
+                entry["verified"] = True
+        except SnapshotError as exc:
+            entry |= {"complete": False, "error": str(exc)}
+        entries.append(entry)
+    for name in store.incomplete():
+        entries.append({"name": name, "complete": False, "error": "incomplete (no completion marker or still being written)"})
+    for name in store.corrupt():
+        reason_file = Path(location) / name / "REASON"
+        entries.append({"name": name, "complete": False,
+                        "error": reason_file.read_text().strip() if reason_file.is_file() else "moved aside as corrupt"})
+    good = [e for e in entries if e["complete"]]
+    latest = max(good, key=lambda e: (e["generation"], e["step"])) if good else None
+    return {
+        "run_dir": run_dir, "snapshot_dir": location, "newest_generation": store.newest_generation(),
+        "latest": latest["name"] if latest else None,
+        "step": latest["step"] if latest else None, "epoch": latest.get("epoch") if latest else None,
+        "consumed_samples": latest.get("consumed_samples") if latest else None,
+        "generation": latest["generation"] if latest else None,
+        "world_size_history": latest.get("world_size_history") if latest else None,
+        "size_bytes": latest.get("size_bytes") if latest else None,
+        "age_seconds": latest.get("age_seconds") if latest else None,
+        "snapshots": entries,
+    }
+
+
+def export(run_dir: str, out: str, name: str | None = None) -> dict[str, Any]:
+    """Write the newest intact snapshot's plain model state_dict to ``out``."""
+    import torch
+
+    store = open_store(snapshot_dir_of(run_dir))
+    if name is not None:
+        ref = SnapshotRef.parse(name)
+        if ref is None:
+            raise SnapshotError(f"{name!r} is not a snapshot name (step-NNNNNNNNN-gen-NNNNNN)")
+        meta, state = load_snapshot(store.path(ref), map_location="cpu")
+    else:
+        loaded = find_newest_readonly(store)
+        if loaded is None:
+            raise SnapshotError(f"no intact snapshot in {store.location}")
+        ref, meta, state = loaded
+    target = Path(out)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    torch.save(state["model"], tmp)
+    os.replace(tmp, target)
+    return {"snapshot": ref.name, "step": ref.step, "out": str(target), "tensors": len(state["model"])}
+
+
+def find_newest_readonly(store: LocalStore) -> tuple[SnapshotRef, dict[str, Any], dict[str, Any]] | None:
+    """Like the loader, but never moves anything aside (inspection must not change a run)."""
+    for ref in reversed(store.complete()):
+        try:
+            meta, state = load_snapshot(store.path(ref), map_location="cpu")
+        except SnapshotError as exc:
+            print(f"elastic-runner: skipping {ref.name}: {exc}", file=sys.stderr)
+            continue
+        return ref, meta, state
+    return None
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("snapshot", help="inspect or export a run's snapshots")
+    ssub = p.add_subparsers(dest="snapshot_cmd", required=True)
+    pi = ssub.add_parser("inspect", help="JSON summary of RUN_DIR's snapshots")
+    pi.add_argument("run_dir")
+    pi.add_argument("--verify", action="store_true", help="also check every checksum (reads every file)")
+    pe = ssub.add_parser("export", help="write the newest model state_dict (no 'module.' prefixes)")
+    pe.add_argument("run_dir")
+    pe.add_argument("--out", required=True, help="output file, loadable with torch.load(FILE, weights_only=True)")
+    pe.add_argument("--snapshot", default=None, help="a specific snapshot name instead of the newest")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        if args.snapshot_cmd == "inspect":
+            print(json.dumps(inspect(args.run_dir, verify=args.verify), indent=2))
+        else:
+            print(json.dumps(export(args.run_dir, args.out, args.snapshot)))
+    except SnapshotError as exc:
+        print(f"elastic-runner: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+__all__ = ["add_parser", "export", "find_newest", "inspect", "run"]

@@ -1,0 +1,55 @@
+"""Find the newest snapshot that is complete and intact.
+
+Rank 0 walks the published snapshots newest first (by generation, then step),
+verifies each (marker, size, SHA-256, safe unpickling) and moves a damaged one
+aside as ``corrupt-<name>`` with the reason, so the next start does not trip
+over it again and a person can still look at it. The first good one wins; the
+choice is broadcast so that every rank loads the same snapshot.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from .format import load_state_bytes, read_meta, read_verified_bytes
+from .store import LocalStore, SnapshotError, SnapshotRef
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Loaded:
+    ref: SnapshotRef
+    meta: dict[str, Any]
+    state: dict[str, Any]
+
+
+def find_newest(store: LocalStore, *, map_location: torch.device | str = "cpu", verify: bool = True,
+                on_rejected: Callable[[SnapshotRef, str], None] | None = None) -> Loaded | None:
+    for ref in reversed(store.complete()):
+        directory = store.path(ref)
+        try:
+            meta = read_meta(directory)
+            data = read_verified_bytes(directory, meta, verify)
+            state = load_state_bytes(data, ref.name, map_location)
+        except SnapshotError as exc:
+            reason = str(exc)
+            log.error("snapshot %s is unusable and is moved aside: %s; trying the previous one", ref.name, reason)
+            store.quarantine(ref, reason)
+            if on_rejected is not None:
+                on_rejected(ref, reason)
+            continue
+        return Loaded(ref, meta, state)
+    return None
+
+
+def load_exact(store: LocalStore, ref: SnapshotRef, *, map_location: torch.device | str, verify: bool = True) -> Loaded:
+    """Load the snapshot rank 0 chose (every other rank)."""
+    directory = store.path(ref)
+    meta = read_meta(directory)
+    data = read_verified_bytes(directory, meta, verify)
+    return Loaded(ref, meta, load_state_bytes(data, ref.name, map_location))

@@ -1,0 +1,260 @@
+"""Where snapshots live: naming, atomic commit, generation fencing.
+
+A snapshot is a directory ``step-<STEP>-gen-<GEN>`` holding ``state.pt`` and
+``meta.json``. It is assembled under a hidden temporary name in the same
+directory, every file and the directory are fsynced, ``meta.json`` (the
+completion marker, with the checksum of ``state.pt``) is written last, and
+one ``rename`` publishes it. A reader lists only published names that carry a
+marker, so it never sees a half-written snapshot.
+
+Order is (generation, step), never modification time. Every training attempt
+claims a new *generation* by exclusive creation of ``generations/<GEN>``
+before it trains; a writer checks just before publishing that no newer
+generation exists. A writer left over from an older rendezvous round (split
+brain, a zombie node) therefore cannot publish after a newer round started,
+and even in the race where it does, its snapshot sorts below the newer
+round's. This works on any POSIX or NFS filesystem (O_EXCL + rename).
+
+The interface is small (:class:`SnapshotStore`) so that an object store
+(fsspec URL) can implement the same contract: marker written last, publish
+without overwrite, list by name.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import re
+import shutil
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Protocol
+
+NAME_RE = re.compile(r"^step-(\d{9})-gen-(\d{6})$")
+META = "meta.json"
+STATE = "state.pt"
+
+
+class SnapshotError(RuntimeError):
+    """A snapshot could not be written or read; the message says what to check."""
+
+
+class StaleWriterError(SnapshotError):
+    """A newer training generation exists: this writer must stop."""
+
+
+class AlreadyCommittedError(SnapshotError):
+    """The same (step, generation) was already published by another rank."""
+
+
+@dataclass(frozen=True, order=True)
+class SnapshotRef:
+    generation: int
+    step: int
+
+    @property
+    def name(self) -> str:
+        return f"step-{self.step:09d}-gen-{self.generation:06d}"
+
+    @classmethod
+    def parse(cls, name: str) -> "SnapshotRef | None":
+        m = NAME_RE.match(name)
+        return cls(generation=int(m.group(2)), step=int(m.group(1))) if m else None
+
+
+class SnapshotStore(Protocol):
+    location: str
+
+    def complete(self) -> list[SnapshotRef]: ...
+    def incomplete(self) -> list[str]: ...
+    def path(self, ref: SnapshotRef) -> Path: ...
+    def staging(self, ref: SnapshotRef) -> Path: ...
+    def publish(self, staging: Path, ref: SnapshotRef) -> None: ...
+    def discard(self, staging: Path) -> None: ...
+    def remove(self, ref: SnapshotRef) -> None: ...
+    def quarantine(self, ref: SnapshotRef, reason: str) -> None: ...
+    def claim_generation(self, info: dict[str, Any]) -> int: ...
+    def newest_generation(self) -> int: ...
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class LocalStore:
+    """A local or shared (NFS, PVC) directory."""
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = Path(root)
+        self.location = str(self.root)
+        self.generations = self.root / "generations"
+
+    def ensure(self) -> None:
+        try:
+            self.generations.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise SnapshotError(
+                f"cannot create the snapshot directory {self.root} ({exc.strerror}); "
+                "make run.dir (or snapshot.dir) point at a writable location"
+            ) from exc
+        if not os.access(self.root, os.W_OK | os.X_OK):
+            raise SnapshotError(
+                f"the snapshot directory {self.root} is not writable by this user (uid {os.getuid()}); "
+                "fix its permissions or choose another run.dir"
+            )
+
+    # -- listing -------------------------------------------------------------------------
+
+    def _entries(self) -> Iterator[os.DirEntry[str]]:
+        try:
+            with os.scandir(self.root) as it:
+                yield from it
+        except FileNotFoundError:
+            return
+
+    def complete(self) -> list[SnapshotRef]:
+        """Published snapshots with their completion marker, oldest first."""
+        refs = []
+        for entry in self._entries():
+            ref = SnapshotRef.parse(entry.name)
+            if ref is not None and (self.root / entry.name / META).is_file():
+                refs.append(ref)
+        return sorted(refs)
+
+    def incomplete(self) -> list[str]:
+        """Names of leftovers: staging directories and published names without a marker."""
+        names = []
+        for entry in self._entries():
+            if entry.name.startswith(".tmp-"):
+                names.append(entry.name)
+            elif SnapshotRef.parse(entry.name) and not (self.root / entry.name / META).is_file():
+                names.append(entry.name)
+        return sorted(names)
+
+    def corrupt(self) -> list[str]:
+        return sorted(e.name for e in self._entries() if e.name.startswith("corrupt-"))
+
+    def path(self, ref: SnapshotRef) -> Path:
+        return self.root / ref.name
+
+    # -- writing -------------------------------------------------------------------------
+
+    def staging(self, ref: SnapshotRef) -> Path:
+        path = self.root / f".tmp-{ref.name}-{socket.gethostname()}-{os.getpid()}-{time.monotonic_ns()}"
+        try:
+            path.mkdir(parents=True)
+        except OSError as exc:
+            raise SnapshotError(f"cannot create {path} ({exc.strerror}); check that {self.root} is writable and has space") from exc
+        return path
+
+    def publish(self, staging: Path, ref: SnapshotRef) -> None:
+        fsync_dir(staging)
+        target = self.path(ref)
+        try:
+            # rename(2) of a directory onto an existing non-empty one fails:
+            # publishing never replaces a snapshot.
+            os.rename(staging, target)
+        except OSError as exc:
+            if exc.errno in (errno.EEXIST, errno.ENOTEMPTY):
+                raise AlreadyCommittedError(f"{ref.name} was already published") from exc
+            raise SnapshotError(f"cannot publish {ref.name} in {self.root} ({exc.strerror})") from exc
+        fsync_dir(self.root)
+
+    def discard(self, staging: Path) -> None:
+        shutil.rmtree(staging, ignore_errors=True)
+
+    def remove(self, ref: SnapshotRef) -> None:
+        # Hide it first (atomic) so no reader ever sees a half-deleted snapshot.
+        hidden = self.root / f".tmp-deleting-{ref.name}-{os.getpid()}"
+        try:
+            os.rename(self.path(ref), hidden)
+        except FileNotFoundError:
+            return
+        shutil.rmtree(hidden, ignore_errors=True)
+
+    def quarantine(self, ref: SnapshotRef, reason: str) -> None:
+        target = self.root / f"corrupt-{ref.name}"
+        try:
+            os.rename(self.path(ref), target)
+            (target / "REASON").write_text(reason + "\n")
+        except OSError:
+            pass  # another rank moved it first, or it is gone
+
+    def sweep(self, older_than_generation: int) -> list[str]:
+        """Remove staging leftovers of writers from older generations (dead by now)."""
+        removed = []
+        for name in self.incomplete():
+            m = re.search(r"-gen-(\d{6})", name)
+            if name.startswith(".tmp-") and m and int(m.group(1)) < older_than_generation:
+                shutil.rmtree(self.root / name, ignore_errors=True)
+                removed.append(name)
+            elif name.startswith(".tmp-deleting-"):
+                shutil.rmtree(self.root / name, ignore_errors=True)
+                removed.append(name)
+        return removed
+
+    # -- fencing -------------------------------------------------------------------------
+
+    def _claimed(self) -> list[int]:
+        try:
+            return sorted(int(n) for n in os.listdir(self.generations) if n.isdigit())
+        except FileNotFoundError:
+            return []
+
+    def newest_generation(self) -> int:
+        claimed = self._claimed()
+        return claimed[-1] if claimed else 0
+
+    def claim_generation(self, info: dict[str, Any]) -> int:
+        """Atomically take the next generation number; never returns one twice."""
+        self.ensure()
+        candidate = self.newest_generation() + 1
+        body = json.dumps({"claimed_at": time.time(), "host": socket.gethostname(), "pid": os.getpid()} | info)
+        while True:
+            path = self.generations / f"{candidate:06d}"
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileExistsError:
+                candidate += 1
+                continue
+            except OSError as exc:
+                raise SnapshotError(f"cannot claim a generation in {self.generations} ({exc.strerror}); check that the run directory is writable") from exc
+            with os.fdopen(fd, "w") as fh:
+                fh.write(body)
+                fh.flush()
+                os.fsync(fh.fileno())
+            fsync_dir(self.generations)
+            return candidate
+
+    def generation_info(self, generation: int) -> dict[str, Any]:
+        try:
+            return json.loads((self.generations / f"{generation:06d}").read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def check_fence(self, generation: int) -> None:
+        newest = self.newest_generation()
+        if newest > generation:
+            info = self.generation_info(newest)
+            raise StaleWriterError(
+                f"generation {generation} is stale: generation {newest} was started at "
+                f"{time.strftime('%H:%M:%S', time.localtime(info.get('claimed_at', 0)))} by {info.get('host', '?')} "
+                f"(pid {info.get('pid', '?')}). Another rendezvous round owns this run directory; this worker "
+                "stops instead of overwriting its snapshots (split brain)"
+            )
+
+
+def open_store(location: str) -> LocalStore:
+    if "://" in location and not location.startswith("file://"):
+        raise SnapshotError(
+            f"snapshot location {location!r} is a URL; only local and shared filesystem paths are supported "
+            "so far (mount the bucket, e.g. with a PVC or gcsfuse, and give its path)"
+        )
+    return LocalStore(location.removeprefix("file://"))

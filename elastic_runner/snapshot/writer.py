@@ -1,0 +1,164 @@
+"""Save snapshots without stalling training.
+
+The step waits only while tensors are copied into host memory (a ``clone``
+on CPU, a device-to-host copy on GPU). Serialisation, checksum, fsync,
+publish and pruning run in one background thread; at most one write is in
+flight, so a new save first waits for the previous one. A failed background
+write is logged as an error, counted, and leaves the published snapshots as
+they were (the staging directory is removed). A stale-generation error is
+fatal: the loop calls :meth:`SnapshotWriter.raise_if_fatal` every step.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+import torch
+
+from .format import write_snapshot_files
+from .store import AlreadyCommittedError, LocalStore, SnapshotError, SnapshotRef, StaleWriterError
+
+log = logging.getLogger(__name__)
+
+
+def to_host(obj: Any) -> Any:
+    """A deep copy with every tensor detached and copied to CPU memory."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: to_host(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [to_host(v) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(to_host(v) for v in obj)
+    return obj
+
+
+class SnapshotObserver(Protocol):
+    def snapshot_saved(self, ref: SnapshotRef, meta: dict[str, Any], blocking_s: float, write_s: float) -> None: ...
+    def snapshot_failed(self, ref: SnapshotRef, error: BaseException) -> None: ...
+
+
+@dataclass
+class SaveResult:
+    ref: SnapshotRef
+    blocking_s: float
+    write_s: float = 0.0
+    meta: dict[str, Any] = field(default_factory=dict)
+    error: BaseException | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+class SnapshotWriter:
+    def __init__(self, store: LocalStore, *, generation: int, keep_last: int, async_write: bool = True,
+                 observer: SnapshotObserver | None = None) -> None:
+        self.store = store
+        self.generation = generation
+        self.keep_last = keep_last
+        self.async_write = async_write
+        self.observer = observer
+        self.failures = 0
+        self.last: SaveResult | None = None
+        self._thread: threading.Thread | None = None
+        self._fatal: BaseException | None = None
+
+    # -- public API -------------------------------------------------------------------
+
+    def save(self, step: int, capture: Callable[[], tuple[dict[str, Any], dict[str, Any]]], *, sync: bool = False) -> SaveResult:
+        """Snapshot the state at ``step``. ``capture`` returns (state, meta) with live tensors."""
+        started = time.perf_counter()
+        self.wait()
+        ref = SnapshotRef(generation=self.generation, step=step)
+        state, meta = capture()
+        host_state = to_host(state)
+        result = SaveResult(ref=ref, blocking_s=time.perf_counter() - started)
+        meta = dict(meta) | {"step": step, "generation": self.generation, "name": ref.name}
+        if self.async_write and not sync:
+            self._thread = threading.Thread(
+                target=self._write, args=(result, host_state, meta), name=f"snapshot-{ref.name}", daemon=True
+            )
+            self._thread.start()
+        else:
+            self._write(result, host_state, meta)
+            result.blocking_s = time.perf_counter() - started
+        self.last = result
+        return result
+
+    def wait(self) -> SaveResult | None:
+        """Block until the in-flight write (if any) has finished."""
+        thread = self._thread
+        if thread is not None:
+            thread.join()
+            self._thread = None
+        return self.last
+
+    def busy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def raise_if_fatal(self) -> None:
+        if self._fatal is not None:
+            raise self._fatal
+
+    def close(self) -> None:
+        self.wait()
+
+    # -- background -----------------------------------------------------------------------
+
+    def _write(self, result: SaveResult, state: dict[str, Any], meta: dict[str, Any]) -> None:
+        ref = result.ref
+        started = time.perf_counter()
+        staging = None
+        try:
+            self.store.check_fence(self.generation)
+            staging = self.store.staging(ref)
+            result.meta = write_snapshot_files(staging, state, meta)
+            # Fence again right before publishing: a newer round may have started meanwhile.
+            self.store.check_fence(self.generation)
+            try:
+                self.store.publish(staging, ref)
+                staging = None
+            except AlreadyCommittedError:
+                log.info("snapshot %s was already published by another rank", ref.name)
+            self._prune(ref)
+            result.write_s = time.perf_counter() - started
+            log.info("snapshot %s saved (%.1f MB, blocked %.3fs, written in %.3fs)", ref.name,
+                     result.meta.get("size_bytes", 0) / 1e6, result.blocking_s, result.write_s)
+            if self.observer is not None:
+                self.observer.snapshot_saved(ref, result.meta, result.blocking_s, result.write_s)
+        except BaseException as exc:  # noqa: BLE001 - report every failure, keep training
+            result.error = exc
+            result.write_s = time.perf_counter() - started
+            self.failures += 1
+            if isinstance(exc, StaleWriterError):
+                self._fatal = exc
+                log.error("snapshot %s refused: %s", ref.name, exc)
+            else:
+                log.error("SNAPSHOT WRITE FAILED for %s: %s; the previous snapshots are intact, the next save will retry "
+                          "(%d failure(s) so far)", ref.name, exc, self.failures)
+            if self.observer is not None:
+                self.observer.snapshot_failed(ref, exc)
+        finally:
+            if staging is not None:
+                self.store.discard(staging)
+            result.done.set()
+
+    def _prune(self, newest: SnapshotRef) -> None:
+        complete = self.store.complete()
+        keep = set(complete[-self.keep_last:])
+        for ref in complete:
+            if ref not in keep and ref < newest:
+                try:
+                    self.store.remove(ref)
+                except OSError as exc:
+                    log.warning("could not delete old snapshot %s: %s", ref.name, exc)
+
+
+def require_ok(result: SaveResult) -> None:
+    """Raise if a (synchronous) save failed: used for the final and graceful-stop saves."""
+    result.done.wait()
+    if result.error is not None:
+        raise SnapshotError(f"snapshot {result.ref.name} was not saved: {result.error}") from result.error

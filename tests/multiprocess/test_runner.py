@@ -1,0 +1,77 @@
+"""The runner under real torchrun: one code path alone, standalone, and multi-agent elastic."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from elastic_runner.audit import check_audit
+
+from ..support import end_events, events, run_bounded, torchrun_standalone
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
+
+
+def test_alone_without_torchrun_trains_at_world_size_one(small_config: Path, tmp_path: Path) -> None:
+    run_dir = tmp_path / "alone"
+    result = run_bounded([sys.executable, "-m", "elastic_runner.train", "--config", str(small_config),
+                          "--set", f"run.dir={run_dir}", "--set", "train.max_steps=20"], timeout=120)
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert "finished step=20" in result.stdout
+    (start,) = events(run_dir, "start")
+    assert start["world_size"] == 1 and start["backend"] == "gloo"
+    assert (run_dir / "config.yaml").is_file()
+
+
+def test_console_script_and_legacy_local_rank_argument(small_config: Path, tmp_path: Path) -> None:
+    run_dir = tmp_path / "legacy"
+    result = run_bounded([sys.executable, "-m", "elastic_runner", "train", "--config", str(small_config),
+                          "--local_rank=0", "--set", f"run.dir={run_dir}", "--set", "train.max_steps=3"], timeout=120)
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert "finished step=3" in result.stdout
+
+
+def test_two_processes_keep_identical_replicas_and_agree_on_metrics(small_config: Path, tmp_path: Path) -> None:
+    run_dir = tmp_path / "two"
+    result = torchrun_standalone(small_config, run_dir, nproc=2, overrides=["train.max_steps=30"])
+    assert result.returncode == 0, result.stdout[-3000:]
+    ends = end_events(run_dir)
+    assert sorted(e["rank"] for e in ends) == [0, 1]
+    assert len({e["params_sha256"] for e in ends}) == 1, "replicas diverged"
+    assert len({(e["eval_loss"], e["eval_accuracy"], e["eval_samples"]) for e in ends}) == 1
+    assert ends[0]["eval_samples"] == 359  # every test sample evaluated exactly once across ranks
+    assert check_audit(run_dir).ok
+
+
+def test_config_error_is_one_line_without_traceback(quickstart: Path, tmp_path: Path) -> None:
+    result = run_bounded([sys.executable, "-m", "elastic_runner.train", "--config", str(quickstart),
+                          "--set", "batch.global_size=-4", "--set", f"run.dir={tmp_path}"], timeout=60)
+    assert result.returncode == 2
+    lines = [line for line in result.stdout.splitlines() if line.strip()]
+    assert len(lines) == 1, result.stdout
+    assert "batch.global_size" in lines[0] and "Traceback" not in result.stdout
+    assert not (tmp_path / "snapshots").exists(), "nothing may be written before the config is valid"
+
+
+def test_two_elastic_agents_run_one_job_at_world_size_two(small_config: Path, local_job) -> None:  # noqa: ANN001
+    job = local_job(config=str(small_config), nnodes="1:2", overrides=["train.max_steps=40"])
+    job.start_agent()
+    job.start_agent()
+    codes = job.wait(timeout=180)
+    assert codes == [0, 0], job.logs_tail()
+    run_dir = Path(job.run_dir)
+    starts = events(run_dir, "start")
+    assert {e["world_size"] for e in starts} == {2}
+    assert len({e["params_sha256"] for e in end_events(run_dir)}) == 1
+    assert check_audit(run_dir).ok
+
+
+def test_unwritable_run_dir_stops_every_rank_with_one_message(small_config: Path, tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    result = torchrun_standalone(small_config, blocker / "run", nproc=2)
+    assert result.returncode != 0
+    assert "cannot prepare run.dir" in result.stdout
+    assert blocker.read_text() == "not a directory"

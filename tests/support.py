@@ -1,0 +1,105 @@
+"""Helpers for tests that run real processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from elastic_runner.events import read_events
+from elastic_runner.localjob import free_port
+
+
+def torchrun_standalone(config: Path | str, run_dir: Path, nproc: int = 2, overrides: Sequence[str] = (),
+                        timeout: float = 120, extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           f"--rdzv_endpoint=127.0.0.1:{free_port()}",
+           "-m", "elastic_runner.train", "--config", str(config), "--set", f"run.dir={run_dir}"]
+    for item in overrides:
+        cmd += ["--set", item]
+    env = os.environ | {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "PYTHONUNBUFFERED": "1"} | (extra_env or {})
+    return run_bounded(cmd, timeout, env)
+
+
+def run_bounded(cmd: Sequence[str], timeout: float, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """Run a command in its own session; on timeout kill its whole session (workers included)."""
+    proc = subprocess.Popen(list(cmd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env, start_new_session=True, stdin=subprocess.DEVNULL)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        from elastic_runner.localjob import descendants
+
+        for pid in descendants(proc.pid) + [proc.pid]:
+            try:
+                os.kill(pid, 9)
+            except ProcessLookupError:
+                pass
+        out, _ = proc.communicate()
+        raise AssertionError(f"command timed out after {timeout}s: {' '.join(cmd)}\n{out[-5000:]}") from None
+    return subprocess.CompletedProcess(list(cmd), proc.returncode, out, "")
+
+
+def events(run_dir: Path, kind: str | None = None) -> list[dict[str, Any]]:
+    return [e for e in read_events(run_dir) if kind is None or e["kind"] == kind]
+
+
+def audited_step(run_dir: Path) -> int:
+    """Highest step any rank has started, from the audit trail (cheap to poll)."""
+    best = 0
+    for path in (Path(run_dir) / "audit").glob("*.jsonl"):
+        try:
+            with open(path, "rb") as fh:
+                fh.seek(max(0, path.stat().st_size - 4096))
+                tail = fh.read().decode(errors="replace").splitlines()
+        except OSError:
+            continue
+        for line in reversed(tail):
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if record.get("type") == "step":
+                best = max(best, record["step"])
+                break
+    return best
+
+
+def wait_for_step(run_dir: Path, step: int, timeout: float, job: Any = None) -> int:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        reached = audited_step(run_dir)
+        if reached >= step:
+            return reached
+        time.sleep(0.02)
+    detail = job.logs_tail() if job is not None else ""
+    raise AssertionError(f"run did not reach step {step} within {timeout}s (at {audited_step(run_dir)})\n{detail}")
+
+
+def exported_model(run_dir: Path, tmp: Path) -> dict[str, torch.Tensor]:
+    from elastic_runner.snapshot.cli import export
+
+    out = tmp / f"export-{Path(run_dir).name}-{time.monotonic_ns()}.pt"
+    export(str(run_dir), str(out))
+    return torch.load(out, weights_only=True)
+
+
+def assert_bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    different = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not different, f"tensors differ: {different}"
+
+
+def end_events(run_dir: Path) -> list[dict[str, Any]]:
+    """The `end` events of the final generation (one per rank)."""
+    ends = [e for e in events(run_dir, "end") if e.get("status") == "finished"]
+    if not ends:
+        return []
+    final = max(e["generation"] for e in ends)
+    return [e for e in ends if e["generation"] == final]

@@ -1,0 +1,266 @@
+"""Snapshots: atomic publish, async write, verified load, fencing, and nothing older lost."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import threading
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+import torch
+
+from elastic_runner.snapshot import (
+    LocalStore,
+    SnapshotError,
+    SnapshotRef,
+    SnapshotWriter,
+    StaleWriterError,
+    find_newest,
+    load_snapshot,
+    require_ok,
+)
+from elastic_runner.snapshot.cli import export, inspect
+
+
+def state_at(step: int, size: int = 4) -> dict[str, Any]:
+    return {"model": {"w": torch.full((size,), float(step)), "module_like": torch.arange(3)},
+            "optimizer": {"state": {}, "param_groups": []}, "train": {"step": step}}
+
+
+def capture(step: int, size: int = 4):  # noqa: ANN201
+    return lambda: (state_at(step, size), {"epoch": 0, "consumed": step * 8, "world_size": 2, "world_history": []})
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> LocalStore:
+    s = LocalStore(tmp_path / "snapshots")
+    s.ensure()
+    return s
+
+
+def writer_for(store: LocalStore, generation: int | None = None, **kwargs: Any) -> SnapshotWriter:
+    gen = generation if generation is not None else store.claim_generation({})
+    return SnapshotWriter(store, generation=gen, keep_last=kwargs.pop("keep_last", 3), **kwargs)
+
+
+def test_published_snapshot_has_marker_checksum_and_loads_weights_only(store: LocalStore) -> None:
+    w = writer_for(store)
+    require_ok(w.save(10, capture(10), sync=True))
+    (ref,) = store.complete()
+    assert ref == SnapshotRef(generation=1, step=10) and ref.name == "step-000000010-gen-000001"
+    meta, state = load_snapshot(store.path(ref))
+    assert meta["step"] == 10 and len(meta["sha256"]) == 64 and meta["size_bytes"] > 0
+    assert torch.equal(state["model"]["w"], torch.full((4,), 10.0))
+
+
+def test_async_save_blocks_only_for_the_copy_and_at_most_one_write_is_in_flight(store: LocalStore) -> None:
+    w = writer_for(store)
+    live = {"w": torch.zeros(1000)}
+    result = w.save(1, lambda: ({"model": live}, {}))
+    live["w"] += 1  # training goes on while the write is in flight: the snapshot must not see it
+    w.save(2, capture(2))  # waits for the first write before starting the second
+    w.close()
+    _, first = load_snapshot(store.path(SnapshotRef(1, 1)))
+    assert torch.equal(first["model"]["w"], torch.zeros(1000))
+    assert result.error is None and result.blocking_s <= result.blocking_s + result.write_s
+
+
+def test_keeps_the_last_k_and_deletes_older_only_after_a_newer_is_complete(store: LocalStore) -> None:
+    w = writer_for(store, keep_last=2)
+    for step in (10, 20, 30, 40):
+        require_ok(w.save(step, capture(step), sync=True))
+    assert [r.step for r in store.complete()] == [30, 40]
+
+
+def test_readers_never_see_a_staging_directory(store: LocalStore) -> None:
+    staging = store.staging(SnapshotRef(1, 50))
+    (staging / "state.pt").write_bytes(b"half")
+    assert store.complete() == [] and store.incomplete() == [staging.name]
+
+
+def test_corrupt_newest_falls_back_to_the_previous_and_is_moved_aside(store: LocalStore) -> None:
+    w = writer_for(store)
+    for step in (10, 20):
+        require_ok(w.save(step, capture(step), sync=True))
+    newest = store.path(SnapshotRef(1, 20)) / "state.pt"
+    data = bytearray(newest.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    newest.write_bytes(bytes(data))
+    rejected: list[str] = []
+    loaded = find_newest(store, on_rejected=lambda ref, why: rejected.append(why))
+    assert loaded is not None and loaded.ref.step == 10
+    assert "checksum mismatch" in rejected[0]
+    assert store.corrupt() == ["corrupt-step-000000020-gen-000001"]
+    assert "checksum" in (store.root / "corrupt-step-000000020-gen-000001" / "REASON").read_text()
+
+
+@pytest.mark.parametrize("damage", ["truncate", "delete_marker", "garbage_marker", "unsafe_pickle"])
+def test_every_kind_of_damage_is_reported_and_the_previous_one_used(store: LocalStore, damage: str) -> None:
+    w = writer_for(store)
+    for step in (10, 20):
+        require_ok(w.save(step, capture(step), sync=True))
+    directory = store.path(SnapshotRef(1, 20))
+    if damage == "truncate":
+        with open(directory / "state.pt", "r+b") as fh:
+            fh.truncate(100)
+    elif damage == "delete_marker":
+        (directory / "meta.json").unlink()
+    elif damage == "garbage_marker":
+        (directory / "meta.json").write_text("{not json")
+    else:
+        # A pickle that would run code: rejected by weights_only even with a matching checksum.
+        import hashlib
+        import pickle
+
+        class Evil:
+            def __reduce__(self):  # noqa: ANN204
+                return (os.system, ("echo pwned",))
+
+        payload = pickle.dumps({"model": Evil()})
+        (directory / "state.pt").write_bytes(payload)
+        meta = json.loads((directory / "meta.json").read_text())
+        meta.update(sha256=hashlib.sha256(payload).hexdigest(), size_bytes=len(payload))
+        (directory / "meta.json").write_text(json.dumps(meta))
+    loaded = find_newest(store)
+    assert loaded is not None and loaded.ref.step == 10
+
+
+def test_map_location_moves_tensors_saved_elsewhere_onto_the_local_device(store: LocalStore) -> None:
+    # A snapshot whose storages are tagged for another device index (as if saved on cuda:1)
+    # must still load onto this process's device. On CPU we emulate the tag via torch's
+    # location-restore hook: every storage is redirected to map_location.
+    w = writer_for(store)
+    require_ok(w.save(5, capture(5), sync=True))
+    loaded = find_newest(store, map_location=torch.device("cpu"))
+    assert loaded is not None and loaded.state["model"]["w"].device.type == "cpu"
+    if torch.cuda.is_available():
+        target = torch.device("cuda", torch.cuda.device_count() - 1)
+        moved = find_newest(store, map_location=target)
+        assert moved is not None and moved.state["model"]["w"].device == target
+
+
+def test_stale_generation_cannot_publish_and_nothing_complete_is_lost(store: LocalStore) -> None:
+    old = writer_for(store)  # generation 1: e.g. a node cut off by a split brain
+    require_ok(old.save(10, capture(10), sync=True))
+    new = writer_for(store)  # generation 2 claims the run directory
+    require_ok(new.save(10, capture(10), sync=True))
+    with pytest.raises(SnapshotError, match="stale"):
+        require_ok(old.save(20, capture(20), sync=True))
+    with pytest.raises(StaleWriterError):
+        old.raise_if_fatal()
+    assert [r.name for r in store.complete()] == ["step-000000010-gen-000001", "step-000000010-gen-000002"]
+    assert store.complete()[-1].generation == 2
+
+
+def test_concurrent_writers_of_two_rounds_only_the_newer_becomes_latest(store: LocalStore) -> None:
+    old_gen = store.claim_generation({})
+    new_gen = store.claim_generation({})
+    old = SnapshotWriter(store, generation=old_gen, keep_last=10)
+    new = SnapshotWriter(store, generation=new_gen, keep_last=10)
+    barrier = threading.Barrier(2)
+    results = {}
+
+    def run(name: str, w: SnapshotWriter, step: int) -> None:
+        barrier.wait()
+        results[name] = w.save(step, capture(step, size=200_000), sync=True)
+
+    threads = [threading.Thread(target=run, args=("old", old, 100)), threading.Thread(target=run, args=("new", new, 60))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert isinstance(results["old"].error, StaleWriterError)
+    assert results["new"].error is None
+    loaded = find_newest(store)
+    assert loaded is not None and loaded.ref == SnapshotRef(generation=new_gen, step=60)
+
+
+def test_generation_claims_are_exclusive_under_contention(store: LocalStore) -> None:
+    claimed: list[int] = []
+    lock = threading.Lock()
+
+    def claim() -> None:
+        g = store.claim_generation({})
+        with lock:
+            claimed.append(g)
+
+    threads = [threading.Thread(target=claim) for _ in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(claimed) == list(range(1, 17))
+
+
+def test_unwritable_directory_is_a_clear_error(tmp_path: Path) -> None:
+    if os.geteuid() == 0:
+        # root ignores permission bits: use a path below a regular file instead
+        (tmp_path / "file").write_text("x")
+        target = tmp_path / "file" / "snapshots"
+    else:
+        (tmp_path / "ro").mkdir(mode=0o500)
+        target = tmp_path / "ro" / "snapshots"
+    with pytest.raises(SnapshotError, match="run.dir"):
+        LocalStore(target).ensure()
+
+
+@contextlib.contextmanager
+def tiny_filesystem(path: Path, size: str = "256k") -> Iterator[Path]:
+    """A real ENOSPC: a small tmpfs (needs root), else writes that go to /dev/full."""
+    path.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                             capture_output=True).returncode == 0
+    try:
+        yield path if mounted else None  # type: ignore[misc]
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(path)], check=False)
+
+
+class DevFullStore(LocalStore):
+    """Every staged state.pt is a link to /dev/full: each write fails with ENOSPC."""
+
+    def staging(self, ref: SnapshotRef) -> Path:
+        path = super().staging(ref)
+        (path / "state.pt").symlink_to("/dev/full")
+        return path
+
+
+def test_disk_full_during_write_keeps_the_previous_snapshot(tmp_path: Path) -> None:
+    with tiny_filesystem(tmp_path / "tiny") as mount:
+        store: LocalStore = LocalStore(mount / "snapshots") if mount else DevFullStore(tmp_path / "snapshots")
+        store.ensure()
+        w = writer_for(store)
+        if mount:
+            require_ok(w.save(10, capture(10, size=100), sync=True))  # small: fits
+            failing = w.save(20, capture(20, size=1_000_000), sync=True)  # 4 MB: does not
+        else:
+            store_ok = LocalStore(tmp_path / "snapshots")
+            require_ok(SnapshotWriter(store_ok, generation=w.generation, keep_last=3).save(10, capture(10), sync=True))
+            failing = w.save(20, capture(20), sync=True)
+        assert failing.error is not None and "disk full" in str(failing.error)
+        assert [r.step for r in store.complete()] == [10]
+        assert store.incomplete() == []  # the staging directory was cleaned up
+        loaded = find_newest(store)
+        assert loaded is not None and loaded.ref.step == 10
+        assert w.failures == 1
+
+
+def test_inspect_reports_each_snapshot_and_export_strips_nothing_it_should_keep(store: LocalStore, tmp_path: Path) -> None:
+    w = writer_for(store)
+    for step in (10, 20):
+        require_ok(w.save(step, capture(step), sync=True))
+    store.staging(SnapshotRef(1, 30))
+    report = inspect(str(store.root.parent))
+    assert report["latest"] == "step-000000020-gen-000001" and report["step"] == 20
+    assert report["consumed_samples"] == 160 and report["generation"] == 1
+    assert [e["complete"] for e in report["snapshots"]] == [True, True, False]
+    out = tmp_path / "model.pt"
+    summary = export(str(store.root.parent), str(out))
+    assert summary["step"] == 20
+    model = torch.load(out, weights_only=True)
+    assert set(model) == {"w", "module_like"} and torch.equal(model["w"], torch.full((4,), 20.0))
