@@ -151,7 +151,7 @@ class LocalJob:
 
     # -- starting ---------------------------------------------------------------------------
 
-    def command(self) -> list[str]:
+    def command(self, index: int = 0) -> list[str]:
         if self.launcher == "torchrun":
             cmd = [sys.executable, "-m", "torch.distributed.run"]
         else:
@@ -162,8 +162,14 @@ class LocalJob:
             f"--rdzv_id=job-{Path(self.run_dir).name}", f"--max_restarts={self.max_restarts}",
             "--monitor_interval=0.1",
         ]
-        if self.rdzv_conf:
-            cmd.append(f"--rdzv_conf={self.rdzv_conf}")
+        conf = [c for c in (self.rdzv_conf or "").split(",") if c]
+        if self.rdzv_backend == "c10d" and not any(c.startswith("is_host=") for c in conf):
+            # On one machine every agent "matches" the endpoint host and they race to
+            # bind it; the first agent started while none runs hosts, as on a real cluster.
+            # Losing it loses a c10d job (the reason for the etcd-v3 backend).
+            conf.append(f"is_host={'false' if self.running_agents() else 'true'}")
+        if conf:
+            cmd.append(f"--rdzv_conf={','.join(conf)}")
         cmd += ["-m", "elastic_runner.train", "--config", self.config, "--set", f"run.dir={self.run_dir}"]
         for item in self.overrides:
             cmd += ["--set", item]
@@ -174,9 +180,10 @@ class LocalJob:
         log_path = Path(self.log_dir or self.run_dir) / f"agent-{index}.log"
         env = os.environ | {"PYTHONUNBUFFERED": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} | self.env
         fh = open(log_path, "ab")
-        fh.write(f"$ {shlex.join(self.command())}\n".encode())
+        command = self.command(index)
+        fh.write(f"$ {shlex.join(command)}\n".encode())
         fh.flush()
-        proc = subprocess.Popen(self.command(), stdout=fh, stderr=subprocess.STDOUT, env=env,
+        proc = subprocess.Popen(command, stdout=fh, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True, stdin=subprocess.DEVNULL)
         fh.close()
         agent = Agent(index=index, proc=proc, log_path=log_path, started_at=time.time())

@@ -129,18 +129,35 @@ def test_every_kind_of_damage_is_reported_and_the_previous_one_used(store: Local
     assert loaded is not None and loaded.ref.step == 10
 
 
-def test_map_location_moves_tensors_saved_elsewhere_onto_the_local_device(store: LocalStore) -> None:
-    # A snapshot whose storages are tagged for another device index (as if saved on cuda:1)
-    # must still load onto this process's device. On CPU we emulate the tag via torch's
-    # location-restore hook: every storage is redirected to map_location.
+@contextlib.contextmanager
+def storages_tagged_as(location: str) -> Iterator[None]:
+    """Make torch.save record CPU storages as living on ``location`` (e.g. another GPU)."""
+    import torch.serialization as ser
+
+    def tagger(obj: Any) -> str | None:
+        return location if getattr(obj, "device", None) is not None and obj.device.type == "cpu" else None
+
+    ser.register_package(0, tagger, lambda obj, loc: None)
+    try:
+        yield
+    finally:
+        ser._package_registry[:] = [p for p in ser._package_registry if p[1] is not tagger]
+
+
+def test_snapshot_saved_on_another_device_index_loads_onto_the_local_device(store: LocalStore) -> None:
     w = writer_for(store)
-    require_ok(w.save(5, capture(5), sync=True))
-    loaded = find_newest(store, map_location=torch.device("cpu"))
-    assert loaded is not None and loaded.state["model"]["w"].device.type == "cpu"
-    if torch.cuda.is_available():
-        target = torch.device("cuda", torch.cuda.device_count() - 1)
-        moved = find_newest(store, map_location=target)
-        assert moved is not None and moved.state["model"]["w"].device == target
+    with storages_tagged_as("cuda:1"):  # as if rank 0 had saved from cuda:1
+        require_ok(w.save(5, capture(5), sync=True))
+    path = store.path(SnapshotRef(1, 5))
+    if not torch.cuda.is_available():
+        # Proof that the file really names cuda:1: without map_location it cannot load here.
+        with pytest.raises(RuntimeError, match="CUDA"):
+            torch.load(path / "state.pt", weights_only=True)
+    local = torch.device("cuda", torch.cuda.device_count() - 1) if torch.cuda.is_available() else torch.device("cpu")
+    loaded = find_newest(store, map_location=local)
+    assert loaded is not None and loaded.ref.step == 5
+    assert loaded.state["model"]["w"].device == local
+    assert torch.equal(loaded.state["model"]["w"].cpu(), torch.full((4,), 5.0))
 
 
 def test_stale_generation_cannot_publish_and_nothing_complete_is_lost(store: LocalStore) -> None:
