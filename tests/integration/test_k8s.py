@@ -1,0 +1,639 @@
+"""The Kubernetes deployment (k8s/, Dockerfile), checked offline.
+
+Every overlay renders with ``kubectl kustomize`` and every document in it validates strictly
+(unknown fields are errors) against the Kubernetes schemas of the oldest and newest supported
+versions, or, for the custom resources, against k8s/schemas/. Each training pod, as its
+controller creates it, runs exactly the torchrun command documented in the README. The
+workload, config, rendezvous, volume, grace period and monitoring fit together, and the alerts
+fire (and stay quiet) on synthetic series under ``promtool test rules``.
+
+Needs kubectl >= 1.27 (skipped with the reason otherwise); the alert tests need promtool
+(Debian's ``prometheus``, installed as root when missing).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from elastic_runner.config import load_config
+
+from .k8s_support import (
+    K8S,
+    KUBERNETES_VERSIONS,
+    OVERLAYS,
+    ROOT,
+    Schemas,
+    WorkerPod,
+    by_kind,
+    canonical_command,
+    configmap,
+    container_argv,
+    describe,
+    dockerfile_entrypoint,
+    dockerfile_instructions,
+    documented_command,
+    documented_command_source,
+    exported_metric_names,
+    find_kubectl,
+    find_promtool,
+    metric_names_in,
+    one,
+    render,
+    resolve_env,
+    torchrun_args,
+    torchrun_dests,
+    worker_pods,
+)
+
+MONITORING = K8S / "components" / "monitoring"
+RULES = MONITORING / "prometheusrule.yaml"
+DASHBOARD = MONITORING / "dashboards" / "elastic-runner.json"
+# The manifests' own margin: the agent needs this long after its workers stopped.
+AGENT_EXIT_MARGIN_SECONDS = 15
+
+
+# -- fixtures ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def kubectl() -> str:
+    binary, why = find_kubectl()
+    if binary is None:
+        pytest.skip(why)
+    return binary
+
+
+@pytest.fixture(scope="module")
+def promtool() -> str:
+    binary, why = find_promtool()
+    if binary is None:
+        pytest.skip(why)
+    return binary
+
+
+@pytest.fixture(scope="module", params=OVERLAYS)
+def overlay(request: pytest.FixtureRequest, kubectl: str) -> tuple[str, list[dict[str, Any]]]:
+    return request.param, render(kubectl, K8S / "overlays" / request.param)
+
+
+@pytest.fixture(scope="module")
+def schemas() -> dict[str, Schemas]:
+    pytest.importorskip("kubernetes_validate", reason="kubernetes-validate (test extra) is not installed")
+    return {version: Schemas(version) for version in KUBERNETES_VERSIONS}
+
+
+def pods_of(docs: list[dict[str, Any]]) -> list[WorkerPod]:
+    pods = worker_pods(docs)
+    assert pods, "no training workload (Job or PyTorchJob) in the render"
+    return pods
+
+
+def nnodes(env: dict[str, str]) -> tuple[int, int]:
+    low, _, high = env["PET_NNODES"].partition(":")
+    return int(low), int(high or low)
+
+
+def mount_path(pod: WorkerPod, volume_name: str, container: str = "pytorch") -> str:
+    mounts = [m for m in pod.container(container).get("volumeMounts", []) if m["name"] == volume_name]
+    assert mounts, f"{describe(pod.owner)}: container {container} does not mount volume {volume_name!r}"
+    return mounts[0]["mountPath"]
+
+
+def volume(pod: WorkerPod, name: str) -> dict[str, Any]:
+    found = [v for v in pod.spec.get("volumes", []) if v["name"] == name]
+    assert found, f"{describe(pod.owner)} has no volume {name!r}"
+    return found[0]
+
+
+def port(pod: WorkerPod, name: str) -> int:
+    found = [p["containerPort"] for p in pod.container().get("ports", []) if p.get("name") == name]
+    assert found, f"{describe(pod.owner)}: no container port named {name!r}"
+    return found[0]
+
+
+def all_pod_templates(docs: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
+    templates = [(describe(d), d["spec"]["template"]) for d in docs if d["kind"] in ("Job", "StatefulSet", "Deployment")]
+    templates += [(describe(p.owner), p.template) for p in worker_pods(docs) if p.owner["kind"] == "PyTorchJob"]
+    return templates
+
+
+# -- rendering and schemas ------------------------------------------------------------------------
+
+
+def test_every_overlay_renders_a_workload_with_its_rendezvous(overlay: tuple[str, list[dict[str, Any]]]) -> None:
+    name, docs = overlay
+    assert all(d.get("apiVersion") and d.get("kind") and d.get("metadata", {}).get("name") for d in docs)
+    kinds = {d["kind"] for d in docs}
+    assert {"ServiceAccount", "PersistentVolumeClaim", "ConfigMap", "StatefulSet", "Service"} <= kinds, kinds
+    assert len(by_kind(docs, "Job") + by_kind(docs, "PyTorchJob")) == 1, f"{name}: exactly one training workload"
+    names = [describe(d) for d in docs]
+    assert len(names) == len(set(names)), f"{name}: duplicate documents {names}"
+
+
+def test_every_document_validates_strictly_against_its_schema(
+    overlay: tuple[str, list[dict[str, Any]]], schemas: dict[str, Schemas]
+) -> None:
+    name, docs = overlay
+    errors = [f"Kubernetes {version}: {error}" for version, s in schemas.items() for doc in docs for error in s.errors(doc)]
+    assert not errors, f"{name}:\n" + "\n".join(errors)
+
+
+def test_custom_resource_schemas_reject_what_their_operators_reject(schemas: dict[str, Schemas]) -> None:
+    """The shipped schemas are strict, not decorative: each of these mistakes is an error."""
+    s = schemas[KUBERNETES_VERSIONS[-1]]
+    template = {"spec": {"containers": [{"name": "pytorch", "image": "x"}]}}
+    good = {
+        "PodMonitor": {"apiVersion": "monitoring.coreos.com/v1", "kind": "PodMonitor", "metadata": {"name": "m"},
+                       "spec": {"selector": {"matchLabels": {"a": "b"}}, "podMetricsEndpoints": [{"port": "metrics"}]}},
+        "PrometheusRule": {"apiVersion": "monitoring.coreos.com/v1", "kind": "PrometheusRule", "metadata": {"name": "r"},
+                           "spec": {"groups": [{"name": "g", "rules": [{"alert": "A", "expr": "up == 0", "for": "5m"}]}]}},
+        "PyTorchJob": {"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "metadata": {"name": "j"},
+                       "spec": {"elasticPolicy": {"minReplicas": 1, "maxReplicas": 2, "rdzvBackend": "etcd-v3"},
+                                "pytorchReplicaSpecs": {"Worker": {"replicas": 2, "restartPolicy": "OnFailure",
+                                                                   "template": template}}}},
+    }
+    for doc in good.values():
+        assert s.errors(doc) == [], describe(doc)
+
+    def broken(kind: str, change: Any) -> list[str]:
+        doc = copy.deepcopy(good[kind])
+        change(doc)
+        return s.errors(doc)
+
+    assert broken("PodMonitor", lambda d: d["spec"].update(podMetricEndpoints=[]))  # misspelt field
+    assert broken("PodMonitor", lambda d: d["spec"]["podMetricsEndpoints"][0].update(interval="15 seconds"))
+    assert broken("PodMonitor", lambda d: d["spec"].pop("selector"))
+    assert broken("PrometheusRule", lambda d: d["spec"]["groups"][0]["rules"][0].update(record="x"))  # alert and record
+    assert broken("PrometheusRule", lambda d: d["spec"]["groups"][0]["rules"][0].pop("expr"))
+    assert broken("PrometheusRule", lambda d: d["spec"]["groups"][0]["rules"][0].update(severity="page"))
+    assert broken("PyTorchJob", lambda d: d["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]
+                  .update(name="trainer"))  # the operator needs a container named pytorch
+    assert broken("PyTorchJob", lambda d: d["spec"]["pytorchReplicaSpecs"].update(
+        Master=d["spec"]["pytorchReplicaSpecs"].pop("Worker")))  # elasticPolicy without workers
+    assert broken("PyTorchJob", lambda d: d["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]
+                  .update(env={"A": "1"}))  # the embedded pod template is checked by Kubernetes' strict schema
+    assert broken("PyTorchJob", lambda d: d["spec"]["elasticPolicy"].update(minReplicas="1"))
+    assert broken("PyTorchJob", lambda d: d["metadata"].update(name="Trainer_1"))
+
+
+# -- the torchrun command ------------------------------------------------------------------------
+
+
+def test_each_training_pod_runs_the_documented_torchrun_command(overlay: tuple[str, list[dict[str, Any]]]) -> None:
+    """Rebuild each pod's command from its container args and environment (PyTorchJob: plus what
+    the training operator adds) with torchrun's parser, and compare it with the README's."""
+    name, docs = overlay
+    documented = documented_command()
+    source = documented_command_source().relative_to(ROOT)
+    assert documented.argv[:2] == ["elastic-runner", "launch"], f"{source}: the documented command is {documented}"
+    expected = torchrun_args(documented.argv[2:], documented.env)
+    for pod in pods_of(docs):
+        env = resolve_env(pod, docs)
+        argv = container_argv(pod)
+        assert argv[:2] == documented.argv[:2], f"{name} {describe(pod.owner)} runs {argv}"
+        actual = torchrun_args(argv[2:], env)
+        assert vars(actual) == vars(expected), (
+            f"{name} {describe(pod.owner)} runs\n  {canonical_command(actual, argv[:2])}\n"
+            f"but {source} documents\n  {canonical_command(expected, argv[:2])}")
+        other = {k: env.get(k) for k in documented.env}
+        assert other == documented.env, f"{name} {describe(pod.owner)}: environment {other}, documented {documented.env}"
+
+
+def test_every_PET_variable_is_a_torchrun_flag(overlay: tuple[str, list[dict[str, Any]]]) -> None:
+    """torchrun ignores a misspelt PET_ variable silently; here it is an error."""
+    name, docs = overlay
+    dests = torchrun_dests()
+    for pod in pods_of(docs):
+        unknown = sorted(k for k in resolve_env(pod, docs) if k.startswith("PET_") and k[4:].lower() not in dests)
+        assert not unknown, f"{name} {describe(pod.owner)}: {unknown} are not torchrun flags"
+
+
+def test_no_container_defines_a_variable_twice(overlay: tuple[str, list[dict[str, Any]]]) -> None:
+    name, docs = overlay
+    for owner, template in all_pod_templates(docs):
+        for c in template["spec"].get("initContainers", []) + template["spec"]["containers"]:
+            names = [v["name"] for v in c.get("env", [])]
+            assert len(names) == len(set(names)), f"{name} {owner} {c['name']}: duplicate env {names}"
+
+
+def test_the_documented_command_parses_like_a_shell_line() -> None:
+    from .k8s_support import parse_documented_command
+
+    text = ("<!-- k8s-command -->\n```sh\n# comment\nA=1 B=x=y \\\n  elastic-runner launch --nnodes=1:2 \\\n"
+            "  -m mod --config 'a b'\n```\n<!-- /k8s-command -->")
+    command = parse_documented_command(text)
+    assert command.env == {"A": "1", "B": "x=y"}
+    assert command.argv == ["elastic-runner", "launch", "--nnodes=1:2", "-m", "mod", "--config", "a b"]
+
+
+# -- the workload ---------------------------------------------------------------------------------
+
+
+def test_the_workload_scales_between_min_and_max_pods(overlay: tuple[str, list[dict[str, Any]]]) -> None:
+    name, docs = overlay
+    for pod in pods_of(docs):
+        low, high = nnodes(resolve_env(pod, docs))
+        assert 1 <= low <= high, f"{name}: PET_NNODES={low}:{high}"
+        owner = pod.owner
+        if owner["kind"] == "Job":
+            spec = owner["spec"]
+            assert spec["completionMode"] == "Indexed"
+            assert spec["completions"] == high, "completions is the most pods that ever run: the max of PET_NNODES"
+            assert low <= spec["parallelism"] <= high, f"{name}: parallelism {spec['parallelism']} outside {low}:{high}"
+            assert spec["successPolicy"] == {"rules": [{"succeededCount": 1}]}, "one finished pod finishes the run"
+            assert pod.spec["restartPolicy"] == "Never"
+            assert spec["podReplacementPolicy"] == "Failed", "never two pods for one index"
+            rules = spec["podFailurePolicy"]["rules"]
+            assert {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]} in rules
+            config_rule = [r for r in rules if r["action"] == "FailJob"]
+            assert config_rule and config_rule[0]["onExitCodes"]["containerName"] in {
+                c["name"] for c in pod.spec.get("initContainers", [])}, "FailJob must name the config check"
+            assert "selector" not in spec, "a Job's selector is generated; labels must not add one"
+        else:
+            policy = owner["spec"]["elasticPolicy"]
+            assert (policy["minReplicas"], policy["maxReplicas"]) == (low, high)
+            replicas = owner["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"]
+            assert low <= replicas <= high
+            assert pod.spec["restartPolicy"] == owner["spec"]["pytorchReplicaSpecs"]["Worker"]["restartPolicy"]
+
+
+def test_the_grace_period_covers_the_graceful_stop(overlay: tuple[str, list[dict[str, Any]]]) -> None:
+    """Kubernetes must not SIGKILL a pod while torchrun still gives its workers time to save."""
+    name, docs = overlay
+    for pod in pods_of(docs):
+        env = resolve_env(pod, docs)
+        shutdown = int(env["PET_SHUTDOWN_TIMEOUT"])
+        grace = pod.spec["terminationGracePeriodSeconds"]
+        assert shutdown > 30, "torchrun's default (30 s) is what PET_SHUTDOWN_TIMEOUT is there to raise"
+        assert grace >= shutdown + AGENT_EXIT_MARGIN_SECONDS, (
+            f"{name}: terminationGracePeriodSeconds {grace} < PET_SHUTDOWN_TIMEOUT {shutdown} + {AGENT_EXIT_MARGIN_SECONDS}")
+        entrypoint = pod.container().get("command") or dockerfile_entrypoint()
+        assert entrypoint[0] == "tini", "PID 1 must forward SIGTERM (a Python PID 1 ignores it until torchrun's handler is set)"
+
+
+def test_the_config_file_fits_the_pod(overlay: tuple[str, list[dict[str, Any]]], tmp_path: Path) -> None:
+    """The mounted config is valid, writes to the shared volume and serves metrics where the pod
+    (and the PodMonitor) expects them; the config check reads the same file."""
+    name, docs = overlay
+    for pod in pods_of(docs):
+        args = pod.container()["args"]
+        config_path = args[args.index("--config") + 1]
+        config_dir = mount_path(pod, "config")
+        assert Path(config_path).parent == Path(config_dir)
+        data = configmap(docs, volume(pod, "config")["configMap"]["name"])["data"]
+        assert Path(config_path).name in data, f"{name}: {config_path} is not in the ConfigMap"
+        (tmp_path / "config.yaml").write_text(data[Path(config_path).name])
+        config = load_config(tmp_path / "config.yaml")
+        runs = mount_path(pod, "runs")
+        assert Path(config.run.dir).is_relative_to(runs), f"{name}: run.dir {config.run.dir} is not on the volume at {runs}"
+        assert config.snapshot.dir is None or Path(config.snapshot.dir).is_relative_to(runs)
+        assert config.metrics.port == port(pod, "metrics")
+        assert int(resolve_env(pod, docs)["ELASTIC_RUNNER_AGENT_METRICS_PORT"]) == port(pod, "agent-metrics")
+        assert config.metrics.bind in ("auto", "0.0.0.0")
+        check = [c for c in pod.spec["initContainers"] if c["name"] == "check-config"][0]
+        assert check["args"] == ["config", config_path] and check["image"] == pod.container()["image"]
+        assert {m["mountPath"] for m in check["volumeMounts"] if m["name"] == "config"} == {config_dir}
+
+
+def test_each_overlay_asks_for_the_hardware_its_config_uses(overlay: tuple[str, list[dict[str, Any]]], tmp_path: Path) -> None:
+    name, docs = overlay
+    for pod in pods_of(docs):
+        data = configmap(docs, volume(pod, "config")["configMap"]["name"])["data"]
+        (tmp_path / "config.yaml").write_text(data["config.yaml"])
+        config = load_config(tmp_path / "config.yaml")
+        env = resolve_env(pod, docs)
+        limits = pod.container()["resources"].get("limits", {})
+        if config.dist.device == "cuda":
+            assert config.dist.backend == "nccl", f"{name}: GPUs train with NCCL"
+            assert int(limits["nvidia.com/gpu"]) == int(env["PET_NPROC_PER_NODE"]), "one GPU per worker process"
+            assert {"NCCL_DEBUG", "NCCL_SOCKET_IFNAME", "TORCH_NCCL_ASYNC_ERROR_HANDLING"} <= set(env)
+            shm = volume(pod, "dshm")["emptyDir"]
+            assert shm["medium"] == "Memory" and mount_path(pod, "dshm") == "/dev/shm"
+        else:
+            assert config.dist.backend == "gloo" and config.dist.device == "cpu", f"{name}: CPU pods train with gloo"
+            assert "nvidia.com/gpu" not in limits
+        requests = pod.container()["resources"]["requests"]
+        assert limits.get("memory") == requests["memory"], "memory limit = request: no overcommitted training pods"
+
+
+def test_pods_run_unprivileged(overlay: tuple[str, list[dict[str, Any]]]) -> None:
+    """The Pod Security Standard "restricted" profile's requirements, for every pod."""
+    name, docs = overlay
+    for owner, template in all_pod_templates(docs):
+        spec = template["spec"]
+        assert spec["securityContext"]["runAsNonRoot"] is True, f"{name} {owner}"
+        assert spec["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault", f"{name} {owner}"
+        assert spec.get("automountServiceAccountToken") is False, f"{name} {owner}: no API access needed"
+        assert spec.get("enableServiceLinks") is False, f"{name} {owner}: Service variables would reach etcd's config"
+        for c in spec.get("initContainers", []) + spec["containers"]:
+            sc = c["securityContext"]
+            assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"]["drop"] == ["ALL"], f"{name} {owner} {c['name']}"
+            assert not sc.get("privileged")
+
+
+def test_the_rendezvous_endpoint_is_the_etcd_service(overlay: tuple[str, list[dict[str, Any]]]) -> None:
+    name, docs = overlay
+    etcd = one(docs, "StatefulSet", "etcd")
+    etcd_labels = etcd["spec"]["template"]["metadata"]["labels"]
+    etcd_ports = {p["name"]: p["containerPort"] for p in etcd["spec"]["template"]["spec"]["containers"][0]["ports"]}
+    for pod in pods_of(docs):
+        env = resolve_env(pod, docs)
+        assert env["PET_RDZV_BACKEND"] == "etcd-v3"
+        for endpoint in env["PET_RDZV_ENDPOINT"].split(","):
+            host, _, endpoint_port = endpoint.partition(":")
+            service = one(docs, "Service", host)
+            assert service["spec"]["selector"].items() <= etcd_labels.items(), f"{name}: Service {host} does not select etcd"
+            ports = [p for p in service["spec"]["ports"] if p["port"] == int(endpoint_port)]
+            assert ports, f"{name}: Service {host} has no port {endpoint_port}"
+            assert etcd_ports[ports[0]["targetPort"]] == int(endpoint_port)
+    env_of_etcd = {v["name"]: v.get("value") for v in etcd["spec"]["template"]["spec"]["containers"][0]["env"]}
+    members = env_of_etcd["ETCD_INITIAL_CLUSTER"].split(",")
+    assert len(members) == etcd["spec"]["replicas"], f"{name}: ETCD_INITIAL_CLUSTER lists {len(members)} members"
+    assert [m.split("=")[0] for m in members] == [f"etcd-{i}" for i in range(len(members))]
+    assert all(f".{etcd['spec']['serviceName']}:" in m for m in members)
+    assert one(docs, "Service", etcd["spec"]["serviceName"])["spec"]["publishNotReadyAddresses"] is True
+    if len(members) > 1:
+        assert etcd["spec"]["podManagementPolicy"] == "Parallel", "members of a new cluster must start together"
+        pdb = one(docs, "PodDisruptionBudget", "etcd")
+        assert pdb["spec"]["minAvailable"] == len(members) // 2 + 1, "drains must keep the quorum"
+
+
+def test_the_run_directory_is_one_shared_volume(overlay: tuple[str, list[dict[str, Any]]]) -> None:
+    name, docs = overlay
+    for pod in pods_of(docs):
+        claim = volume(pod, "runs")["persistentVolumeClaim"]["claimName"]
+        pvc = one(docs, "PersistentVolumeClaim", claim)
+        assert pvc["spec"]["accessModes"] == ["ReadWriteMany"], f"{name}: every pod on every node writes the run directory"
+        service_account = pod.spec["serviceAccountName"]
+        one(docs, "ServiceAccount", service_account)
+        for cm in [v["configMap"]["name"] for v in pod.spec["volumes"] if "configMap" in v] + [
+                s["configMapRef"]["name"] for s in pod.container().get("envFrom", [])]:
+            configmap(docs, cm)
+
+
+def test_labels_select_the_pods(overlay: tuple[str, list[dict[str, Any]]]) -> None:
+    """The base's labels reach every training pod (the PodMonitor selects on them)."""
+    name, docs = overlay
+    for pod in pods_of(docs):
+        labels = pod.template["metadata"]["labels"]
+        assert labels["app.kubernetes.io/name"] == "elastic-runner" and labels["app.kubernetes.io/component"] == "worker"
+    for monitor in by_kind(docs, "PodMonitor"):
+        for pod in pods_of(docs):
+            assert monitor["spec"]["selector"]["matchLabels"].items() <= pod.template["metadata"]["labels"].items()
+            names = {p["name"] for p in pod.container()["ports"]}
+            scraped = {e["port"] for e in monitor["spec"]["podMetricsEndpoints"]}
+            assert scraped == {"metrics", "agent-metrics"} and scraped <= names, f"{name}: scrapes {scraped}, pod has {names}"
+
+
+def test_only_the_base_sets_selector_labels() -> None:
+    """Selectors are immutable on a live object: one place decides them (the style guide)."""
+    for path in sorted(K8S.rglob("kustomization.yaml")):
+        kustomization = yaml.safe_load(path.read_text())
+        assert "commonLabels" not in kustomization, path
+        if path.parent != K8S / "base":
+            assert "labels" not in kustomization, f"{path.relative_to(ROOT)}: labels belong in k8s/base"
+    base = yaml.safe_load((K8S / "base" / "kustomization.yaml").read_text())
+    assert all(entry["includeSelectors"] for entry in base["labels"])
+
+
+def test_the_production_overlays_include_monitoring(kubectl: str) -> None:
+    for name in ("gpu", "gpu-pytorchjob"):
+        docs = render(kubectl, K8S / "overlays" / name)
+        kinds = {d["kind"] for d in docs}
+        assert {"PodMonitor", "PrometheusRule"} <= kinds, name
+        dashboard = [d for d in by_kind(docs, "ConfigMap") if d["metadata"].get("labels", {}).get("grafana_dashboard") == "1"]
+        assert len(dashboard) == 1 and json.loads(dashboard[0]["data"]["elastic-runner.json"]) == json.loads(DASHBOARD.read_text())
+
+
+def test_the_pytorchjob_variant_runs_the_gpu_overlays_pods(kubectl: str) -> None:
+    """The pods of the gpu overlay's Job (image, resources, NCCL, volumes); only the restart policy differs."""
+    job = one(render(kubectl, K8S / "overlays" / "gpu"), "Job")
+    pytorchjob = one(render(kubectl, K8S / "overlays" / "gpu-pytorchjob"), "PyTorchJob")
+    template = pytorchjob["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]
+    expected = copy.deepcopy(job["spec"]["template"])
+    expected["spec"]["restartPolicy"] = "OnFailure"
+    assert template == expected
+    assert pytorchjob["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] == job["spec"]["parallelism"]
+
+
+# -- monitoring ----------------------------------------------------------------------------------
+
+
+def rule_groups() -> list[dict[str, Any]]:
+    return yaml.safe_load(RULES.read_text())["spec"]["groups"]
+
+
+def alerts() -> dict[str, dict[str, Any]]:
+    return {r["alert"]: r for g in rule_groups() for r in g["rules"] if "alert" in r}
+
+
+def dashboard_exprs() -> list[tuple[str, str]]:
+    dashboard = json.loads(DASHBOARD.read_text())
+    return [(p["title"], t["expr"]) for p in dashboard["panels"] for t in p.get("targets", [])]
+
+
+def test_the_required_alerts_exist_and_explain_themselves() -> None:
+    rules = alerts()
+    required = {"ElasticRunnerNoProgress", "ElasticRunnerRestartsRising", "ElasticRunnerSnapshotStale",
+                "ElasticRunnerWorldSizeBelowMin"}
+    assert required <= rules.keys()
+    for name, rule in rules.items():
+        assert rule["labels"]["severity"] in {"critical", "warning", "info"}, name
+        assert {"summary", "description"} <= rule["annotations"].keys(), name
+        assert re.search(r"by \(namespace, training_job", rule["expr"]), f"{name} must be per job"
+
+
+def test_alerts_and_dashboard_use_only_exported_metrics() -> None:
+    exported = exported_metric_names()
+    used = {name: metric_names_in(r["expr"]) for name, r in alerts().items()}
+    used |= {f"panel {title!r}": metric_names_in(expr) for title, expr in dashboard_exprs()}
+    unknown = {where: sorted(names - exported) for where, names in used.items() if names - exported}
+    assert not unknown, f"metrics nobody exports: {unknown}"
+    assert all(used.values()), "every alert and panel reads an elastic_runner metric"
+
+
+def test_the_dashboard_shows_throughput_loss_world_size_restarts_snapshot_age_and_recovery() -> None:
+    dashboard = json.loads(DASHBOARD.read_text())
+    exprs = " ".join(expr for _, expr in dashboard_exprs())
+    for metric in ("elastic_runner_samples_total", "elastic_runner_loss", "elastic_runner_world_size",
+                   "elastic_runner_restarts_total", "elastic_runner_last_snapshot_timestamp_seconds",
+                   "elastic_runner_recovery_duration_seconds"):
+        assert metric in exprs, metric
+    assert "time() - max by (training_job) (elastic_runner_last_snapshot_timestamp_seconds" in exprs, "snapshot age"
+    ids = [p["id"] for p in dashboard["panels"]]
+    assert len(ids) == len(set(ids))
+    variables = {v["name"] for v in dashboard["templating"]["list"]}
+    assert {"datasource", "namespace", "training_job"} <= variables
+    for title, expr in dashboard_exprs():
+        if "elastic_runner_" in expr:
+            assert 'namespace="$namespace", training_job=~"$training_job"' in expr, f"panel {title!r} ignores the variables"
+    assert all(p["datasource"]["uid"] == "${datasource}" for p in dashboard["panels"] if p["type"] != "row")
+
+
+def promql_rule_file(tmp_path: Path, with_annotations: bool = True) -> Path:
+    groups = copy.deepcopy(rule_groups())
+    if not with_annotations:
+        for group in groups:
+            for rule in group["rules"]:
+                rule.pop("annotations", None)
+    path = tmp_path / "rules.yaml"
+    path.write_text(yaml.safe_dump({"groups": groups}))
+    return path
+
+
+def test_alert_rules_and_dashboard_queries_are_valid_promql(promtool: str, tmp_path: Path) -> None:
+    # Dashboard queries as recording rules, with Grafana's variables filled in, so promtool parses them too.
+    panels = [{"record": f"dashboard:panel_{i}", "expr": expr.replace("$__rate_interval", "1m")
+               .replace("$namespace", "ml").replace("$training_job", ".+")}
+              for i, (_, expr) in enumerate(dashboard_exprs())]
+    (tmp_path / "dashboard.yaml").write_text(yaml.safe_dump({"groups": [{"name": "dashboard", "rules": panels}]}))
+    result = subprocess.run([promtool, "check", "rules", str(promql_rule_file(tmp_path)), str(tmp_path / "dashboard.yaml")],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+JOB = 'namespace="ml",training_job="digits"'
+
+
+def series(metric: str, values: str, **labels: str) -> dict[str, str]:
+    extra = "".join(f',{k}="{v}"' for k, v in labels.items())
+    return {"series": f"{metric}{{{JOB}{extra}}}", "values": values}
+
+
+def fired(severity: str, **labels: str) -> dict[str, Any]:
+    """An alert of the test job firing, with its labels (alertname is implied)."""
+    return {"exp_labels": {"namespace": "ml", "training_job": "digits", "severity": severity, **labels}}
+
+
+def case(alert: str, input_series: list[dict[str, str]], expectations: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """One promtool test: the series, then for each eval time the alerts expected to fire."""
+    return {"interval": "1m", "input_series": input_series,
+            "alert_rule_test": [{"eval_time": t, "alertname": alert, "exp_alerts": exp} for t, exp in expectations.items()]}
+
+
+def test_alerts_fire_when_they_should_and_only_then(promtool: str, tmp_path: Path) -> None:
+    step, restarts = "elastic_runner_step", "elastic_runner_restarts_total"
+    snapshot = "elastic_runner_last_snapshot_timestamp_seconds"
+    agents, world = "elastic_runner_agent_remaining_restarts", "elastic_runner_world_size"
+    tests = [
+        # Steps advance for 30 minutes, then stop.
+        case("ElasticRunnerNoProgress", [series(step, "0+10x30 300x40", pod="p0", rank="0")],
+             {"40m": [], "60m": [fired("critical")]}),
+        # Crash-looping: every attempt resumes at step 200 and dies around 300.
+        case("ElasticRunnerNoProgress", [series(step, " ".join(["200+10x10"] * 6), pod="p0", rank="0")],
+             {"60m": [fired("critical")]}),
+        # Healthy, also across a restart of one rank (its step restarts from the snapshot).
+        case("ElasticRunnerNoProgress", [series(step, "0+10x70", pod="p0", rank="0"),
+                                         series(step, "0+10x20 150+10x50", pod="p1", rank="1")],
+             {"60m": []}),
+        # One pod's workers fail 5 times within an hour.
+        case("ElasticRunnerRestartsRising", [series(restarts, "0x30 1x5 2x5 3x5 4x5 5x20", pod="p0", rank="0")],
+             {"20m": [], "60m": [fired("warning")]}),
+        # Two group-wide restarts: every pod restarts twice. Counted per pod, not summed.
+        case("ElasticRunnerRestartsRising", [series(restarts, "0x30 1x15 2x25", pod=f"p{i}", rank=str(i)) for i in range(4)],
+             {"60m": []}),
+        # Snapshots each minute until 20 min, then none; rank 1 never writes one (0).
+        case("ElasticRunnerSnapshotStale", [series(snapshot, "0+60x20 1200x40", pod="p0", rank="0"),
+                                            series(snapshot, "0x60", pod="p1", rank="1")],
+             {"30m": [], "50m": [fired("warning")]}),
+        case("ElasticRunnerSnapshotStale", [series(snapshot, "0+60x60", pod="p0", rank="0")], {"50m": []}),
+        case("ElasticRunnerSnapshotFailing", [series("elastic_runner_snapshot_failures_total", "0x10 1x20", pod="p0", rank="0")],
+             {"5m": [], "20m": [fired("warning")]}),
+        # Two agents up, no worker: waiting for the minimum number of pods.
+        case("ElasticRunnerWorldSizeBelowMin", [series(agents, "100x30", pod="p0"), series(agents, "100x30", pod="p1")],
+             {"5m": [], "20m": [fired("critical")]}),
+        case("ElasticRunnerWorldSizeBelowMin", [series(agents, "100x30", pod="p0"), series(world, "1x30", pod="p0", rank="0")],
+             {"20m": []}),
+        # 4 ranks, then 2 for 40 minutes.
+        case("ElasticRunnerWorldSizeDegraded", [series(world, "4x30 2x40", pod="p0", rank="0")],
+             {"45m": [], "65m": [fired("info")]}),
+        case("ElasticRunnerRestartBudgetLow", [series(agents, "100x10 5x10", pod="p0")],
+             {"5m": [], "15m": [fired("warning", pod="p0")]}),
+    ]
+    tested = {t["alert_rule_test"][0]["alertname"] for t in tests}
+    assert tested == set(alerts()), f"alerts without a test: {set(alerts()) - tested}"
+    rules = promql_rule_file(tmp_path, with_annotations=False)
+    (tmp_path / "tests.yaml").write_text(yaml.safe_dump({"rule_files": [rules.name], "evaluation_interval": "1m",
+                                                         "tests": tests}))
+    result = subprocess.run([promtool, "test", "rules", "tests.yaml"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+# -- the image -------------------------------------------------------------------------------------
+
+
+def final_stage() -> list[tuple[str, str]]:
+    instructions = dockerfile_instructions()
+    last_from = max(i for i, (word, _) in enumerate(instructions) if word == "FROM")
+    return instructions[last_from:]
+
+
+def test_the_dockerfile_builds_cpu_and_cuda_images_from_one_file() -> None:
+    instructions = dockerfile_instructions()
+    first_from = next(i for i, (word, _) in enumerate(instructions) if word == "FROM")
+    global_args = {args.split("=")[0]: args.partition("=")[2] for word, args in instructions[:first_from] if word == "ARG"}
+    assert global_args.get("BASE") == "cpu", "BASE selects the base image; CPU by default"
+    stages = {args.split()[-1]: args.split()[0] for word, args in instructions if word == "FROM" and " AS " in args.upper()}
+    assert {"base-cpu", "base-cuda"} <= stages.keys()
+    assert "CUDA_IMAGE" in stages["base-cuda"] and "nvidia/cuda" in global_args["CUDA_IMAGE"]
+    assert final_stage()[0] == ("FROM", "base-${BASE}")
+    cuda_stage = [args for word, args in instructions if word in ("ARG", "ENV")]
+    assert any("whl/${TORCH_CUDA}" in a for a in cuda_stage) and any("whl/cpu" in a for a in cuda_stage)
+
+
+def test_the_dockerfile_installs_torch_first_then_the_pinned_package() -> None:
+    runs = [args for word, args in final_stage() if word == "RUN"]
+    torch_step = next(i for i, r in enumerate(runs) if '"torch==${TORCH_VERSION}"' in r and "--index-url" in r)
+    package_step = next(i for i, r in enumerate(runs) if "-c constraints.txt" in r)
+    assert torch_step < package_step, "torch must come from the chosen index before pip resolves the package"
+    version = next(args.split("=")[1] for word, args in final_stage() if word == "ARG" and args.startswith("TORCH_VERSION="))
+    pin = re.search(r"^torch==(\S+)", (ROOT / "constraints.txt").read_text(), re.M)
+    assert pin and pin.group(1) == version, "the image's torch is the version constraints.txt pins"
+
+
+def test_the_image_runs_elastic_runner_as_the_manifests_user(kubectl: str) -> None:
+    user = [args for word, args in final_stage() if word == "USER"]
+    assert user and re.fullmatch(r"\d+:\d+", user[-1]), "a numeric user: runAsNonRoot can only verify numbers"
+    uid, gid = (int(x) for x in user[-1].split(":"))
+    assert uid != 0
+    entrypoint = dockerfile_entrypoint()
+    assert entrypoint[:2] == ["tini", "--"] and entrypoint[-1] == "elastic-runner"
+    for name in OVERLAYS:
+        for pod in worker_pods(render(kubectl, K8S / "overlays" / name)):
+            context = pod.spec["securityContext"]
+            assert (context["runAsUser"], context["runAsGroup"], context["fsGroup"]) == (uid, gid, gid), name
+
+
+def test_the_overlays_use_the_images_the_dockerfile_documents(kubectl: str) -> None:
+    header = (ROOT / "Dockerfile").read_text()
+    builds = {m.group(2): m.group(1) for m in re.finditer(r"^#\s+docker build (.*?)-t (\S+) \.", header, re.M)}
+    assert builds, "the Dockerfile's header documents its build commands"
+    for name in OVERLAYS:
+        for pod in worker_pods(render(kubectl, K8S / "overlays" / name)):
+            image = pod.container()["image"]
+            assert image in builds, f"{name} uses {image}; the Dockerfile builds {sorted(builds)}"
+            cuda = "BASE=cuda" in builds[image]
+            assert cuda == ("nvidia.com/gpu" in pod.container()["resources"].get("limits", {})), (
+                f"{name}: {image} is {'a CUDA' if cuda else 'a CPU'} image")
+
+
+def test_the_build_context_holds_what_the_dockerfile_copies() -> None:
+    ignore = [line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
+              if line.strip() and not line.startswith("#")]
+    assert ignore[0] == "*", "an allow-list: only what is listed reaches the build"
+    allowed = {line[1:].rstrip("/") for line in ignore if line.startswith("!")}
+    copied = [src for word, args in dockerfile_instructions() if word == "COPY" for src in args.split()[:-1]
+              if not src.startswith("--")]
+    assert copied
+    for src in copied:
+        assert (ROOT / src).exists(), f"COPY {src}: no such file"
+        assert src.rstrip("/") in allowed, f"COPY {src}: excluded by .dockerignore"
+    assert "README.md" in allowed, "pyproject.toml's readme must be in the build context"
