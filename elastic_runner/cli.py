@@ -6,6 +6,8 @@
     elastic-runner snapshot export RUN_DIR --out FILE     plain model state_dict
     elastic-runner audit RUN_DIR                          exactly-once check of the audit trail
     elastic-runner config [FILE] [--set ...] [--docs]     validate / print the effective config
+    elastic-runner chaos --config FILE --run-dir DIR ...  break a local job on purpose, verify nothing was lost
+    elastic-runner report RUN_DIR [--out run.png]         summary and timeline picture of a run
 """
 
 from __future__ import annotations
@@ -41,6 +43,18 @@ def _config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_snapshot_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("snapshot", help="inspect or export a run's snapshots")
+    ssub = p.add_subparsers(dest="snapshot_cmd", required=True)
+    pi = ssub.add_parser("inspect", help="JSON summary of RUN_DIR's snapshots")
+    pi.add_argument("run_dir")
+    pi.add_argument("--verify", action="store_true", help="also check every checksum (reads every file)")
+    pe = ssub.add_parser("export", help="write the newest model state_dict (no 'module.' prefixes)")
+    pe.add_argument("run_dir")
+    pe.add_argument("--out", required=True, help="output file, loadable with torch.load(FILE, weights_only=True)")
+    pe.add_argument("--snapshot", default=None, help="a specific snapshot name instead of the newest")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "train":
@@ -59,9 +73,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub.add_parser("train", help="run one training worker (see: elastic-runner train --help)")
     sub.add_parser("launch", help="torchrun with elastic defaults (see: elastic-runner launch --help)")
 
-    from .snapshot import cli as snapshot_cli
-
-    snapshot_cli.add_parser(sub)
+    _add_snapshot_parser(sub)
     pa = sub.add_parser("audit", help="replay RUN_DIR/audit and check every sample was used exactly once")
     pa.add_argument("run_dir")
     pa.add_argument("--json", action="store_true", help="machine-readable report")
@@ -69,13 +81,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     pc.add_argument("file", nargs="?", default=None)
     pc.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     pc.add_argument("--docs", action="store_true", help="print the config reference (Markdown)")
+    from . import chaos, report
+
+    chaos.add_parser(sub)
+    report.add_parser(sub)
     args = parser.parse_args(argv)
     if args.command == "snapshot":
+        from .snapshot import cli as snapshot_cli  # imports torch: only when needed
+
         return snapshot_cli.run(args)
     if args.command == "audit":
         return _audit(args)
     if args.command == "config":
         return _config(args)
+    if args.command == "chaos":
+        return chaos.run(args)
+    if args.command == "report":
+        return report.run(args)
     parser.error(f"unknown command {args.command}")
     return 2
 

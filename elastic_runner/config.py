@@ -333,6 +333,14 @@ class SnapshotConfig:
         "config (e.g. to fine-tune). The differing keys are logged.",
         default=False,
     )
+    in_memory: bool = _help(
+        "When an attempt ends (a peer failed, torchrun restarts the group, SIGTERM), every "
+        "surviving node keeps its newest step in shared memory (/dev/shm); the next start "
+        "takes the newest step any node holds, so a failure with a survivor loses at most "
+        "one step. Costs nothing during training.",
+        default=True,
+    )
+
     def validate(self) -> None:
         if self.every_steps < 0:
             raise ConfigError("snapshot.every_steps", f"got {self.every_steps}, must be >= 0", "Set it to e.g. 50, or 0 to disable")
@@ -396,7 +404,15 @@ class DistConfig:
         "after a (re)start, or the attempt ends with a clear error instead of hanging.",
         default=30.0,
     )
+    heartbeat_seconds: float = _help(
+        "A peer whose heartbeat stops for this long (dead node, SIGSTOP, wedged process) "
+        "ends the attempt on every rank, also with NCCL whose own timeout is minutes. 0: off.",
+        default=5.0,
+    )
+
     def validate(self) -> None:
+        if self.heartbeat_seconds < 0:
+            raise ConfigError("dist.heartbeat_seconds", f"got {self.heartbeat_seconds}, must be >= 0", "Set it to e.g. 5, or 0 to disable")
         for key in ("timeout_seconds", "init_timeout_seconds"):
             value = getattr(self, key)
             if not value > 0:

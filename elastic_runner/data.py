@@ -17,6 +17,7 @@ DataLoader with worker processes otherwise).
 
 from __future__ import annotations
 
+import functools
 import gzip
 from dataclasses import dataclass
 from importlib import resources
@@ -73,7 +74,9 @@ def _split(x: torch.Tensor, y: torch.Tensor, test_fraction: float, seed: int) ->
     return TensorPairDataset(x[train_idx], y[train_idx]), TensorPairDataset(x[test_idx], y[test_idx])
 
 
+@functools.lru_cache(maxsize=1)
 def load_digits_tensors() -> tuple[torch.Tensor, torch.Tensor]:
+    """The shipped digits as (N,1,8,8) floats in [0,1] and labels (cached; do not modify)."""
     raw = resources.files("elastic_runner").joinpath("_data/digits.csv.gz").read_bytes()
     rows = [line.split(",") for line in gzip.decompress(raw).decode().splitlines() if line]
     values = torch.tensor([[float(v) for v in row] for row in rows])

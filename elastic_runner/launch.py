@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
-from typing import Sequence
+from typing import Any, Sequence
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +33,9 @@ RDZV_DEFAULTS: dict[str, str] = {
     "keep_alive_interval": "1",
     "keep_alive_max_attempt": "3",
 }
+#: A worker's exit status for configuration/resume errors (elastic_runner.train.EXIT_USAGE).
+EXIT_USAGE = 2
+
 ENV_DEFAULTS: dict[str, str] = {
     "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
 }
@@ -58,17 +62,126 @@ def apply_defaults(argv: Sequence[str]) -> "object":
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = apply_defaults(sys.argv[1:] if argv is None else argv)
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import run
+    argv = list(sys.argv[1:] if argv is None else argv)
+    zygote_wanted = os.environ.get("ELASTIC_RUNNER_ZYGOTE", "1") != "0" and _names_our_worker(argv)
+    # Set before the zygote starts: forked workers inherit the zygote's environment.
+    for key, value in ENV_DEFAULTS.items():
+        os.environ.setdefault(key, value)
+    os.environ["ELASTIC_RUNNER_RDZV_CONF"] = merge_rdzv_conf(_flag_value(argv, "rdzv_conf") or os.environ.get("PET_RDZV_CONF", ""))
+    if zygote_wanted:
+        # Before anything imports torch here: the zygote warms up in parallel.
+        from .agent import zygote
 
+        zygote.start_warming()
+    _log_to_stderr()
+    args = apply_defaults(argv)
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher import api as launcher_api
+    from torch.distributed.run import config_from_args
+
+    from .agent import fast_rendezvous, zygote
+    from .agent.agent import ElasticRunnerAgent
+    from .agent.metrics import AgentMetrics, install_bridge
+
+    # The same preamble as torch.distributed.run.run().
+    import uuid
+
+    from torch.distributed.run import parse_min_max_nnodes
+
+    if args.standalone:
+        args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
+    elif args.rdzv_backend == "static" and not args.rdzv_endpoint and args.master_port is None:
+        if parse_min_max_nnodes(args.nnodes)[1] == 1:
+            args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
+    if args.master_port is None:
+        args.master_port = 29500
+    config, cmd, cmd_args = config_from_args(args)
+    entrypoint: Any = cmd
+    worker_args: list[Any] = list(cmd_args)
+    if zygote_wanted and zygote.is_worker_command(args.module, args.training_script) and not args.no_python:
+        entrypoint, worker_args = zygote.worker_main, list(args.training_script_args)
+        config.start_method = "forkserver"
+    fast_rendezvous.install()
+    agent_metrics = AgentMetrics(_agent_events(args) if zygote.is_worker_command(args.module, args.training_script) else None)
+    agent_metrics.serve()
+    install_bridge(agent_metrics)
+    ElasticRunnerAgent.default_observers = [agent_metrics.observe]
+    # torch's launch_agent builds a LocalElasticAgent; ours adds the corrections
+    # documented in elastic_runner.agent.agent. Only this process is affected.
+    launcher_api.LocalElasticAgent = ElasticRunnerAgent
     try:
-        run(args)
+        launcher_api.elastic_launch(config=config, entrypoint=entrypoint)(*worker_args)
     except ChildFailedError as exc:
-        # torchrun prints the failure table; we only set the exit status.
+        # torchrun printed the failure table; only the exit status is left to choose.
+        codes = {f.exitcode for f in exc.failures.values()}
         log.error("%s", exc)
-        return 1
+        return EXIT_USAGE if codes == {EXIT_USAGE} else 1
+    except SignalException as exc:
+        # SIGTERM/SIGINT: workers were stopped (and saved a snapshot). Never exit 0 on a
+        # signal: Kubernetes' Job success rule relies on 0 meaning "training complete".
+        log.warning("stopped by %s", signal.Signals(exc.sigval).name)
+        return 128 + int(exc.sigval)
     return 0
+
+
+def _log_to_stderr() -> None:
+    """Our agent-side messages next to torchrun's (it only configures its own loggers)."""
+    logger = logging.getLogger("elastic_runner")
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s [agent] %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
+        logger.addHandler(handler)
+        logger.setLevel(os.environ.get("ELASTIC_RUNNER_AGENT_LOGLEVEL", "INFO"))
+        logger.propagate = False
+
+
+def _agent_events(args: Any) -> "EventLog | None":
+    """The agent's own event log in the worker's run directory (if its config loads)."""
+    import socket
+
+    from .config import ConfigError, load_config
+    from .events import EventLog
+
+    rest = list(args.training_script_args)
+    config_path, overrides = None, []
+    for i, item in enumerate(rest):
+        if item in ("--config", "-c") and i + 1 < len(rest):
+            config_path = rest[i + 1]
+        elif item.startswith("--config="):
+            config_path = item.split("=", 1)[1]
+        elif item == "--set" and i + 1 < len(rest):
+            overrides.append(rest[i + 1])
+    if config_path is None:
+        return None
+    try:
+        cfg = load_config(config_path, overrides)
+        return EventLog(cfg.run.dir, f"agent-{socket.gethostname()}-{os.getpid()}", role="agent")
+    except (ConfigError, OSError) as exc:
+        log.debug("no agent event log: %s", exc)
+        return None
+
+
+def _flag_value(argv: list[str], name: str) -> str | None:
+    """Value of --name/--name-with-dashes in argv (before the training script), if given."""
+    spellings = {f"--{name}", f"--{name.replace('_', '-')}"}
+    for i, arg in enumerate(argv):
+        if arg in ("-m", "--module"):
+            break
+        key, sep, value = arg.partition("=")
+        if key in spellings:
+            return value if sep else (argv[i + 1] if i + 1 < len(argv) else None)
+    return None
+
+
+def _names_our_worker(argv: list[str]) -> bool:
+    """Cheap pre-parse (before torch is imported): is the program ``-m elastic_runner.train``?"""
+    for i, arg in enumerate(argv):
+        if arg in ("-m", "--module") and i + 1 < len(argv):
+            return argv[i + 1] == "elastic_runner.train"
+        if not arg.startswith("-") and (i == 0 or not argv[i - 1].startswith("--") or "=" in argv[i - 1]):
+            return False
+    return False
 
 
 if __name__ == "__main__":

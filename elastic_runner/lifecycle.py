@@ -12,6 +12,12 @@ from types import FrameType
 log = logging.getLogger(__name__)
 
 PR_SET_PDEATHSIG = 1
+PR_SET_NAME = 15
+
+
+#: The signal that asked this process to stop (any StopRequest), for code that
+#: must know how the worker ended (elastic_runner.agent.zygote).
+stop_signal: str | None = None
 
 
 class StopRequest:
@@ -47,6 +53,8 @@ class StopRequest:
         if self.signal_name == "SIGINT" and signum == signal.SIGINT:
             raise KeyboardInterrupt
         if self.signal_name is None:
+            global stop_signal
+            stop_signal = name
             self.signal_name = name
             self.received_at = time.monotonic()
             log.warning("received %s: finishing the current step, saving a snapshot and stopping", name)
@@ -68,6 +76,20 @@ def die_with_parent() -> None:
             os.kill(os.getpid(), signal.SIGKILL)
     except (OSError, AttributeError):
         log.debug("parent-death signal unavailable on this platform")
+
+
+def name_process(rank: int, local_rank: int) -> None:
+    """Show the worker as ``er-r<RANK>-l<LOCAL_RANK>`` in ps/top (/proc/PID/comm).
+
+    Workers forked from the zygote all share one command line and their
+    environment block predates RANK, so this is how people and tools
+    (elastic_runner.localjob, the chaos tool) tell them apart.
+    """
+    try:
+        name = f"er-r{rank}-l{local_rank}".encode()[:15]
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_NAME, ctypes.c_char_p(name), 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
 
 
 def process_start_time() -> float:

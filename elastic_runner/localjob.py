@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import re
 import shlex
 import signal
 import socket
@@ -33,6 +34,15 @@ PR_SET_CHILD_SUBREAPER = 36
 def become_subreaper() -> None:
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+
+def _die_with_parent() -> None:
+    """In the agent, before exec: SIGKILL when whoever started it dies (never orphaned).
+
+    Must be called from the thread that owns the job: the kernel ties the
+    signal to the parent *thread*.
+    """
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
 
 
 def free_port() -> int:
@@ -79,6 +89,23 @@ def process_env(pid: int) -> dict[str, str]:
     return env
 
 
+_COMM = re.compile(r"^er-r(\d+)-l(\d+)$")
+
+
+def worker_identity(pid: int) -> tuple[int, int] | None:
+    """(rank, local_rank) of a worker process, from its name or its environment."""
+    try:
+        comm = Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return None
+    if m := _COMM.match(comm):
+        return int(m.group(1)), int(m.group(2))
+    env = process_env(pid)
+    if "RANK" in env and "TORCHELASTIC_RUN_ID" in env:
+        return int(env["RANK"]), int(env.get("LOCAL_RANK", "0"))
+    return None
+
+
 def alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as fh:
@@ -103,6 +130,7 @@ class Agent:
     log_path: Path
     started_at: float
     stopped: bool = False
+    hosts_store: bool = False  #: hosts the c10d rendezvous store: losing it loses a c10d job
 
     @property
     def pid(self) -> int:
@@ -134,6 +162,11 @@ class LocalJob:
     launcher: str = "torchrun"  #: "torchrun" or "elastic-runner" (elastic-runner launch)
     env: dict[str, str] = field(default_factory=dict)
     log_dir: str | None = None
+    #: Instead of elastic_runner.train: a script and its arguments (benchmark baselines).
+    program: list[str] | None = None
+    #: Set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (False: torch's default, for baselines).
+    disable_shared_store: bool = True
+    monitor_interval: float = 0.1
     agents: list[Agent] = field(default_factory=list)
     _orphans: set[int] = field(default_factory=set)
 
@@ -160,7 +193,7 @@ class LocalJob:
             f"--nnodes={self.nnodes}", f"--nproc_per_node={self.nproc_per_node}",
             f"--rdzv_backend={self.rdzv_backend}", f"--rdzv_endpoint={self.rdzv_endpoint}",
             f"--rdzv_id=job-{Path(self.run_dir).name}", f"--max_restarts={self.max_restarts}",
-            "--monitor_interval=0.1",
+            f"--monitor_interval={self.monitor_interval:g}",
         ]
         conf = [c for c in (self.rdzv_conf or "").split(",") if c]
         if self.rdzv_backend == "c10d" and not any(c.startswith("is_host=") for c in conf):
@@ -170,6 +203,8 @@ class LocalJob:
             conf.append(f"is_host={'false' if self.running_agents() else 'true'}")
         if conf:
             cmd.append(f"--rdzv_conf={','.join(conf)}")
+        if self.program is not None:
+            return cmd + list(self.program)
         cmd += ["-m", "elastic_runner.train", "--config", self.config, "--set", f"run.dir={self.run_dir}"]
         for item in self.overrides:
             cmd += ["--set", item]
@@ -178,15 +213,20 @@ class LocalJob:
     def start_agent(self) -> Agent:
         index = len(self.agents)
         log_path = Path(self.log_dir or self.run_dir) / f"agent-{index}.log"
-        env = os.environ | {"PYTHONUNBUFFERED": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} | self.env
+        env = os.environ | {"PYTHONUNBUFFERED": "1"} | self.env
+        if self.disable_shared_store:
+            env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+        else:
+            env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
         fh = open(log_path, "ab")
         command = self.command(index)
         fh.write(f"$ {shlex.join(command)}\n".encode())
         fh.flush()
         proc = subprocess.Popen(command, stdout=fh, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True, stdin=subprocess.DEVNULL)
+                                start_new_session=True, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
         fh.close()
-        agent = Agent(index=index, proc=proc, log_path=log_path, started_at=time.time())
+        agent = Agent(index=index, proc=proc, log_path=log_path, started_at=time.time(),
+                      hosts_store=any(a.startswith("--rdzv_conf=") and "is_host=true" in a for a in command))
         self.agents.append(agent)
         return agent
 
@@ -197,10 +237,12 @@ class LocalJob:
         for a in ([agent] if agent else self.agents):
             if not a.running():
                 continue
-            for pid in _children(a.pid):
-                env = process_env(pid)
-                if "RANK" in env and alive(pid):
-                    found.append(Worker(pid, int(env["RANK"]), int(env.get("LOCAL_RANK", "0")), a))
+            # Workers are the agent's children under torchrun and the zygote's
+            # children under elastic-runner launch: look at all descendants.
+            for pid in descendants(a.pid):
+                identity = worker_identity(pid)
+                if identity is not None and alive(pid):
+                    found.append(Worker(pid, identity[0], identity[1], a))
         return sorted(found, key=lambda w: w.rank)
 
     def wait_for_workers(self, count: int, timeout: float, agent: Agent | None = None) -> list[Worker]:
@@ -265,7 +307,7 @@ class LocalJob:
                 pids.add(a.pid)
                 pids.update(descendants(a.pid))
         pids.update(p for p in self._orphans if alive(p))
-        pids.update(p for p in _children(os.getpid()) if alive(p) and "RANK" in process_env(p))
+        pids.update(p for p in _children(os.getpid()) if alive(p) and worker_identity(p) is not None)
         return sorted(p for p in pids if alive(p))
 
     def close(self) -> None:

@@ -15,6 +15,7 @@ import contextlib
 import logging
 import math
 import random
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterator
@@ -136,6 +137,8 @@ class Components:
     check_writer: Callable[[], None]  #: raises when a snapshot writer became stale
     started_at: float  #: process start (wall clock), for the recovery duration
     resumed: bool
+    state_lock: threading.Lock = field(default_factory=threading.Lock)
+    on_collectives_done: Callable[[], None] = lambda: None  #: e.g. stop the peer watchdog
 
 
 class Trainer:
@@ -148,6 +151,7 @@ class Trainer:
         self._window_loss = torch.zeros(2, dtype=torch.float64, device=c.dist.device)
         self._window_started = time.monotonic()
         self._window_samples = 0
+        self._window_first_step = c.state.step
         self._last_snapshot_time = time.monotonic()
         self._first_step_done = False
         self.last_eval: dict[str, float] = {}
@@ -217,20 +221,23 @@ class Trainer:
                     loss.backward()
                 self._window_loss[0] += losses.detach().sum().double()
                 self._window_loss[1] += len(micro)
-        if self.cfg.optim.grad_clip_norm is not None:
+        # Everything that changes the saved state happens under the lock, so a
+        # watchdog thread that snapshots a failing attempt sees a whole step.
+        with c.state_lock:
+            if self.cfg.optim.grad_clip_norm is not None:
+                if c.scaler is not None:
+                    c.scaler.unscale_(c.optimizer)
+                nn.utils.clip_grad_norm_(c.model.parameters(), self.cfg.optim.grad_clip_norm)
             if c.scaler is not None:
-                c.scaler.unscale_(c.optimizer)
-            nn.utils.clip_grad_norm_(c.model.parameters(), self.cfg.optim.grad_clip_norm)
-        if c.scaler is not None:
-            c.scaler.step(c.optimizer)
-            c.scaler.update()
-        else:
-            c.optimizer.step()
-        c.scheduler.step()
-        c.optimizer.zero_grad(set_to_none=True)
-        c.sampler.advance(plan)
-        c.state.step = step
-        c.state.samples_total += plan.global_count
+                c.scaler.step(c.optimizer)
+                c.scaler.update()
+            else:
+                c.optimizer.step()
+            c.scheduler.step()
+            c.optimizer.zero_grad(set_to_none=True)
+            c.sampler.advance(plan)
+            c.state.step = step
+            c.state.samples_total += plan.global_count
         self._window_samples += plan.global_count
         c.metrics.steps.inc()
         c.metrics.samples.inc(len(plan.indices))
@@ -249,10 +256,11 @@ class Trainer:
         c.check_writer()
         if not self._first_step_done:
             self._first_step_done = True
+            since_start = time.time() - c.started_at
             if c.resumed:
-                recovery = time.time() - c.started_at
-                c.metrics.recovery.set(recovery)
-                c.events.emit("first_step", step=step, recovery_s=recovery)
+                c.metrics.recovery.set(since_start)
+            # "All ranks stepping" for tools: the last rank's first_step of a generation.
+            c.events.emit("first_step", step=step, since_process_start_s=since_start, resumed=c.resumed)
         last = step >= c.total_steps
         if step % self.cfg.logging.every_steps == 0 or last:
             self.report_progress(plan)
@@ -276,6 +284,8 @@ class Trainer:
         c = self.c
         loss_sum, count = c.dist.all_reduce_sum(self._window_loss.clone()).tolist()
         self._window_loss.zero_()
+        window_steps = c.state.step - self._window_first_step
+        self._window_first_step = c.state.step
         now = time.monotonic()
         rate = self._window_samples / max(1e-9, now - self._window_started)
         self._window_started, self._window_samples = now, 0
@@ -290,7 +300,8 @@ class Trainer:
             "world_size": c.dist.world_size, "lr": lr,
         }
         if self.rank0.active:
-            c.events.emit("progress", **fields)
+            # window_steps: how many steps the loss averages (fewer right after a restart)
+            c.events.emit("progress", window_steps=window_steps, **fields)
             self.progress.line(fields)
 
     def evaluate(self) -> dict[str, float]:
@@ -324,6 +335,7 @@ class Trainer:
         c = self.c
         self.rank0(self.progress.close)
         result: dict[str, Any] = dict(self.evaluate())
+        c.on_collectives_done()  # the last collective: peers may now exit at any time
         # Every rank records a digest of its replica: equal digests prove DDP kept them identical.
         result["params_sha256"] = state_digest(c.model)
         c.save_snapshot("final", sync=True)

@@ -17,7 +17,9 @@ import torch
 from .config import Config, diff_configs
 from .dist import Dist
 from .events import EventLog, read_events
-from .snapshot import Loaded, LocalStore, SnapshotRef, find_newest, load_exact
+from .snapshot import Loaded, LocalStore, SnapshotError, SnapshotRef, find_newest, load_exact, read_meta
+from .snapshot.format import load_state_bytes
+from .snapshot.memory import MemoryTier
 
 log = logging.getLogger(__name__)
 
@@ -73,21 +75,71 @@ def check_compatible(loaded: Loaded, cfg: Config) -> Compatibility:
     return compat
 
 
-def select_snapshot(dist: Dist, store: LocalStore, cfg: Config, events: EventLog) -> Loaded | None:
-    """Rank 0 picks and verifies; everyone loads the same snapshot."""
+def select_snapshot(dist: Dist, store: LocalStore, cfg: Config, events: EventLog,
+                    memory: MemoryTier | None = None) -> Loaded | None:
+    """The newest state anywhere: a node's memory tier or the disk; everyone loads the same.
+
+    Ranks report what their node keeps in memory; rank 0 compares the newest of
+    those with the newest intact disk snapshot by (generation, step). A memory
+    snapshot is read and verified by its holder and its bytes broadcast, so the
+    other nodes need neither a copy nor the shared filesystem for it.
+    """
+    ours = cfg.fingerprint()
+    local = memory.newest(dist.rank) if memory is not None else None
+    if local is not None and local.fingerprint != ours:
+        local = None  # kept by a run with another configuration: never resume from it silently
+    candidates = [c for c in dist.all_gather_object(local) if c is not None]
+    best_memory = max(candidates, key=lambda c: (c.generation, c.step, -c.rank), default=None)
+
+    decision: tuple[str, Any, Any] | None = None
     loaded: Loaded | None = None
-    choice: SnapshotRef | None = None
     if dist.rank == 0:
-        loaded = find_newest(
-            store, map_location=dist.device, verify=cfg.snapshot.verify,
-            on_rejected=lambda ref, why: events.emit("snapshot_rejected", snapshot=ref.name, reason=why),
-        )
-        choice = loaded.ref if loaded is not None else None
-    choice = dist.broadcast_object(choice)
-    if choice is None:
+        newest_disk = store.complete()[-1] if store.complete() else None
+        if best_memory is None or (newest_disk is not None and newest_disk > best_memory.ref):
+            loaded = find_newest(
+                store, map_location=dist.device, verify=cfg.snapshot.verify,
+                on_rejected=lambda ref, why: events.emit("snapshot_rejected", snapshot=ref.name, reason=why),
+            )
+        if best_memory is not None and (loaded is None or best_memory.ref > loaded.ref):
+            decision, loaded = ("memory", best_memory.rank, best_memory.ref), None
+        elif loaded is not None:
+            decision = ("disk", 0, loaded.ref)
+    decision = dist.broadcast_object(decision)
+    if decision is None:
         return None
-    if loaded is None:
-        loaded = load_exact(store, choice, map_location=dist.device, verify=cfg.snapshot.verify)
+    tier, holder, ref = decision
+    if tier == "disk":
+        if loaded is None:
+            loaded = load_exact(store, ref, map_location=dist.device, verify=cfg.snapshot.verify)
+        loaded.tier = "disk"
+        return loaded
+    return _broadcast_memory_snapshot(dist, memory, holder, ref, store, cfg, events)
+
+
+def _broadcast_memory_snapshot(dist: Dist, memory: MemoryTier | None, holder: int, ref: SnapshotRef,
+                               store: LocalStore, cfg: Config, events: EventLog) -> Loaded | None:
+    data = b""
+    meta: dict[str, Any] = {}
+    if dist.rank == holder:
+        assert memory is not None
+        try:
+            data = memory.read_bytes(ref)
+            meta = read_meta(memory.store.path(ref))
+        except SnapshotError as exc:
+            log.error("the in-memory snapshot %s is unusable (%s); falling back to disk", ref.name, exc)
+            data = b""
+    n = int(dist.broadcast_object(len(data), src=holder))
+    if n == 0:
+        # The holder could not read it: every rank falls back to the disk together.
+        return select_snapshot(dist, store, cfg, events, memory=None)
+    buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8) if dist.rank == holder else torch.empty(n, dtype=torch.uint8)
+    if dist.backend == "nccl":
+        buffer = buffer.to(dist.device)
+    dist.broadcast_tensor(buffer, src=holder)
+    meta = dist.broadcast_object(meta, src=holder)
+    state = load_state_bytes(buffer.cpu().numpy().tobytes(), ref.name, dist.device)
+    loaded = Loaded(ref, meta, state)
+    loaded.tier = "memory"
     return loaded
 
 

@@ -17,6 +17,7 @@ import argparse
 import logging
 import os
 import sys
+import threading
 import time
 from typing import Any, Sequence
 
@@ -32,15 +33,18 @@ from .dist import Dist, DistError
 from .env import EnvError, WorkerEnv
 from .events import EventLog
 from .imports import resolve
-from .lifecycle import StopRequest, die_with_parent, process_start_time
+from .lifecycle import StopRequest, die_with_parent, name_process, process_start_time
 from .logs import setup_logging
 from .loop import Components, GracefulStop, Trainer, TrainState, rng_state, set_rng_state, total_steps
 from .metrics import Metrics
 from .models import build_model
 from .optim import build_optimizer, build_schedule
+from .preflight import warn_known_bad_setups
+from .recovery import Keeper, start_watchdog
 from .resume import ResumeError, check_compatible, furthest_step_reached, restore, select_snapshot
 from .sampler import ElasticSampler
 from .snapshot import SnapshotError, SnapshotWriter, StaleWriterError, open_store, require_ok
+from .snapshot.memory import MemoryTier, memory_root
 
 log = logging.getLogger("elastic_runner.train")
 
@@ -80,6 +84,13 @@ def run(cfg: Config, env: WorkerEnv) -> int:
     setup_logging(cfg.logging.level, env.rank, env.world_size)
     if env.under_torchrun:
         die_with_parent()
+        name_process(env.rank, env.local_rank)
+        if env.rank == 0:
+            warn_known_bad_setups()
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0:
+        # A worker forked from the zygote imported torch before the launcher chose this.
+        torch.set_num_threads(int(threads))
     stop = StopRequest().install()
     if cfg.run.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -143,152 +154,217 @@ def _train(cfg: Config, env: WorkerEnv, dist: Dist, stop: StopRequest, started_a
     events = EventLog(cfg.run.dir, f"gen-{generation:06d}-rank-{env.rank:05d}", generation=generation, rank=env.rank)
     events.emit("start", world_size=env.world_size, local_rank=env.local_rank, restart_count=env.restart_count,
                 run_id=env.run_id, device=str(dist.device), backend=dist.backend, process_start=started_at,
-                version=__version__)
+                version=__version__, zygote="elastic_runner.agent.warm" in sys.modules)
     metrics = Metrics(env.rank, env.local_rank)
     metrics.serve(cfg.metrics.port, cfg.metrics.bind)
     metrics.set_restarts(env.restart_count)
     metrics.set_generation(generation)
+    worker: Worker | None = None
     try:
-        _train_with(cfg, env, dist, stop, started_at, store, generation, events, metrics)
+        worker = Worker(cfg, env, dist, stop, started_at, store, generation, events, metrics)
+        worker.run()
     except GracefulStop:
-        events.emit("end", status="stopped")
+        events.emit("end", status="stopped", step=worker.state.step if worker else None)
         raise
     except BaseException as exc:
-        events.emit("failure", error=f"{type(exc).__name__}: {str(exc)[:300]}", step=getattr(exc, "step", None))
+        step = worker.state.step if worker else None
+        if stop.requested and isinstance(exc, Exception):
+            # Peers that stopped first broke our collective: this is the stop we were asked for.
+            events.emit("stop", step=step, signal=stop.signal_name, note=f"peers stopped first ({type(exc).__name__})")
+            events.emit("end", status="stopped", step=step)
+        else:
+            events.emit("failure", error=f"{type(exc).__name__}: {str(exc)[:300]}", step=step)
         raise
     finally:
         metrics.close()
         events.close()
 
 
-def _train_with(cfg: Config, env: WorkerEnv, dist: Dist, stop: StopRequest, started_at: float, store: Any,
-                generation: int, events: EventLog, metrics: Metrics) -> None:
-    bundle = build_datasets(cfg.data)
-    layout = layout_for(cfg.batch, env.world_size)
-    sampler_cls = ElasticSampler if cfg.data.sampler == "elastic" else resolve(cfg.data.sampler, "data.sampler")
-    try:
-        sampler = sampler_cls(bundle.num_train, layout.global_size, seed=cfg.run.seed, shuffle=cfg.data.shuffle,
-                              partial_batch=cfg.data.partial_batch, rank=env.rank, world_size=env.world_size)
-    except ValueError as exc:
-        raise ConfigError("batch.global_size", str(exc), "Adjust batch.global_size or data.partial_batch") from exc
-    torch.manual_seed(cfg.run.seed)  # identical initial weights on every rank
-    model = build_model(cfg.model, bundle.input_shape, bundle.num_classes).to(dist.device)
-    optimizer = build_optimizer(cfg.optim, model.parameters(), layout.lr_scale)
-    steps = total_steps(cfg, sampler.steps_per_epoch())
-    scheduler = build_schedule(cfg.schedule, optimizer, steps)
-    scaler = None
-    if cfg.train.precision == "fp16":
-        if dist.device.type != "cuda":
-            raise ConfigError("train.precision", "fp16 needs a CUDA device", "Use train.precision: bf16 or fp32 on CPU")
-        scaler = torch.amp.GradScaler("cuda")
-    state = TrainState()
+class Worker:
+    """One training attempt of one rank: components, resume, loop, and how it ends."""
 
-    loaded = select_snapshot(dist, store, cfg, events)
-    resumed = loaded is not None
-    if loaded is not None:
-        compat = check_compatible(loaded, cfg)
-        skipped = restore(loaded, compat, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
-                          sampler=sampler, state=state)
-        set_rng_state(loaded.state.get("rng", {}))
-        events.emit("snapshot_loaded", snapshot=loaded.ref.name, step=state.step, skipped=skipped)
-    sampler.reshard(env.rank, env.world_size)
-    state.enter_generation(generation, env.world_size, resumed)
-    metrics.restore({"membership_changes": state.membership_changes, "recoveries": state.recoveries})
-    if resumed and dist.rank == 0:
-        reached = furthest_step_reached(cfg.run.dir, generation)
-        recomputed = max(0, reached - state.step)
-        metrics.recomputed.set(recomputed)
-        events.emit("resume", step=state.step, furthest_step=reached, steps_recomputed=recomputed,
-                    snapshot=loaded.ref.name if loaded else None)
-    metrics.world_size.set(env.world_size)
-    metrics.global_batch.set(layout.global_size)
-    metrics.micro_batch.set(layout.micro_size)
-    metrics.accumulation.set(layout.accumulation)
-    events.emit("world", world_size=env.world_size, global_batch=layout.global_size, micro_batch=layout.micro_size,
-                accumulation=layout.accumulation, step=state.step)
-    if dist.rank == 0:
-        log.info("%s %s; dataset %s; %s at step %d/%d (epoch %d, %d consumed); generation %d",
-                 "resuming" if resumed else "starting", layout.describe(), bundle.description,
-                 "resumed" if resumed else "fresh", state.step, steps, sampler.epoch, sampler.consumed, generation)
+    def __init__(self, cfg: Config, env: WorkerEnv, dist: Dist, stop: StopRequest, started_at: float, store: Any,
+                 generation: int, events: EventLog, metrics: Metrics) -> None:
+        self.cfg, self.env, self.dist, self.stop = cfg, env, dist, stop
+        self.started_at, self.store, self.generation = started_at, store, generation
+        self.events, self.metrics = events, metrics
+        self.state = TrainState()
+        self.state_lock = threading.Lock()
+        self.fingerprint = cfg.fingerprint()
+        self.config_dict = cfg.to_dict()
+        self.memory = MemoryTier(memory_root(store.location), generation) if cfg.snapshot.in_memory else None
+        self.writer: SnapshotWriter | None = None
+        self.saved_steps: set[int] = set()
+        self.build()
 
-    writes_snapshots = dist.rank == 0 or env.is_local_leader
-    writer = None
-    if writes_snapshots:
-        writer = SnapshotWriter(store, generation=generation, keep_last=cfg.snapshot.keep_last,
-                                async_write=cfg.snapshot.async_write, observer=_SnapshotReport(events, metrics))
-    fingerprint = cfg.fingerprint()
-    config_dict = cfg.to_dict()
+    # -- components ---------------------------------------------------------------------
 
-    def capture() -> tuple[dict[str, Any], dict[str, Any]]:
+    def build(self) -> None:
+        cfg, env, dist = self.cfg, self.env, self.dist
+        self.bundle = build_datasets(cfg.data)
+        self.layout = layout_for(cfg.batch, env.world_size)
+        sampler_cls = ElasticSampler if cfg.data.sampler == "elastic" else resolve(cfg.data.sampler, "data.sampler")
+        try:
+            self.sampler = sampler_cls(self.bundle.num_train, self.layout.global_size, seed=cfg.run.seed,
+                                       shuffle=cfg.data.shuffle, partial_batch=cfg.data.partial_batch,
+                                       rank=env.rank, world_size=env.world_size)
+        except ValueError as exc:
+            raise ConfigError("batch.global_size", str(exc), "Adjust batch.global_size or data.partial_batch") from exc
+        torch.manual_seed(cfg.run.seed)  # identical initial weights on every rank
+        self.model = build_model(cfg.model, self.bundle.input_shape, self.bundle.num_classes).to(dist.device)
+        self.optimizer = build_optimizer(cfg.optim, self.model.parameters(), self.layout.lr_scale)
+        self.total_steps = total_steps(cfg, self.sampler.steps_per_epoch())
+        self.scheduler = build_schedule(cfg.schedule, self.optimizer, self.total_steps)
+        self.scaler = None
+        if cfg.train.precision == "fp16":
+            if dist.device.type != "cuda":
+                raise ConfigError("train.precision", "fp16 needs a CUDA device", "Use train.precision: bf16 or fp32 on CPU")
+            self.scaler = torch.amp.GradScaler("cuda")
+
+    def capture(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The complete training state (live tensors) and its metadata."""
         snapshot = {
-            "model": model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-            "scaler": scaler.state_dict() if scaler is not None else None, "train": state.state_dict(),
-            "sampler": sampler.state_dict(), "rng": rng_state(),
+            "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+            "train": self.state.state_dict(), "sampler": self.sampler.state_dict(), "rng": rng_state(),
         }
         meta = {
-            "epoch": sampler.epoch, "consumed": sampler.consumed, "world_size": env.world_size,
-            "world_history": state.world_history, "fingerprint": fingerprint, "config": config_dict,
-            "writer": {"rank": env.rank, "host": env.hostname}, "torch": torch.__version__,
-            "elastic_runner": __version__, "samples_total": state.samples_total,
+            "epoch": self.sampler.epoch, "consumed": self.sampler.consumed, "world_size": self.env.world_size,
+            "world_history": self.state.world_history, "fingerprint": self.fingerprint, "config": self.config_dict,
+            "writer": {"rank": self.env.rank, "host": self.env.hostname}, "torch": torch.__version__,
+            "elastic_runner": __version__, "samples_total": self.state.samples_total,
         }
         return snapshot, meta
 
-    saved_steps: set[int] = {state.step} if resumed else set()
+    # -- resume -------------------------------------------------------------------------------
 
-    def save_snapshot(reason: str, sync: bool) -> None:
-        if writer is None or state.step in saved_steps:
+    def resume(self) -> bool:
+        cfg, env, dist, state = self.cfg, self.env, self.dist, self.state
+        loaded = select_snapshot(dist, self.store, cfg, self.events, memory=self.memory)
+        if loaded is not None:
+            compat = check_compatible(loaded, cfg)
+            skipped = restore(loaded, compat, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
+                              scaler=self.scaler, sampler=self.sampler, state=state)
+            set_rng_state(loaded.state.get("rng", {}))
+            self.saved_steps.add(state.step)
+            self.events.emit("snapshot_loaded", snapshot=loaded.ref.name, step=state.step, skipped=skipped, tier=loaded.tier)
+        self.sampler.reshard(env.rank, env.world_size)
+        state.enter_generation(self.generation, env.world_size, loaded is not None)
+        self.metrics.restore({"membership_changes": state.membership_changes, "recoveries": state.recoveries})
+        if loaded is not None and dist.rank == 0:
+            reached = furthest_step_reached(cfg.run.dir, self.generation)
+            recomputed = max(0, reached - state.step)
+            self.metrics.recomputed.set(recomputed)
+            self.events.emit("resume", step=state.step, furthest_step=reached, steps_recomputed=recomputed,
+                             snapshot=loaded.ref.name, tier=loaded.tier)
+        return loaded is not None
+
+    # -- saving ---------------------------------------------------------------------------------
+
+    def save_snapshot(self, reason: str, sync: bool) -> None:
+        """Durable snapshot. Periodic and final ones come from rank 0; on a stop every
+        node's first worker writes too, so a preempted node leaves its state behind."""
+        if reason == "stop":
+            self.keeper.keep("stop")
+        if self.writer is None or self.state.step in self.saved_steps:
             return
-        if reason in ("periodic", "final") and dist.rank != 0:
+        if reason in ("periodic", "final") and self.dist.rank != 0:
             return
-        saved_steps.add(state.step)
-        result = writer.save(state.step, capture, sync=sync)
-        metrics.snapshot_blocking.observe(result.blocking_s)
+        self.saved_steps.add(self.state.step)
+        result = self.writer.save(self.state.step, self.capture, sync=sync)
+        self.metrics.snapshot_blocking.observe(result.blocking_s)
         if sync:
             require_ok(result)
 
-    audit = None
-    if cfg.audit.samples:
-        audit = AuditWriter(cfg.run.dir, generation=generation, rank=env.rank, world_size=env.world_size, header={
-            "num_samples": bundle.num_train, "seed": cfg.run.seed, "shuffle": cfg.data.shuffle,
-            "partial_batch": cfg.data.partial_batch, "global_batch": layout.global_size, "sampler": cfg.data.sampler,
-        })
-    test_source = make_source(bundle.test, dist.device, cfg.data, cfg.run.seed) if bundle.test is not None else None
-    trainer = Trainer(Components(
-        cfg=cfg, dist=dist, model=model, ddp=dist.wrap(model), optimizer=optimizer, scheduler=scheduler,
-        scaler=scaler, sampler=sampler, layout=layout,
-        source=make_source(bundle.train, dist.device, cfg.data, cfg.run.seed + sampler.epoch),
-        test_source=test_source, test_size=len(bundle.test) if bundle.test is not None else 0,  # type: ignore[arg-type]
-        input_shape=bundle.input_shape, state=state, total_steps=steps, events=events, metrics=metrics,
-        audit=audit, stop=stop, save_snapshot=save_snapshot,
-        check_writer=writer.raise_if_fatal if writer is not None else (lambda: None),
-        started_at=started_at, resumed=resumed,
-    ))
-    try:
-        result = trainer.fit()
-    except GracefulStop:
-        raise
-    except BaseException as exc:
-        if stop.requested and writer is not None:
-            # A peer stopped first and broke the collective; our state is the
-            # last completed step, which is still worth keeping.
+    # -- the attempt ------------------------------------------------------------------------------
+
+    def run(self) -> None:
+        cfg, env, dist, state = self.cfg, self.env, self.dist, self.state
+        self.keeper = Keeper(self.memory, self.capture, self.state_lock, state, self.events)
+        # Watch peers before the (possibly long) resume: a peer that dies meanwhile must not hang us.
+        self.watchdog = start_watchdog(env, dist, self.generation, cfg.dist.heartbeat_seconds, self.keeper, self.events)
+        try:
+            resumed = self.resume()
+            self._announce(resumed)
+            result = self._train(resumed)
+        finally:
+            if self.watchdog is not None:
+                self.watchdog.stop(done=False)
+        if self.memory is not None:
+            self.memory.drop()  # the run is complete: nothing to recover any more
+        self.events.emit("end", status="finished", step=state.step, **{k: v for k, v in result.items() if k != "step"})
+        if dist.rank == 0:
+            acc = result.get("eval_accuracy")
+            log.info("finished at step %d%s; snapshots in %s", state.step,
+                     f", test accuracy {acc:.2%}" if acc is not None else "", self.store.location)
+            print(f"elastic_runner: finished step={state.step}"
+                  + (f" test_accuracy={acc:.4f} test_loss={result['eval_loss']:.4f}" if acc is not None else ""), flush=True)
+
+    def _announce(self, resumed: bool) -> None:
+        layout, m = self.layout, self.metrics
+        m.world_size.set(self.env.world_size)
+        m.global_batch.set(layout.global_size)
+        m.micro_batch.set(layout.micro_size)
+        m.accumulation.set(layout.accumulation)
+        self.events.emit("world", world_size=self.env.world_size, global_batch=layout.global_size,
+                         micro_batch=layout.micro_size, accumulation=layout.accumulation, step=self.state.step)
+        if self.dist.rank == 0:
+            log.info("%s %s; dataset %s; at step %d/%d (epoch %d, %d consumed); generation %d",
+                     "resuming" if resumed else "starting", layout.describe(), self.bundle.description,
+                     self.state.step, self.total_steps, self.sampler.epoch, self.sampler.consumed, self.generation)
+
+    def _train(self, resumed: bool) -> dict[str, Any]:
+        cfg, env, dist = self.cfg, self.env, self.dist
+        if dist.rank == 0 or env.is_local_leader:
+            self.writer = SnapshotWriter(self.store, generation=self.generation, keep_last=cfg.snapshot.keep_last,
+                                         async_write=cfg.snapshot.async_write,
+                                         observer=_SnapshotReport(self.events, self.metrics))
+        audit = None
+        if cfg.audit.samples:
+            audit = AuditWriter(cfg.run.dir, generation=self.generation, rank=env.rank, world_size=env.world_size, header={
+                "num_samples": self.bundle.num_train, "seed": cfg.run.seed, "shuffle": cfg.data.shuffle,
+                "partial_batch": cfg.data.partial_batch, "global_batch": self.layout.global_size,
+                "sampler": cfg.data.sampler,
+            })
+        test = self.bundle.test
+        trainer = Trainer(Components(
+            cfg=cfg, dist=dist, model=self.model, ddp=dist.wrap(self.model), optimizer=self.optimizer,
+            scheduler=self.scheduler, scaler=self.scaler, sampler=self.sampler, layout=self.layout,
+            source=make_source(self.bundle.train, dist.device, cfg.data, cfg.run.seed + self.sampler.epoch),
+            test_source=make_source(test, dist.device, cfg.data, cfg.run.seed) if test is not None else None,
+            test_size=len(test) if test is not None else 0,  # type: ignore[arg-type]
+            input_shape=self.bundle.input_shape, state=self.state, total_steps=self.total_steps,
+            events=self.events, metrics=self.metrics, audit=audit, stop=self.stop, save_snapshot=self.save_snapshot,
+            check_writer=self.writer.raise_if_fatal if self.writer is not None else (lambda: None),
+            started_at=self.started_at, resumed=resumed, state_lock=self.state_lock,
+            on_collectives_done=lambda: self.watchdog.stop(done=True) if self.watchdog is not None else None,
+        ))
+        try:
+            return trainer.fit()
+        except GracefulStop:
+            raise
+        except BaseException:
+            self._on_failure()
+            raise
+        finally:
+            if self.writer is not None:
+                self.writer.close()
+            if audit is not None:
+                audit.close()
+
+    def _on_failure(self) -> None:
+        """The attempt broke (usually a peer died): keep what we have for the next one."""
+        if self.watchdog is not None:
+            self.watchdog.abort(f"rank {self.env.rank} failed at step {self.state.step}")
+        self.keeper.keep("failure")
+        if self.stop.requested and self.writer is not None:
+            # A peer stopped first and broke the collective; our last completed
+            # step is the newest state there is: make it durable too.
             try:
-                save_snapshot("stop", sync=True)
+                self.save_snapshot("stop", sync=True)
             except Exception:  # noqa: BLE001
                 log.exception("snapshot on stop failed")
-        exc.step = state.step  # type: ignore[attr-defined]
-        raise
-    finally:
-        if writer is not None:
-            writer.close()
-        if audit is not None:
-            audit.close()
-    events.emit("end", status="finished", step=state.step, **{k: v for k, v in result.items() if k != "step"})
-    if dist.rank == 0:
-        acc = result.get("eval_accuracy")
-        log.info("finished at step %d%s; snapshots in %s", state.step,
-                 f", test accuracy {acc:.2%}" if acc is not None else "", store.location)
-        print(f"elastic_runner: finished step={state.step}"
-              + (f" test_accuracy={acc:.4f} test_loss={result['eval_loss']:.4f}" if acc is not None else ""), flush=True)
 
 
 class _SnapshotReport:

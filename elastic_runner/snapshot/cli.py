@@ -113,18 +113,6 @@ def find_newest_readonly(store: LocalStore) -> tuple[SnapshotRef, dict[str, Any]
     return None
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    p = sub.add_parser("snapshot", help="inspect or export a run's snapshots")
-    ssub = p.add_subparsers(dest="snapshot_cmd", required=True)
-    pi = ssub.add_parser("inspect", help="JSON summary of RUN_DIR's snapshots")
-    pi.add_argument("run_dir")
-    pi.add_argument("--verify", action="store_true", help="also check every checksum (reads every file)")
-    pe = ssub.add_parser("export", help="write the newest model state_dict (no 'module.' prefixes)")
-    pe.add_argument("run_dir")
-    pe.add_argument("--out", required=True, help="output file, loadable with torch.load(FILE, weights_only=True)")
-    pe.add_argument("--snapshot", default=None, help="a specific snapshot name instead of the newest")
-
-
 def run(args: argparse.Namespace) -> int:
     try:
         if args.snapshot_cmd == "inspect":
@@ -137,4 +125,4 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["add_parser", "export", "find_newest", "inspect", "run"]
+__all__ = ["export", "find_newest", "inspect", "run"]

@@ -26,6 +26,7 @@ class Loaded:
     ref: SnapshotRef
     meta: dict[str, Any]
     state: dict[str, Any]
+    tier: str = "disk"  #: "disk" or "memory" (a node's shared-memory copy)
 
 
 def find_newest(store: LocalStore, *, map_location: torch.device | str = "cpu", verify: bool = True,

@@ -1,0 +1,147 @@
+"""``ElasticRunnerAgent``: torch's ``LocalElasticAgent`` with three corrections.
+
+- **Stopped workers are killed, not waited for.** Stopping a worker group
+  sends SIGTERM and waits up to the shutdown timeout (30 s) before SIGKILL. A
+  worker in the stopped state (SIGSTOP, a debugger, a wedged cgroup) cannot
+  handle SIGTERM, so that wait is pure loss: it is SIGKILLed at once.
+- **Configuration errors are not retried.** A worker that exits with status 2
+  (:data:`elastic_runner.train.EXIT_USAGE`: invalid config, incompatible
+  snapshot) would fail identically on every restart; the agent stops instead
+  of burning ``--max-restarts`` restarts.
+- **No lazy imports on the recovery path.** torch's log formatter imports
+  ``torch._dynamo`` (~2.5 s) the first time it formats an exception, which
+  the agent does when a worker fails; it is imported in the background
+  after the first rendezvous instead.
+- **Rendezvous remembers the previous round** so that
+  :mod:`elastic_runner.agent.fast_rendezvous` can complete the next round as
+  soon as everyone is back.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+from . import fast_rendezvous
+
+log = logging.getLogger(__name__)
+
+EXIT_USAGE = 2
+
+
+_warmed = False
+
+
+def _warm_exception_logging() -> None:
+    """Import torch._dynamo in the background while the workers train.
+
+    torch's log formatter imports ``torch._dynamo`` the first time it formats an
+    exception (torch/_logging/_internal.py), and the agent logs one exactly
+    when a worker fails: ~2.5 s of imports on the recovery path. Paid here
+    instead, once, while the agent is idle.
+    """
+    global _warmed
+    if _warmed:
+        return
+    _warmed = True
+
+    def warm() -> None:
+        try:
+            import torch._dynamo  # noqa: F401
+        except Exception:  # noqa: BLE001 - an optimisation only
+            log.debug("warming torch._dynamo failed", exc_info=True)
+
+    threading.Thread(target=warm, name="warm-exception-logging", daemon=True).start()
+
+
+def _proc_state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
+
+
+class ElasticRunnerAgent(LocalElasticAgent):
+    #: Callables ``(event, **fields)`` given to every new agent (torch's launcher
+    #: constructs the agent itself; see elastic_runner.agent.metrics).
+    default_observers: list[Any] = []
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.observers: list[Any] = list(type(self).default_observers)
+
+    def _notify(self, event: str, **fields: Any) -> None:
+        for observer in self.observers:
+            try:
+                observer(event, **fields)
+            except Exception:  # noqa: BLE001 - observers must never take the agent down
+                log.debug("agent observer failed", exc_info=True)
+
+    # -- rendezvous --------------------------------------------------------------------------
+
+    def _rendezvous(self, worker_group: WorkerGroup) -> None:
+        handler = worker_group.spec.rdzv_handler
+        holder = getattr(handler, "_state_holder", None)
+        state = getattr(holder, "state", None)
+        if state is not None and getattr(state, "complete", False):
+            fast_rendezvous.set_previous_participants(state.participants)
+        started = time.monotonic()
+        super()._rendezvous(worker_group)
+        self._notify("rendezvous", seconds=time.monotonic() - started, world_size=worker_group.group_world_size,
+                     group_rank=worker_group.group_rank, completed_early=fast_rendezvous.completed_early)
+        _warm_exception_logging()
+
+    # -- stopping ------------------------------------------------------------------------------
+
+    def _kill_stopped_workers(self) -> None:
+        pcontext = getattr(self, "_pcontext", None)
+        if pcontext is None:
+            return
+        for pid in pcontext.pids().values():
+            if _proc_state(pid) in ("T", "t"):
+                log.warning("worker pid %d is stopped (SIGSTOP?) and cannot handle SIGTERM; killing it", pid)
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
+    def _stop_workers(self, worker_group: WorkerGroup) -> None:
+        self._kill_stopped_workers()
+        super()._stop_workers(worker_group)
+
+    def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
+        self._kill_stopped_workers()
+        super()._shutdown(death_sig, timeout)
+
+    # -- monitoring -----------------------------------------------------------------------------
+
+    def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        # When a worker has exited, torch's process context SIGTERMs the others and
+        # waits up to 30 s for them, before _stop_workers ever runs: a stopped
+        # sibling must be gone before that wait starts.
+        pcontext = getattr(self, "_pcontext", None)
+        if pcontext is not None and any(_proc_state(pid) in ("", "Z", "X") for pid in pcontext.pids().values()):
+            self._kill_stopped_workers()
+        result = super()._monitor_workers(worker_group)
+        if result.state == WorkerState.FAILED:
+            codes = sorted({f.exitcode for f in result.failures.values()})
+            self._notify("worker_failed", exit_codes=codes, count=len(result.failures))
+            if EXIT_USAGE in codes and self._remaining_restarts > 0:
+                log.error("a worker exited with status %d (configuration or resume error, printed above); "
+                          "restarting would fail the same way, so the job stops. Fix the config and start again.",
+                          EXIT_USAGE)
+                self._remaining_restarts = 0
+        self._notify("state", state=result.state.name, remaining_restarts=self._remaining_restarts)
+        return result
+
+    def _restart_workers(self, worker_group: WorkerGroup) -> None:
+        self._notify("restart")
+        super()._restart_workers(worker_group)

@@ -1,0 +1,96 @@
+"""The in-memory snapshot tier: the newest state, kept on every node that survives.
+
+In DDP every rank holds the whole model and optimizer state, so any survivor
+of a failure can seed the restart. When a worker's attempt ends — a peer died
+and a collective failed, the watchdog saw a dead or hung peer, or torchrun
+stopped it to re-form the group — it writes its last *completed* step into
+node-local shared memory (``/dev/shm``; tmpfs, no disk I/O) before exiting.
+On the next start every rank reports what its node holds, the newest
+(generation, step) across the job wins, and its holder broadcasts the bytes to
+all ranks. Only a loss of every node falls back to the durable disk snapshot.
+
+Nothing is copied during normal training: the cost is paid once, on the way
+out, by processes that are stopping anyway. The format and the atomic publish
+are the disk format's (same store class, rooted in shared memory); one
+snapshot per run and node is kept.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from .format import read_meta, read_verified_bytes
+from .store import LocalStore, SnapshotError, SnapshotRef
+from .writer import SnapshotWriter, require_ok
+
+log = logging.getLogger(__name__)
+
+SHM_ROOT = "/dev/shm"
+
+
+def memory_root(snapshot_location: str, base: str | None = None) -> Path:
+    """Node-local directory for one run (keyed by its snapshot location)."""
+    base = base or os.environ.get("ELASTIC_RUNNER_SHM_DIR") or (SHM_ROOT if os.path.isdir(SHM_ROOT) else tempfile.gettempdir())
+    key = hashlib.sha256(os.path.abspath(snapshot_location).encode()).hexdigest()[:16]
+    return Path(base) / "elastic-runner" / key
+
+
+@dataclass(frozen=True)
+class MemoryCandidate:
+    rank: int
+    generation: int
+    step: int
+    size_bytes: int
+    fingerprint: dict[str, str]
+
+    @property
+    def ref(self) -> SnapshotRef:
+        return SnapshotRef(generation=self.generation, step=self.step)
+
+
+class MemoryTier:
+    def __init__(self, root: Path, generation: int) -> None:
+        self.root = root
+        self.store = LocalStore(root)
+        self.generation = generation
+
+    def newest(self, rank: int) -> MemoryCandidate | None:
+        for ref in reversed(self.store.complete()):
+            try:
+                meta = read_meta(self.store.path(ref))
+            except SnapshotError:
+                self.store.remove(ref)
+                continue
+            return MemoryCandidate(rank, ref.generation, ref.step, int(meta.get("size_bytes", 0)), meta.get("fingerprint", {}))
+        return None
+
+    def read_bytes(self, ref: SnapshotRef) -> bytes:
+        directory = self.store.path(ref)
+        return read_verified_bytes(directory, read_meta(directory), verify=True)
+
+    def has(self, step: int) -> bool:
+        return any(r.step == step and r.generation == self.generation for r in self.store.complete())
+
+    def save(self, step: int, capture: Callable[[], tuple[dict[str, Any], dict[str, Any]]]) -> bool:
+        """Write the state of ``step`` (synchronously); True if this node now holds it."""
+        if self.has(step):
+            return True  # another local rank was faster: replicas are identical
+        try:
+            self.store.ensure()
+            writer = SnapshotWriter(self.store, generation=self.generation, keep_last=1, async_write=False)
+            require_ok(writer.save(step, capture, sync=True))
+        except SnapshotError as exc:
+            log.warning("could not keep the state of step %d in memory (%s); the disk snapshot remains", step, exc)
+            return self.has(step)
+        return True
+
+    def drop(self) -> None:
+        """Remove this run's memory snapshots (the run finished)."""
+        shutil.rmtree(self.root, ignore_errors=True)

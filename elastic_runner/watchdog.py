@@ -1,0 +1,130 @@
+"""Peer liveness: end an attempt within seconds when a peer dies or hangs.
+
+gloo notices a peer's death only if its socket closes; NCCL only at the
+collective timeout (10 minutes by default); a SIGSTOPped or wedged peer is
+noticed by neither. Each rank therefore runs a small thread that
+
+- bumps a counter under ``er/hb/<generation>/<rank>`` every ``interval``,
+- watches its two ring neighbours' counters (O(1) store traffic per rank, so
+  it scales to large jobs), and
+- watches one job-wide ``er/abort/<generation>`` key.
+
+A neighbour whose counter has not moved for ``timeout`` seconds (measured on
+the watcher's monotonic clock: no cross-node clock skew), or a store that no
+longer answers (rank 0's process, which hosts it, is gone), makes the watcher
+set the abort key, so every rank stops within one interval, not a cascade.
+A rank that finished marks itself ``done`` and is never declared dead.
+
+The watchdog uses its own store connection with a short timeout, so a
+process group stuck in a collective cannot block it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import threading
+import time
+from typing import Any, Callable
+
+log = logging.getLogger(__name__)
+
+DONE = b"done"
+
+
+class PeerWatchdog:
+    def __init__(self, store: Any, *, rank: int, world_size: int, generation: int, timeout: float,
+                 on_lost: Callable[[str], None], interval: float | None = None) -> None:
+        self.store = store
+        self.rank = rank
+        self.world_size = world_size
+        self.timeout = timeout
+        self.interval = interval if interval is not None else max(0.1, min(1.0, timeout / 5))
+        self.on_lost = on_lost
+        self.prefix = f"er/hb/{generation}/"
+        self.abort_key = f"er/abort/{generation}"
+        self.neighbours = sorted({(rank - 1) % world_size, (rank + 1) % world_size} - {rank})
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="elastic-runner-watchdog", daemon=True)
+        self._counter = 0
+        self.fired: str | None = None
+
+    @classmethod
+    def connect(cls, master_addr: str, master_port: int, timeout: float, **kwargs: Any) -> "PeerWatchdog":
+        from torch.distributed import TCPStore
+
+        store = TCPStore(master_addr, master_port, is_master=False, timeout=datetime.timedelta(seconds=timeout),
+                         wait_for_workers=False)
+        return cls(store, timeout=timeout, **kwargs)
+
+    def start(self) -> "PeerWatchdog":
+        self._beat()
+        self._thread.start()
+        return self
+
+    def stop(self, done: bool = True) -> None:
+        """Stop watching; ``done`` tells the neighbours this rank ended on purpose."""
+        # No join: the thread may sit in a store call to a dead rank 0 for up to
+        # `timeout`, and a failing worker must not wait for it (it is a daemon).
+        self._stop.set()
+        if done:
+            try:
+                self.store.set(self.prefix + str(self.rank), DONE)
+            except Exception:  # noqa: BLE001 - the store may be gone at the very end
+                pass
+
+    def abort(self, reason: str) -> None:
+        """Tell every rank of this generation to stop (used on local failures too)."""
+        try:
+            self.store.set(self.abort_key, f"rank {self.rank}: {reason}".encode())
+        except Exception:  # noqa: BLE001
+            pass
+
+    # -- thread ------------------------------------------------------------------------
+
+    def _beat(self) -> None:
+        self._counter += 1
+        self.store.set(self.prefix + str(self.rank), str(self._counter).encode())
+
+    def _run(self) -> None:
+        started = time.monotonic()
+        last_value: dict[int, bytes | None] = {n: None for n in self.neighbours}
+        last_change: dict[int, float] = {n: started for n in self.neighbours}
+        store_failed_since: float | None = None
+        while not self._stop.wait(self.interval):
+            now = time.monotonic()
+            try:
+                self._beat()
+                if self.store.check([self.abort_key]):
+                    reason = self.store.get(self.abort_key).decode(errors="replace")
+                    self._fire(f"another rank aborted this attempt ({reason})")
+                    return
+                keys = [self.prefix + str(n) for n in self.neighbours]
+                present = [n for n, k in zip(self.neighbours, keys) if self.store.check([k])]
+                values = dict(zip(present, self.store.multi_get([self.prefix + str(n) for n in present]))) if present else {}
+                store_failed_since = None
+            except Exception as exc:  # noqa: BLE001 - any store failure means rank 0's host is gone or cut off
+                if store_failed_since is None:
+                    store_failed_since = now
+                if now - store_failed_since >= min(self.timeout, 2 * self.interval + 1):
+                    self._fire(f"the job's store at rank 0 stopped answering ({type(exc).__name__}: {exc})")
+                    return
+                continue
+            for n in self.neighbours:
+                value = values.get(n)
+                if value == DONE:
+                    last_change[n] = now
+                    continue
+                if value != last_value[n]:
+                    last_value[n], last_change[n] = value, now
+                elif now - last_change[n] > self.timeout:
+                    state = "never started heartbeating" if value is None else "stopped heartbeating"
+                    reason = f"rank {n} {state} {now - last_change[n]:.1f}s ago (dist.heartbeat_seconds={self.timeout:g}): it died or hangs"
+                    self.abort(reason)
+                    self._fire(reason)
+                    return
+
+    def _fire(self, reason: str) -> None:
+        self.fired = reason
+        log.error("peer watchdog: %s; ending this attempt", reason)
+        self.on_lost(reason)

@@ -1,0 +1,88 @@
+"""Fast recovery through elastic-runner launch: memory snapshots, watchdog, zygote, our agent."""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from elastic_runner.audit import check_audit
+
+from ..support import assert_bitwise_equal, events, exported_model, wait_for_step
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
+
+
+def first_resume(run_dir: Path) -> dict:
+    resumes = [e for e in events(run_dir, "resume") if e["generation"] > 1]
+    assert resumes, "the job never resumed"
+    return min(resumes, key=lambda e: e["generation"])
+
+
+def test_worker_kill_resumes_from_a_survivors_memory_losing_no_step_and_ends_bitwise_identical(
+        resume_config: Path, reference_model, local_job, tmp_path: Path) -> None:  # noqa: ANN001
+    job = local_job(config=str(resume_config), nnodes="2:2", launcher="elastic-runner")
+    job.start_agent()
+    job.start_agent()
+    run_dir = Path(job.run_dir)
+    wait_for_step(run_dir, 130, timeout=120, job=job)
+    job.signal_worker(next(w for w in job.workers() if w.rank == 1), signal.SIGKILL)
+    assert job.wait(timeout=180) == [0, 0], job.logs_tail()
+
+    resume = first_resume(run_dir)
+    assert resume["tier"] == "memory", "a survivor kept the newest step"
+    assert resume["steps_recomputed"] <= 1
+    assert resume["step"] % 20 != 0 or resume["steps_recomputed"] == 0  # not just the last disk snapshot
+    report = check_audit(run_dir)
+    assert report.ok, report.render()
+    assert_bitwise_equal(exported_model(run_dir, tmp_path), reference_model)
+
+
+def test_losing_every_worker_at_once_falls_back_to_the_disk_snapshot(resume_config: Path, local_job) -> None:  # noqa: ANN001
+    job = local_job(config=str(resume_config), nnodes="2:2", launcher="elastic-runner")
+    job.start_agent()
+    job.start_agent()
+    run_dir = Path(job.run_dir)
+    wait_for_step(run_dir, 90, timeout=120, job=job)
+    for worker in job.workers():  # no survivor: nobody can keep the newest step
+        job.signal_worker(worker, signal.SIGKILL)
+    assert job.wait(timeout=180) == [0, 0], job.logs_tail()
+    resume = first_resume(run_dir)
+    assert resume["tier"] == "disk" and resume["step"] % 20 == 0
+    assert check_audit(run_dir).ok
+
+
+def test_hung_worker_is_detected_within_the_heartbeat_time_and_killed_at_once(resume_config: Path, local_job) -> None:  # noqa: ANN001
+    job = local_job(config=str(resume_config), nnodes="1:1", nproc_per_node=2, launcher="elastic-runner",
+                    overrides=["dist.heartbeat_seconds=2"])
+    job.start_agent()
+    run_dir = Path(job.run_dir)
+    wait_for_step(run_dir, 60, timeout=120, job=job)
+    hung = next(w for w in job.workers() if w.rank == 1)
+    stopped_at = time.time()
+    job.signal_worker(hung, signal.SIGSTOP)
+    assert job.wait(timeout=120) == [0], job.logs_tail()
+    detections = [e for e in events(run_dir, "failure") if e.get("detected_by") == "watchdog" and e["time"] > stopped_at]
+    assert detections, "the watchdog reported the hung peer"
+    detected_after = min(e["time"] for e in detections) - stopped_at
+    # heartbeat timeout + one polling interval (0.4 s) + scheduling slack on a loaded 2-core machine
+    assert detected_after < 2 + 3, f"detected after {detected_after:.1f}s"
+    restarted = [e for e in events(run_dir, "start") if e["generation"] == 2]
+    assert restarted and min(e["time"] for e in restarted) - stopped_at < 20, "stopped worker killed, not waited for 30 s"
+    assert check_audit(run_dir).ok
+
+
+def test_node_loss_survivor_keeps_the_newest_step(resume_config: Path, local_job) -> None:  # noqa: ANN001
+    job = local_job(config=str(resume_config), nnodes="1:2", launcher="elastic-runner")
+    job.start_agent()
+    second = job.start_agent()
+    run_dir = Path(job.run_dir)
+    wait_for_step(run_dir, 90, timeout=120, job=job)
+    job.kill_agent(second)
+    assert job.wait(timeout=180)[0] == 0, job.logs_tail()
+    resume = first_resume(run_dir)
+    assert resume["tier"] == "memory" and resume["steps_recomputed"] <= 1
+    assert {e["world_size"] for e in events(run_dir, "world") if e["generation"] > 1} == {1}
+    assert check_audit(run_dir).ok

@@ -1,0 +1,103 @@
+"""torchrun 2.13's own failure modes: scale-up death, stale stores, split brain, hung group creation."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from elastic_runner.audit import check_audit
+from elastic_runner.localjob import free_port
+from elastic_runner.snapshot import LocalStore
+
+from ..conftest import write_config
+from ..support import events, run_bounded, wait_for_step
+
+pytestmark = [pytest.mark.multiprocess]
+
+
+def world_after(run_dir: Path, t: float, size: int, timeout: float, job) -> None:  # noqa: ANN001
+    """Wait until a generation started after ``t`` is stepping at world size ``size``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        starts = {e["generation"] for e in events(run_dir, "world") if e["time"] > t and e["world_size"] == size}
+        if any(e["generation"] in starts for e in events(run_dir, "first_step")):
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"no generation at world size {size} stepped within {timeout}s\n{job.logs_tail()}")
+
+
+@pytest.mark.timeout(600)
+def test_ten_consecutive_scale_ups_and_restarts_through_launch(tmp_path: Path, local_job) -> None:  # noqa: ANN001
+    config = write_config(tmp_path / "long.yaml", train={"epochs": 1000, "max_steps": 100000, "eval_every_steps": 0},
+                          snapshot={"every_steps": 50}, logging={"every_steps": 50})
+    job = local_job(config=str(config), nnodes="1:3", launcher="elastic-runner")
+    job.start_agent()
+    run_dir = Path(job.run_dir)
+    wait_for_step(run_dir, 20, timeout=120, job=job)
+    for cycle in range(5):
+        t = time.time()
+        joiner = job.start_agent()  # scale-up: the failure mode that killed plain torchrun jobs
+        world_after(run_dir, t, 2, 90, job)
+        t = time.time()
+        job.signal_worker(next(w for w in job.workers(joiner)), signal.SIGKILL)  # restart at the same size
+        world_after(run_dir, t, 2, 90, job)
+        t = time.time()
+        job.kill_agent(joiner)  # back to one node for the next cycle
+        world_after(run_dir, t, 1, 90, job)
+        assert job.agents[0].running(), f"the job died in cycle {cycle}\n{job.logs_tail()}"
+    # Let it end cleanly: a stop request through the remaining agent.
+    job.agents[0].proc.send_signal(signal.SIGTERM)
+    job.wait(timeout=120)
+    report = check_audit(run_dir)
+    assert report.ok, report.render()
+    assert len(report.generations) >= 16
+
+
+@pytest.mark.timeout(300)
+def test_a_stale_writer_cannot_replace_the_newer_rounds_snapshots(small_config: Path, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    common = [sys.executable, "-m", "elastic_runner.train", "--config", str(small_config), "--set", f"run.dir={run_dir}",
+              "--set", "snapshot.every_steps=5", "--set", "train.epochs=1000", "--set", "snapshot.in_memory=false"]
+    env = os.environ | {"PYTHONUNBUFFERED": "1"}
+    # The old round: a zombie that keeps training on its own after being cut off.
+    old = subprocess.Popen(common + ["--set", "train.max_steps=100000"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           text=True, env=env, start_new_session=True)
+    try:
+        store = LocalStore(run_dir / "snapshots")
+        deadline = time.monotonic() + 120
+        while not store.complete():
+            assert time.monotonic() < deadline and old.poll() is None
+            time.sleep(0.05)
+        # The newer round starts on the same run directory (generation 2).
+        new = run_bounded(common + ["--set", "train.max_steps=60"], timeout=180)
+        old_out, _ = old.communicate(timeout=120)
+    finally:
+        if old.poll() is None:
+            old.kill()
+            old.communicate()
+    assert new.returncode == 0, new.stdout[-2000:]
+    assert old.returncode == 1, old_out[-2000:]
+    assert "is stale: generation 2" in old_out and "split brain" in old_out
+    complete = store.complete()
+    assert complete[-1].generation == 2, "the newer round's snapshot is the latest"
+    assert all(r.generation == 2 for r in complete if r.step > 5) or complete[-1].generation == 2
+    assert store.incomplete() == [], "the refused write left nothing half-written"
+
+
+@pytest.mark.timeout(120)
+def test_hung_process_group_creation_ends_within_the_configured_time(small_config: Path, tmp_path: Path) -> None:
+    env = os.environ | {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": str(free_port()), "TORCHELASTIC_RUN_ID": "hung"}
+    started = time.monotonic()
+    result = run_bounded([sys.executable, "-m", "elastic_runner.train", "--config", str(small_config),
+                          "--set", f"run.dir={tmp_path}", "--set", "dist.init_timeout_seconds=3"], timeout=90, env=env)
+    elapsed = time.monotonic() - started
+    assert result.returncode == 75, result.stdout[-2000:]
+    assert "was not ready within dist.init_timeout_seconds=3s" in result.stdout
+    assert elapsed < 3 + 30, f"took {elapsed:.0f}s (interpreter start included)"

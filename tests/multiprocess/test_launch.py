@@ -1,0 +1,110 @@
+"""elastic-runner launch: torchrun's flags, elastic defaults, zygote workers, our agent."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from elastic_runner.launch import merge_rdzv_conf
+
+from ..support import events, run_bounded
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
+
+
+def launch(*args: str, timeout: float = 180, env: dict[str, str] | None = None):  # noqa: ANN201
+    import os
+
+    return run_bounded([sys.executable, "-m", "elastic_runner", "launch", *args], timeout,
+                       env=os.environ | {"PYTHONUNBUFFERED": "1"} | (env or {}))
+
+
+def test_rdzv_defaults_fill_only_missing_keys() -> None:
+    assert merge_rdzv_conf("") == "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3"
+    assert merge_rdzv_conf("last_call_timeout=5,join_timeout=60") == (
+        "last_call_timeout=5,join_timeout=60,keep_alive_interval=1,keep_alive_max_attempt=3")
+
+
+def _big_parallel_op() -> None:
+    import torch
+
+    torch.set_num_threads(2)
+    x = torch.ones(4_000_000)
+    assert float((x * 2).sum()) == 8_000_000.0
+
+
+def test_zygote_children_can_run_parallel_tensor_ops() -> None:
+    # If the zygote ever starts torch's OpenMP team, forked children deadlock in
+    # their first parallel region. This is that first region, with a deadline.
+    import multiprocessing.forkserver as forkserver
+
+    forkserver.set_forkserver_preload(["elastic_runner.agent.warm"])
+    proc = mp.get_context("forkserver").Process(target=_big_parallel_op)
+    proc.start()
+    proc.join(timeout=120)
+    alive = proc.is_alive()
+    if alive:
+        proc.kill()
+        proc.join()
+    assert not alive, "a child forked from the zygote hung in a parallel region"
+    assert proc.exitcode == 0
+
+
+def test_standalone_quickstart_runs_on_zygote_workers(small_config: Path, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    result = launch("--standalone", "--nproc_per_node=2", "-m", "elastic_runner.train", "--config", str(small_config),
+                    "--set", f"run.dir={run_dir}", "--set", "train.max_steps=20")
+    assert result.returncode == 0, result.stdout[-3000:]
+    starts = events(run_dir, "start")
+    assert len(starts) == 2 and all(e["zygote"] for e in starts), "workers were forked from the warm zygote"
+    agent_events = [e for e in events(run_dir) if e.get("role") == "agent"]
+    assert any(e["kind"] == "agent_rendezvous" for e in agent_events), "the agent logs its rendezvous rounds"
+
+
+def test_plain_script_entrypoints_still_work(tmp_path: Path) -> None:
+    script = tmp_path / "hello.py"
+    script.write_text("import os; print('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'])\n")
+    result = launch("--standalone", "--nproc_per_node=2", str(script), timeout=120)
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert "rank 0 of 2" in result.stdout and "rank 1 of 2" in result.stdout
+
+
+def test_configuration_error_is_not_retried(quickstart: Path, tmp_path: Path) -> None:
+    started = time.monotonic()
+    result = launch("--standalone", "--nproc_per_node=2", "--max_restarts=5", "-m", "elastic_runner.train",
+                    "--config", str(quickstart), "--set", f"run.dir={tmp_path}", "--set", "batch.global_size=-1")
+    assert result.returncode == 2, result.stdout[-3000:]
+    assert result.stdout.count("batch.global_size: got -1") == 2, "each worker ran exactly once"
+    assert "restarting would fail the same way" in result.stdout
+    assert time.monotonic() - started < 120
+
+
+def test_sigterm_ends_the_agent_with_128_plus_signal_and_no_traceback(small_config: Path, tmp_path: Path) -> None:
+    import os
+    import subprocess
+
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "elastic_runner", "launch", "--standalone", "--nproc_per_node=2",
+                             "-m", "elastic_runner.train", "--config", str(small_config), "--set", f"run.dir={run_dir}",
+                             "--set", "train.max_steps=100000", "--set", "train.epochs=1000"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            env=os.environ | {"PYTHONUNBUFFERED": "1"})
+    try:
+        deadline = time.monotonic() + 120
+        while not events(run_dir, "progress"):
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 128 + signal.SIGTERM, out[-3000:]
+    assert "Traceback" not in out
+    assert sorted(e["rank"] for e in events(run_dir, "stop")) == [0, 1]
