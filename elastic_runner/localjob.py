@@ -213,7 +213,10 @@ class LocalJob:
     def start_agent(self) -> Agent:
         index = len(self.agents)
         log_path = Path(self.log_dir or self.run_dir) / f"agent-{index}.log"
-        env = os.environ | {"PYTHONUNBUFFERED": "1"} | self.env
+        # Every agent of a local job shares this machine's cores; torchrun only limits
+        # threads for several workers per agent, and oversubscribed OpenMP threads
+        # spin-wait each other: 15x slower on 2 cores with one worker per agent.
+        env = os.environ | {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")} | self.env
         if self.disable_shared_store:
             env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
         else:

@@ -19,13 +19,16 @@ import os
 import platform
 from typing import Any, Iterable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, disable_created_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from . import __version__
 
 log = logging.getLogger(__name__)
+
+# One series per instrument: the *_created timestamps double the series for no use here.
+disable_created_metrics()
 
 PREFIX = "elastic_runner_"
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)

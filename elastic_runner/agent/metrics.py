@@ -23,12 +23,15 @@ import platform
 import re
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, disable_created_metrics
 
 from .. import __version__
 from ..events import EventLog
 
 log = logging.getLogger(__name__)
+
+# One series per instrument: the *_created timestamps double the series for no use here.
+disable_created_metrics()
 
 PREFIX = "elastic_runner_agent_"
 STATES = ("INIT", "HEALTHY", "UNHEALTHY", "STOPPED", "SUCCEEDED", "FAILED", "UNKNOWN")

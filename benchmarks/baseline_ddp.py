@@ -1,0 +1,118 @@
+"""The baseline: a DDP training script as the standard tutorials teach it.
+
+DistributedSampler with ``set_epoch``, rank 0 ``torch.save`` of model and
+optimizer every K steps, ``torch.load(map_location=...)`` at start, run under
+plain ``torchrun``. Same model, data, batch and optimizer as elastic_runner's
+benchmark configs, so the two differ only in how they handle faults.
+
+The lines marked ``# timing`` are benchmark instrumentation (one JSON line per
+event into RUN_DIR/timing/), not part of what a user would write.
+
+    torchrun --nnodes=1:4 --nproc_per_node=1 --rdzv_backend=c10d --rdzv_endpoint=HOST:PORT \\
+        benchmarks/baseline_ddp.py --run-dir runs/base --data digits --steps 2000
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from elastic_runner.config import DataConfig, ModelConfig
+from elastic_runner.data import build_datasets
+from elastic_runner.models import build_model
+
+
+class Timing:  # timing: benchmark instrumentation
+    def __init__(self, run_dir: str, rank: int) -> None:
+        os.makedirs(os.path.join(run_dir, "timing"), exist_ok=True)
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        self.fh = open(os.path.join(run_dir, "timing", f"rank{rank}-pid{os.getpid()}.jsonl"), "a", buffering=1)
+        self.base = {"rank": rank, "pid": os.getpid(), "restart": int(restart),
+                     "world_size": int(os.environ.get("WORLD_SIZE", "1"))}
+
+    def __call__(self, kind: str, **fields: object) -> None:
+        self.fh.write(json.dumps({"time": time.time(), "kind": kind} | self.base | fields) + "\n")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--run-dir", required=True)
+    p.add_argument("--data", default="digits", choices=["digits", "synthetic"])
+    p.add_argument("--synthetic-size", type=int, default=8192)
+    p.add_argument("--synthetic-shape", default="3,32,32")
+    p.add_argument("--model", default="cnn")
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--channels", type=int, default=16)
+    p.add_argument("--depth", type=int, default=2)
+    p.add_argument("--batch-per-rank", type=int, default=16)
+    p.add_argument("--lr", type=float, default=0.1)
+    p.add_argument("--epochs", type=int, default=1000)
+    p.add_argument("--steps", type=int, default=2000)
+    p.add_argument("--save-every", type=int, default=50)
+    p.add_argument("--log-every", type=int, default=1, help="timing line every N steps (first step always)")
+    args = p.parse_args()
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    timing = Timing(args.run_dir, rank)  # timing
+    timing("pg_up")  # timing
+
+    if args.data == "digits":
+        data_cfg = DataConfig(name="digits")
+    else:
+        data_cfg = DataConfig(name="synthetic", params={"size": args.synthetic_size,
+                                                        "shape": [int(s) for s in args.synthetic_shape.split(",")]})
+    bundle = build_datasets(data_cfg)
+    train = TensorDataset(bundle.train.x, bundle.train.y)  # type: ignore[attr-defined]
+    torch.manual_seed(0)
+    params = {"hidden": args.hidden} | ({"channels": args.channels} if args.model == "cnn" else {"depth": args.depth})
+    model = build_model(ModelConfig(name=args.model, params=params), bundle.input_shape, bundle.num_classes)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=1e-4)
+
+    ckpt = os.path.join(args.run_dir, "checkpoint.pt")
+    start_epoch, step = 0, 0
+    if os.path.exists(ckpt):
+        state = torch.load(ckpt, map_location="cpu")
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        start_epoch, step = state["epoch"], state["step"]
+        timing("resume", step=step)  # timing
+
+    model = DDP(model)
+    sampler = DistributedSampler(train, shuffle=True, seed=0)
+    loader = DataLoader(train, batch_size=args.batch_per_rank, sampler=sampler, drop_last=True)
+    first = True
+    for epoch in range(start_epoch, args.epochs):
+        sampler.set_epoch(epoch)
+        for x, y in loader:
+            loss = F.cross_entropy(model(x), y)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            step += 1
+            if first or step % args.log_every == 0:  # timing
+                timing("first_step" if first else "step", step=step)  # timing
+            first = False
+            if rank == 0 and step % args.save_every == 0:
+                t_save = time.perf_counter()  # timing
+                torch.save({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
+                            "epoch": epoch, "step": step}, ckpt)
+                timing("save", step=step, seconds=time.perf_counter() - t_save)  # timing
+            if step >= args.steps:
+                break
+        if step >= args.steps:
+            break
+    timing("end", step=step)  # timing
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,120 @@
+"""Recovery benchmark: worker kill, node loss, node join — baseline vs elastic_runner.
+
+For each variant (see common.py) one job of two agents runs; then
+- ``--repeats`` times: SIGKILL the worker of the second agent, time until all
+  ranks step again (and count the steps recomputed);
+- ``--repeats`` times: SIGKILL the second agent with its worker (node loss), time
+  until the survivor steps at world size 1; start a new agent (node join), time
+  from its start until all ranks step at world size 2.
+A wait longer than ``--hang-after`` seconds is recorded as a hang (the shared
+rendezvous store of torch's defaults makes joins hang) and ends that variant.
+
+    .venv/bin/python benchmarks/recovery.py --repeats 3 --out results/recovery.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from common import VARIANTS, Workload, furthest_completed_step, make_job, median, wait_stepping, write_json
+
+
+def measure(variant: str, repeats: int, hang_after: float, workdir: Path, scenarios: list[str]) -> dict[str, Any]:
+    run_dir = workdir / variant
+    job = make_job(variant, Workload(), run_dir)
+    result: dict[str, Any] = {"worker_kill": [], "node_loss": [], "node_join": [], "steps_lost": [], "hangs": []}
+    try:
+        job.start_agent()
+        second = job.start_agent()
+        started = time.time()
+        took, _ = wait_stepping(variant, run_dir, started - 60, 2, 300)
+        if took is None:
+            raise RuntimeError(f"{variant}: the job never stepped at world size 2\n{job.logs_tail()}")
+        time.sleep(3)
+        if "worker_kill" in scenarios:
+            for _ in range(repeats):
+                victim = next(w for w in job.workers(second))
+                t = time.time()
+                job.signal_worker(victim, signal.SIGKILL)
+                took, attempt = wait_stepping(variant, run_dir, t, 2, hang_after)
+                if took is None:
+                    result["hangs"].append("worker_kill")
+                    return result
+                result["worker_kill"].append(round(took, 3))
+                if attempt is not None and attempt.resumed_step is not None:
+                    result["steps_lost"].append(furthest_completed_step(variant, run_dir, t) - attempt.resumed_step)
+                time.sleep(3)
+        if "node" in scenarios:
+            for _ in range(repeats):
+                t = time.time()
+                job.kill_agent(second)
+                took, attempt = wait_stepping(variant, run_dir, t, 1, hang_after)
+                if took is None:
+                    result["hangs"].append("node_loss")
+                    return result
+                result["node_loss"].append(round(took, 3))
+                if attempt is not None and attempt.resumed_step is not None:
+                    result["steps_lost"].append(furthest_completed_step(variant, run_dir, t) - attempt.resumed_step)
+                time.sleep(3)
+                t = time.time()
+                second = job.start_agent()
+                took, _ = wait_stepping(variant, run_dir, t, 2, hang_after)
+                if took is None:
+                    result["hangs"].append("node_join")
+                    return result
+                result["node_join"].append(round(took, 3))
+                time.sleep(3)
+        return result
+    finally:
+        job.close()
+
+
+def summarize(raw: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for variant, r in raw.items():
+        out[variant] = {
+            "worker_kill_s": median(r["worker_kill"]), "node_loss_s": median(r["node_loss"]),
+            "node_join_s": "hang" if "node_join" in r["hangs"] else median(r["node_join"]),
+            "steps_lost_max": max(r["steps_lost"]) if r["steps_lost"] else None,
+            "steps_lost_median": median([float(x) for x in r["steps_lost"]]),
+        }
+    ours = out.get("elastic-runner", {})
+    ratios: dict[str, Any] = {}
+    for base in ("torchrun-tuned", "torchrun-default"):
+        b = out.get(base)
+        if not b or not ours:
+            continue
+        for key in ("worker_kill_s", "node_loss_s", "node_join_s"):
+            if isinstance(b.get(key), float) and isinstance(ours.get(key), float) and b[key] > 0:
+                ratios[f"{key[:-2]}_vs_{base}"] = round(ours[key] / b[key], 3)
+            elif b.get(key) == "hang" and isinstance(ours.get(key), float):
+                ratios[f"{key[:-2]}_vs_{base}"] = "baseline hangs"
+    return {"medians": out, "ratios": ratios}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--hang-after", type=float, default=120.0, help="seconds without recovery that count as a hang")
+    p.add_argument("--scenarios", default="worker_kill,node", help="worker_kill and/or node (loss + join)")
+    p.add_argument("--workdir", default=None)
+    p.add_argument("--out", default=None, help="write the JSON result here too")
+    args = p.parse_args()
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="er-bench-recovery-"))
+    raw = {}
+    for variant in [v.strip() for v in args.variants.split(",") if v.strip()]:
+        started = time.monotonic()
+        raw[variant] = measure(variant, args.repeats, args.hang_after, workdir, args.scenarios.split(","))
+        raw[variant]["wall_s"] = round(time.monotonic() - started, 1)
+        print(f"{variant}: {raw[variant]}", flush=True)
+    write_json(args.out, {"benchmark": "recovery", "repeats": args.repeats, "workdir": str(workdir), "raw": raw} | summarize(raw))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,133 @@
+"""The faults the chaos tool can inject into a local job, each by PID or path.
+
+Every fault returns a one-line description of what it did, or raises
+:class:`Skip` when the job's current shape does not allow it (e.g. no agent
+may be removed without dropping below the minimum), so the run goes on.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from ..localjob import Agent, LocalJob
+from ..snapshot import LocalStore
+from ..snapshot.memory import memory_root
+
+
+class Skip(Exception):
+    """The fault does not apply right now."""
+
+
+@dataclass
+class FaultContext:
+    job: LocalJob
+    rng: random.Random
+    min_agents: int
+    max_agents: int
+    hang_seconds: float
+    snapshot_dir: Path
+    etcd: Any = None  #: elastic_runner.rendezvous.etcd_server.EtcdServer when self-started
+
+
+def _removable_agents(ctx: FaultContext) -> list[Agent]:
+    running = ctx.job.running_agents()
+    if len(running) <= ctx.min_agents:
+        raise Skip(f"only {len(running)} agent(s) running, the minimum is {ctx.min_agents}")
+    # Losing the agent that hosts the c10d store loses a c10d job by design (use etcd-v3).
+    candidates = [a for a in running if not a.hosts_store]
+    if not candidates:
+        raise Skip("only the c10d store's host agent could be removed")
+    return candidates
+
+
+def kill_worker(ctx: FaultContext) -> str:
+    workers = ctx.job.workers()
+    if not workers:
+        raise Skip("no worker is running")
+    w = ctx.rng.choice(workers)
+    ctx.job.signal_worker(w, signal.SIGKILL)
+    return f"SIGKILL worker rank {w.rank} (pid {w.pid})"
+
+
+def kill_agent(ctx: FaultContext) -> str:
+    agent = ctx.rng.choice(_removable_agents(ctx))
+    killed = ctx.job.kill_agent(agent, signal.SIGKILL, with_workers=True)
+    return f"node loss: SIGKILL agent {agent.index} (pid {agent.pid}) and its {len(killed)} process(es)"
+
+
+def join(ctx: FaultContext) -> str:
+    running = ctx.job.running_agents()
+    if len(running) >= ctx.max_agents:
+        raise Skip(f"already {len(running)} agents, the maximum is {ctx.max_agents}")
+    agent = ctx.job.start_agent()
+    return f"node join: started agent {agent.index} (pid {agent.pid})"
+
+
+def hang(ctx: FaultContext) -> str:
+    workers = ctx.job.workers()
+    if not workers:
+        raise Skip("no worker is running")
+    w = ctx.rng.choice(workers)
+    ctx.job.signal_worker(w, signal.SIGSTOP)
+
+    def resume() -> None:
+        time.sleep(ctx.hang_seconds)
+        try:
+            os.kill(w.pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass  # the agent killed the stopped worker: fine
+
+    threading.Thread(target=resume, daemon=True).start()
+    return f"SIGSTOP worker rank {w.rank} (pid {w.pid}) for {ctx.hang_seconds:g}s"
+
+
+def preempt(ctx: FaultContext) -> str:
+    agent = ctx.rng.choice(_removable_agents(ctx))
+    agent.proc.send_signal(signal.SIGTERM)
+    return f"preemption: SIGTERM agent {agent.index} (pid {agent.pid})"
+
+
+def restart_etcd(ctx: FaultContext) -> str:
+    if ctx.etcd is None:
+        raise Skip("no self-started etcd")
+    ctx.etcd.restart(down_seconds=1.0)
+    return f"etcd restarted on the same data dir ({ctx.etcd.endpoint})"
+
+
+def corrupt_snapshot(ctx: FaultContext) -> str:
+    store = LocalStore(ctx.snapshot_dir)
+    complete = store.complete()
+    if len(complete) < 2:
+        raise Skip("fewer than two disk snapshots: nothing to fall back to yet")
+    newest = complete[-1]
+    state = store.path(newest) / "state.pt"
+    size = state.stat().st_size
+    with open(state, "r+b") as fh:
+        fh.truncate(max(1, size // 2))
+    # Make the job need its disk snapshots: every worker at once, and every node's
+    # memory copy gone too (a whole-job loss), so the loader must skip the damage.
+    workers = ctx.job.workers()
+    for w in workers:
+        ctx.job.signal_worker(w, signal.SIGKILL)
+    shutil.rmtree(memory_root(str(ctx.snapshot_dir)), ignore_errors=True)
+    return (f"truncated {newest.name}/state.pt to {size // 2} bytes, dropped the memory copies and SIGKILLed "
+            f"all {len(workers)} workers")
+
+
+FAULTS: dict[str, Callable[[FaultContext], str]] = {
+    "kill-worker": kill_worker,
+    "kill-agent": kill_agent,
+    "join": join,
+    "hang": hang,
+    "preempt": preempt,
+    "restart-etcd": restart_etcd,
+    "corrupt-snapshot": corrupt_snapshot,
+}

@@ -1,0 +1,262 @@
+"""Run a chaos scenario: start the job, break it on schedule, watch it recover, judge it.
+
+Faults are injected no earlier than their scheduled time and never while the
+previous one is still being recovered from (plus ``settle_seconds``), so
+every recovery is measured on its own. One line is printed per fault and per
+recovery. At the end the invariants of :mod:`elastic_runner.chaos.verify` are
+checked and a JSON and a Markdown report (and, with the ``report`` extra, the
+timeline picture) are written to ``RUN_DIR/chaos/``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import random
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from ..audit import check_audit
+from ..events import read_events
+from ..localjob import LocalJob
+from .faults import FAULTS, FaultContext, Skip
+from .scenario import Scenario, ScenarioError
+from .verify import Injected, Verdict, as_dicts, attribute_recoveries, generations, recovery_stats, verify
+
+
+class ChaosRun:
+    def __init__(self, scenario: Scenario, out: Callable[[str], None] = print) -> None:
+        self.s = scenario
+        self.out = out
+        self.run_dir = Path(scenario.run_dir)
+        self.faults: list[Injected] = []
+        self.t0 = 0.0
+
+    def log(self, text: str) -> None:
+        elapsed = time.time() - self.t0 if self.t0 else 0.0
+        self.out(f"[{elapsed:7.1f}s] {text}")
+
+    # -- the run --------------------------------------------------------------------------------
+
+    def run(self) -> tuple[Verdict, dict[str, Any]]:
+        s = self.s
+        s.validate()
+        if self.run_dir.exists() and any(self.run_dir.iterdir()):
+            raise ScenarioError(f"run directory {self.run_dir} is not empty: a chaos run starts from scratch, choose a new --run-dir")
+        with self._etcd() as etcd:
+            reference = self._reference(etcd) if s.reference else None
+            job = self._job(etcd, self.run_dir)
+            try:
+                finished, leftover = self._drive(job, etcd)
+            finally:
+                job.close()
+        events = read_events(self.run_dir)
+        attribute_recoveries(self.faults, events)
+        audit = check_audit(self.run_dir)
+        comparison = self._compare(reference, events) if reference is not None else None
+        verdict = verify(audit=audit, events=events, faults=self.faults, leftover=leftover, finished=finished,
+                         reference=comparison)
+        report = self._report(verdict, events, audit.to_dict(), comparison)
+        return verdict, report
+
+    @contextlib.contextmanager
+    def _etcd(self) -> Iterator[Any]:
+        if self.s.rdzv_backend != "etcd-v3" or self.s.etcd_endpoint:
+            yield None
+            return
+        from ..rendezvous.etcd_server import EtcdServer
+
+        server = EtcdServer(data_dir=self.run_dir.with_name(self.run_dir.name + "-etcd") / "data")
+        server.start()
+        self.out(f"etcd started on {server.endpoint} (pid {server.pid})")
+        try:
+            yield server
+        finally:
+            server.stop()
+
+    def _job(self, etcd: Any, run_dir: Path) -> LocalJob:
+        s = self.s
+        endpoint = s.etcd_endpoint or (etcd.endpoint if etcd is not None else None)
+        return LocalJob(config=s.config, run_dir=str(run_dir), overrides=list(s.overrides) + ["audit.samples=true"],
+                        nnodes=s.nnodes, nproc_per_node=s.nproc_per_node, rdzv_backend=s.rdzv_backend,
+                        rdzv_endpoint=endpoint, launcher=s.launcher, max_restarts=1000)
+
+    def _reference(self, etcd: Any) -> dict[str, Any]:
+        ref_dir = self.run_dir.with_name(self.run_dir.name + "-reference")
+        self.out(f"reference run (no faults) in {ref_dir}")
+        job = self._job(etcd, ref_dir)
+        try:
+            for _ in range(self.s.agents):
+                job.start_agent()
+            codes = job.wait(timeout=self.s.timeout)
+        finally:
+            job.close()
+        if any(c != 0 for c in codes):
+            raise ScenarioError(f"the reference run failed (exit codes {codes}); see {ref_dir}/agent-*.log")
+        return {"run_dir": str(ref_dir), "events": read_events(ref_dir)}
+
+    def _drive(self, job: LocalJob, etcd: Any) -> tuple[bool, list[int]]:
+        s = self.s
+        ctx = FaultContext(job=job, rng=random.Random(s.seed), min_agents=s.min_agents, max_agents=s.max_agents,
+                           hang_seconds=s.hang_seconds, snapshot_dir=self._snapshot_dir(), etcd=etcd)
+        for _ in range(s.agents):
+            job.start_agent()
+        self._wait_stepping(job)
+        self.t0 = time.time()
+        self.log(f"job stepping with {len(job.running_agents())} agent(s); injecting {len(s.schedule())} fault(s)")
+        deadline = time.monotonic() + s.timeout
+        announced: set[int] = set()
+        for spec in s.schedule():
+            while True:
+                self._announce_recoveries(announced)
+                if not job.running_agents():
+                    break
+                waiting = self.faults and self.faults[-1].interrupted and self.faults[-1].generation is None \
+                    and time.time() - self.faults[-1].at < 120
+                if time.time() - self.t0 >= spec.at and not waiting:
+                    break
+                if time.monotonic() > deadline:
+                    raise ScenarioError(f"timed out after {s.timeout:.0f}s while waiting to inject {spec.type}")
+                time.sleep(0.1)
+            if not job.running_agents():
+                self.log("the job ended before all faults were injected")
+                break
+            if self.faults and self.faults[-1].generation is not None:
+                time.sleep(s.settle_seconds)
+            at = time.time()
+            try:
+                description = FAULTS[spec.type](ctx)
+            except Skip as why:
+                self.log(f"skip   {spec.type}: {why}")
+                continue
+            self.faults.append(Injected(type=spec.type, at=at, offset=round(at - self.t0, 2), description=description))
+            self.log(f"fault  {spec.type}: {description}")
+        while job.running_agents() and time.monotonic() < deadline:
+            self._announce_recoveries(announced)
+            time.sleep(0.2)
+        self._announce_recoveries(announced)
+        finished = not job.running_agents() and any(a.proc.returncode == 0 for a in job.agents)
+        if job.running_agents():
+            self.log(f"the job did not finish within {s.timeout:.0f}s")
+        else:
+            self.log(f"job ended; agent exit codes {[a.proc.returncode for a in job.agents]}")
+        time.sleep(0.5)  # let orphans (if any) show up before we look
+        return finished, job.leftover_processes()
+
+    def _wait_stepping(self, job: LocalJob) -> None:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if any(e["kind"] == "first_step" or e["kind"] == "progress" for e in read_events(self.run_dir)):
+                return
+            if not job.running_agents():
+                raise ScenarioError(f"the job ended before it started stepping:\n{job.logs_tail()}")
+            time.sleep(0.2)
+        raise ScenarioError(f"the job did not start stepping within 300 s:\n{job.logs_tail()}")
+
+    def _announce_recoveries(self, announced: set[int]) -> None:
+        if not self.faults:
+            return
+        events = read_events(self.run_dir)
+        attribute_recoveries(self.faults, events)
+        for i, f in enumerate(self.faults):
+            if i in announced or f.generation is None:
+                continue
+            announced.add(i)
+            tier = f"from {f.resumed_tier} " if f.resumed_tier else ""
+            lost = f", {f.steps_recomputed} step(s) recomputed" if f.steps_recomputed is not None else ""
+            self.log(f"recovered from {f.type} in {f.recovery_s:.2f}s: generation {f.generation}, world size "
+                     f"{f.world_size}, resumed step {f.resumed_step} {tier}{lost}".replace("  ", " "))
+
+    def _snapshot_dir(self) -> Path:
+        from ..config import ConfigError, load_config
+
+        try:
+            cfg = load_config(self.s.config, list(self.s.overrides) + [f"run.dir={self.run_dir}"])
+        except ConfigError as exc:
+            raise ScenarioError(f"the training config does not load: {exc}") from exc
+        return Path(cfg.snapshot_dir)
+
+    # -- judging ----------------------------------------------------------------------------------
+
+    def _compare(self, reference: dict[str, Any], events: list[dict[str, Any]]) -> dict[str, Any]:
+        sizes = {e["world_size"] for e in events if e["kind"] == "world"}
+        ref_sizes = {e["world_size"] for e in reference["events"] if e["kind"] == "world"}
+        if len(sizes) == 1 and sizes == ref_sizes:
+            import torch
+
+            from ..snapshot.cli import export
+
+            out = self.run_dir / "chaos"
+            out.mkdir(parents=True, exist_ok=True)
+            export(str(self.run_dir), str(out / "model.pt"))
+            export(reference["run_dir"], str(out / "reference-model.pt"))
+            a = torch.load(out / "model.pt", weights_only=True)
+            b = torch.load(out / "reference-model.pt", weights_only=True)
+            same = a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+            return {"ok": same, "mode": "bitwise", "detail": "final model bitwise identical to the reference"
+                    if same else "final model differs from the reference although the world size never changed"}
+        ours, ref = _final_loss(events), _final_loss(reference["events"])
+        if ours is None or ref is None:
+            return {"ok": False, "mode": "loss", "detail": "no final loss recorded"}
+        ok = abs(ours - ref) <= self.s.loss_tolerance * abs(ref) + 1e-3
+        return {"ok": ok, "mode": "loss", "detail": f"final training loss {ours:.4f} vs reference {ref:.4f} "
+                f"(tolerance {self.s.loss_tolerance:.0%}; world sizes {sorted(sizes)})"}
+
+    def _report(self, verdict: Verdict, events: list[dict[str, Any]], audit: dict[str, Any],
+                comparison: dict[str, Any] | None) -> dict[str, Any]:
+        out = self.run_dir / "chaos"
+        out.mkdir(parents=True, exist_ok=True)
+        gens = generations(events)
+        stepping = [e for e in events if e["kind"] in ("progress", "first_step", "end")]
+        total = (max(e["time"] for e in stepping) - self.t0) if stepping and self.t0 else 0.0
+        stats = recovery_stats(self.faults)
+        uptime = 1.0 - (stats.get("sum_s", 0.0) / total) if total > 0 else None
+        report = {
+            "ok": verdict.ok,
+            "scenario": {k: v for k, v in vars(self.s).items() if k != "faults"} | {
+                "faults": [vars(f) for f in self.s.faults]},
+            "faults": as_dicts(self.faults),
+            "recovery": stats,
+            "steps_recomputed": [f.steps_recomputed for f in self.faults if f.steps_recomputed is not None],
+            "uptime_fraction": round(uptime, 4) if uptime is not None else None,
+            "wall_seconds": round(total, 2),
+            "generations": len(gens),
+            "checks": {name: {"ok": ok, "detail": detail} for name, (ok, detail) in verdict.checks.items()},
+            "reference": comparison,
+            "audit": audit,
+        }
+        (out / "report.json").write_text(json.dumps(report, indent=2, default=str))
+        (out / "report.md").write_text(render_markdown(report))
+        with contextlib.suppress(Exception):
+            from ..report import render_timeline
+
+            render_timeline(str(self.run_dir), str(out / "timeline.png"))
+            report["timeline"] = str(out / "timeline.png")
+        return report
+
+
+def _final_loss(events: list[dict[str, Any]]) -> float | None:
+    progress = [e for e in events if e["kind"] == "progress"]
+    if not progress:
+        return None
+    last = max(progress, key=lambda e: (e["step"], e["generation"]))
+    return float(last["loss"])
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    lines = [f"# Chaos report: {'PASSED' if report['ok'] else 'FAILED'}", ""]
+    lines += ["| check | result | detail |", "|---|---|---|"]
+    for name, check in report["checks"].items():
+        lines.append(f"| {name} | {'ok' if check['ok'] else '**violated**'} | {check['detail']} |")
+    r = report["recovery"]
+    lines += ["", f"Wall time {report['wall_seconds']} s, {report['generations']} generation(s), uptime fraction "
+              f"{report['uptime_fraction']}.", ""]
+    if r.get("count"):
+        lines.append(f"Recovery: min {r['min_s']} s, median {r['median_s']} s, max {r['max_s']} s over {r['count']} fault(s).")
+    lines += ["", "| t (s) | fault | what | recovery (s) | resumed step | from | steps recomputed | world size |",
+              "|---|---|---|---|---|---|---|---|"]
+    for f in report["faults"]:
+        lines.append(f"| {f['offset']} | {f['type']} | {f['description']} | {f['recovery_s']} | {f['resumed_step']} | "
+                     f"{f['resumed_tier']} | {f['steps_recomputed']} | {f['world_size']} |")
+    return "\n".join(lines) + "\n"

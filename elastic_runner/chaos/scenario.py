@@ -1,0 +1,127 @@
+"""A chaos scenario: the job to run and the faults to inject, from CLI options or YAML."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+FAULT_TYPES = ("kill-worker", "kill-agent", "join", "hang", "preempt", "restart-etcd", "corrupt-snapshot")
+
+
+class ScenarioError(ValueError):
+    """A scenario option or file that cannot work, with what to change."""
+
+
+@dataclass
+class FaultSpec:
+    at: float  #: seconds after the job started stepping
+    type: str
+
+
+@dataclass
+class Scenario:
+    config: str
+    run_dir: str
+    overrides: list[str] = field(default_factory=list)
+    nnodes: str = "1:3"
+    agents: int = 2
+    nproc_per_node: int = 1
+    rdzv_backend: str = "c10d"
+    etcd_endpoint: str | None = None  #: an existing etcd; None with etcd-v3 starts one
+    launcher: str = "elastic-runner"
+    faults: list[FaultSpec] = field(default_factory=list)
+    random_types: list[str] = field(default_factory=list)
+    every: tuple[float, float] = (8.0, 15.0)
+    seed: int = 0
+    duration: float = 60.0  #: no new faults after this many seconds of stepping
+    hang_seconds: float = 4.0
+    settle_seconds: float = 1.0  #: after a recovery, before the next fault
+    reference: bool = False
+    loss_tolerance: float = 0.1
+    timeout: float = 600.0
+
+    @property
+    def min_agents(self) -> int:
+        return int(self.nnodes.split(":")[0])
+
+    @property
+    def max_agents(self) -> int:
+        return int(self.nnodes.split(":")[-1])
+
+    def validate(self) -> None:
+        if not Path(self.config).is_file():
+            raise ScenarioError(f"config {self.config!r} not found: pass --config with an existing YAML file")
+        try:
+            lo, hi = self.min_agents, self.max_agents
+        except ValueError as exc:
+            raise ScenarioError(f"nnodes {self.nnodes!r} must be MIN:MAX, e.g. 1:3") from exc
+        if not 1 <= lo <= hi:
+            raise ScenarioError(f"nnodes {self.nnodes!r}: need 1 <= MIN <= MAX")
+        if not lo <= self.agents <= hi:
+            raise ScenarioError(f"agents={self.agents} must lie within nnodes {self.nnodes}")
+        for f in self.faults:
+            if f.type not in FAULT_TYPES:
+                raise ScenarioError(f"unknown fault {f.type!r}: choose from {', '.join(FAULT_TYPES)}")
+        for t in self.random_types:
+            if t not in FAULT_TYPES:
+                raise ScenarioError(f"unknown fault {t!r}: choose from {', '.join(FAULT_TYPES)}")
+        wanted = {f.type for f in self.faults} | set(self.random_types)
+        if "restart-etcd" in wanted and self.rdzv_backend != "etcd-v3":
+            raise ScenarioError("restart-etcd needs --rdzv-backend etcd-v3")
+        if "restart-etcd" in wanted and self.etcd_endpoint is not None:
+            raise ScenarioError("restart-etcd needs an etcd the chaos tool starts itself (omit --etcd-endpoint)")
+        if self.rdzv_backend not in ("c10d", "etcd-v3"):
+            raise ScenarioError(f"rdzv backend {self.rdzv_backend!r}: use c10d or etcd-v3")
+        if self.every[0] <= 0 or self.every[1] < self.every[0]:
+            raise ScenarioError(f"every={self.every}: need 0 < MIN <= MAX seconds")
+
+    def schedule(self) -> list[FaultSpec]:
+        """The fixed faults plus random ones (seeded) until ``duration``, in time order."""
+        planned = list(self.faults)
+        if self.random_types:
+            rng = random.Random(self.seed)
+            t = rng.uniform(*self.every)
+            while t < self.duration:
+                planned.append(FaultSpec(at=round(t, 2), type=rng.choice(self.random_types)))
+                t += rng.uniform(*self.every)
+        return sorted(planned, key=lambda f: f.at)
+
+
+def parse_fault_list(text: str) -> list[FaultSpec]:
+    """``"10:kill-worker,25:join"`` -> faults at 10 s and 25 s."""
+    faults = []
+    for item in filter(None, (p.strip() for p in text.split(","))):
+        at, sep, kind = item.partition(":")
+        if not sep:
+            raise ScenarioError(f"fault {item!r}: write SECONDS:TYPE, e.g. 10:kill-worker")
+        try:
+            faults.append(FaultSpec(at=float(at), type=kind.strip()))
+        except ValueError as exc:
+            raise ScenarioError(f"fault {item!r}: {at!r} is not a number of seconds") from exc
+    return faults
+
+
+def load_scenario_file(path: str, **defaults: Any) -> Scenario:
+    try:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise ScenarioError(f"cannot read scenario {path!r}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ScenarioError(f"scenario {path!r} must be a mapping of options")
+    data = defaults | data
+    faults = [FaultSpec(at=float(f["at"]), type=str(f["type"])) for f in data.pop("faults", []) or []]
+    rand = data.pop("random", None) or {}
+    known = set(Scenario.__dataclass_fields__) - {"faults", "random_types", "every", "seed"}
+    unknown = set(data) - known
+    if unknown:
+        raise ScenarioError(f"scenario {path!r}: unknown option(s) {sorted(unknown)}; valid: {sorted(known | {'faults', 'random'})}")
+    scenario = Scenario(**data, faults=faults)
+    if rand:
+        scenario.random_types = list(rand.get("types", []))
+        scenario.every = tuple(rand.get("every", scenario.every))  # type: ignore[assignment]
+        scenario.seed = int(rand.get("seed", 0))
+    return scenario

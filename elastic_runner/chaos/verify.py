@@ -1,0 +1,160 @@
+"""After the chaos: measure each recovery and check the invariants users rely on.
+
+Everything is read back from what the job itself recorded (the event log and
+the audit trail), so the same checks apply to any run directory.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from ..audit import AuditReport
+
+
+@dataclass
+class Injected:
+    type: str
+    at: float  #: wall-clock time of the injection
+    offset: float  #: seconds since the job first stepped
+    description: str
+    recovery_s: float | None = None
+    generation: int | None = None
+    world_size: int | None = None
+    resumed_step: int | None = None
+    resumed_tier: str | None = None
+    steps_recomputed: int | None = None
+    interrupted: bool = True
+
+
+@dataclass
+class Verdict:
+    ok: bool
+    checks: dict[str, tuple[bool, str]] = field(default_factory=dict)
+
+    def add(self, name: str, ok: bool, detail: str) -> None:
+        self.checks[name] = (ok, detail)
+        self.ok = self.ok and ok
+
+
+def generations(events: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    """Per generation: start time, world size, first step time, resume details (rank 0's view)."""
+    out: dict[int, dict[str, Any]] = {}
+    for e in events:
+        g = e.get("generation")
+        if g is None or e.get("role") == "agent":
+            continue
+        info = out.setdefault(g, {})
+        kind = e["kind"]
+        if kind == "start":
+            info["start"] = min(info.get("start", e["time"]), e["time"])
+            info["world_size"] = e["world_size"]
+        elif kind == "first_step":
+            info["first_step"] = max(info.get("first_step", 0.0), e["time"])  # all ranks stepping
+        elif kind == "resume":
+            info["resume"] = e
+        elif kind == "world":
+            info["world_size"] = e["world_size"]
+    return out
+
+
+def attribute_recoveries(faults: list[Injected], events: list[dict[str, Any]]) -> None:
+    """Fill in, for every fault, the generation that recovered from it and how long it took."""
+    gens = generations(events)
+    starts = sorted((info["start"], g) for g, info in gens.items() if "start" in info)
+    for i, fault in enumerate(faults):
+        later = [g for t, g in starts if t > fault.at]
+        nxt = faults[i + 1].at if i + 1 < len(faults) else float("inf")
+        before = [g for t, g in starts if t <= fault.at]
+        size_before = gens[before[-1]].get("world_size") if before else None
+        chosen = None
+        for g in later:
+            info = gens[g]
+            if "first_step" not in info:
+                continue
+            if fault.type == "join" and size_before is not None and info.get("world_size", 0) <= size_before:
+                continue
+            chosen = g
+            break
+        if chosen is None or gens[chosen]["start"] > nxt + 60:
+            if fault.type == "restart-etcd":
+                fault.interrupted, fault.recovery_s = False, 0.0
+            continue
+        info = gens[chosen]
+        if fault.type == "restart-etcd" and info["start"] > fault.at + 30:
+            fault.interrupted, fault.recovery_s = False, 0.0
+            continue
+        fault.generation = chosen
+        fault.recovery_s = round(info["first_step"] - fault.at, 3)
+        fault.world_size = info.get("world_size")
+        resume = info.get("resume") or {}
+        fault.resumed_step = resume.get("step")
+        fault.resumed_tier = resume.get("tier")
+        fault.steps_recomputed = resume.get("steps_recomputed")
+
+
+def newest_snapshot_violations(events: list[dict[str, Any]]) -> list[str]:
+    """Every resume must use the newest state that existed (by generation, then step)."""
+    rejected = {e["snapshot"] for e in events if e["kind"] == "snapshot_rejected"}
+    problems = []
+    gens = generations(events)
+    for g, info in sorted(gens.items()):
+        resume = info.get("resume")
+        if resume is None:
+            continue
+        cutoff = info["start"]
+        candidates = []
+        for e in events:
+            if e["time"] >= cutoff or e.get("generation", g) >= g:
+                continue
+            if e["kind"] == "snapshot_saved" and e["snapshot"] not in rejected:
+                candidates.append((e["generation"], e["step"], e["snapshot"]))
+            elif e["kind"] == "kept_in_memory":
+                candidates.append((e["generation"], e["step"], f"memory step {e['step']}"))
+        if not candidates:
+            continue
+        newest = max(candidates)
+        if (resume.get("step") or 0) < newest[1]:
+            problems.append(f"generation {g} resumed at step {resume.get('step')} but {newest[2]} "
+                            f"(generation {newest[0]}, step {newest[1]}) was available")
+    return problems
+
+
+def recovery_stats(faults: list[Injected]) -> dict[str, Any]:
+    times = [f.recovery_s for f in faults if f.recovery_s is not None and f.interrupted]
+    if not times:
+        return {"count": 0}
+    return {"count": len(times), "min_s": min(times), "median_s": round(statistics.median(times), 3),
+            "max_s": max(times), "sum_s": round(sum(times), 3)}
+
+
+def verify(*, audit: AuditReport, events: list[dict[str, Any]], faults: list[Injected], leftover: list[int],
+           finished: bool, reference: dict[str, Any] | None) -> Verdict:
+    verdict = Verdict(ok=True)
+    verdict.add("job finished", finished and audit.finished,
+                "every agent exited 0 and the run recorded its end" if finished and audit.finished
+                else f"agents finished: {finished}; audit end record: {audit.finished}")
+    dup = sum(len(e.duplicates) for e in audit.epochs)
+    missing = sum(len(e.missing) for e in audit.epochs)
+    verdict.add("no sample lost or duplicated", audit.ok,
+                f"{len(audit.epochs)} epoch(s): {dup} duplicate(s), {missing} missing, "
+                f"{len(audit.violations)} other violation(s)" + (f": {audit.violations[:3]}" if audit.violations else ""))
+    worlds = [e for e in events if e["kind"] == "world"]
+    batches = {e["global_batch"] for e in worlds}
+    products = {e["micro_batch"] * e["accumulation"] * e["world_size"] for e in worlds}
+    constant = len(batches) == 1 and len(set(audit.global_batches)) <= 2
+    verdict.add("global batch constant", constant,
+                f"global batch {sorted(batches)} at world sizes {sorted({e['world_size'] for e in worlds})} "
+                f"(micro x accumulation x world: {sorted(products)})")
+    stale = newest_snapshot_violations(events)
+    verdict.add("recoveries resumed from the newest snapshot", not stale, "; ".join(stale) or
+                f"{sum(1 for f in faults if f.generation)} recoveries checked")
+    verdict.add("no orphan processes", not leftover, f"left running: {leftover}" if leftover else "none left")
+    if reference is not None:
+        verdict.add("matches the reference run", reference["ok"], reference["detail"])
+    return verdict
+
+
+def as_dicts(faults: list[Injected]) -> list[dict[str, Any]]:
+    return [asdict(f) for f in faults]

@@ -1,0 +1,216 @@
+"""``elastic-runner report RUN_DIR --out run.png``: a picture and a summary of a run.
+
+Everything comes from the run's event log (``RUN_DIR/events``) and, when
+present, its audit trail. The picture (matplotlib, the ``report`` extra)
+shows loss and throughput over wall time, the world size as steps, restarts
+and snapshots as marks, and the gaps in which the job was recovering shaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .events import read_events
+
+
+@dataclass
+class Gap:
+    start: float
+    end: float
+    generation: int
+    cause: str
+
+    @property
+    def seconds(self) -> float:
+        return self.end - self.start
+
+
+@dataclass
+class RunSummary:
+    run_dir: str
+    t0: float
+    t_end: float
+    finished: bool
+    final_step: int
+    generations: int
+    world_sizes: list[int]
+    gaps: list[Gap] = field(default_factory=list)
+    snapshots: int = 0
+    snapshot_blocking_ms: float | None = None
+    snapshot_write_ms: float | None = None
+    rejected: int = 0
+    samples_lost: str = "unknown (run with audit.samples: true)"
+
+    @property
+    def wall(self) -> float:
+        return max(0.0, self.t_end - self.t0)
+
+    @property
+    def downtime(self) -> float:
+        return sum(g.seconds for g in self.gaps)
+
+    @property
+    def uptime_fraction(self) -> float | None:
+        return (1 - self.downtime / self.wall) if self.wall > 0 else None
+
+    def text(self) -> str:
+        recoveries = [g.seconds for g in self.gaps]
+        lines = [
+            f"run {self.run_dir}: {'finished' if self.finished else 'not finished'} at step {self.final_step} "
+            f"after {self.wall:.1f} s of training wall time",
+            f"generations: {self.generations}; world sizes: {' -> '.join(map(str, self.world_sizes)) or '?'}",
+        ]
+        if recoveries:
+            lines.append(f"recoveries: {len(recoveries)}, {min(recoveries):.2f} / {statistics.median(recoveries):.2f} / "
+                         f"{max(recoveries):.2f} s (min/median/max); downtime {self.downtime:.1f} s; "
+                         f"uptime fraction {self.uptime_fraction:.3f}")
+        else:
+            lines.append("recoveries: none; uptime fraction 1.000")
+        if self.snapshots:
+            lines.append(f"snapshots: {self.snapshots} saved (median blocking {self.snapshot_blocking_ms:.1f} ms, "
+                         f"median write {self.snapshot_write_ms:.1f} ms), {self.rejected} rejected as damaged")
+        lines.append(f"samples lost: {self.samples_lost}")
+        return "\n".join(lines)
+
+
+def summarize(run_dir: str, events: list[dict[str, Any]] | None = None) -> RunSummary:
+    events = read_events(run_dir) if events is None else events
+    workers = [e for e in events if e.get("role") != "agent"]
+    if not workers:
+        raise ValueError(f"no events in {run_dir}/events: is it a run directory (run.dir)?")
+    by_gen: dict[int, dict[str, Any]] = {}
+    for e in workers:
+        g = e.get("generation")
+        if g is None:
+            continue
+        info = by_gen.setdefault(g, {"events": []})
+        info["events"].append(e)
+        if e["kind"] == "start":
+            info.setdefault("start", e["time"])
+            info["world"] = e["world_size"]
+        elif e["kind"] == "first_step" or (e["kind"] == "progress" and "first_step" not in info):
+            info.setdefault("first_step", e["time"])
+    first = min(by_gen)
+    t0 = by_gen[first].get("first_step", by_gen[first].get("start", workers[0]["time"]))
+    gaps = []
+    for g in sorted(by_gen):
+        if g == first:
+            continue
+        prev = by_gen.get(g - 1) or by_gen[max(k for k in by_gen if k < g)]
+        prev_end = max(e["time"] for e in prev["events"])
+        failures = [e["time"] for e in prev["events"] if e["kind"] in ("failure", "stop", "kept_in_memory")]
+        start = min(failures) if failures else prev_end
+        # progress stopped at the last progress line before the failure, at the latest
+        progress = [e["time"] for e in prev["events"] if e["kind"] == "progress" and e["time"] <= start]
+        start = min(start, max(progress, default=start) + 0.0)
+        end = by_gen[g].get("first_step", by_gen[g].get("start", start))
+        causes = sorted({e.get("error", e["kind"]).split(":")[0] for e in prev["events"] if e["kind"] in ("failure", "stop")})
+        gaps.append(Gap(start=start, end=max(start, end), generation=g, cause=", ".join(causes) or "restart"))
+    ends = [e for e in workers if e["kind"] == "end" and e.get("status") == "finished"]
+    steps = [e.get("step") or 0 for e in workers if isinstance(e.get("step"), int)]
+    saved = [e for e in workers if e["kind"] == "snapshot_saved"]
+    summary = RunSummary(
+        run_dir=str(run_dir), t0=t0, t_end=max(e["time"] for e in workers), finished=bool(ends),
+        final_step=max(steps, default=0), generations=len(by_gen),
+        world_sizes=_collapse([by_gen[g].get("world") for g in sorted(by_gen) if by_gen[g].get("world")]),
+        gaps=gaps, snapshots=len(saved), rejected=sum(1 for e in workers if e["kind"] == "snapshot_rejected"),
+    )
+    if saved:
+        summary.snapshot_blocking_ms = 1000 * statistics.median(e["blocking_s"] for e in saved)
+        summary.snapshot_write_ms = 1000 * statistics.median(e["write_s"] for e in saved)
+    if (Path(run_dir) / "audit").is_dir():
+        from .audit import check_audit
+
+        audit = check_audit(run_dir)
+        missing = sum(len(e.missing) for e in audit.epochs)
+        dup = sum(len(e.duplicates) for e in audit.epochs)
+        summary.samples_lost = "0 (audit clean)" if audit.ok else f"{missing} missing, {dup} duplicated (audit FAILED)"
+    return summary
+
+
+def _collapse(values: list[Any]) -> list[Any]:
+    out: list[Any] = []
+    for v in values:
+        if not out or out[-1] != v:
+            out.append(v)
+    return out
+
+
+def render_timeline(run_dir: str, out: str, events: list[dict[str, Any]] | None = None) -> RunSummary:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise RuntimeError("the picture needs matplotlib: pip install 'elastic-runner[report]'") from exc
+    events = read_events(run_dir) if events is None else events
+    summary = summarize(run_dir, events)
+    t0 = summary.t0
+    rank0 = [e for e in events if e.get("rank") == 0 and e.get("role") != "agent"]
+    progress = sorted((e for e in rank0 if e["kind"] == "progress"), key=lambda e: e["time"])
+    evals = [e for e in rank0 if e["kind"] == "eval"]
+    worlds = sorted((e for e in rank0 if e["kind"] == "world"), key=lambda e: e["time"])
+
+    fig, axes = plt.subplots(3, 1, figsize=(11, 7.5), sharex=True, gridspec_kw={"height_ratios": [3, 2, 1.2]})
+    ax_loss, ax_rate, ax_world = axes
+    ax_loss.plot([e["time"] - t0 for e in progress], [e["loss"] for e in progress], color="#1f77b4", lw=1.4, label="training loss")
+    if evals:
+        ax_loss.plot([e["time"] - t0 for e in evals], [e["eval_loss"] for e in evals], "o", color="#ff7f0e", ms=4, label="test loss")
+    ax_loss.set_ylabel("loss")
+    ax_loss.set_yscale("log")
+    ax_rate.plot([e["time"] - t0 for e in progress], [e["samples_per_s"] for e in progress], color="#2ca02c", lw=1.2)
+    ax_rate.set_ylabel("samples / s")
+    if worlds:
+        xs = [w["time"] - t0 for w in worlds] + [summary.t_end - t0]
+        ys = [w["world_size"] for w in worlds] + [worlds[-1]["world_size"]]
+        ax_world.step(xs, ys, where="post", color="#9467bd", lw=2)
+        ax_world.set_ylim(0, max(ys) + 1)
+    ax_world.set_ylabel("world size")
+    ax_world.set_xlabel("wall time since the first step (s)")
+    for ax in axes:
+        for i, gap in enumerate(summary.gaps):
+            ax.axvspan(gap.start - t0, gap.end - t0, color="#d62728", alpha=0.15, lw=0,
+                       label="recovering" if (ax is ax_loss and i == 0) else None)
+            ax.axvline(gap.start - t0, color="#d62728", lw=0.8, ls="--")
+        ax.grid(alpha=0.3)
+    for e in rank0:
+        if e["kind"] == "snapshot_saved":
+            ax_world.plot(e["time"] - t0, 0.25, marker="|", color="#7f7f7f", ms=10)
+    ax_loss.legend(loc="upper right", fontsize=8)
+    upt = summary.uptime_fraction
+    fig.suptitle(f"{Path(run_dir).name}: {summary.generations} generation(s), {len(summary.gaps)} recovery(ies), "
+                 f"uptime {upt:.1%}, samples lost: {summary.samples_lost.split(' (')[0]}" if upt is not None else Path(run_dir).name,
+                 fontsize=11)
+    ax_world.text(0.0, -0.55, "| snapshot   shaded: recovering (failure detected to all ranks stepping again)",
+                  transform=ax_world.transAxes, fontsize=8, color="#555555")
+    fig.tight_layout()
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return summary
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("report", help="summarize a run and draw its timeline picture")
+    p.add_argument("run_dir")
+    p.add_argument("--out", default=None, help="PNG file for the timeline (needs the report extra: matplotlib)")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        if args.out:
+            summary = render_timeline(args.run_dir, args.out)
+            print(summary.text())
+            print(f"picture: {args.out}")
+        else:
+            print(summarize(args.run_dir).text())
+    except (ValueError, RuntimeError) as exc:
+        print(f"elastic-runner report: {exc}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,86 @@
+"""elastic-runner chaos: every fault type leaves the job whole, and the checker can fail."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ..conftest import write_config
+from ..support import run_bounded
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(420)]
+
+
+@pytest.fixture(scope="module")
+def chaos_config(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # ~600 steps: long enough for a fault and its recovery, short enough for CI.
+    return write_config(tmp_path_factory.mktemp("chaos") / "chaos.yaml",
+                        train={"epochs": 14, "max_steps": None, "eval_every_steps": 0},
+                        snapshot={"every_steps": 25}, logging={"every_steps": 25},
+                        dist={"heartbeat_seconds": 2})
+
+
+def chaos(*args: str, timeout: float = 400) -> subprocess.CompletedProcess[str]:
+    return run_bounded([sys.executable, "-m", "elastic_runner", "chaos", *args], timeout=timeout)
+
+
+FAULT_RUNS = {
+    "kill-worker": "2:kill-worker",
+    "hang": "2:hang",
+    "kill-agent": "2:kill-agent",
+    "join": "2:join",
+    "preempt": "2:preempt",
+    "corrupt-snapshot": "3:corrupt-snapshot",
+}
+
+
+@pytest.mark.parametrize("fault", list(FAULT_RUNS))
+def test_each_fault_type_leaves_the_job_whole(fault: str, chaos_config: Path, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    agents = "1" if fault == "join" else "2"
+    result = chaos("--config", str(chaos_config), "--run-dir", str(run_dir), "--agents", agents, "--nnodes", "1:2",
+                   "--at", FAULT_RUNS[fault], "--hang-seconds", "3")
+    assert result.returncode == 0, result.stdout[-4000:]
+    assert f"fault  {fault}" in result.stdout and f"recovered from {fault}" in result.stdout
+    report = json.loads((run_dir / "chaos" / "report.json").read_text())
+    assert report["ok"] and all(check["ok"] for check in report["checks"].values())
+    (injected,) = report["faults"]
+    assert injected["type"] == fault and injected["recovery_s"] is not None
+    if fault == "corrupt-snapshot":
+        assert injected["resumed_tier"] == "disk"
+    assert (run_dir / "chaos" / "report.md").read_text().startswith("# Chaos report: PASSED")
+
+
+def test_a_broken_sampler_makes_the_verification_fail(chaos_config: Path, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    result = chaos("--config", str(chaos_config), "--run-dir", str(run_dir), "--agents", "2", "--nnodes", "1:2",
+                   "--at", "2:kill-worker", "--set", "data.sampler=tests.broken_components:RepeatingSampler")
+    assert result.returncode == 1, result.stdout[-4000:]
+    assert "FAIL  no sample lost or duplicated" in result.stdout
+    report = json.loads((run_dir / "chaos" / "report.json").read_text())
+    assert not report["ok"] and not report["checks"]["no sample lost or duplicated"]["ok"]
+    assert report["checks"]["job finished"]["ok"], "the job itself ran to the end; only the data was wrong"
+
+
+def test_a_scenario_file_and_random_faults(chaos_config: Path, tmp_path: Path) -> None:
+    scenario = tmp_path / "scenario.yaml"
+    scenario.write_text(
+        f"config: {chaos_config}\nrun_dir: {tmp_path / 'run'}\nnnodes: '1:2'\nagents: 2\nduration: 8\n"
+        "random: {types: [kill-worker, hang], every: [3, 4], seed: 7}\nhang_seconds: 2\n"
+    )
+    result = chaos("--scenario", str(scenario))
+    assert result.returncode == 0, result.stdout[-4000:]
+    report = json.loads((tmp_path / "run" / "chaos" / "report.json").read_text())
+    assert len(report["faults"]) >= 2 and report["recovery"]["count"] == len(report["faults"])
+    assert 0 < report["uptime_fraction"] <= 1
+
+
+def test_bad_scenarios_are_refused_with_what_to_change(chaos_config: Path, tmp_path: Path) -> None:
+    result = chaos("--config", str(chaos_config), "--run-dir", str(tmp_path / "r"), "--at", "2:explode", timeout=60)
+    assert result.returncode == 2 and "unknown fault 'explode'" in result.stdout
+    result = chaos("--config", str(chaos_config), "--run-dir", str(tmp_path / "r"), "--at", "2:restart-etcd", timeout=60)
+    assert result.returncode == 2 and "restart-etcd needs --rdzv-backend etcd-v3" in result.stdout
