@@ -36,39 +36,35 @@ def measure(variant: str, repeats: int, hang_after: float, workdir: Path, scenar
         if took is None:
             raise RuntimeError(f"{variant}: the job never stepped at world size 2\n{job.logs_tail()}")
         time.sleep(3)
+        def timed(kind: str, t: float, world: int, count_lost: bool = True) -> bool:
+            """Wait for recovery after a fault at ``t``; record it; False on a hang."""
+            took, attempt = wait_stepping(variant, run_dir, t, world, hang_after)
+            if took is None:
+                result["hangs"].append(kind)
+                return False
+            result[kind].append(round(took, 3))
+            if count_lost and attempt is not None and attempt.resumed_step is not None:
+                result["steps_lost"].append(furthest_completed_step(variant, run_dir, t) - attempt.resumed_step)
+            time.sleep(3)
+            return True
+
         if "worker_kill" in scenarios:
             for _ in range(repeats):
                 victim = next(w for w in job.workers(second))
                 t = time.time()
                 job.signal_worker(victim, signal.SIGKILL)
-                took, attempt = wait_stepping(variant, run_dir, t, 2, hang_after)
-                if took is None:
-                    result["hangs"].append("worker_kill")
+                if not timed("worker_kill", t, 2):
                     return result
-                result["worker_kill"].append(round(took, 3))
-                if attempt is not None and attempt.resumed_step is not None:
-                    result["steps_lost"].append(furthest_completed_step(variant, run_dir, t) - attempt.resumed_step)
-                time.sleep(3)
         if "node" in scenarios:
             for _ in range(repeats):
                 t = time.time()
                 job.kill_agent(second)
-                took, attempt = wait_stepping(variant, run_dir, t, 1, hang_after)
-                if took is None:
-                    result["hangs"].append("node_loss")
+                if not timed("node_loss", t, 1):
                     return result
-                result["node_loss"].append(round(took, 3))
-                if attempt is not None and attempt.resumed_step is not None:
-                    result["steps_lost"].append(furthest_completed_step(variant, run_dir, t) - attempt.resumed_step)
-                time.sleep(3)
                 t = time.time()
                 second = job.start_agent()
-                took, _ = wait_stepping(variant, run_dir, t, 2, hang_after)
-                if took is None:
-                    result["hangs"].append("node_join")
+                if not timed("node_join", t, 2, count_lost=False):
                     return result
-                result["node_join"].append(round(took, 3))
-                time.sleep(3)
         return result
     finally:
         job.close()

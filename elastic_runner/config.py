@@ -461,7 +461,9 @@ class Config:
             "model": d["model"],
             "data": {k: v for k, v in d["data"].items() if k not in {"num_workers", "eval_batch_size"}}
             | {"seed": d["run"]["seed"]},
-            "optim": {"optim": d["optim"], "schedule": d["schedule"], "batch": d["batch"]},
+            # micro_size and the uneven policy change memory use, not the mathematics
+            "optim": {"optim": d["optim"], "schedule": d["schedule"],
+                      "batch": {k: v for k, v in d["batch"].items() if k not in {"micro_size", "uneven"}}},
         }
         return {
             name: hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:16]

@@ -19,10 +19,12 @@ import ctypes
 import os
 import re
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -167,6 +169,9 @@ class LocalJob:
     #: Set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (False: torch's default, for baselines).
     disable_shared_store: bool = True
     monitor_interval: float = 0.1
+    #: Give every agent its own node-memory directory (ELASTIC_RUNNER_SHM_DIR), as separate
+    #: machines would have: losing a node then loses its memory copy too.
+    separate_node_memory: bool = True
     agents: list[Agent] = field(default_factory=list)
     _orphans: set[int] = field(default_factory=set)
 
@@ -217,6 +222,8 @@ class LocalJob:
         # threads for several workers per agent, and oversubscribed OpenMP threads
         # spin-wait each other: 15x slower on 2 cores with one worker per agent.
         env = os.environ | {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")} | self.env
+        if self.separate_node_memory:
+            env["ELASTIC_RUNNER_SHM_DIR"] = str(self.memory_dir(index))
         if self.disable_shared_store:
             env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
         else:
@@ -232,6 +239,14 @@ class LocalJob:
                       hosts_store=any(a.startswith("--rdzv_conf=") and "is_host=true" in a for a in command))
         self.agents.append(agent)
         return agent
+
+    def memory_root(self) -> Path:
+        base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+        return base / f"elastic-runner-localjob-{os.getpid()}-{id(self):x}"
+
+    def memory_dir(self, index: int) -> Path:
+        """The node-memory directory of agent ``index`` (see separate_node_memory)."""
+        return self.memory_root() / f"agent-{index}"
 
     # -- looking -------------------------------------------------------------------------------
 
@@ -329,6 +344,7 @@ class LocalJob:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 a.proc.wait(timeout=10)
         _reap(set(leftovers) | self._orphans)
+        shutil.rmtree(self.memory_root(), ignore_errors=True)
 
 
 def _reap(pids: set[int]) -> None:

@@ -15,7 +15,6 @@ import contextlib
 import logging
 import math
 import random
-import threading
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterator
@@ -32,6 +31,7 @@ from .events import EventLog
 from .lifecycle import StopRequest
 from .logs import Progress, RankZero
 from .metrics import Metrics
+from .recovery import StateGuard
 from .models import per_sample_loss
 from .sampler import ElasticSampler, StepPlan
 
@@ -51,6 +51,7 @@ class TrainState:
     samples_total: int = 0  #: samples consumed over all epochs, all ranks
     membership_changes: int = 0
     recoveries: int = 0
+    lr_scale: float = 1.0  #: the learning-rate factor the optimizer state was built with
     world_history: list[dict[str, Any]] = field(default_factory=list)
 
     def state_dict(self) -> dict[str, Any]:
@@ -126,7 +127,6 @@ class Components:
     source: BatchSource
     test_source: BatchSource | None
     test_size: int
-    input_shape: tuple[int, ...]
     state: TrainState
     total_steps: int
     events: EventLog
@@ -137,7 +137,8 @@ class Components:
     check_writer: Callable[[], None]  #: raises when a snapshot writer became stale
     started_at: float  #: process start (wall clock), for the recovery duration
     resumed: bool
-    state_lock: threading.Lock = field(default_factory=threading.Lock)
+    empty_batch: tuple[torch.Tensor, torch.Tensor]  #: zero-length (inputs, targets) like a real sample
+    guard: StateGuard = field(default_factory=StateGuard)
     on_collectives_done: Callable[[], None] = lambda: None  #: e.g. stop the peer watchdog
 
 
@@ -163,7 +164,8 @@ class Trainer:
         epochs = self.cfg.train.epochs
         while state.step < c.total_steps:
             if sampler.epoch_done():
-                sampler.next_epoch()
+                with c.guard.mutating():
+                    sampler.next_epoch()
                 continue
             if epochs is not None and sampler.epoch >= epochs:
                 break
@@ -209,9 +211,9 @@ class Trainer:
                     x, y = next(batches)
                     data_wait += time.perf_counter() - t0
                 else:
-                    # A rank without samples in this micro-step still joins the gradient sync.
-                    x = torch.zeros((0, *c.input_shape), device=c.dist.device)
-                    y = torch.zeros((0,), dtype=torch.long, device=c.dist.device)
+                    # A rank without samples in this micro-step still joins the gradient sync,
+                    # with a zero-length batch of the data's own dtype and shape.
+                    x, y = c.empty_batch
                 with self._autocast():
                     losses = per_sample_loss(self.cfg.model.loss, c.ddp(x), y)
                     loss = losses.sum() * scale
@@ -221,9 +223,10 @@ class Trainer:
                     loss.backward()
                 self._window_loss[0] += losses.detach().sum().double()
                 self._window_loss[1] += len(micro)
-        # Everything that changes the saved state happens under the lock, so a
-        # watchdog thread that snapshots a failing attempt sees a whole step.
-        with c.state_lock:
+        # Everything that changes the saved state happens under the guard, so a
+        # watchdog thread that snapshots a failing attempt sees a whole step, and a
+        # step interrupted half-way is never kept.
+        with c.guard.mutating():
             if self.cfg.optim.grad_clip_norm is not None:
                 if c.scaler is not None:
                     c.scaler.unscale_(c.optimizer)
@@ -356,10 +359,47 @@ def state_digest(model: nn.Module) -> str:
     return sha.hexdigest()
 
 
-def total_steps(cfg: Config, steps_per_epoch: int) -> int:
+def planned_total_steps(cfg: Config, sampler: Any, done: int) -> int:
+    """The step the run ends at, from where it stands now: ``done`` steps taken, the
+    sampler's position, and the *current* global batch (with batch.per_rank_size it
+    changes with the world size, so a fixed epochs * steps_per_epoch would be wrong)."""
     limits = []
     if cfg.train.max_steps is not None:
         limits.append(cfg.train.max_steps)
     if cfg.train.epochs is not None:
-        limits.append(cfg.train.epochs * steps_per_epoch)
-    return min(limits) if limits else math.inf  # type: ignore[return-value]
+        if sampler.epoch >= cfg.train.epochs:
+            limits.append(done)
+        else:
+            later_epochs = cfg.train.epochs - sampler.epoch - 1
+            limits.append(done + sampler.steps_left_in_epoch() + later_epochs * sampler.steps_per_epoch())
+    return max(done, min(limits)) if limits else math.inf  # type: ignore[return-value]
+
+
+def refresh_schedule(scheduler: Any, cfg: Any, total_steps: int) -> None:
+    """A restored built-in schedule follows the current config (e.g. a longer train.max_steps).
+
+    LambdaLR restores its factor's fields from the snapshot; the run length and
+    warm-up of *this* configuration are what the remaining steps must follow.
+    """
+    from .optim import ScheduleFactor
+
+    for factor in getattr(scheduler, "lr_lambdas", []):
+        if isinstance(factor, ScheduleFactor):
+            factor.total_steps = max(1, total_steps)
+            factor.warmup_steps = cfg.warmup_steps
+            factor.step_size = cfg.step_size
+            factor.gamma = cfg.gamma
+            factor.min_lr_ratio = cfg.min_lr_ratio
+
+
+def rescale_lr(optimizer: torch.optim.Optimizer, scheduler: Any, old: float, new: float) -> None:
+    """batch.scale_lr: linear — the restored rates were scaled for the old world size."""
+    if not old or old == new:
+        return
+    ratio = new / old
+    for group in optimizer.param_groups:
+        group["lr"] *= ratio
+        if "initial_lr" in group:
+            group["initial_lr"] *= ratio
+    if hasattr(scheduler, "base_lrs"):
+        scheduler.base_lrs = [lr * ratio for lr in scheduler.base_lrs]

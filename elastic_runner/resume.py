@@ -75,29 +75,38 @@ def check_compatible(loaded: Loaded, cfg: Config) -> Compatibility:
     return compat
 
 
+#: Memory-tier bytes travel in pieces of this size (a GPU needs only one piece at a time).
+BROADCAST_CHUNK = 64 << 20
+
+
 def select_snapshot(dist: Dist, store: LocalStore, cfg: Config, events: EventLog,
-                    memory: MemoryTier | None = None) -> Loaded | None:
+                    memory: MemoryTier | None = None, run_uid: str = "") -> Loaded | None:
     """The newest state anywhere: a node's memory tier or the disk; everyone loads the same.
 
     Ranks report what their node keeps in memory; rank 0 compares the newest of
     those with the newest intact disk snapshot by (generation, step). A memory
-    snapshot is read and verified by its holder and its bytes broadcast, so the
-    other nodes need neither a copy nor the shared filesystem for it.
+    copy counts only if it belongs to this run (its run id) and to a generation
+    this run has issued. It is read and verified by its holder and its bytes
+    broadcast, so the other nodes need neither a copy nor the shared filesystem.
+    Everything is loaded to CPU memory; ``load_state_dict`` then copies it onto
+    each rank's own device, so no device needs room for a second copy.
     """
     ours = cfg.fingerprint()
     local = memory.newest(dist.rank) if memory is not None else None
-    if local is not None and local.fingerprint != ours:
-        local = None  # kept by a run with another configuration: never resume from it silently
     candidates = [c for c in dist.all_gather_object(local) if c is not None]
-    best_memory = max(candidates, key=lambda c: (c.generation, c.step, -c.rank), default=None)
 
     decision: tuple[str, Any, Any] | None = None
     loaded: Loaded | None = None
     if dist.rank == 0:
-        newest_disk = store.complete()[-1] if store.complete() else None
+        issued = store.newest_generation()
+        usable = [c for c in candidates
+                  if c.fingerprint == ours and c.run_uid == run_uid and c.generation <= issued]
+        best_memory = max(usable, key=lambda c: (c.generation, c.step, -c.rank), default=None)
+        complete = store.complete()
+        newest_disk = complete[-1] if complete else None
         if best_memory is None or (newest_disk is not None and newest_disk > best_memory.ref):
             loaded = find_newest(
-                store, map_location=dist.device, verify=cfg.snapshot.verify,
+                store, map_location="cpu", verify=cfg.snapshot.verify,
                 on_rejected=lambda ref, why: events.emit("snapshot_rejected", snapshot=ref.name, reason=why),
             )
         if best_memory is not None and (loaded is None or best_memory.ref > loaded.ref):
@@ -110,14 +119,17 @@ def select_snapshot(dist: Dist, store: LocalStore, cfg: Config, events: EventLog
     tier, holder, ref = decision
     if tier == "disk":
         if loaded is None:
-            loaded = load_exact(store, ref, map_location=dist.device, verify=cfg.snapshot.verify)
+            loaded = load_exact(store, ref, map_location="cpu", verify=cfg.snapshot.verify)
         loaded.tier = "disk"
         return loaded
-    return _broadcast_memory_snapshot(dist, memory, holder, ref, store, cfg, events)
+    result = _broadcast_memory_snapshot(dist, memory, holder, ref)
+    if result is None:
+        # The holder could not read its copy: every rank falls back to the disk together.
+        return select_snapshot(dist, store, cfg, events, memory=None, run_uid=run_uid)
+    return result
 
 
-def _broadcast_memory_snapshot(dist: Dist, memory: MemoryTier | None, holder: int, ref: SnapshotRef,
-                               store: LocalStore, cfg: Config, events: EventLog) -> Loaded | None:
+def _broadcast_memory_snapshot(dist: Dist, memory: MemoryTier | None, holder: int, ref: SnapshotRef) -> Loaded | None:
     data = b""
     meta: dict[str, Any] = {}
     if dist.rank == holder:
@@ -128,19 +140,20 @@ def _broadcast_memory_snapshot(dist: Dist, memory: MemoryTier | None, holder: in
         except SnapshotError as exc:
             log.error("the in-memory snapshot %s is unusable (%s); falling back to disk", ref.name, exc)
             data = b""
-    n = int(dist.broadcast_object(len(data), src=holder))
+    n, meta = dist.broadcast_object((len(data), meta), src=holder)
     if n == 0:
-        # The holder could not read it: every rank falls back to the disk together.
-        return select_snapshot(dist, store, cfg, events, memory=None)
+        return None
     buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8) if dist.rank == holder else torch.empty(n, dtype=torch.uint8)
-    if dist.backend == "nccl":
-        buffer = buffer.to(dist.device)
-    dist.broadcast_tensor(buffer, src=holder)
-    meta = dist.broadcast_object(meta, src=holder)
-    state = load_state_bytes(buffer.cpu().numpy().tobytes(), ref.name, dist.device)
-    loaded = Loaded(ref, meta, state)
-    loaded.tier = "memory"
-    return loaded
+    for start in range(0, n, BROADCAST_CHUNK):
+        piece = buffer[start:start + BROADCAST_CHUNK]
+        if dist.backend == "nccl":
+            on_device = piece.to(dist.device)
+            dist.broadcast_tensor(on_device, src=holder)
+            piece.copy_(on_device.cpu())
+        else:
+            dist.broadcast_tensor(piece, src=holder)
+    state = load_state_bytes(buffer.numpy().tobytes(), ref.name, "cpu")
+    return Loaded(ref, meta, state, tier="memory")
 
 
 def furthest_step_reached(run_dir: str, before_generation: int) -> int:
@@ -172,7 +185,13 @@ def restore(loaded: Loaded, compat: Compatibility, *, model: torch.nn.Module, op
     else:
         skipped.append("optimizer/schedule state (optimisation config changed)")
     if compat.data_ok:
-        sampler.load_state_dict(s["sampler"])
+        try:
+            sampler.load_state_dict(s["sampler"])
+        except ValueError as exc:
+            raise ResumeError(
+                f"snapshot {loaded.ref.name} does not fit this dataset: {exc}. The data changed under the same "
+                "config; restore it, or set snapshot.allow_mismatch: true to restart the epoch"
+            ) from exc
     else:
         skipped.append("data position (data config changed: the epoch restarts)")
     state.load_state_dict(s["train"])

@@ -98,6 +98,12 @@ class ElasticSampler:
         full, rest = divmod(self.num_samples, self.global_batch)
         return full + (1 if rest and self.partial_batch == "partial" else 0)
 
+    def steps_left_in_epoch(self) -> int:
+        """Steps still to run in the current epoch at the current global batch."""
+        remaining = self.num_samples - self.consumed
+        full, rest = divmod(max(0, remaining), self.global_batch)
+        return full + (1 if rest and self.partial_batch == "partial" else 0)
+
     def usable_per_epoch(self) -> int:
         """Samples consumed by a complete epoch (the rest are dropped)."""
         if self.partial_batch == "partial":

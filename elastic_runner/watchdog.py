@@ -34,11 +34,13 @@ DONE = b"done"
 
 class PeerWatchdog:
     def __init__(self, store: Any, *, rank: int, world_size: int, generation: int, timeout: float,
-                 on_lost: Callable[[str], None], interval: float | None = None) -> None:
+                 on_lost: Callable[[str], None], interval: float | None = None, startup_grace: float | None = None) -> None:
         self.store = store
         self.rank = rank
         self.world_size = world_size
         self.timeout = timeout
+        #: How long a neighbour may take to send its first heartbeat (ranks start at slightly different times).
+        self.startup_grace = max(timeout, startup_grace or 0.0)
         self.interval = interval if interval is not None else max(0.1, min(1.0, timeout / 5))
         self.on_lost = on_lost
         self.prefix = f"er/hb/{generation}/"
@@ -115,11 +117,15 @@ class PeerWatchdog:
                 if value == DONE:
                     last_change[n] = now
                     continue
+                limit = self.timeout if last_value[n] is not None or value is not None else self.startup_grace
                 if value != last_value[n]:
                     last_value[n], last_change[n] = value, now
-                elif now - last_change[n] > self.timeout:
-                    state = "never started heartbeating" if value is None else "stopped heartbeating"
-                    reason = f"rank {n} {state} {now - last_change[n]:.1f}s ago (dist.heartbeat_seconds={self.timeout:g}): it died or hangs"
+                elif now - last_change[n] > limit:
+                    if value is None:
+                        reason = f"rank {n} never started heartbeating within {limit:g}s: it did not start or hangs"
+                    else:
+                        reason = (f"rank {n} stopped heartbeating {now - last_change[n]:.1f}s ago "
+                                  f"(dist.heartbeat_seconds={self.timeout:g}): it died or hangs")
                     self.abort(reason)
                     self._fire(reason)
                     return

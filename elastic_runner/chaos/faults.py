@@ -118,6 +118,8 @@ def corrupt_snapshot(ctx: FaultContext) -> str:
     for w in workers:
         ctx.job.signal_worker(w, signal.SIGKILL)
     shutil.rmtree(memory_root(str(ctx.snapshot_dir)), ignore_errors=True)
+    for i in range(len(ctx.job.agents)):
+        shutil.rmtree(ctx.job.memory_dir(i), ignore_errors=True)
     return (f"truncated {newest.name}/state.pt to {size // 2} bytes, dropped the memory copies and SIGKILLed "
             f"all {len(workers)} workers")
 

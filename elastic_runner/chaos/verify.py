@@ -133,8 +133,8 @@ def verify(*, audit: AuditReport, events: list[dict[str, Any]], faults: list[Inj
            finished: bool, reference: dict[str, Any] | None) -> Verdict:
     verdict = Verdict(ok=True)
     verdict.add("job finished", finished and audit.finished,
-                "every agent exited 0 and the run recorded its end" if finished and audit.finished
-                else f"agents finished: {finished}; audit end record: {audit.finished}")
+                f"the run reached its end at step {audit.final_step} and its last agents exited 0"
+                if finished and audit.finished else f"agents finished: {finished}; audit end record: {audit.finished}")
     dup = sum(len(e.duplicates) for e in audit.epochs)
     missing = sum(len(e.missing) for e in audit.epochs)
     verdict.add("no sample lost or duplicated", audit.ok,

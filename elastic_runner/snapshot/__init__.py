@@ -4,6 +4,8 @@ from .format import load_snapshot, read_meta
 from .loader import Loaded, find_newest, load_exact
 from .store import (
     AlreadyCommittedError,
+    CorruptSnapshotError,
+    SnapshotUnavailableError,
     LocalStore,
     SnapshotError,
     SnapshotRef,
@@ -13,7 +15,7 @@ from .store import (
 from .writer import SaveResult, SnapshotWriter, require_ok, to_host
 
 __all__ = [
-    "AlreadyCommittedError", "Loaded", "LocalStore", "SaveResult", "SnapshotError", "SnapshotRef",
+    "AlreadyCommittedError", "CorruptSnapshotError", "SnapshotUnavailableError", "Loaded", "LocalStore", "SaveResult", "SnapshotError", "SnapshotRef",
     "SnapshotWriter", "StaleWriterError", "find_newest", "load_exact", "load_snapshot", "open_store",
     "read_meta", "require_ok", "to_host",
 ]

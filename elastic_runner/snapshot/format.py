@@ -20,7 +20,7 @@ from typing import Any, BinaryIO
 
 import torch
 
-from .store import META, STATE, SnapshotError
+from .store import META, STATE, CorruptSnapshotError, SnapshotError, SnapshotUnavailableError
 
 FORMAT_VERSION = 1
 
@@ -88,13 +88,16 @@ def read_meta(directory: Path) -> dict[str, Any]:
     try:
         meta = json.loads((directory / META).read_text())
     except FileNotFoundError as exc:
-        raise SnapshotError(f"{directory.name}: no {META} (incomplete snapshot)") from exc
-    except (OSError, ValueError) as exc:
-        raise SnapshotError(f"{directory.name}: unreadable {META} ({exc})") from exc
+        raise CorruptSnapshotError(f"{directory.name}: no {META} (incomplete snapshot)") from exc
+    except ValueError as exc:
+        raise CorruptSnapshotError(f"{directory.name}: unreadable {META} ({exc})") from exc
+    except OSError as exc:
+        raise SnapshotUnavailableError(f"{directory.name}: cannot read {META} ({exc.strerror}); is the filesystem healthy?") from exc
     if not isinstance(meta, dict) or "sha256" not in meta:
-        raise SnapshotError(f"{directory.name}: {META} lacks its checksum")
+        raise CorruptSnapshotError(f"{directory.name}: {META} lacks its checksum")
     if meta.get("format") != FORMAT_VERSION:
-        raise SnapshotError(f"{directory.name}: format {meta.get('format')} is not supported (expected {FORMAT_VERSION}); use the elastic_runner version that wrote it")
+        raise SnapshotError(f"{directory.name}: format {meta.get('format')} is not supported (expected {FORMAT_VERSION}); "
+                            "resume with the elastic_runner version that wrote it")
     return meta
 
 
@@ -102,24 +105,31 @@ def read_verified_bytes(directory: Path, meta: dict[str, Any], verify: bool = Tr
     path = directory / STATE
     try:
         data = path.read_bytes()
-    except OSError as exc:
-        raise SnapshotError(f"{directory.name}: cannot read {STATE} ({exc.strerror})") from exc
+    except FileNotFoundError as exc:
+        raise CorruptSnapshotError(f"{directory.name}: {STATE} is missing") from exc
+    except (OSError, MemoryError) as exc:
+        raise SnapshotUnavailableError(f"{directory.name}: cannot read {STATE} ({exc}); is the filesystem healthy?") from exc
     if len(data) != meta.get("size_bytes"):
-        raise SnapshotError(f"{directory.name}: {STATE} has {len(data)} bytes, the marker says {meta.get('size_bytes')} (truncated)")
+        raise CorruptSnapshotError(f"{directory.name}: {STATE} has {len(data)} bytes, the marker says {meta.get('size_bytes')} (truncated)")
     if verify:
         digest = hashlib.sha256(data).hexdigest()
         if digest != meta["sha256"]:
-            raise SnapshotError(f"{directory.name}: checksum mismatch ({digest[:12]}… != {meta['sha256'][:12]}…), the file was modified or damaged")
+            raise CorruptSnapshotError(f"{directory.name}: checksum mismatch ({digest[:12]}… != {meta['sha256'][:12]}…), the file was modified or damaged")
     return data
 
 
 def load_state_bytes(data: bytes, name: str, map_location: torch.device | str | None) -> dict[str, Any]:
     try:
         state = torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
-    except Exception as exc:  # torch raises many types for damaged/unsafe pickles
-        raise SnapshotError(f"{name}: {STATE} cannot be loaded safely ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})") from exc
+    except MemoryError as exc:
+        raise SnapshotUnavailableError(f"{name}: not enough host memory to load {STATE}") from exc
+    except torch.OutOfMemoryError as exc:
+        raise SnapshotUnavailableError(f"{name}: not enough device memory to load {STATE} (load to CPU first)") from exc
+    except Exception as exc:  # damaged zip, unsafe or foreign pickle: the bytes themselves are bad
+        first = (str(exc).splitlines() or [""])[0][:200]
+        raise CorruptSnapshotError(f"{name}: {STATE} cannot be loaded safely ({type(exc).__name__}: {first})") from exc
     if not isinstance(state, dict) or "model" not in state:
-        raise SnapshotError(f"{name}: {STATE} does not hold a training state")
+        raise CorruptSnapshotError(f"{name}: {STATE} does not hold a training state")
     return state
 
 

@@ -16,7 +16,7 @@ from typing import Any, Callable
 import torch
 
 from .format import load_state_bytes, read_meta, read_verified_bytes
-from .store import LocalStore, SnapshotError, SnapshotRef
+from .store import CorruptSnapshotError, LocalStore, SnapshotError, SnapshotRef
 
 log = logging.getLogger(__name__)
 
@@ -31,20 +31,38 @@ class Loaded:
 
 def find_newest(store: LocalStore, *, map_location: torch.device | str = "cpu", verify: bool = True,
                 on_rejected: Callable[[SnapshotRef, str], None] | None = None) -> Loaded | None:
-    for ref in reversed(store.complete()):
+    """The newest intact snapshot; None only if there never was one.
+
+    Only damage to the snapshot itself (marker, size, checksum, unsafe or
+    unreadable pickle) moves it aside. A failure that may pass — an I/O error
+    on a shared filesystem, too little memory — raises
+    :class:`SnapshotUnavailableError` and leaves everything in place, so the
+    attempt fails and the next one retries. If snapshots existed but every one
+    was damaged, :class:`SnapshotError` says so instead of silently training
+    from scratch.
+    """
+    candidates = list(reversed(store.complete()))
+    rejected = []
+    for ref in candidates:
         directory = store.path(ref)
         try:
             meta = read_meta(directory)
             data = read_verified_bytes(directory, meta, verify)
             state = load_state_bytes(data, ref.name, map_location)
-        except SnapshotError as exc:
+        except CorruptSnapshotError as exc:
             reason = str(exc)
-            log.error("snapshot %s is unusable and is moved aside: %s; trying the previous one", ref.name, reason)
+            log.error("snapshot %s is damaged and is moved aside: %s; trying the previous one", ref.name, reason)
             store.quarantine(ref, reason)
+            rejected.append(ref.name)
             if on_rejected is not None:
                 on_rejected(ref, reason)
             continue
         return Loaded(ref, meta, state)
+    if rejected:
+        raise SnapshotError(
+            f"all {len(rejected)} snapshot(s) in {store.location} are damaged and were moved aside as corrupt-*; "
+            "nothing to resume from. To start from scratch use a new run.dir (or remove the corrupt-* directories)"
+        )
     return None
 
 

@@ -22,6 +22,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -49,6 +50,7 @@ class MemoryCandidate:
     step: int
     size_bytes: int
     fingerprint: dict[str, str]
+    run_uid: str
 
     @property
     def ref(self) -> SnapshotRef:
@@ -56,10 +58,14 @@ class MemoryCandidate:
 
 
 class MemoryTier:
-    def __init__(self, root: Path, generation: int) -> None:
+    """One run's node-memory snapshots. Only the first local rank to get there writes
+    (the others wait for it): N ranks on a node must not fill tmpfs with N copies."""
+
+    def __init__(self, root: Path, generation: int, run_uid: str) -> None:
         self.root = root
         self.store = LocalStore(root)
         self.generation = generation
+        self.run_uid = run_uid
 
     def newest(self, rank: int) -> MemoryCandidate | None:
         for ref in reversed(self.store.complete()):
@@ -68,7 +74,8 @@ class MemoryTier:
             except SnapshotError:
                 self.store.remove(ref)
                 continue
-            return MemoryCandidate(rank, ref.generation, ref.step, int(meta.get("size_bytes", 0)), meta.get("fingerprint", {}))
+            return MemoryCandidate(rank, ref.generation, ref.step, int(meta.get("size_bytes", 0)),
+                                   meta.get("fingerprint", {}), str(meta.get("run_uid", "")))
         return None
 
     def read_bytes(self, ref: SnapshotRef) -> bytes:
@@ -78,19 +85,87 @@ class MemoryTier:
     def has(self, step: int) -> bool:
         return any(r.step == step and r.generation == self.generation for r in self.store.complete())
 
-    def save(self, step: int, capture: Callable[[], tuple[dict[str, Any], dict[str, Any]]]) -> bool:
+    def sweep(self) -> None:
+        """At start: drop staging leftovers of killed writers and copies from other runs on this path."""
+        self.store.sweep(older_than_generation=10**9)
+        for ref in self.store.complete():
+            try:
+                uid = str(read_meta(self.store.path(ref)).get("run_uid", ""))
+            except SnapshotError:
+                uid = ""
+            if uid != self.run_uid:
+                self.store.remove(ref)
+        for lock in self.root.glob(".writing-*"):
+            if _stale(lock):
+                lock.unlink(missing_ok=True)
+
+    def save(self, step: int, capture: Callable[[], tuple[dict[str, Any], dict[str, Any]]],
+             wait_for_other: float = 120.0) -> bool:
         """Write the state of ``step`` (synchronously); True if this node now holds it."""
         if self.has(step):
             return True  # another local rank was faster: replicas are identical
         try:
             self.store.ensure()
+        except SnapshotError as exc:
+            log.warning("no memory tier at %s (%s); the disk snapshot remains", self.root, exc)
+            return False
+        lock = self.root / f".writing-g{self.generation}-s{step}"
+        deadline = time.monotonic() + wait_for_other
+        while True:
+            try:
+                fd = os.open(lock, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                break
+            except FileExistsError:
+                # Another rank of this node writes it: wait, unless that rank died.
+                if self.has(step):
+                    return True
+                if _stale(lock):
+                    lock.unlink(missing_ok=True)
+                    continue
+                if time.monotonic() > deadline:
+                    return self.has(step)
+                time.sleep(0.02)
+        try:
+            os.write(fd, str(os.getpid()).encode())
+            os.close(fd)
+            if self.has(step):
+                return True  # written by the rank that held the lock just before us
             writer = SnapshotWriter(self.store, generation=self.generation, keep_last=1, async_write=False)
             require_ok(writer.save(step, capture, sync=True))
         except SnapshotError as exc:
             log.warning("could not keep the state of step %d in memory (%s); the disk snapshot remains", step, exc)
-            return self.has(step)
-        return True
+        finally:
+            lock.unlink(missing_ok=True)
+        return self.has(step)
 
     def drop(self) -> None:
         """Remove this run's memory snapshots (the run finished)."""
         shutil.rmtree(self.root, ignore_errors=True)
+
+
+def _lock_pid(lock: Path) -> int:
+    try:
+        return int(lock.read_text() or 0)
+    except (OSError, ValueError):
+        return 0
+
+
+def _stale(lock: Path) -> bool:
+    """The writer that took ``lock`` is gone (or never got to write its pid within 2 s)."""
+    pid = _lock_pid(lock)
+    if pid <= 0:
+        try:
+            return time.time() - lock.stat().st_mtime > 2.0
+        except FileNotFoundError:
+            return True
+    return not _alive(pid)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -29,6 +29,7 @@ import re
 import shutil
 import socket
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Protocol
@@ -40,6 +41,14 @@ STATE = "state.pt"
 
 class SnapshotError(RuntimeError):
     """A snapshot could not be written or read; the message says what to check."""
+
+
+class CorruptSnapshotError(SnapshotError):
+    """The snapshot's bytes are damaged or unsafe: it is moved aside and the previous one used."""
+
+
+class SnapshotUnavailableError(SnapshotError):
+    """Reading failed for a reason that may pass (I/O error, memory): retry, never quarantine."""
 
 
 class StaleWriterError(SnapshotError):
@@ -199,6 +208,23 @@ class LocalStore:
                 shutil.rmtree(self.root / name, ignore_errors=True)
                 removed.append(name)
         return removed
+
+    # -- identity ------------------------------------------------------------------------
+
+    def run_uid(self) -> str:
+        """A random id created with the run's first generation; tells this run's node-memory
+        copies apart from those of an earlier run that used the same path."""
+        path = self.root / "run-id"
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            return path.read_text().strip()
+        with os.fdopen(fd, "w") as fh:
+            fh.write(uuid.uuid4().hex)
+            fh.flush()
+            os.fsync(fh.fileno())
+        fsync_dir(self.root)
+        return path.read_text().strip()
 
     # -- fencing -------------------------------------------------------------------------
 

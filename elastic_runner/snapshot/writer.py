@@ -129,7 +129,7 @@ class SnapshotWriter:
                      result.meta.get("size_bytes", 0) / 1e6, result.blocking_s, result.write_s)
             if self.observer is not None:
                 self.observer.snapshot_saved(ref, result.meta, result.blocking_s, result.write_s)
-        except BaseException as exc:  # noqa: BLE001 - report every failure, keep training
+        except Exception as exc:  # noqa: BLE001 - report every failure, keep training
             result.error = exc
             result.write_s = time.perf_counter() - started
             self.failures += 1
@@ -141,6 +141,9 @@ class SnapshotWriter:
                           "(%d failure(s) so far)", ref.name, exc, self.failures)
             if self.observer is not None:
                 self.observer.snapshot_failed(ref, exc)
+        except BaseException as exc:  # Ctrl-C during a synchronous save: clean up, then abort
+            result.error = exc
+            raise
         finally:
             if staging is not None:
                 self.store.discard(staging)

@@ -100,9 +100,11 @@ def test_node_loss_then_join_keeps_global_batch_and_tracks_the_uninterrupted_los
 
 def test_rank0_killed_while_writing_a_large_snapshot_resumes_from_the_previous_one(local_job, tmp_path: Path) -> None:  # noqa: ANN001
     # ~13M parameters + momentum: a ~100 MB snapshot that takes a while to write.
+    # The memory tier is off: with it the survivor's copy (newer still) would be used, and
+    # this test is about the disk path never picking the torn write.
     config = write_config(tmp_path / "big.yaml", model={"name": "mlp", "params": {"hidden": 2048, "depth": 3}},
                           train={"epochs": 100, "max_steps": 24, "eval_every_steps": 0},
-                          snapshot={"every_steps": 4, "keep_last": 2}, logging={"every_steps": 4})
+                          snapshot={"every_steps": 4, "keep_last": 2, "in_memory": False}, logging={"every_steps": 4})
     job = local_job(config=str(config), nnodes="1:1", nproc_per_node=2)
     job.start_agent()
     store = LocalStore(Path(job.run_dir) / "snapshots")
@@ -168,7 +170,7 @@ def test_damaged_newest_snapshot_is_reported_and_the_previous_one_used(small_con
         fh.truncate(1000)
     second = _alone(small_config, run_dir, "train.max_steps=40")
     assert second.returncode == 0, second.stdout[-2000:]
-    assert "is unusable and is moved aside" in second.stdout
+    assert "is damaged and is moved aside" in second.stdout
     (loaded,) = [e for e in events(run_dir, "snapshot_loaded") if e["generation"] == 2]
     assert loaded["step"] == 20
     assert [e["snapshot"] for e in events(run_dir, "snapshot_rejected")] == [newest.name]
