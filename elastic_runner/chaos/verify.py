@@ -82,7 +82,9 @@ def attribute_recoveries(faults: list[Injected], events: list[dict[str, Any]]) -
                 fault.interrupted, fault.recovery_s = False, 0.0
             continue
         info = gens[chosen]
-        if fault.type == "restart-etcd" and info["start"] > fault.at + 30:
+        # Workers never talk to etcd: a restart interrupts training only if a new attempt starts
+        # soon after it and before the next fault (which would otherwise get the credit).
+        if fault.type == "restart-etcd" and (info["start"] > fault.at + 30 or info["start"] > nxt):
             fault.interrupted, fault.recovery_s = False, 0.0
             continue
         fault.generation = chosen

@@ -57,6 +57,32 @@ def test_each_fault_type_leaves_the_job_whole(fault: str, chaos_config: Path, tm
     assert (run_dir / "chaos" / "report.md").read_text().startswith("# Chaos report: PASSED")
 
 
+@pytest.mark.slow
+def test_on_etcd_v3_the_job_rides_out_an_etcd_restart_and_loses_any_node(chaos_config: Path, tmp_path: Path) -> None:
+    from elastic_runner.rendezvous.etcd_server import ensure_installed
+
+    try:
+        ensure_installed()
+    except RuntimeError as exc:
+        pytest.skip(str(exc))
+    run_dir = tmp_path / "run"
+    # With etcd-v3 no agent hosts the rendezvous: the first agent (c10d's host) may go too, and seed 1
+    # picks it.
+    result = chaos("--config", str(chaos_config), "--run-dir", str(run_dir), "--agents", "2", "--nnodes", "1:2",
+                   "--rdzv-backend", "etcd-v3", "--at", "2:restart-etcd,5:kill-agent", "--seed", "1",
+                   "--set", "train.epochs=40")
+    assert result.returncode == 0, result.stdout[-4000:]
+    assert "etcd started on 127.0.0.1:" in result.stdout
+    report = json.loads((run_dir / "chaos" / "report.json").read_text())
+    assert report["ok"], report["checks"]
+    restart, loss = report["faults"]
+    assert restart["type"] == "restart-etcd" and loss["type"] == "kill-agent"
+    assert restart["interrupted"] is False, "training goes on while etcd restarts"
+    assert "SIGKILL agent 0 " in loss["description"], loss["description"]
+    assert loss["recovery_s"] is not None and loss["world_size"] == 1
+    assert "no orphan processes" in report["checks"] and report["checks"]["no orphan processes"]["ok"]
+
+
 def test_a_broken_sampler_makes_the_verification_fail(chaos_config: Path, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     result = chaos("--config", str(chaos_config), "--run-dir", str(run_dir), "--agents", "2", "--nnodes", "1:2",

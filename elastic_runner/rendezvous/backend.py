@@ -1,0 +1,205 @@
+"""``RendezvousBackend`` on etcd v3: the state of one run under one key, fenced by its mod_revision.
+
+torch's ``DynamicRendezvousHandler`` keeps the whole rendezvous (round, participants, wait list,
+heartbeats) in one opaque blob and needs two calls from a backend: ``get_state`` and a conditional
+``set_state(state, token)``. Here:
+
+- The blob lives at ``{key_prefix}/{run_id}/state``; the token is the key's ``mod_revision``.
+- ``set_state`` is one etcd transaction: *if* ``mod_revision == token`` (or, without a token, the
+  key does not exist: create-if-absent) *then* put the new blob *else* read the current one. A
+  writer with a stale token therefore gets the current state and token back in the same round trip
+  and never overwrites a newer state. A token that is not ours (not an int) gets the current state.
+- The blob is framed (magic, format version, CRC-32) and zlib-compressed: heartbeats rewrite it
+  every ``keep_alive_interval`` from every node, and etcd keeps every revision until compaction,
+  so its size matters. Anything that does not decode is reported as ``RendezvousStateError``.
+- Every put carries the writing agent's lease (``LeaseKeeper``): while agents heartbeat the state
+  is rewritten and their leases refreshed; once all have gone it expires with the last lease.
+- A writer that loses the compare-and-swap twice in a row backs off (jittered, doubling from 5 ms
+  up to 2 s) and then returns the state as it is after the pause. torch's handler retries a lost
+  write at once; with many agents that turns into a storm of refused writes through which the
+  keep-alive heartbeats (N per ``keep_alive_interval``) no longer get, and the round never completes.
+
+``create_backend(params)`` builds the client (retries, fail-over, TLS, auth), checks within
+``connect_timeout`` that etcd answers, and returns the backend and the store that share it.
+"""
+
+from __future__ import annotations
+
+import random
+import struct
+import time
+import zlib
+from typing import TYPE_CHECKING, Any, Callable
+
+from torch.distributed.elastic.rendezvous import (
+    RendezvousConnectionError,
+    RendezvousParameters,
+    RendezvousStateError,
+)
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend, Token
+
+from .client import (
+    Compare,
+    EtcdError,
+    EtcdGatewayClient,
+    Get,
+    KVClient,
+    LeaseKeeper,
+    Put,
+)
+from .options import DEFAULT_KEY_PREFIX, EtcdOptions, parse_options
+
+if TYPE_CHECKING:
+    from .store import EtcdStore
+
+BACKEND_NAME = "etcd-v3"
+DEFAULT_TTL = 7200
+
+_MAGIC = b"ERV3"
+_FORMAT = 1
+_HEADER = struct.Struct(">4sBI")  # magic, format version, CRC-32 of the compressed payload
+
+
+def encode_state(state: bytes) -> bytes:
+    payload = zlib.compress(state, 1)
+    return _HEADER.pack(_MAGIC, _FORMAT, zlib.crc32(payload)) + payload
+
+
+def decode_state(blob: bytes, key: str) -> bytes:
+    """The state bytes of a stored blob; ``RendezvousStateError`` if it is not one of ours or damaged."""
+    hint = (f"Another program may write to this key: check that nothing else uses the key prefix, or delete "
+            f"the key ('etcdctl del {key}') to start the rendezvous afresh.")
+    if len(blob) < _HEADER.size:
+        raise RendezvousStateError(f"The rendezvous state in etcd key '{key}' is corrupt: {len(blob)} bytes is too "
+                                   f"short for a state. {hint}")
+    magic, version, crc = _HEADER.unpack_from(blob)
+    if magic != _MAGIC:
+        raise RendezvousStateError(f"The rendezvous state in etcd key '{key}' is corrupt: it was not written by the "
+                                   f"etcd-v3 backend (unknown header). {hint}")
+    if version != _FORMAT:
+        raise RendezvousStateError(f"The rendezvous state in etcd key '{key}' has format {version}, this version "
+                                   f"of elastic_runner reads format {_FORMAT}: run the same elastic_runner version on "
+                                   f"every node.")
+    payload = blob[_HEADER.size:]
+    if zlib.crc32(payload) != crc:
+        raise RendezvousStateError(f"The rendezvous state in etcd key '{key}' is corrupt: its checksum does not "
+                                   f"match. {hint}")
+    try:
+        return zlib.decompress(payload)
+    except zlib.error as exc:
+        raise RendezvousStateError(f"The rendezvous state in etcd key '{key}' is corrupt: it does not decompress "
+                                   f"({exc}). {hint}") from exc
+
+
+def run_prefix(key_prefix: str, run_id: str) -> str:
+    return f"{key_prefix.rstrip('/')}/{run_id}"
+
+
+class EtcdRendezvousBackend(RendezvousBackend):
+    """See the module docstring. ``client`` may be the etcd gateway client or the in-memory fake."""
+
+    def __init__(self, client: KVClient, run_id: str, key_prefix: str = DEFAULT_KEY_PREFIX,
+                 ttl: int = DEFAULT_TTL, leases: LeaseKeeper | None = None,
+                 conflict_backoff: tuple[float, float] = (0.005, 2.0),
+                 sleep: Callable[[float], None] = time.sleep) -> None:
+        if not run_id:
+            raise ValueError("The run id must be a non-empty string (torchrun's --rdzv_id).")
+        if "/" in run_id:
+            raise ValueError(f"The run id '{run_id}' must not contain '/' (it becomes one etcd key segment).")
+        self._client = client
+        self._run_id = run_id
+        self._key_text = f"{run_prefix(key_prefix, run_id)}/state"
+        self._key = self._key_text.encode()
+        self._leases = leases or LeaseKeeper(client, ttl)
+        self._backoff_base, self._backoff_cap = conflict_backoff
+        self._sleep = sleep
+        self._conflicts = 0  # consecutive lost compare-and-swaps of this agent
+
+    @property
+    def name(self) -> str:
+        return BACKEND_NAME
+
+    @property
+    def key(self) -> str:
+        """The etcd key that holds the state."""
+        return self._key_text
+
+    @property
+    def client(self) -> KVClient:
+        return self._client
+
+    def _connection_error(self, action: str, exc: EtcdError) -> RendezvousConnectionError:
+        return RendezvousConnectionError(
+            f"The etcd-v3 rendezvous backend could not {action} the state of run '{self._run_id}' (key "
+            f"'{self._key_text}'). {exc}")
+
+    def get_state(self) -> tuple[bytes, Token] | None:
+        try:
+            kv, _ = self._client.get(self._key)
+        except EtcdError as exc:
+            raise self._connection_error("read", exc) from exc
+        if kv is None:
+            return None
+        return decode_state(kv.value, self._key_text), kv.mod_revision
+
+    def set_state(self, state: bytes, token: Token | None = None) -> tuple[bytes, Token, bool] | None:
+        if token is not None and not isinstance(token, int):
+            # Not a token we issued (e.g. from another backend): it cannot match; report the current state.
+            current = self.get_state()
+            return None if current is None else (*current, False)
+        compare = Compare.mod_revision(self._key, token) if token else Compare.absent(self._key)
+        blob = encode_state(state)
+
+        def write(lease: int) -> Any:
+            return self._client.txn([compare], [Put(self._key, blob, lease)], [Get(self._key)])
+
+        try:
+            result = self._leases.run(write)
+        except EtcdError as exc:
+            raise self._connection_error("write", exc) from exc
+        if result.succeeded:
+            self._conflicts = 0
+            return state, result.revision, True
+        kv = result.results[0]
+        if kv is None:
+            return None  # our token names a state that has gone (expired or deleted)
+        self._conflicts += 1
+        if self._conflicts > 1:
+            # Lost again: back off (exponentially, jittered), then return the state as it is *then*.
+            # torch's handler retries a lost write at once, so with many agents every write is raced
+            # by all the others; without this, 128 simulated agents on 2 cores never complete a round
+            # (benchmarks/rendezvous_scale.py): the keep-alive writes outpace the successful ones.
+            window = min(self._backoff_cap, self._backoff_base * 2 ** min(self._conflicts - 2, 20))
+            self._sleep(random.uniform(0, window))
+            current = self.get_state()
+            return None if current is None else (*current, False)
+        return decode_state(kv.value, self._key_text), kv.mod_revision, False
+
+
+def create_client(options: EtcdOptions) -> EtcdGatewayClient:
+    return EtcdGatewayClient(options.endpoints, request_timeout=options.request_timeout,
+                             retry_timeout=options.retry_timeout, cacert=options.cacert, cert=options.cert,
+                             key=options.key, user=options.user, password=options.password)
+
+
+def create_backend(params: RendezvousParameters) -> tuple[EtcdRendezvousBackend, "EtcdStore"]:
+    """Backend and store for ``params`` (``--rdzv_endpoint``, ``--rdzv_id``, ``--rdzv_conf``).
+
+    Fails within ``connect_timeout`` with ``RendezvousConnectionError`` when etcd cannot be reached
+    or refuses us (credentials, TLS, permissions), instead of at the first rendezvous step.
+    """
+    from .store import EtcdStore
+
+    options = parse_options(params)
+    client = create_client(options)
+    leases = LeaseKeeper(client, options.ttl)
+    backend = EtcdRendezvousBackend(client, params.run_id, options.key_prefix, options.ttl, leases)
+    try:
+        client.get(backend.key.encode(), budget=options.connect_timeout)
+    except EtcdError as exc:
+        client.close()
+        raise RendezvousConnectionError(
+            f"The etcd-v3 rendezvous cannot start run '{params.run_id}': {exc}") from exc
+    store = EtcdStore(client, run_prefix(options.key_prefix, params.run_id), leases=leases,
+                      read_timeout=options.read_timeout)
+    return backend, store

@@ -1,0 +1,883 @@
+"""The narrow etcd v3 interface the backend and the store are written against, two implementations.
+
+Everything the rendezvous needs from etcd fits in a handful of calls: read one key (with its
+``mod_revision``), one *transaction* (compare a key's mod/create revision or value, then put, get or
+delete; otherwise get), count and delete a prefix, grant/refresh a lease, and *wait until a key
+changes after a revision* (a watch). ``KVClient`` is that interface.
+
+``EtcdGatewayClient`` implements it on etcd's HTTP/JSON gateway (``/v3/kv/txn``, ``/v3/watch``...)
+through ``etcd3gw`` (maintained, no grpc/protobuf pins; the ``etcd3`` package fails to import with
+protobuf >= 4 and locks out a failed endpoint for minutes). ``etcd3gw`` gives us sessions, TLS, API
+path discovery and status-code mapping; the payloads, error classification, retries and watches are
+ours, because its helpers encode keys as latin-1 text and its watcher has no timeout:
+
+- *Retries.* Connection failures, timeouts and etcd's "unavailable" answers (no leader, leader
+  changed, restart) are retried with exponential backoff and jitter, moving to the next endpoint
+  after each failure, until the operation's budget (``retry_timeout``) is spent; then
+  ``EtcdUnavailable``. Wrong credentials, a TLS mismatch, missing permissions or a full database
+  are not transient and fail at once with a sentence that says what to check.
+- *Watches* are one streaming HTTP request per wait, on one key, from the revision of the read that
+  found it missing (so no write in between is missed); the socket's read timeout is the wait's
+  remaining time, so no thread is needed and an idle wait costs etcd nothing.
+- *Auth.* With ``user``/``password``, a token from ``/v3/auth/authenticate`` goes into the
+  ``Authorization`` header of each endpoint's session; an expired or foreign token (simple tokens
+  are per member) is renewed once and the request repeated.
+
+``MemoryEtcd`` / ``MemoryKV`` is an in-memory fake with the same semantics (store revision,
+``create_revision``/``mod_revision``, failed value-compare on a missing key, leases whose expiry
+deletes their keys, watch from a revision) so the contract suites run in milliseconds and can
+simulate outages; the same suites run against the real server.
+
+``LeaseKeeper`` gives one client one lease: granted on the first write, refreshed (one keep-alive
+request) when a third of the TTL has passed since the last refresh and the process writes again,
+re-granted when etcd no longer knows it. The keys of a process thus live while it keeps writing and
+vanish between 2/3 TTL and TTL after it stopped, with no background thread.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import os
+import random
+import socket
+import ssl
+import threading
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, Callable, Literal, Sequence, TypeVar, Union
+
+import requests
+
+from .options import Endpoint
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+MAX_TXN_OPS = 128  # etcd's default --max-txn-ops
+WATCH_SLICE_SECONDS = 10.0  # longest single watch request; bounds how long a silently dead stream goes unnoticed
+
+
+# -- data model ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class KeyValue:
+    key: bytes
+    value: bytes
+    create_revision: int
+    mod_revision: int
+    version: int = 1
+    lease: int = 0
+
+
+@dataclass(frozen=True)
+class Compare:
+    """``key``'s ``target`` equals ``expected`` (etcd's compare; a missing key has revisions 0)."""
+
+    key: bytes
+    target: Literal["mod_revision", "create_revision", "value"]
+    expected: int | bytes
+
+    @staticmethod
+    def mod_revision(key: bytes, revision: int) -> "Compare":
+        return Compare(key, "mod_revision", revision)
+
+    @staticmethod
+    def absent(key: bytes) -> "Compare":
+        return Compare(key, "create_revision", 0)
+
+    @staticmethod
+    def value(key: bytes, value: bytes) -> "Compare":
+        return Compare(key, "value", value)
+
+
+@dataclass(frozen=True)
+class Put:
+    key: bytes
+    value: bytes
+    lease: int = 0
+
+
+@dataclass(frozen=True)
+class Get:
+    key: bytes
+
+
+@dataclass(frozen=True)
+class Delete:
+    key: bytes
+
+
+Op = Union[Put, Get, Delete]
+
+
+@dataclass(frozen=True)
+class TxnResult:
+    succeeded: bool
+    revision: int  #: store revision after the transaction (the mod_revision of its puts)
+    results: tuple[Any, ...]  #: per op of the branch taken: Get → KeyValue | None, Delete → count, Put → None
+
+
+# -- errors -----------------------------------------------------------------------------------------
+
+
+class EtcdError(Exception):
+    """Base of the client's errors; the message is a full sentence that says what to check."""
+
+
+class EtcdUnavailable(EtcdError):
+    """No endpoint answered within the operation's retry budget."""
+
+
+class EtcdAuthError(EtcdError):
+    """Authentication is required, failed, or the user lacks permission."""
+
+
+class EtcdTLSError(EtcdError):
+    """TLS handshake or scheme mismatch between client and server."""
+
+
+class EtcdLeaseNotFound(EtcdError):
+    """A put referred to a lease etcd does not know (expired or revoked)."""
+
+
+class EtcdRequestError(EtcdError):
+    """etcd refused the request for a reason retrying does not fix."""
+
+
+class _Transient(Exception):
+    """Internal: a failure worth retrying."""
+
+
+class _Reauthenticate(Exception):
+    """Internal: the auth token expired or belongs to another member."""
+
+
+# -- interface -----------------------------------------------------------------------------------------
+
+
+class KVClient(ABC):
+    """The calls the rendezvous backend and store make; see the module docstring."""
+
+    endpoint_text: str = "etcd"
+
+    def __init__(self) -> None:
+        self._requests = 0
+        self._count_lock = threading.Lock()
+
+    @property
+    def requests(self) -> int:
+        """Requests sent so far (retries, watches and lease calls included)."""
+        return self._requests
+
+    def _count(self) -> None:
+        with self._count_lock:
+            self._requests += 1
+
+    @abstractmethod
+    def txn(self, compare: Sequence[Compare], success: Sequence[Op], failure: Sequence[Op] = (),
+            *, budget: float | None = None) -> TxnResult:
+        """One atomic transaction: if every compare holds run ``success``, else ``failure``."""
+
+    @abstractmethod
+    def get(self, key: bytes, *, budget: float | None = None) -> tuple[KeyValue | None, int]:
+        """The key (or None) and the store revision of the read."""
+
+    @abstractmethod
+    def count_prefix(self, prefix: bytes) -> int:
+        """Number of keys that start with ``prefix``."""
+
+    @abstractmethod
+    def delete_prefix(self, prefix: bytes) -> int:
+        """Delete every key that starts with ``prefix``; return how many there were."""
+
+    @abstractmethod
+    def grant_lease(self, ttl: int) -> int:
+        """A new lease id with the given TTL in seconds."""
+
+    @abstractmethod
+    def keep_alive_lease(self, lease_id: int) -> int:
+        """Refresh a lease; its new TTL, or <= 0 when etcd no longer knows it."""
+
+    @abstractmethod
+    def revoke_lease(self, lease_id: int) -> None:
+        """Revoke a lease (deletes its keys)."""
+
+    @abstractmethod
+    def wait_for_change(self, key: bytes, start_revision: int, timeout: float) -> bool:
+        """Block until ``key`` is written at a revision >= ``start_revision`` or ``timeout`` passes.
+
+        Returns False only on timeout. True means "look again": it is also returned after a
+        connection problem (after a short pause) so the caller re-reads with its own retries.
+        """
+
+    def get_many(self, keys: Sequence[bytes]) -> tuple[dict[bytes, KeyValue], int]:
+        """Present keys among ``keys`` and the (lowest) revision at which they were read."""
+        found: dict[bytes, KeyValue] = {}
+        revision: int | None = None
+        for start in range(0, len(keys), MAX_TXN_OPS):
+            chunk = keys[start:start + MAX_TXN_OPS]
+            result = self.txn((), [Get(k) for k in chunk])
+            revision = result.revision if revision is None else min(revision, result.revision)
+            for kv in result.results:
+                if kv is not None:
+                    found[kv.key] = kv
+        return found, revision or 0
+
+    def close(self) -> None:
+        """Release connections."""
+
+
+# -- lease --------------------------------------------------------------------------------------------------
+
+
+class LeaseKeeper:
+    """One lease for one client, granted and refreshed lazily on writes (see module docstring)."""
+
+    def __init__(self, client: KVClient, ttl: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self.client = client
+        self.ttl = int(ttl)
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._id = 0
+        self._refreshed = 0.0
+
+    def current(self) -> int:
+        with self._lock:
+            now = self._clock()
+            if self._id and now - self._refreshed < self.ttl / 3:
+                return self._id
+            if self._id and self.client.keep_alive_lease(self._id) > 0:
+                self._refreshed = now
+                return self._id
+            self._id = self.client.grant_lease(self.ttl)
+            self._refreshed = now
+            return self._id
+
+    def invalidate(self, lease_id: int) -> None:
+        with self._lock:
+            if self._id == lease_id:
+                self._id = 0
+
+    def run(self, write: Callable[[int], T]) -> T:
+        """Call ``write(lease_id)``; if etcd lost the lease meanwhile, once more with a new one."""
+        lease = self.current()
+        try:
+            return write(lease)
+        except EtcdLeaseNotFound:
+            self.invalidate(lease)
+            return write(self.current())
+
+
+# -- retries ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Backoff:
+    """Exponential backoff with jitter: attempt k sleeps uniformly in [d/2, d], d = min(cap, base·2^k)."""
+
+    base: float = 0.05
+    cap: float = 2.0
+    attempt: int = 0
+
+    def next_delay(self) -> float:
+        d = min(self.cap, self.base * (2 ** self.attempt))
+        self.attempt += 1
+        return random.uniform(d / 2, d)
+
+
+# -- etcd over the HTTP gateway ------------------------------------------------------------------------------
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+def _unb64(text: str | None) -> bytes:
+    return base64.b64decode(text) if text else b""
+
+
+def _kv(obj: dict[str, Any]) -> KeyValue:
+    return KeyValue(key=_unb64(obj.get("key")), value=_unb64(obj.get("value")),
+                    create_revision=int(obj.get("create_revision", 0)), mod_revision=int(obj.get("mod_revision", 0)),
+                    version=int(obj.get("version", 0)), lease=int(obj.get("lease", 0)))
+
+
+def _op_json(op: Op) -> dict[str, Any]:
+    if isinstance(op, Put):
+        body: dict[str, Any] = {"key": _b64(op.key), "value": _b64(op.value)}
+        if op.lease:
+            body["lease"] = str(op.lease)
+        return {"request_put": body}
+    if isinstance(op, Get):
+        return {"request_range": {"key": _b64(op.key)}}
+    return {"request_delete_range": {"key": _b64(op.key)}}
+
+
+def _compare_json(c: Compare) -> dict[str, Any]:
+    target = {"mod_revision": "MOD", "create_revision": "CREATE", "value": "VALUE"}[c.target]
+    expected = _b64(c.expected) if isinstance(c.expected, bytes) else str(c.expected)
+    return {"key": _b64(c.key), "result": "EQUAL", "target": target, c.target: expected}
+
+
+def _op_result(op: Op, response: dict[str, Any]) -> Any:
+    if isinstance(op, Get):
+        kvs = response.get("response_range", {}).get("kvs") or []
+        return _kv(kvs[0]) if kvs else None
+    if isinstance(op, Delete):
+        return int(response.get("response_delete_range", {}).get("deleted", 0))
+    return None
+
+
+def _prefix_end(prefix: bytes) -> bytes:
+    """The smallest key greater than every key with this prefix (etcd's range_end for a prefix)."""
+    data = bytearray(prefix)
+    while data and data[-1] == 0xFF:
+        data.pop()
+    if not data:
+        return b"\0"
+    data[-1] += 1
+    return bytes(data)
+
+
+@dataclass
+class _Member:
+    endpoint: Endpoint
+    client: Any  # etcd3gw.Etcd3Client
+    token: str | None = None  #: None: not authenticated yet; "": auth is off on this server
+
+
+@dataclass
+class EtcdGatewayClient(KVClient):
+    """``KVClient`` on etcd's v3 HTTP/JSON gateway via ``etcd3gw`` (see the module docstring)."""
+
+    endpoints: Sequence[Endpoint]
+    request_timeout: float = 10.0
+    retry_timeout: float = 60.0
+    cacert: str | None = None
+    cert: str | None = None
+    key: str | None = None
+    user: str | None = None
+    password: str | None = field(default=None, repr=False)
+    sleep: Callable[[float], None] = time.sleep
+    _members: list[_Member] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        super().__init__()
+        import etcd3gw
+
+        if not self.endpoints:
+            raise ValueError("EtcdGatewayClient needs at least one endpoint.")
+        self._members = [
+            _Member(e, etcd3gw.Etcd3Client(host=e.host, port=e.port, protocol=e.scheme, timeout=self.request_timeout,
+                                           session=self._session()))
+            for e in self.endpoints
+        ]
+        self._current = 0
+        self._auth_lock = threading.Lock()
+        self._warned_auth_off = False
+        self.endpoint_text = ", ".join(str(e) for e in self.endpoints)
+
+    # -- plumbing -----------------------------------------------------------------------------------------
+
+    def _session(self) -> requests.Session:
+        """A session that uses exactly the configured TLS files.
+
+        requests lets REQUESTS_CA_BUNDLE/CURL_CA_BUNDLE override a session's ``verify`` and routes
+        through HTTP(S)_PROXY; for etcd neither is wanted (a configured ``cacert`` must win, and a
+        proxy would break watch streams), so the environment is not consulted, except that without
+        ``cacert`` those CA bundle variables still name the default trust store.
+        """
+        session = requests.Session()
+        session.trust_env = False
+        session.verify = self.cacert or os.environ.get("REQUESTS_CA_BUNDLE") or os.environ.get("CURL_CA_BUNDLE") \
+            or True
+        if self.cert and self.key:
+            session.cert = (self.cert, self.key)
+        return session
+
+    def _authenticate(self, member: _Member) -> None:
+        if not self.user or member.token is not None:
+            return
+        with self._auth_lock:
+            if member.token is not None:
+                return
+            client = member.client
+            self._count()
+            try:
+                answer = client.post(client.get_url("/auth/authenticate"),
+                                     json={"name": self.user, "password": self.password or ""})
+            except Exception as exc:  # noqa: BLE001 - classified below
+                if "authentication is not enabled" in _detail(exc):
+                    if not self._warned_auth_off:
+                        log.warning("etcd at %s has authentication turned off; the rendezvous user '%s' is not "
+                                    "used.", member.endpoint, self.user)
+                        self._warned_auth_off = True
+                    member.token = ""
+                    return
+                raise
+            member.token = str(answer.get("token", ""))
+            client.session.headers["Authorization"] = member.token
+
+    def _classify(self, exc: BaseException, member: _Member) -> BaseException:
+        """Map an exception from etcd3gw/requests to one of ours, ``_Transient`` or ``_Reauthenticate``."""
+        from etcd3gw import exceptions as gx
+
+        where = f"etcd at {member.endpoint}"
+        detail = _detail(exc)
+        code, message = _grpc_error(detail)
+        lowered = (message or detail).lower()
+        context = exc.__context__ if exc.__context__ is not None else exc
+        if isinstance(context, requests.exceptions.SSLError) or "ssl" in lowered and "certificate" in lowered \
+                or "wrong version number" in lowered:
+            return EtcdTLSError(
+                f"The TLS handshake with {where} failed ({_short(detail)}). Check the endpoint's scheme (https:// "
+                f"only if etcd serves TLS), that 'cacert' is the CA that signed etcd's server certificate and that "
+                f"the certificate is valid for host '{member.endpoint.host}', and that 'cert'/'key' are accepted by "
+                f"etcd (--trusted-ca-file).")
+        if "http request to an https server" in lowered:
+            return EtcdTLSError(f"{where} serves TLS but the rendezvous connects with plain http. Use an https:// "
+                                "endpoint or set 'cacert' (and 'cert'/'key' if etcd requires client certificates) "
+                                "in --rdzv_conf.")
+        if isinstance(exc, (gx.ConnectionFailedError, gx.ConnectionTimeoutError, gx.InternalServerError)):
+            reason = _reason(message or detail)
+            if reason == "connection closed by etcd" and member.endpoint.scheme == "http" \
+                    and _speaks_tls(member.endpoint, self.request_timeout):
+                # etcd with client-certificate auth drops plain-http connections without an answer
+                return EtcdTLSError(f"{where} serves TLS but the rendezvous connects with plain http. Use an "
+                                    "https:// endpoint or set 'cacert' (and 'cert'/'key' if etcd requires client "
+                                    "certificates) in --rdzv_conf.")
+            return _Transient(f"{where}: {reason}")
+        if "invalid auth token" in lowered or "revision in header is old" in lowered:
+            if self.user:
+                return _Reauthenticate()
+            return EtcdAuthError(f"{where} requires authentication. Set user=NAME and password_file=PATH in "
+                                 "--rdzv_conf.")
+        if "user name is empty" in lowered or "user name not found" in lowered and not self.user:
+            return EtcdAuthError(f"{where} requires authentication. Set user=NAME and password_file=PATH in "
+                                 "--rdzv_conf.")
+        if "authentication failed" in lowered or "invalid user id or password" in lowered:
+            return EtcdAuthError(f"{where} rejected user '{self.user}' and its password. Check 'user' and "
+                                 "'password_file' (or 'password') in --rdzv_conf against etcd's users.")
+        if "permission denied" in lowered or code == 7:
+            return EtcdAuthError(f"{where} denied user '{self.user}' access. Grant the user's role readwrite "
+                                 "permission on the rendezvous key prefix (etcdctl role grant-permission --prefix).")
+        if "lease not found" in lowered:
+            return EtcdLeaseNotFound(f"{where} no longer knows the lease: {message}.")
+        if "database space exceeded" in lowered:
+            return EtcdRequestError(f"{where} is out of space (mvcc: database space exceeded). Compact and "
+                                    "defragment it, disarm the NOSPACE alarm, and run etcd with "
+                                    "--auto-compaction-retention.")
+        if code in (2, 4, 8, 10, 13, 14) or "too many requests" in lowered or "leader" in lowered:
+            return _Transient(f"{where}: {_short(message or detail)}")
+        if isinstance(exc, gx.Etcd3Exception):
+            if code is None and "404" in detail or "page not found" in lowered:
+                return EtcdRequestError(f"{where} does not serve etcd's v3 API ({_short(detail)}). Check that "
+                                        "--rdzv_endpoint is etcd's client URL (etcd >= 3.4; port 2379 by default).")
+            return EtcdRequestError(f"{where} refused a request: {_short(message or detail)}.")
+        return EtcdRequestError(f"Unexpected error talking to {where}: {type(exc).__name__}: {_short(str(exc))}.")
+
+    def _call(self, fn: Callable[[_Member], T], what: str, budget: float | None = None) -> T:
+        deadline = time.monotonic() + (self.retry_timeout if budget is None else budget)
+        backoff = Backoff()
+        reauth = 0
+        first: str | None = None
+        while True:
+            member = self._members[self._current]
+            try:
+                self._authenticate(member)
+                self._count()
+                result = fn(member)
+                if first is not None:
+                    log.warning("etcd answers again (%s) after: %s", member.endpoint, first)
+                return result
+            except Exception as exc:  # noqa: BLE001 - classified
+                error, cause = self._classify(exc, member), exc
+            if isinstance(error, _Reauthenticate):
+                member.token = None
+                member.client.session.headers.pop("Authorization", None)
+                reauth += 1
+                if reauth <= 2:
+                    continue
+                raise EtcdAuthError(f"etcd at {member.endpoint} keeps rejecting fresh auth tokens for user "
+                                    f"'{self.user}'; check etcd's --auth-token settings.") from cause
+            if not isinstance(error, _Transient):
+                raise error from cause
+            remaining = deadline - time.monotonic()
+            if first is None:
+                first = str(error)
+                log.warning("etcd request (%s) failed, retrying for up to %.0f s: %s", what, max(0.0, remaining),
+                            error)
+            if remaining <= 0:
+                raise EtcdUnavailable(
+                    f"Could not {what} on etcd ({self.endpoint_text}) within "
+                    f"{self.retry_timeout if budget is None else budget:.0f} s; last error: {error}. Check that etcd "
+                    f"is running and reachable from this node, and that --rdzv_endpoint lists its client URLs."
+                ) from cause
+            self._current = (self._current + 1) % len(self._members)
+            self.sleep(min(remaining, backoff.next_delay()))
+
+    def _post(self, path: str, payload: dict[str, Any], what: str, budget: float | None = None) -> dict[str, Any]:
+        return self._call(lambda m: m.client.post(m.client.get_url(path), json=payload), what, budget)
+
+    # -- KVClient ------------------------------------------------------------------------------------------------
+
+    def txn(self, compare: Sequence[Compare], success: Sequence[Op], failure: Sequence[Op] = (),
+            *, budget: float | None = None) -> TxnResult:
+        payload = {"compare": [_compare_json(c) for c in compare], "success": [_op_json(o) for o in success],
+                   "failure": [_op_json(o) for o in failure]}
+        answer = self._post("/kv/txn", payload, "run a transaction", budget)
+        ok = bool(answer.get("succeeded", False))
+        ops = success if ok else failure
+        responses = answer.get("responses") or []
+        results = tuple(_op_result(op, responses[i] if i < len(responses) else {}) for i, op in enumerate(ops))
+        return TxnResult(ok, int(answer.get("header", {}).get("revision", 0)), results)
+
+    def get(self, key: bytes, *, budget: float | None = None) -> tuple[KeyValue | None, int]:
+        answer = self._post("/kv/range", {"key": _b64(key)}, "read a key", budget)
+        kvs = answer.get("kvs") or []
+        return (_kv(kvs[0]) if kvs else None), int(answer.get("header", {}).get("revision", 0))
+
+    def count_prefix(self, prefix: bytes) -> int:
+        answer = self._post("/kv/range", {"key": _b64(prefix), "range_end": _b64(_prefix_end(prefix)),
+                                          "count_only": True}, "count keys")
+        return int(answer.get("count", 0))
+
+    def delete_prefix(self, prefix: bytes) -> int:
+        answer = self._post("/kv/deleterange", {"key": _b64(prefix), "range_end": _b64(_prefix_end(prefix))},
+                            "delete keys")
+        return int(answer.get("deleted", 0))
+
+    def grant_lease(self, ttl: int) -> int:
+        answer = self._post("/lease/grant", {"TTL": str(int(ttl)), "ID": "0"}, "grant a lease")
+        if answer.get("error"):
+            raise EtcdRequestError(f"etcd refused to grant a lease: {answer['error']}.")
+        return int(answer["ID"])
+
+    def keep_alive_lease(self, lease_id: int) -> int:
+        answer = self._post("/lease/keepalive", {"ID": str(lease_id)}, "refresh a lease")
+        return int(answer.get("result", {}).get("TTL", -1))
+
+    def revoke_lease(self, lease_id: int) -> None:
+        try:
+            self._post("/kv/lease/revoke", {"ID": str(lease_id)}, "revoke a lease")
+        except EtcdLeaseNotFound:
+            pass
+
+    def wait_for_change(self, key: bytes, start_revision: int, timeout: float) -> bool:
+        if timeout <= 0:
+            return False
+        member = self._members[self._current]
+        started = time.monotonic()
+        payload = {"create_request": {"key": _b64(key), "start_revision": str(start_revision),
+                                      "filters": ["NODELETE"]}}
+        try:
+            self._authenticate(member)
+            self._count()
+            client = member.client
+            with client.session.post(client.get_url("/watch"), json=payload, stream=True,
+                                     timeout=(self.request_timeout, timeout)) as resp:
+                if resp.status_code != 200:
+                    if resp.status_code == 401 and self.user:
+                        member.token = None
+                    raise _Transient(f"watch answered HTTP {resp.status_code}: {_short(resp.text)}")
+                for line in resp.iter_lines():
+                    if not line:
+                        continue
+                    message = json.loads(line)
+                    if "error" in message:
+                        if "auth" in json.dumps(message["error"]).lower() and self.user:
+                            member.token = None
+                        raise _Transient(f"watch failed: {_short(json.dumps(message['error']))}")
+                    result = message.get("result", {})
+                    if result.get("events") or result.get("canceled") or result.get("compact_revision"):
+                        return True
+            raise _Transient("the watch stream ended")
+        except Exception as exc:  # noqa: BLE001 - timeouts, resets, restarts: the caller re-reads
+            elapsed = time.monotonic() - started
+            if elapsed >= timeout * 0.98 and _is_timeout(exc):
+                return False
+            if isinstance(exc, (EtcdAuthError, EtcdTLSError)):
+                raise
+            log.debug("watch on %r at %s failed (%s); re-reading", key, member.endpoint, exc)
+            self._current = (self._current + 1) % len(self._members)
+            self.sleep(max(0.0, min(timeout - elapsed, random.uniform(0.1, 0.5))))
+            return True
+
+    def close(self) -> None:
+        for member in self._members:
+            try:
+                member.client.session.close()
+            except Exception:  # noqa: BLE001, S110 - best effort on shutdown
+                pass
+
+
+def _detail(exc: BaseException) -> str:
+    text = getattr(exc, "detail_text", None)
+    return str(text) if text else str(exc)
+
+
+def _grpc_error(detail: str) -> tuple[int | None, str]:
+    try:
+        obj = json.loads(detail)
+    except (ValueError, TypeError):
+        return None, ""
+    if not isinstance(obj, dict):
+        return None, ""
+    code = obj.get("code")
+    return (int(code) if isinstance(code, (int, str)) and str(code).isdigit() else None,
+            str(obj.get("message") or obj.get("error") or ""))
+
+
+def _reason(detail: str) -> str:
+    """A short reason for a connection failure (requests' messages run to several hundred characters)."""
+    lowered = detail.lower()
+    for needle, reason in (("connection refused", "connection refused"), ("timed out", "timed out"),
+                           ("name or service not known", "host name does not resolve"),
+                           ("failed to resolve", "host name does not resolve"),
+                           ("no route to host", "no route to host"), ("connection reset", "connection reset"),
+                           ("remotedisconnected", "connection closed by etcd"),
+                           ("connection aborted", "connection closed by etcd")):
+        if needle in lowered:
+            return reason
+    return _short(detail)
+
+
+def _speaks_tls(endpoint: Endpoint, timeout: float) -> bool:
+    """Whether the endpoint completes a TLS handshake (certificates not checked: this only detects the scheme)."""
+    context = ssl.create_default_context()
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    try:
+        with socket.create_connection((endpoint.host, endpoint.port), timeout=min(timeout, 3.0)) as sock:
+            with context.wrap_socket(sock, server_hostname=endpoint.host):
+                return True
+    except ssl.SSLError as exc:
+        return "wrong version number" not in str(exc).lower() and "record layer" not in str(exc).lower()
+    except OSError:
+        return False
+
+
+def _short(text: str, limit: int = 200) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _is_timeout(exc: BaseException) -> bool:
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, (requests.exceptions.Timeout, TimeoutError)) or "timed out" in str(seen).lower():
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+# -- in-memory fake -----------------------------------------------------------------------------------------------
+
+
+class MemoryEtcd:
+    """An etcd server in memory: one revision counter, keys with revisions, leases with expiry.
+
+    ``clock`` drives lease expiry (tests pass a fake clock); ``available = False`` makes every
+    request fail like an unreachable server; ``fail_after_apply`` applies the next transaction and
+    then reports a connection failure (a response lost on the way back).
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic, min_ttl: int = 1) -> None:
+        self.clock = clock
+        self.min_ttl = min_ttl
+        self.revision = 1
+        self.available = True
+        self.fail_after_apply = 0
+        self._cond = threading.Condition()
+        self._data: dict[bytes, KeyValue] = {}
+        self._leases: dict[int, tuple[int, float]] = {}  # id -> (ttl, expiry)
+        self._next_lease = 1000
+        self._put_revision: dict[bytes, int] = {}
+
+    def client(self) -> "MemoryKV":
+        return MemoryKV(self)
+
+    def raw_put(self, key: bytes, value: bytes) -> None:
+        """Write a key directly (tests corrupt state this way)."""
+        with self._cond:
+            self._apply_put(Put(key, value))
+            self.revision += 1
+            self._cond.notify_all()
+
+    def keys(self) -> list[bytes]:
+        with self._cond:
+            self._expire()
+            return sorted(self._data)
+
+    # -- internals (call with the condition held) -----------------------------------------------------------------
+
+    def _check(self) -> None:
+        if not self.available:
+            raise EtcdUnavailable("Could not reach the in-memory etcd (it is marked unavailable). Check that etcd is "
+                                  "running and reachable from this node.")
+        self._expire()
+
+    def _expire(self) -> None:
+        now = self.clock()
+        dead = [lid for lid, (_, expiry) in self._leases.items() if expiry <= now]
+        if not dead:
+            return
+        removed = False
+        for lid in dead:
+            del self._leases[lid]
+            for key in [k for k, kv in self._data.items() if kv.lease == lid]:
+                del self._data[key]
+                removed = True
+        if removed:
+            self.revision += 1
+            self._cond.notify_all()
+
+    def _holds(self, c: Compare) -> bool:
+        kv = self._data.get(c.key)
+        if c.target == "value":
+            return kv is not None and kv.value == c.expected  # etcd: a value compare on a missing key fails
+        actual = 0 if kv is None else getattr(kv, c.target)
+        return actual == c.expected
+
+    def _apply_put(self, op: Put) -> None:
+        old = self._data.get(op.key)
+        rev = self.revision + 1
+        self._data[op.key] = KeyValue(op.key, op.value, old.create_revision if old else rev, rev,
+                                      (old.version + 1) if old else 1, op.lease)
+        self._put_revision[op.key] = rev
+
+    def txn(self, compare: Sequence[Compare], success: Sequence[Op], failure: Sequence[Op]) -> TxnResult:
+        with self._cond:
+            self._check()
+            ok = all(self._holds(c) for c in compare)
+            ops = success if ok else failure
+            for op in ops:
+                if isinstance(op, Put) and op.lease and op.lease not in self._leases:
+                    raise EtcdLeaseNotFound("The in-memory etcd no longer knows the lease: requested lease not found.")
+            results: list[Any] = []
+            writes = False
+            for op in ops:
+                if isinstance(op, Get):
+                    results.append(self._data.get(op.key))
+                elif isinstance(op, Put):
+                    self._apply_put(op)
+                    writes = True
+                    results.append(None)
+                else:
+                    existed = self._data.pop(op.key, None) is not None
+                    writes = writes or existed
+                    results.append(int(existed))
+            if writes:
+                self.revision += 1
+                self._cond.notify_all()
+            result = TxnResult(ok, self.revision, tuple(results))
+            if self.fail_after_apply:
+                self.fail_after_apply -= 1
+                raise _LostResponse()
+            return result
+
+
+class _LostResponse(Exception):
+    """The fake applied a request and 'lost' the answer."""
+
+
+class MemoryKV(KVClient):
+    """A client of a ``MemoryEtcd``; several clients of one server act like several agents."""
+
+    endpoint_text = "memory"
+
+    def __init__(self, server: MemoryEtcd) -> None:
+        super().__init__()
+        self.server = server
+
+    def txn(self, compare: Sequence[Compare], success: Sequence[Op], failure: Sequence[Op] = (),
+            *, budget: float | None = None) -> TxnResult:
+        self._count()
+        try:
+            return self.server.txn(compare, success, failure)
+        except _LostResponse:
+            # Like the gateway client: a lost answer is retried once the server answers again.
+            self._count()
+            return self.server.txn(compare, success, failure)
+
+    def get(self, key: bytes, *, budget: float | None = None) -> tuple[KeyValue | None, int]:
+        self._count()
+        s = self.server
+        with s._cond:
+            s._check()
+            return s._data.get(key), s.revision
+
+    def count_prefix(self, prefix: bytes) -> int:
+        self._count()
+        s = self.server
+        with s._cond:
+            s._check()
+            return sum(1 for k in s._data if k.startswith(prefix))
+
+    def delete_prefix(self, prefix: bytes) -> int:
+        self._count()
+        s = self.server
+        with s._cond:
+            s._check()
+            keys = [k for k in s._data if k.startswith(prefix)]
+            for k in keys:
+                del s._data[k]
+            if keys:
+                s.revision += 1
+                s._cond.notify_all()
+            return len(keys)
+
+    def grant_lease(self, ttl: int) -> int:
+        self._count()
+        s = self.server
+        with s._cond:
+            s._check()
+            s._next_lease += 1
+            ttl = max(int(ttl), s.min_ttl)
+            s._leases[s._next_lease] = (ttl, s.clock() + ttl)
+            return s._next_lease
+
+    def keep_alive_lease(self, lease_id: int) -> int:
+        self._count()
+        s = self.server
+        with s._cond:
+            s._check()
+            if lease_id not in s._leases:
+                return -1
+            ttl, _ = s._leases[lease_id]
+            s._leases[lease_id] = (ttl, s.clock() + ttl)
+            return ttl
+
+    def revoke_lease(self, lease_id: int) -> None:
+        self._count()
+        s = self.server
+        with s._cond:
+            s._check()
+            if s._leases.pop(lease_id, None) is not None:
+                keys = [k for k, kv in s._data.items() if kv.lease == lease_id]
+                for k in keys:
+                    del s._data[k]
+                if keys:
+                    s.revision += 1
+                    s._cond.notify_all()
+
+    def wait_for_change(self, key: bytes, start_revision: int, timeout: float) -> bool:
+        self._count()
+        s = self.server
+        deadline = time.monotonic() + timeout
+        with s._cond:
+            while True:
+                if not s.available:
+                    return True
+                s._expire()
+                if s._put_revision.get(key, 0) >= start_revision:
+                    return True
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                s._cond.wait(min(remaining, 0.05))

@@ -1,0 +1,200 @@
+"""Options of the etcd-v3 rendezvous: ``--rdzv_endpoint`` and ``--rdzv_conf``.
+
+One table (``OPTIONS``) is the source of truth for names, defaults and meanings; the parser reads
+it with ``RendezvousParameters``' typed getters and ``python -m elastic_runner.rendezvous.options``
+prints it as the Markdown table in the README. torchrun splits ``--rdzv_conf`` at commas, so no
+value here can contain one; a list of etcd members goes into ``--rdzv_endpoint`` instead
+(``--rdzv_endpoint=10.0.0.1:2379,10.0.0.2:2379,10.0.0.3:2379``).
+
+This module imports nothing from torch at module level (the entry point must stay light).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Sequence
+
+if TYPE_CHECKING:
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PORT = 2379
+DEFAULT_KEY_PREFIX = "/elastic_runner/rdzv"
+
+
+@dataclass(frozen=True)
+class Option:
+    name: str
+    default: str  #: as documented ("" for none)
+    meaning: str
+
+
+OPTIONS: tuple[Option, ...] = (
+    Option("key_prefix", DEFAULT_KEY_PREFIX,
+           "etcd key prefix. The run's keys live under `PREFIX/RUN_ID/` (`state`, `store/...`, `ops/...`), so runs "
+           "and other users of the cluster do not collide."),
+    Option("ttl", "7200",
+           "Lease TTL in seconds. Every key is attached to the writing agent's lease, which is refreshed while the "
+           "agent is alive and writing (every keep-alive heartbeat writes), so the keys of an abandoned run disappear "
+           "between 2/3 TTL and TTL after its last agent stopped."),
+    Option("request_timeout", "10", "Timeout in seconds of one HTTP request to etcd (connect and read)."),
+    Option("retry_timeout", "60",
+           "While a job runs: how long, in seconds, one operation keeps retrying (with exponential backoff and "
+           "fail-over to the next endpoint) through connection failures, leader elections or an etcd restart "
+           "before it fails with RendezvousConnectionError."),
+    Option("connect_timeout", "30",
+           "At start: how long, in seconds, the agent keeps trying to reach etcd before it exits with an error "
+           "that names the endpoints."),
+    Option("read_timeout", "60",
+           "Default timeout in seconds of the store's blocking `get`/`wait`/`multi_get` (torch's name and "
+           "default for the c10d and etcd-v2 stores)."),
+    Option("cacert", "", "CA bundle that signed etcd's server certificate. Turns on https."),
+    Option("cert", "", "Client certificate for mutual TLS (with `key`). Turns on https."),
+    Option("key", "", "Private key of the client certificate."),
+    Option("user", "", "etcd user name (etcd's auth is on). Needs read/write permission on the key prefix."),
+    Option("password", "", "Password of `user`. Visible in the process list and in torchrun's log of its "
+           "rendezvous settings: prefer `password_file`."),
+    Option("password_file", "", "File whose first line is the password of `user` (a mounted Kubernetes secret)."),
+)
+
+# torch's own keys (DynamicRendezvousHandler, torchrun); anything else is likely a typo.
+TORCH_KEYS = frozenset({
+    "join_timeout", "last_call_timeout", "close_timeout", "heartbeat_timeout", "keep_alive_interval",
+    "keep_alive_max_attempt", "timeout", "rank", "local_addr", "is_host", "store_type",
+})
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    scheme: str  #: "http" or "https"
+    host: str
+    port: int
+
+    def __str__(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{self.scheme}://{host}:{self.port}"
+
+
+@dataclass(frozen=True)
+class EtcdOptions:
+    endpoints: tuple[Endpoint, ...]
+    key_prefix: str = DEFAULT_KEY_PREFIX
+    ttl: int = 7200
+    request_timeout: int = 10
+    retry_timeout: int = 60
+    connect_timeout: int = 30
+    read_timeout: int = 60
+    cacert: str | None = None
+    cert: str | None = None
+    key: str | None = None
+    user: str | None = None
+    password: str | None = field(default=None, repr=False)
+
+    @property
+    def endpoint_text(self) -> str:
+        return ", ".join(str(e) for e in self.endpoints)
+
+
+_ENDPOINT = re.compile(r"(?:(?P<scheme>[A-Za-z]+)://)?"  # optional http:// or https://
+                       r"(?:\[(?P<v6>[^\]]+)\]|(?P<host>[^:/\[\]]+))"  # [IPv6] or a name / IPv4
+                       r"(?::(?P<port>\d{1,5}))?/?")
+
+
+def parse_endpoints(text: str | None, tls: bool = False) -> tuple[Endpoint, ...]:
+    """``host[:port]`` or ``http(s)://host[:port]``, comma-separated; IPv6 in brackets."""
+    if not text or not text.strip():
+        raise ValueError("The etcd-v3 rendezvous needs --rdzv_endpoint=HOST:PORT (etcd's client URL, port 2379 by "
+                         "default; several comma-separated endpoints for an etcd cluster).")
+    out = []
+    for item in text.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        m = _ENDPOINT.fullmatch(item)
+        if m is None:
+            raise ValueError(f"--rdzv_endpoint entry '{item}' is not HOST, HOST:PORT or http(s)://HOST:PORT; "
+                             "separate several etcd endpoints with commas.")
+        scheme = (m["scheme"] or ("https" if tls else "http")).lower()
+        if scheme not in ("http", "https"):
+            raise ValueError(f"--rdzv_endpoint entry '{item}' uses scheme '{scheme}'; use http:// or https://.")
+        port = int(m["port"]) if m["port"] else DEFAULT_PORT
+        if not 0 < port < 65536:
+            raise ValueError(f"--rdzv_endpoint entry '{item}' has port {port}; use a port between 1 and 65535.")
+        out.append(Endpoint(scheme, m["v6"] or m["host"], port))
+    if not out:
+        raise ValueError("--rdzv_endpoint lists no etcd endpoint; set it to HOST:PORT.")
+    return tuple(out)
+
+
+def _positive_int(params: "RendezvousParameters", name: str, default: int) -> int:
+    value = params.get_as_int(name, default)
+    if value is None or value <= 0:
+        raise ValueError(f"The rendezvous option '{name}' must be a positive number of seconds (got {value}); "
+                         f"set --rdzv_conf={name}=N or leave it out for the default {default}.")
+    return value
+
+
+def _file(params: "RendezvousParameters", name: str) -> str | None:
+    value = params.get(name)
+    if value is None or str(value).strip() == "":
+        return None
+    path = Path(str(value)).expanduser()
+    if not path.is_file():
+        raise ValueError(f"The rendezvous option '{name}' names '{path}', which is not a readable file; check the "
+                         "path (it is read on every node).")
+    return str(path)
+
+
+def parse_options(params: "RendezvousParameters") -> EtcdOptions:
+    """Read ``--rdzv_endpoint`` and ``--rdzv_conf`` (typed getters, documented defaults)."""
+    known = {o.name for o in OPTIONS} | TORCH_KEYS
+    unknown = sorted(set(params.config) - known)
+    if unknown:
+        log.warning("Ignoring unknown --rdzv_conf key(s) %s for the etcd-v3 rendezvous; known keys: %s.",
+                    ", ".join(unknown), ", ".join(sorted(known)))
+    cacert, cert, key = _file(params, "cacert"), _file(params, "cert"), _file(params, "key")
+    if bool(cert) != bool(key):
+        raise ValueError("The rendezvous options 'cert' and 'key' go together (client certificate and its private "
+                         "key for mutual TLS); set both or neither.")
+    prefix = str(params.get("key_prefix", DEFAULT_KEY_PREFIX)).rstrip("/")
+    if not prefix.startswith("/") or "\0" in prefix:
+        raise ValueError(f"The rendezvous option 'key_prefix' must start with '/' (got '{prefix}'), e.g. "
+                         f"key_prefix={DEFAULT_KEY_PREFIX}.")
+    user = params.get("user")
+    password = params.get("password")
+    password_file = _file(params, "password_file")
+    if password_file:
+        lines = Path(password_file).read_text().splitlines()
+        password = lines[0] if lines else ""
+    if password is not None and not user:
+        raise ValueError("A password was given for the etcd-v3 rendezvous but no 'user'; set --rdzv_conf=user=NAME.")
+    if user and password is None:
+        raise ValueError(f"The etcd user '{user}' needs a password: set 'password_file' (or 'password') in "
+                         "--rdzv_conf.")
+    return EtcdOptions(
+        endpoints=parse_endpoints(params.endpoint, tls=bool(cacert or cert)),
+        key_prefix=prefix,
+        ttl=_positive_int(params, "ttl", 7200),
+        request_timeout=_positive_int(params, "request_timeout", 10),
+        retry_timeout=_positive_int(params, "retry_timeout", 60),
+        connect_timeout=_positive_int(params, "connect_timeout", 30),
+        read_timeout=_positive_int(params, "read_timeout", 60),
+        cacert=cacert, cert=cert, key=key,
+        user=str(user) if user else None, password=None if password is None else str(password),
+    )
+
+
+def markdown_table(options: Sequence[Option] = OPTIONS) -> str:
+    rows = ["| `--rdzv_conf` key | default | meaning |", "|---|---|---|"]
+    for o in options:
+        default = f"`{o.default}`" if o.default else "—"
+        rows.append(f"| `{o.name}` | {default} | {o.meaning} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(markdown_table())

@@ -1,0 +1,34 @@
+"""torchrun entry point for ``--rdzv_backend=etcd-v3``.
+
+pyproject.toml registers ``handler_factory`` in the ``torchrun.handlers`` entry-point group. torch
+calls every such entry point while ``torch.distributed.elastic.rendezvous`` is itself being
+imported (``_register_out_of_tree_handlers``), registering ``handler_factory()`` under the entry
+point's name. Importing torch's rendezvous modules here at module level would therefore import a
+half-initialised package (a circular import); this module imports only the standard library and
+defers everything else to the moment torchrun creates the handler.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
+
+
+def create_handler(params: "RendezvousParameters") -> "RendezvousHandler":
+    """torch's ``DynamicRendezvousHandler`` protocol with its state and store in etcd (see ``backend``),
+    tolerant of etcd outages (see ``handler``)."""
+    from .backend import create_backend
+    from .handler import create_handler as etcd_handler
+
+    backend, store = create_backend(params)
+    return etcd_handler(store, backend, params)
+
+
+def handler_factory() -> Callable[["RendezvousParameters"], "RendezvousHandler"]:
+    """The ``torchrun.handlers`` entry point: returns the factory ``(RendezvousParameters) -> handler``.
+
+    Always the same function object, so registering it twice in one process is harmless.
+    """
+    return create_handler

@@ -1,0 +1,162 @@
+"""Real torchrun agents with ``--rdzv_backend=etcd-v3`` training the quickstart.
+
+Membership changes (scale up, kill -9) under plain torchrun, an etcd restart mid-training under
+``elastic-runner launch``, and a wrong endpoint: the job either completes with a clean exactly-once
+audit, or the agent fails fast with a sentence.
+"""
+
+from __future__ import annotations
+
+import pickle
+import signal
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+
+from elastic_runner.audit import check_audit
+from elastic_runner.localjob import LocalJob, free_port
+from elastic_runner.rendezvous.backend import decode_state
+from elastic_runner.rendezvous.etcd_server import EtcdServer
+
+from ..support import audited_step, events, run_bounded, wait_for_step
+from .conftest import gateway_client
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
+
+FAST_RDZV = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3"
+
+
+def wait_for_world(run_dir: Path, size: int, timeout: float, job: LocalJob, after_generation: int = 0) -> int:
+    """Generation of the first worker start at world size ``size`` (after ``after_generation``)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        starts = [e for e in events(run_dir, "start")
+                  if e["world_size"] == size and e.get("generation", 0) > after_generation]
+        if len(starts) >= size:
+            return max(e["generation"] for e in starts)
+        time.sleep(0.1)
+    raise AssertionError(f"no world of size {size} within {timeout:.0f}s\n{job.logs_tail()}")
+
+
+def generations_by_world(run_dir: Path) -> dict[int, int]:
+    out: dict[int, int] = {}
+    for e in events(run_dir, "start"):
+        out[e["generation"]] = e["world_size"]
+    return out
+
+
+def rendezvous_state(server: EtcdServer, key: str) -> Any:
+    """torch's rendezvous state as the agents wrote it to etcd."""
+    admin = gateway_client(server)
+    try:
+        kv, _ = admin.get(key.encode())
+        assert kv is not None, f"no rendezvous state at {key}"
+        return pickle.loads(decode_state(kv.value, key))
+    finally:
+        admin.close()
+
+
+@pytest.mark.slow
+def test_two_then_three_agents_then_one_killed_the_job_completes_exactly_once(
+        small_config: Path, local_job: Callable[..., LocalJob], etcd_server: EtcdServer) -> None:
+    job = local_job(config=str(small_config), nnodes="1:3", rdzv_backend="etcd-v3",
+                    rdzv_endpoint=etcd_server.endpoint, rdzv_conf=FAST_RDZV + ",key_prefix=/e2e-scale",
+                    overrides=["train.epochs=20", "train.max_steps=100"])
+    run_dir = Path(job.run_dir)
+    state_key = f"/e2e-scale/job-{run_dir.name}/state"
+    first, second = job.start_agent(), job.start_agent()
+    wait_for_step(run_dir, 5, timeout=90, job=job)
+    assert set(generations_by_world(run_dir).values()) == {2}
+
+    # Scale up. The workers are paused while the new agent starts (seconds), so the job cannot
+    # finish before it arrives however fast this machine trains; they resume once it waits.
+    paused = job.workers()
+    for w in paused:
+        job.signal_worker(w, signal.SIGSTOP)
+    try:
+        third = job.start_agent()
+        deadline = time.monotonic() + 60
+        while not rendezvous_state(etcd_server, state_key).wait_list:
+            assert time.monotonic() < deadline, f"the third agent never joined the wait list\n{job.logs_tail()}"
+            time.sleep(0.2)
+    finally:
+        for w in paused:
+            job.signal_worker(w, signal.SIGCONT)
+    three = wait_for_world(run_dir, 3, timeout=90, job=job)
+    wait_for_step(run_dir, audited_step(run_dir) + 3, timeout=60, job=job)
+    assert audited_step(run_dir) < 90, "the job must still be running when the agent is killed"
+
+    # Scale down: node loss, agent and its worker, no goodbye. The survivors' next collective fails.
+    job.kill_agent(second, signal.SIGKILL)
+    wait_for_world(run_dir, 2, timeout=90, job=job, after_generation=three)
+    codes = job.wait(timeout=150)
+    assert codes == [0, -signal.SIGKILL, 0], job.logs_tail()
+    assert [first.proc.returncode, third.proc.returncode] == [0, 0]
+
+    report = check_audit(run_dir)
+    assert report.ok, report.render()
+    assert report.finished and report.final_step == 100
+    sizes = list(generations_by_world(run_dir).values())
+    assert sizes[0] == 2 and 3 in sizes and sizes[-1] == 2, sizes
+
+
+@pytest.mark.slow
+def test_training_rides_out_an_etcd_restart(small_config: Path, local_job: Callable[..., LocalJob],
+                                             etcd_factory: Callable[..., EtcdServer]) -> None:
+    server = etcd_factory()
+    job = local_job(config=str(small_config), nnodes="2:2", rdzv_backend="etcd-v3", rdzv_endpoint=server.endpoint,
+                    rdzv_conf=FAST_RDZV, launcher="elastic-runner",
+                    overrides=["train.epochs=20", "train.max_steps=350"])
+    run_dir = Path(job.run_dir)
+    job.start_agent()
+    job.start_agent()
+    wait_for_step(run_dir, 5, timeout=90, job=job)
+    state_key = f"/elastic_runner/rdzv/job-{run_dir.name}/state".encode()
+    admin = gateway_client(server)
+    # SIGKILL, down for longer than keep_alive_interval * keep_alive_max_attempt (3 s): every heartbeat
+    # in the record is stale when etcd is back (see elastic_runner/rendezvous/handler.py).
+    server.restart(down_seconds=4, crash=True)
+    back = datetime.now(timezone.utc)
+    deadline = time.monotonic() + 20
+    while True:
+        state = pickle.loads(decode_state(admin.get(state_key)[0].value, "state"))
+        if sum(beat > back for beat in state.last_heartbeats.values()) == 2:
+            break
+        assert time.monotonic() < deadline, (
+            f"the agents' heartbeats did not resume after the restart: round {state.round}, complete "
+            f"{state.complete}, participants {state.participants}, heartbeats {state.last_heartbeats} (etcd back at "
+            f"{back})\n{job.logs_tail()}")
+        time.sleep(0.2)
+    assert all(a.running() for a in job.agents), "heartbeats resumed while the job was still training"
+    assert state.complete and len(state.participants) == 2, "both agents are still members of the round"
+    admin.close()
+
+    assert job.wait(timeout=150) == [0, 0], job.logs_tail()
+    report = check_audit(run_dir)
+    assert report.ok, report.render()
+    assert report.finished and report.final_step == 350
+    # Workers never talk to etcd: the agents retry their heartbeats through the outage and training
+    # goes on in the same generation; the membership record is current again for the next change.
+    assert set(generations_by_world(run_dir)) == {1}, generations_by_world(run_dir)
+
+
+def test_no_etcd_at_the_endpoint_is_a_clear_error_within_connect_timeout(small_config: Path, tmp_path: Path) -> None:
+    port = free_port()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc_per_node=1",
+           "--rdzv_backend=etcd-v3", f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=nobody",
+           "--rdzv_conf=connect_timeout=3,request_timeout=1",
+           "-m", "elastic_runner.train", "--config", str(small_config), "--set", f"run.dir={tmp_path / 'run'}"]
+    started = time.monotonic()
+    result = run_bounded(cmd, timeout=60)
+    elapsed = time.monotonic() - started
+    assert result.returncode != 0
+    assert f"127.0.0.1:{port}" in result.stdout and "Check that etcd is running" in result.stdout, \
+        result.stdout[-3000:]
+    assert elapsed < 40, f"took {elapsed:.0f}s"
+    assert not (tmp_path / "run").exists(), "no worker started"
+
+
