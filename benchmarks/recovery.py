@@ -70,12 +70,14 @@ def measure(variant: str, repeats: int, hang_after: float, workdir: Path, scenar
         job.close()
 
 
-def summarize(raw: dict[str, dict[str, Any]]) -> dict[str, Any]:
+def summarize(raw: dict[str, dict[str, Any]], hang_after: float) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for variant, r in raw.items():
+        # A hang ends the variant: the scenarios after it are not measured (None).
         out[variant] = {
-            "worker_kill_s": median(r["worker_kill"]), "node_loss_s": median(r["node_loss"]),
-            "node_join_s": "hang" if "node_join" in r["hangs"] else median(r["node_join"]),
+            f"{kind}_s": "hang" if kind in r["hangs"] else median(r[kind])
+            for kind in ("worker_kill", "node_loss", "node_join")
+        } | {
             "steps_lost_max": max(r["steps_lost"]) if r["steps_lost"] else None,
             "steps_lost_median": median([float(x) for x in r["steps_lost"]]),
         }
@@ -89,8 +91,9 @@ def summarize(raw: dict[str, dict[str, Any]]) -> dict[str, Any]:
             if isinstance(b.get(key), float) and isinstance(ours.get(key), float) and b[key] > 0:
                 ratios[f"{key[:-2]}_vs_{base}"] = round(ours[key] / b[key], 3)
             elif b.get(key) == "hang" and isinstance(ours.get(key), float):
-                ratios[f"{key[:-2]}_vs_{base}"] = "baseline hangs"
-    return {"medians": out, "ratios": ratios}
+                # An upper bound: the baseline took longer than hang_after (and maybe forever).
+                ratios[f"{key[:-2]}_vs_{base}"] = f"< {ours[key] / hang_after:.3f} (baseline hung > {hang_after:.0f} s)"
+    return {"medians": out, "ratios": ratios, "hang_after_s": hang_after}
 
 
 def main() -> None:
@@ -109,7 +112,7 @@ def main() -> None:
         raw[variant] = measure(variant, args.repeats, args.hang_after, workdir, args.scenarios.split(","))
         raw[variant]["wall_s"] = round(time.monotonic() - started, 1)
         print(f"{variant}: {raw[variant]}", flush=True)
-    write_json(args.out, {"benchmark": "recovery", "repeats": args.repeats, "workdir": str(workdir), "raw": raw} | summarize(raw))
+    write_json(args.out, {"benchmark": "recovery", "repeats": args.repeats, "workdir": str(workdir), "raw": raw} | summarize(raw, args.hang_after))
 
 
 if __name__ == "__main__":

@@ -29,9 +29,11 @@ def run(script: str, out: Path, *args: str) -> dict[str, Any] | None:
     return json.loads(out.read_text()) if out.is_file() else None
 
 
-def fmt(value: Any, unit: str = "") -> str:
+def fmt(value: Any, unit: str = "", hang_after: float | None = None) -> str:
     if value is None:
         return "n/a"
+    if value == "hang":
+        return f"hang (> {hang_after:.0f} s)" if hang_after else "hang"
     if isinstance(value, float):
         return f"{value:.2f}{unit}"
     return f"{value}{unit}"
@@ -41,13 +43,14 @@ def table(recovery: dict[str, Any] | None, throughput: dict[str, Any] | None, sn
     lines = ["| measure | torchrun defaults | torchrun tuned | elastic_runner | ratio vs tuned | ratio vs defaults |",
              "|---|---|---|---|---|---|"]
     if recovery:
-        med, ratios = recovery["medians"], recovery["ratios"]
+        med, ratios, hang = recovery["medians"], recovery["ratios"], recovery.get("hang_after_s")
         rows = [("worker SIGKILL -> all ranks stepping", "worker_kill_s", "worker_kill"),
                 ("node loss -> survivors stepping", "node_loss_s", "node_loss"),
                 ("node join -> stepping at the larger world", "node_join_s", "node_join")]
         for label, key, rkey in rows:
-            lines.append(f"| {label} (s, median) | {fmt(med.get('torchrun-default', {}).get(key))} | "
-                         f"{fmt(med.get('torchrun-tuned', {}).get(key))} | {fmt(med.get('elastic-runner', {}).get(key))} | "
+            lines.append(f"| {label} (s, median) | {fmt(med.get('torchrun-default', {}).get(key), hang_after=hang)} | "
+                         f"{fmt(med.get('torchrun-tuned', {}).get(key), hang_after=hang)} | "
+                         f"{fmt(med.get('elastic-runner', {}).get(key), hang_after=hang)} | "
                          f"{fmt(ratios.get(f'{rkey}_vs_torchrun-tuned'))} | {fmt(ratios.get(f'{rkey}_vs_torchrun-default'))} |")
         lines.append(f"| steps recomputed per failure (max) | {fmt(med.get('torchrun-default', {}).get('steps_lost_max'))} | "
                      f"{fmt(med.get('torchrun-tuned', {}).get('steps_lost_max'))} | "
@@ -80,11 +83,14 @@ def main() -> None:
     reps = "1" if args.quick else "3"
     started = time.monotonic()
     recovery = None if "recovery" in skip else run("recovery.py", out / "recovery.json", "--repeats", reps, "--hang-after", "100")
-    throughput = None if "throughput" in skip else run("throughput.py", out / "throughput.json", "--repeats", reps)
+    throughput = None if "throughput" in skip else run("throughput.py", out / "throughput.json", "--repeats", reps,
+                                                                "--steps", "400", "--skip", "80")
     snapshots = None if "snapshots" in skip else run("snapshot_overhead.py", out / "snapshots.json", "--repeats", "1" if args.quick else "2")
-    if "rendezvous" not in skip and (HERE / "rendezvous_scale.py").is_file():
-        run("rendezvous_scale.py", out / "rendezvous.json")
+    rendezvous = None if "rendezvous" in skip else run("rendezvous_scale.py", out / "rendezvous.json")
     summary = table(recovery, throughput, snapshots)
+    if rendezvous:
+        summary += "\n\nRendezvous of N simulated agents (seconds to a complete round, requests per agent):\n\n"
+        summary += rendezvous["table"]
     (out / "summary.md").write_text(summary + "\n")
     print(f"\n{summary}\n\nsuite took {time.monotonic() - started:.0f}s; results in {out}")
 

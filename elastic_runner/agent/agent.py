@@ -92,7 +92,7 @@ class ElasticRunnerAgent(LocalElasticAgent):
         holder = getattr(handler, "_state_holder", None)
         state = getattr(holder, "state", None)
         if state is not None and getattr(state, "complete", False):
-            fast_rendezvous.set_previous_participants(state.participants)
+            fast_rendezvous.set_previous_participants(state.participants, getattr(state, "last_heartbeats", {}))
         started = time.monotonic()
         super()._rendezvous(worker_group)
         self._notify("rendezvous", seconds=time.monotonic() - started, world_size=worker_group.group_world_size,

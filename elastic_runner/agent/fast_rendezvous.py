@@ -8,23 +8,33 @@ round still waits out the last call and the polling.
 
 Two changes, applied only inside the ``elastic-runner launch`` agent process:
 
-- **Complete when the previous round is back.** A node that rejoins knows
-  the participants of the round it was part of. When all of them are
-  participants again, the minimum is met, and nobody is waiting to join, the
-  round is marked complete at once. Otherwise (a node of the previous round
-  is gone, or this node has no previous round) torch's rule applies
-  unchanged: wait for the last call. The rule never completes a round that
-  torch's rule would not also complete with the same members; it only skips
-  the wait. (A faster rule for node loss — treat a previous participant that
-  is briefly absent from the shared state as dead — was tried and dropped: a
-  live agent that is slow to rejoin looks the same, and one round completed
-  without it.)
+- **Complete when the previous round is accounted for.** A node that
+  rejoins knows the participants of the round it was part of and their last
+  heartbeats. When each of them is a participant again or has sent no
+  heartbeat for torch's dead-node window (``keep_alive_interval *
+  keep_alive_max_attempt``, the rule by which torch itself drops it), the
+  minimum is met, and nobody is waiting to join, the round is marked
+  complete at once. Otherwise (this node has no previous round, or a node
+  of it is neither back nor dead) torch's rule applies unchanged: wait for
+  the last call. The rule never completes a round that torch's rule would
+  not also complete with the same members; it only skips the last call,
+  which exists for nodes nobody knows about yet (they join through the wait
+  list and trigger one more round). (A faster rule for node loss — treat a
+  previous participant that is briefly absent from the shared state as
+  dead — was tried and dropped: a live agent between leaving the old round
+  and joining the new one looks the same, and one round completed without
+  it. A live agent's heartbeat is never older than the window.)
 - **Poll faster.** The 1 s state re-read becomes ``ELASTIC_RUNNER_RDZV_POLL``
-  seconds (default 0.1). Each poll is one read of the rendezvous state, so a
-  job of N nodes costs the backend about N/poll reads per second while a
-  round is forming, and nothing while training.
+  seconds (default 0.1), and while a round forms torch's state cache (reads
+  younger than 1 s are served from memory) is cut to the same interval:
+  without that a node sees another node's "round complete" up to a second
+  late, on every restart. A job of N nodes then reads the shared state about
+  N/poll times per second while a round is forming (64 nodes: 640 small
+  reads a second; raise the interval for hundreds of nodes on etcd); while
+  training, as with torch, each agent reads it once a second.
 
-Both hook torch internals (``_RendezvousJoinOp``, ``_delay``) that have been
+Both hook torch internals (``_RendezvousJoinOp``, ``_delay``, the state
+holder's ``_cache_duration`` during ``next_rendezvous``) that have been
 stable since torch 1.9; :func:`install` checks they exist and otherwise
 leaves torch's behaviour alone with a warning.
 """
@@ -33,21 +43,41 @@ from __future__ import annotations
 
 import logging
 import os
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 log = logging.getLogger(__name__)
 
 #: Participants of the last round this agent completed (set by the agent before rejoining).
 _previous: frozenset[Any] = frozenset()
+#: Newest heartbeat seen of each of them (UTC datetimes, as in torch's state).
+_beats: dict[Any, Any] = {}
 _installed = False
 #: True when the last round this agent joined was completed by the rule above.
 completed_early = False
 
 
-def set_previous_participants(nodes: Any) -> None:
+def set_previous_participants(nodes: Any, heartbeats: Any = None) -> None:
     global _previous, completed_early
     _previous = frozenset(nodes)
+    _beats.clear()
+    _note_beats(heartbeats or {})
     completed_early = False
+
+
+def _note_beats(heartbeats: Any) -> None:
+    for node in _previous:
+        beat = heartbeats.get(node)
+        if beat is not None and (node not in _beats or beat > _beats[node]):
+            _beats[node] = beat
+
+
+def previous_round_accounted_for(participants: Any, heartbeats: Any, window: timedelta, now: datetime) -> bool:
+    """Every node of the previous round is back, or silent for longer than ``window``."""
+    if not _previous:
+        return False
+    _note_beats(heartbeats)
+    return all(node in participants or (node in _beats and now - _beats[node] > window) for node in _previous)
 
 
 def poll_interval() -> float:
@@ -64,7 +94,7 @@ def install() -> bool:
         return True
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
 
-    required = ("_RendezvousJoinOp", "_Action", "_delay")
+    required = ("_RendezvousJoinOp", "_Action", "_delay", "DynamicRendezvousHandler")
     if not all(hasattr(dr, name) for name in required):
         log.warning("this torch version's rendezvous internals differ; using torch's rendezvous timing unchanged")
         return False
@@ -82,12 +112,14 @@ def install() -> bool:
                 and ctx.node in state.participants
                 and len(state.participants) >= ctx.settings.min_nodes
                 and not state.wait_list
-                and _previous <= set(state.participants)
+                and previous_round_accounted_for(
+                    state.participants, state.last_heartbeats,
+                    ctx.settings.keep_alive_interval * ctx.settings.keep_alive_max_attempt, datetime.now(timezone.utc))
             ):
                 global completed_early
                 completed_early = True
-                log.info("rendezvous: all %d nodes of the previous round are back; completing without the last call",
-                         len(_previous))
+                log.info("rendezvous: the %d node(s) of the previous round are back (%d) or dead; completing without "
+                         "the last call", len(_previous), len(_previous & set(state.participants)))
                 return action.MARK_RENDEZVOUS_COMPLETE
             return decision
 
@@ -95,7 +127,26 @@ def install() -> bool:
         # torch sleeps exactly 1 s between state polls; keep its other delays.
         original_delay(poll_interval() if seconds == 1 else seconds)
 
+    handler_cls = dr.DynamicRendezvousHandler
+    original_next = handler_cls.next_rendezvous
+
+    def next_rendezvous(self: Any) -> Any:
+        # torch serves state reads younger than 1 s from a cache, so a node saw another node's
+        # "round complete" up to a second late, on every restart. Only while a round forms: the
+        # agent's monitor asks for waiting nodes every 0.1 s during training, and the cache keeps
+        # that at one read a second.
+        holder = getattr(self, "_state_holder", None)
+        saved = getattr(holder, "_cache_duration", None)
+        if saved is not None:
+            holder._cache_duration = min(saved, poll_interval())
+        try:
+            return original_next(self)
+        finally:
+            if saved is not None:
+                holder._cache_duration = saved
+
     dr._RendezvousJoinOp = FastJoinOp
     dr._delay = fast_delay
+    handler_cls.next_rendezvous = next_rendezvous
     _installed = True
     return True
