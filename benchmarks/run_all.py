@@ -1,8 +1,9 @@
 """Run the whole benchmark suite and print the summary table for the README.
 
 Each benchmark is also runnable alone (see its docstring). With the defaults
-the suite takes about 15 minutes on a 2-core machine; ``--quick`` trims the
-repeats. Results: ``--out DIR/{recovery,throughput,snapshots,rendezvous}.json``
+the suite takes about 15 minutes on a 2-core machine (torchrun with its
+default settings is measured once: each of its recoveries takes 30-60 s, and
+its join hangs until ``--hang-after``); ``--quick`` trims the repeats. Results: ``--out DIR/{recovery,throughput,snapshots,rendezvous}.json``
 and ``DIR/summary.md``.
 
     .venv/bin/python benchmarks/run_all.py --out results/
@@ -82,7 +83,8 @@ def main() -> None:
     skip = set(filter(None, args.skip.split(",")))
     reps = "1" if args.quick else "3"
     started = time.monotonic()
-    recovery = None if "recovery" in skip else run("recovery.py", out / "recovery.json", "--repeats", reps, "--hang-after", "100")
+    recovery = None if "recovery" in skip else run("recovery.py", out / "recovery.json", "--repeats", reps,
+                                                          "--default-repeats", "1", "--hang-after", "100")
     throughput = None if "throughput" in skip else run("throughput.py", out / "throughput.json", "--repeats", reps,
                                                                 "--steps", "400", "--skip", "80")
     snapshots = None if "snapshots" in skip else run("snapshot_overhead.py", out / "snapshots.json", "--repeats", "1" if args.quick else "2")

@@ -111,6 +111,18 @@ def step_seed(seed: int, step: int, rank: int) -> int:
     return (seed * 6_364_136_223_846_793_005 + step * 1_442_695_040_888_963_407 + rank * 2_654_435_761) % (2**63 - 1)
 
 
+def seed_step(seed: int, device: torch.device) -> None:
+    """Seed the generators a step on ``device`` draws from (CPU, and that GPU).
+
+    Not ``torch.manual_seed``: it also seeds every CUDA/XPU/MTIA device, and where one is not
+    initialised it queues the call with a captured stack trace; on a CPU machine that cost 11 %
+    of a small model's step time (py-spy, quickstart CNN).
+    """
+    torch.default_generator.manual_seed(seed)
+    if device.type == "cuda":
+        torch.cuda.manual_seed(seed)  # the current device, which the process group set to LOCAL_RANK
+
+
 @dataclass
 class Components:
     """Everything the loop drives, built by :mod:`elastic_runner.train`."""
@@ -198,7 +210,7 @@ class Trainer:
             # Before any collective: see the audit module for why this order matters.
             c.audit.step(step=step, epoch=plan.epoch, start=plan.start, global_count=plan.global_count,
                          indices=plan.indices, micro_batch=layout.micro_size, accumulation=layout.accumulation)
-        torch.manual_seed(step_seed(self.cfg.run.seed, step, c.dist.rank))
+        seed_step(step_seed(self.cfg.run.seed, step, c.dist.rank), c.dist.device)
         c.ddp.train()
         scale = c.dist.world_size / plan.global_count
         micro_lists = list(split_even(plan.indices, layout.accumulation))

@@ -302,11 +302,8 @@ class Command:
 
 
 def documented_command_source() -> Path:
-    """README.md once it carries the k8s-command block, k8s/COMMAND.md until then."""
-    readme = ROOT / "README.md"
-    if readme.is_file() and COMMAND_MARKERS[0] in readme.read_text():
-        return readme
-    return K8S / "COMMAND.md"
+    """README.md: its Kubernetes section carries the command between the k8s-command markers."""
+    return ROOT / "README.md"
 
 
 def parse_documented_command(text: str) -> Command:
