@@ -103,3 +103,46 @@ def end_events(run_dir: Path) -> list[dict[str, Any]]:
         return []
     final = max(e["generation"] for e in ends)
     return [e for e in ends if e["generation"] == final]
+
+
+def c10d_rendezvous_state(endpoint: str, run_id: str) -> Any:
+    """torch's rendezvous state as the agents keep it in the c10d store at ``endpoint`` (None if none yet)."""
+    import base64
+    import pickle
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    host, port = endpoint.rsplit(":", 1)
+    store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=10))
+    key = "torch.rendezvous." + run_id
+    if not store.check([key]):
+        return None
+    raw = store.get(key)
+    try:
+        return pickle.loads(base64.b64decode(raw))
+    except Exception:  # torch's "no state yet" sentinel
+        return None
+
+
+def start_agent_while_paused(job: Any, run_id: str, timeout: float = 90) -> Any:
+    """Start one more agent of a c10d job while its workers are stopped (SIGSTOP), and let them go
+    once the new agent waits to join. However fast this machine trains, the job cannot finish
+    before the new agent arrives (its start-up takes seconds)."""
+    import signal
+
+    paused = job.workers()
+    for w in paused:
+        job.signal_worker(w, signal.SIGSTOP)
+    try:
+        agent = job.start_agent()
+        deadline = time.monotonic() + timeout
+        while True:
+            state = c10d_rendezvous_state(job.rdzv_endpoint, run_id)
+            if state is not None and state.wait_list:
+                return agent
+            assert time.monotonic() < deadline, f"the new agent never joined the wait list\n{job.logs_tail()}"
+            time.sleep(0.2)
+    finally:
+        for w in paused:
+            job.signal_worker(w, signal.SIGCONT)

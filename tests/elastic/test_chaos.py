@@ -99,6 +99,8 @@ def test_a_scenario_file_and_random_faults(chaos_config: Path, tmp_path: Path) -
     scenario.write_text(
         f"config: {chaos_config}\nrun_dir: {tmp_path / 'run'}\nnnodes: '1:2'\nagents: 2\nduration: 8\n"
         "random: {types: [kill-worker, hang], every: [3, 4], seed: 7}\nhang_seconds: 2\n"
+        # long enough to outlast the 8 s of faults on a fast machine
+        "overrides: ['train.epochs=40']\n"
     )
     result = chaos("--scenario", str(scenario))
     assert result.returncode == 0, result.stdout[-4000:]

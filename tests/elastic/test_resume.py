@@ -15,10 +15,12 @@ from elastic_runner.snapshot import LocalStore
 from ..conftest import write_config
 from ..support import (
     assert_bitwise_equal,
+    audited_step,
     end_events,
     events,
     exported_model,
     run_bounded,
+    start_agent_while_paused,
     wait_for_step,
 )
 
@@ -44,9 +46,18 @@ def test_worker_sigkill_resumes_from_the_newest_snapshot_and_ends_bitwise_identi
     job.start_agent()
     job.start_agent()
     run_dir = Path(job.run_dir)
-    killed_at = wait_for_step(run_dir, 130, timeout=120, job=job)
-    victim = next(w for w in job.workers() if w.rank == 1)
+    wait_for_step(run_dir, 130, timeout=120, job=job)
+    # Freeze both workers so that the step at the kill is known: no rank has started a step past
+    # the newest audit record, so no survivor can hold a newer state than that.
+    workers = job.workers()
+    for w in workers:
+        job.signal_worker(w, signal.SIGSTOP)
+    killed_at = audited_step(run_dir)
+    victim = next(w for w in workers if w.rank == 1)
     job.signal_worker(victim, signal.SIGKILL)
+    for w in workers:
+        if w is not victim:
+            job.signal_worker(w, signal.SIGCONT)
     assert job.wait(timeout=180) == [0, 0], job.logs_tail()
 
     saved_before = [e["step"] for e in events(run_dir, "snapshot_saved") if e["generation"] == 1]
@@ -55,7 +66,7 @@ def test_worker_sigkill_resumes_from_the_newest_snapshot_and_ends_bitwise_identi
     resumed = [e for e in loads if e["generation"] == first_resume]
     assert sorted(e["rank"] for e in resumed) == [0, 1], "every rank resumes"
     assert len({e["snapshot"] for e in resumed}) == 1, "from the same snapshot"
-    assert max(saved_before) <= resumed[0]["step"] <= killed_at + 1
+    assert max(saved_before) <= resumed[0]["step"] <= killed_at
 
     report = check_audit(run_dir)
     assert report.ok, report.render()
@@ -77,7 +88,7 @@ def test_node_loss_then_join_keeps_global_batch_and_tracks_the_uninterrupted_los
         time.sleep(0.1)
     at_one = max(e["step"] for e in events(run_dir, "world") if e["world_size"] == 1)
     wait_for_step(run_dir, at_one + 40, timeout=90, job=job)
-    job.start_agent()  # node join
+    start_agent_while_paused(job, f"job-{run_dir.name}")  # node join
     codes = job.wait(timeout=240)
     assert codes[0] == 0 and codes[2] == 0, job.logs_tail()
 
