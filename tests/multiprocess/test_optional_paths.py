@@ -75,6 +75,7 @@ def test_image_folder_job_trains_and_resumes(tmp_path: Path) -> None:
     assert end["status"] == "finished" and end["step"] == 6  # 24 images / 8 per step x 2 epochs
 
 
+@pytest.mark.gpu
 def test_gpu_job_trains_on_nccl_and_resumes_on_the_local_device(tmp_path: Path) -> None:
     cuda_or_skip()
     config = write_config(tmp_path / "gpu.yaml", dist={"backend": "auto", "device": "auto"},
