@@ -26,6 +26,8 @@ import signal
 import sys
 from typing import Any, Sequence
 
+from .lifecycle import EXIT_USAGE
+
 log = logging.getLogger(__name__)
 
 RDZV_DEFAULTS: dict[str, str] = {
@@ -33,8 +35,6 @@ RDZV_DEFAULTS: dict[str, str] = {
     "keep_alive_interval": "1",
     "keep_alive_max_attempt": "3",
 }
-#: A worker's exit status for configuration/resume errors (elastic_runner.train.EXIT_USAGE).
-EXIT_USAGE = 2
 
 ENV_DEFAULTS: dict[str, str] = {
     "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
@@ -99,11 +99,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     config, cmd, cmd_args = config_from_args(args)
     entrypoint: Any = cmd
     worker_args: list[Any] = list(cmd_args)
-    if zygote_wanted and zygote.is_worker_command(args.module, args.training_script) and not args.no_python:
+    runs_our_worker = zygote.is_worker_command(args.module, args.training_script)
+    if zygote_wanted and runs_our_worker and not args.no_python:
         entrypoint, worker_args = zygote.worker_main, list(args.training_script_args)
         config.start_method = "forkserver"
     fast_rendezvous.install()
-    agent_metrics = AgentMetrics(_agent_events(args) if zygote.is_worker_command(args.module, args.training_script) else None)
+    agent_metrics = AgentMetrics(_agent_events(args) if runs_our_worker else None)
     agent_metrics.serve()
     install_bridge(agent_metrics)
     ElasticRunnerAgent.default_observers = [agent_metrics.observe]

@@ -92,6 +92,22 @@ def name_process(rank: int, local_rank: int) -> None:
         pass
 
 
+#: Worker exit statuses. Here (standard library only) so that the launcher and the agent can
+#: use them without importing the trainer: 2 tells the agent that a restart cannot help.
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+
+
+def proc_state(pid: int) -> str:
+    """The one-letter state of a process in /proc (R, S, T, Z, ...); "" if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
+
+
 def process_start_time() -> float:
     """Wall-clock time at which this process was created (Linux, ~10 ms), else now."""
     try:

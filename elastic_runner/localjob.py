@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Sequence
 
+from .lifecycle import PR_SET_PDEATHSIG, proc_state
+
 PR_SET_CHILD_SUBREAPER = 36
 
 
@@ -44,7 +46,7 @@ def _die_with_parent() -> None:
     Must be called from the thread that owns the job: the kernel ties the
     signal to the parent *thread*.
     """
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
 def free_port() -> int:
@@ -109,12 +111,7 @@ def worker_identity(pid: int) -> tuple[int, int] | None:
 
 
 def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            state = fh.read().rsplit(")", 1)[1].split()[0]
-        return state != "Z"
-    except OSError:
-        return False
+    return proc_state(pid) not in ("", "Z")
 
 
 @dataclass
@@ -197,7 +194,7 @@ class LocalJob:
         cmd += [
             f"--nnodes={self.nnodes}", f"--nproc_per_node={self.nproc_per_node}",
             f"--rdzv_backend={self.rdzv_backend}", f"--rdzv_endpoint={self.rdzv_endpoint}",
-            f"--rdzv_id=job-{Path(self.run_dir).name}", f"--max_restarts={self.max_restarts}",
+            f"--rdzv_id={self.rdzv_id}", f"--max_restarts={self.max_restarts}",
             f"--monitor_interval={self.monitor_interval:g}",
         ]
         conf = [c for c in (self.rdzv_conf or "").split(",") if c]
@@ -239,6 +236,10 @@ class LocalJob:
                       hosts_store=any(a.startswith("--rdzv_conf=") and "is_host=true" in a for a in command))
         self.agents.append(agent)
         return agent
+
+    @property
+    def rdzv_id(self) -> str:
+        return f"job-{Path(self.run_dir).name}"
 
     def memory_root(self) -> Path:
         base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())

@@ -33,7 +33,15 @@ from .dist import Dist, DistError
 from .env import EnvError, WorkerEnv
 from .events import EventLog
 from .imports import resolve
-from .lifecycle import StopRequest, die_with_parent, name_process, process_start_time
+from .lifecycle import (
+    EXIT_FAILED,
+    EXIT_OK,
+    EXIT_USAGE,
+    StopRequest,
+    die_with_parent,
+    name_process,
+    process_start_time,
+)
 from .logs import setup_logging
 from .loop import (
     Components, GracefulStop, Trainer, TrainState, planned_total_steps, refresh_schedule, rescale_lr, rng_state,
@@ -51,11 +59,6 @@ from .snapshot.memory import MemoryTier, memory_root
 from .watchdog import PeerWatchdog
 
 log = logging.getLogger("elastic_runner.train")
-
-EXIT_OK = 0
-EXIT_FAILED = 1
-EXIT_USAGE = 2
-
 
 class SetupError(RuntimeError):
     """Rank 0 could not prepare the run; every rank stops with its message."""

@@ -49,7 +49,6 @@ class PeerWatchdog:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="elastic-runner-watchdog", daemon=True)
         self._counter = 0
-        self.fired: str | None = None
 
     @classmethod
     def connect(cls, master_addr: str, master_port: int, timeout: float, **kwargs: Any) -> "PeerWatchdog":
@@ -131,6 +130,5 @@ class PeerWatchdog:
                     return
 
     def _fire(self, reason: str) -> None:
-        self.fired = reason
         log.error("peer watchdog: %s; ending this attempt", reason)
         self.on_lost(reason)

@@ -125,7 +125,7 @@ def c10d_rendezvous_state(endpoint: str, run_id: str) -> Any:
         return None
 
 
-def start_agent_while_paused(job: Any, run_id: str, timeout: float = 90) -> Any:
+def start_agent_while_paused(job: Any, timeout: float = 90) -> Any:
     """Start one more agent of a c10d job while its workers are stopped (SIGSTOP), and let them go
     once the new agent waits to join. However fast this machine trains, the job cannot finish
     before the new agent arrives (its start-up takes seconds)."""
@@ -138,7 +138,7 @@ def start_agent_while_paused(job: Any, run_id: str, timeout: float = 90) -> Any:
         agent = job.start_agent()
         deadline = time.monotonic() + timeout
         while True:
-            state = c10d_rendezvous_state(job.rdzv_endpoint, run_id)
+            state = c10d_rendezvous_state(job.rdzv_endpoint, job.rdzv_id)
             if state is not None and state.wait_list:
                 return agent
             assert time.monotonic() < deadline, f"the new agent never joined the wait list\n{job.logs_tail()}"

@@ -29,12 +29,10 @@ from typing import Any
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
+from ..lifecycle import EXIT_USAGE, proc_state
 from . import fast_rendezvous
 
 log = logging.getLogger(__name__)
-
-EXIT_USAGE = 2
-
 
 _warmed = False
 
@@ -59,14 +57,6 @@ def _warm_exception_logging() -> None:
             log.debug("warming torch._dynamo failed", exc_info=True)
 
     threading.Thread(target=warm, name="warm-exception-logging", daemon=True).start()
-
-
-def _proc_state(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return ""
 
 
 class ElasticRunnerAgent(LocalElasticAgent):
@@ -106,7 +96,7 @@ class ElasticRunnerAgent(LocalElasticAgent):
         if pcontext is None:
             return
         for pid in pcontext.pids().values():
-            if _proc_state(pid) in ("T", "t"):
+            if proc_state(pid) in ("T", "t"):
                 log.warning("worker pid %d is stopped (SIGSTOP?) and cannot handle SIGTERM; killing it", pid)
                 try:
                     os.kill(pid, signal.SIGKILL)
@@ -128,7 +118,7 @@ class ElasticRunnerAgent(LocalElasticAgent):
         # waits up to 30 s for them, before _stop_workers ever runs: a stopped
         # sibling must be gone before that wait starts.
         pcontext = getattr(self, "_pcontext", None)
-        if pcontext is not None and any(_proc_state(pid) in ("", "Z", "X") for pid in pcontext.pids().values()):
+        if pcontext is not None and any(proc_state(pid) in ("", "Z", "X") for pid in pcontext.pids().values()):
             self._kill_stopped_workers()
         result = super()._monitor_workers(worker_group)
         if result.state == WorkerState.FAILED:

@@ -45,8 +45,7 @@ class AgentMetrics:
         self.events = events
         self.remaining_restarts = Gauge(PREFIX + "remaining_restarts", "Restarts this agent may still make (of --max-restarts).", registry=r)
         self.state = Gauge(PREFIX + "worker_group_state", "1 for the worker group's current state, 0 for the others.", ["state"], registry=r)
-        for s in STATES:
-            self.state.labels(s).set(1 if s == "INIT" else 0)
+        self.set_state("INIT")
         self.restarts = Counter(PREFIX + "restarts", "Worker-group restarts by this agent (failures and membership changes).", registry=r)
         self.failures = Counter(PREFIX + "worker_failures", "Worker-group failures this agent detected.", registry=r)
         self.rendezvous = Counter(PREFIX + "rendezvous", "Rendezvous rounds this agent completed.", registry=r)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
-from typing import Sequence
 
 from .scenario import FAULT_TYPES, Scenario, ScenarioError, load_scenario_file, parse_fault_list
 
@@ -102,9 +101,3 @@ def run(args: argparse.Namespace) -> int:
     print(f"report: {scenario.run_dir}/chaos/report.md")
     return 0 if verdict.ok else 1
 
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="elastic-runner")
-    sub = parser.add_subparsers(dest="command", required=True)
-    add_parser(sub)
-    return run(parser.parse_args(["chaos", *(sys.argv[1:] if argv is None else argv)]))

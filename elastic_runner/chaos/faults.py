@@ -7,7 +7,6 @@ may be removed without dropping below the minimum), so the run goes on.
 
 from __future__ import annotations
 
-import os
 import random
 import shutil
 import signal
@@ -17,9 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from ..localjob import Agent, LocalJob
+from ..localjob import Agent, LocalJob, Worker
 from ..snapshot import LocalStore
-from ..snapshot.memory import memory_root
+from .scenario import FAULT_TYPES
 
 
 class Skip(Exception):
@@ -48,11 +47,15 @@ def _removable_agents(ctx: FaultContext) -> list[Agent]:
     return candidates
 
 
-def kill_worker(ctx: FaultContext) -> str:
+def _random_worker(ctx: FaultContext) -> Worker:
     workers = ctx.job.workers()
     if not workers:
         raise Skip("no worker is running")
-    w = ctx.rng.choice(workers)
+    return ctx.rng.choice(workers)
+
+
+def kill_worker(ctx: FaultContext) -> str:
+    w = _random_worker(ctx)
     ctx.job.signal_worker(w, signal.SIGKILL)
     return f"SIGKILL worker rank {w.rank} (pid {w.pid})"
 
@@ -72,18 +75,12 @@ def join(ctx: FaultContext) -> str:
 
 
 def hang(ctx: FaultContext) -> str:
-    workers = ctx.job.workers()
-    if not workers:
-        raise Skip("no worker is running")
-    w = ctx.rng.choice(workers)
+    w = _random_worker(ctx)
     ctx.job.signal_worker(w, signal.SIGSTOP)
 
     def resume() -> None:
         time.sleep(ctx.hang_seconds)
-        try:
-            os.kill(w.pid, signal.SIGCONT)
-        except ProcessLookupError:
-            pass  # the agent killed the stopped worker: fine
+        ctx.job.signal_worker(w, signal.SIGCONT)  # gone already if the agent killed it: fine
 
     threading.Thread(target=resume, daemon=True).start()
     return f"SIGSTOP worker rank {w.rank} (pid {w.pid}) for {ctx.hang_seconds:g}s"
@@ -91,7 +88,7 @@ def hang(ctx: FaultContext) -> str:
 
 def preempt(ctx: FaultContext) -> str:
     agent = ctx.rng.choice(_removable_agents(ctx))
-    agent.proc.send_signal(signal.SIGTERM)
+    ctx.job.kill_agent(agent, signal.SIGTERM)
     return f"preemption: SIGTERM agent {agent.index} (pid {agent.pid})"
 
 
@@ -117,9 +114,7 @@ def corrupt_snapshot(ctx: FaultContext) -> str:
     workers = ctx.job.workers()
     for w in workers:
         ctx.job.signal_worker(w, signal.SIGKILL)
-    shutil.rmtree(memory_root(str(ctx.snapshot_dir)), ignore_errors=True)
-    for i in range(len(ctx.job.agents)):
-        shutil.rmtree(ctx.job.memory_dir(i), ignore_errors=True)
+    shutil.rmtree(ctx.job.memory_root(), ignore_errors=True)  # every agent's node memory
     return (f"truncated {newest.name}/state.pt to {size // 2} bytes, dropped the memory copies and SIGKILLed "
             f"all {len(workers)} workers")
 
@@ -133,3 +128,5 @@ FAULTS: dict[str, Callable[[FaultContext], str]] = {
     "restart-etcd": restart_etcd,
     "corrupt-snapshot": corrupt_snapshot,
 }
+# scenario.py validates names without importing the fault machinery; keep the two lists one.
+assert tuple(FAULTS) == FAULT_TYPES, "elastic_runner.chaos.scenario.FAULT_TYPES must list FAULTS"

@@ -231,7 +231,7 @@ class ChaosRun:
         with contextlib.suppress(Exception):
             from ..report import render_timeline
 
-            render_timeline(str(self.run_dir), str(out / "timeline.png"))
+            render_timeline(str(self.run_dir), str(out / "timeline.png"), events=events)
             report["timeline"] = str(out / "timeline.png")
         return report
 

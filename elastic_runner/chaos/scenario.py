@@ -5,7 +5,6 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import yaml
 
@@ -63,10 +62,7 @@ class Scenario:
             raise ScenarioError(f"nnodes {self.nnodes!r}: need 1 <= MIN <= MAX")
         if not lo <= self.agents <= hi:
             raise ScenarioError(f"agents={self.agents} must lie within nnodes {self.nnodes}")
-        for f in self.faults:
-            if f.type not in FAULT_TYPES:
-                raise ScenarioError(f"unknown fault {f.type!r}: choose from {', '.join(FAULT_TYPES)}")
-        for t in self.random_types:
+        for t in [f.type for f in self.faults] + list(self.random_types):
             if t not in FAULT_TYPES:
                 raise ScenarioError(f"unknown fault {t!r}: choose from {', '.join(FAULT_TYPES)}")
         wanted = {f.type for f in self.faults} | set(self.random_types)
@@ -105,14 +101,13 @@ def parse_fault_list(text: str) -> list[FaultSpec]:
     return faults
 
 
-def load_scenario_file(path: str, **defaults: Any) -> Scenario:
+def load_scenario_file(path: str) -> Scenario:
     try:
         data = yaml.safe_load(Path(path).read_text()) or {}
     except (OSError, yaml.YAMLError) as exc:
         raise ScenarioError(f"cannot read scenario {path!r}: {exc}") from exc
     if not isinstance(data, dict):
         raise ScenarioError(f"scenario {path!r} must be a mapping of options")
-    data = defaults | data
     faults = [FaultSpec(at=float(f["at"]), type=str(f["type"])) for f in data.pop("faults", []) or []]
     rand = data.pop("random", None) or {}
     known = set(Scenario.__dataclass_fields__) - {"faults", "random_types", "every", "seed"}

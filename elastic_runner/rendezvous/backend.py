@@ -47,13 +47,13 @@ from .client import (
     LeaseKeeper,
     Put,
 )
-from .options import DEFAULT_KEY_PREFIX, EtcdOptions, parse_options
+from .options import DEFAULT_KEY_PREFIX, DEFAULTS, EtcdOptions, parse_options
 
 if TYPE_CHECKING:
     from .store import EtcdStore
 
 BACKEND_NAME = "etcd-v3"
-DEFAULT_TTL = 7200
+DEFAULT_TTL = DEFAULTS["ttl"]
 
 _MAGIC = b"ERV3"
 _FORMAT = 1

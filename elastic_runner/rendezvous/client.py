@@ -51,7 +51,7 @@ from typing import Any, Callable, Literal, Sequence, TypeVar, Union
 
 import requests
 
-from .options import Endpoint
+from .options import DEFAULTS, Endpoint
 
 log = logging.getLogger(__name__)
 
@@ -204,10 +204,6 @@ class KVClient(ABC):
         """Refresh a lease; its new TTL, or <= 0 when etcd no longer knows it."""
 
     @abstractmethod
-    def revoke_lease(self, lease_id: int) -> None:
-        """Revoke a lease (deletes its keys)."""
-
-    @abstractmethod
     def wait_for_change(self, key: bytes, start_revision: int, timeout: float) -> bool:
         """Block until ``key`` is written at a revision >= ``start_revision`` or ``timeout`` passes.
 
@@ -356,8 +352,8 @@ class EtcdGatewayClient(KVClient):
     """``KVClient`` on etcd's v3 HTTP/JSON gateway via ``etcd3gw`` (see the module docstring)."""
 
     endpoints: Sequence[Endpoint]
-    request_timeout: float = 10.0
-    retry_timeout: float = 60.0
+    request_timeout: float = DEFAULTS["request_timeout"]
+    retry_timeout: float = DEFAULTS["retry_timeout"]
     cacert: str | None = None
     cert: str | None = None
     key: str | None = None
@@ -562,12 +558,6 @@ class EtcdGatewayClient(KVClient):
         answer = self._post("/lease/keepalive", {"ID": str(lease_id)}, "refresh a lease")
         return int(answer.get("result", {}).get("TTL", -1))
 
-    def revoke_lease(self, lease_id: int) -> None:
-        try:
-            self._post("/kv/lease/revoke", {"ID": str(lease_id)}, "revoke a lease")
-        except EtcdLeaseNotFound:
-            pass
-
     def wait_for_change(self, key: bytes, start_revision: int, timeout: float) -> bool:
         if timeout <= 0:
             return False
@@ -709,11 +699,6 @@ class MemoryEtcd:
             self.revision += 1
             self._cond.notify_all()
 
-    def keys(self) -> list[bytes]:
-        with self._cond:
-            self._expire()
-            return sorted(self._data)
-
     # -- internals (call with the condition held) -----------------------------------------------------------------
 
     def _check(self) -> None:
@@ -852,19 +837,6 @@ class MemoryKV(KVClient):
             ttl, _ = s._leases[lease_id]
             s._leases[lease_id] = (ttl, s.clock() + ttl)
             return ttl
-
-    def revoke_lease(self, lease_id: int) -> None:
-        self._count()
-        s = self.server
-        with s._cond:
-            s._check()
-            if s._leases.pop(lease_id, None) is not None:
-                keys = [k for k, kv in s._data.items() if kv.lease == lease_id]
-                for k in keys:
-                    del s._data[k]
-                if keys:
-                    s.revision += 1
-                    s._cond.notify_all()
 
     def wait_for_change(self, key: bytes, start_revision: int, timeout: float) -> bool:
         self._count()

@@ -104,7 +104,6 @@ class EtcdServer:
     die_with_parent: bool = True
     proc: subprocess.Popen[bytes] | None = field(default=None, init=False, repr=False)
     auth: tuple[str, str] | None = field(default=None, init=False, repr=False)
-    restarts: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
         self.data_dir = Path(self.data_dir)
@@ -160,10 +159,11 @@ class EtcdServer:
                 self.client_port, self.peer_port = free_port(), free_port()
             self.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
             assert self.log_path is not None
+            cmd = self.command()
             with open(self.log_path, "ab") as log:
-                log.write(f"--- start {time.strftime('%H:%M:%S')}: {' '.join(self.command())}\n".encode())
+                log.write(f"--- start {time.strftime('%H:%M:%S')}: {' '.join(cmd)}\n".encode())
                 log.flush()
-                self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
+                self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                              stdin=subprocess.DEVNULL, start_new_session=True,
                                              preexec_fn=_die_with_parent if self._tie_to_parent() else None)
             try:
@@ -174,7 +174,7 @@ class EtcdServer:
                 if fresh_ports and attempt < 2 and "address already in use" in self.log_tail():
                     continue  # another process took a port we chose; pick new ones
                 raise
-        return self
+        raise AssertionError("unreachable: every attempt returns or raises")
 
     def _tie_to_parent(self) -> bool:
         return self.die_with_parent and threading.current_thread() is threading.main_thread()
@@ -232,7 +232,6 @@ class EtcdServer:
         self.kill() if crash else self.stop()
         if down_seconds > 0:
             time.sleep(down_seconds)
-        self.restarts += 1
         self.start(timeout)
 
     def __enter__(self) -> "EtcdServer":

@@ -61,6 +61,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("password_file", "", "File whose first line is the password of `user` (a mounted Kubernetes secret)."),
 )
 
+#: The documented defaults of the numeric options, read from the table (so the two cannot drift).
+DEFAULTS: dict[str, int] = {o.name: int(o.default) for o in OPTIONS if o.default.isdigit()}
+
 # torch's own keys (DynamicRendezvousHandler, torchrun); anything else is likely a typo.
 TORCH_KEYS = frozenset({
     "join_timeout", "last_call_timeout", "close_timeout", "heartbeat_timeout", "keep_alive_interval",
@@ -83,20 +86,16 @@ class Endpoint:
 class EtcdOptions:
     endpoints: tuple[Endpoint, ...]
     key_prefix: str = DEFAULT_KEY_PREFIX
-    ttl: int = 7200
-    request_timeout: int = 10
-    retry_timeout: int = 60
-    connect_timeout: int = 30
-    read_timeout: int = 60
+    ttl: int = DEFAULTS["ttl"]
+    request_timeout: int = DEFAULTS["request_timeout"]
+    retry_timeout: int = DEFAULTS["retry_timeout"]
+    connect_timeout: int = DEFAULTS["connect_timeout"]
+    read_timeout: int = DEFAULTS["read_timeout"]
     cacert: str | None = None
     cert: str | None = None
     key: str | None = None
     user: str | None = None
     password: str | None = field(default=None, repr=False)
-
-    @property
-    def endpoint_text(self) -> str:
-        return ", ".join(str(e) for e in self.endpoints)
 
 
 _ENDPOINT = re.compile(r"(?:(?P<scheme>[A-Za-z]+)://)?"  # optional http:// or https://
@@ -178,11 +177,11 @@ def parse_options(params: "RendezvousParameters") -> EtcdOptions:
     return EtcdOptions(
         endpoints=parse_endpoints(params.endpoint, tls=bool(cacert or cert)),
         key_prefix=prefix,
-        ttl=_positive_int(params, "ttl", 7200),
-        request_timeout=_positive_int(params, "request_timeout", 10),
-        retry_timeout=_positive_int(params, "retry_timeout", 60),
-        connect_timeout=_positive_int(params, "connect_timeout", 30),
-        read_timeout=_positive_int(params, "read_timeout", 60),
+        ttl=_positive_int(params, "ttl", DEFAULTS["ttl"]),
+        request_timeout=_positive_int(params, "request_timeout", DEFAULTS["request_timeout"]),
+        retry_timeout=_positive_int(params, "retry_timeout", DEFAULTS["retry_timeout"]),
+        connect_timeout=_positive_int(params, "connect_timeout", DEFAULTS["connect_timeout"]),
+        read_timeout=_positive_int(params, "read_timeout", DEFAULTS["read_timeout"]),
         cacert=cacert, cert=cert, key=key,
         user=str(user) if user else None, password=None if password is None else str(password),
     )

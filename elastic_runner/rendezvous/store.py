@@ -45,8 +45,9 @@ from .client import (
     LeaseKeeper,
     Put,
 )
+from .options import DEFAULTS
 
-DEFAULT_READ_TIMEOUT = 60
+DEFAULT_READ_TIMEOUT = DEFAULTS["read_timeout"]
 
 
 class EtcdStoreConnectionError(dist.DistNetworkError, RendezvousConnectionError):
@@ -69,7 +70,7 @@ class EtcdStore(dist.Store):
     """See the module docstring. ``prefix`` is the run's prefix, e.g. ``/elastic_runner/rdzv/job1``."""
 
     def __init__(self, client: KVClient, prefix: str, leases: LeaseKeeper | None = None,
-                 read_timeout: float = DEFAULT_READ_TIMEOUT, ttl: int = 7200) -> None:
+                 read_timeout: float = DEFAULT_READ_TIMEOUT, ttl: int = DEFAULTS["ttl"]) -> None:
         super().__init__()  # required by the pybind trampoline
         self._client = client
         self._run_prefix = prefix.rstrip("/")

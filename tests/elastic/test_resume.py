@@ -88,7 +88,7 @@ def test_node_loss_then_join_keeps_global_batch_and_tracks_the_uninterrupted_los
         time.sleep(0.1)
     at_one = max(e["step"] for e in events(run_dir, "world") if e["world_size"] == 1)
     wait_for_step(run_dir, at_one + 40, timeout=90, job=job)
-    start_agent_while_paused(job, f"job-{run_dir.name}")  # node join
+    start_agent_while_paused(job)  # node join
     codes = job.wait(timeout=240)
     assert codes[0] == 0 and codes[2] == 0, job.logs_tail()
 

@@ -86,7 +86,6 @@ def test_a_stale_writer_cannot_replace_the_newer_rounds_snapshots(small_config: 
     assert "is stale: generation 2" in old_out and "split brain" in old_out
     complete = store.complete()
     assert complete[-1].generation == 2, "the newer round's snapshot is the latest"
-    assert all(r.generation == 2 for r in complete if r.step > 5) or complete[-1].generation == 2
     assert store.incomplete() == [], "the refused write left nothing half-written"
 
 

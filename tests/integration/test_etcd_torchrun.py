@@ -67,7 +67,7 @@ def test_two_then_three_agents_then_one_killed_the_job_completes_exactly_once(
                     rdzv_endpoint=etcd_server.endpoint, rdzv_conf=FAST_RDZV + ",key_prefix=/e2e-scale",
                     overrides=["train.epochs=20", "train.max_steps=100"])
     run_dir = Path(job.run_dir)
-    state_key = f"/e2e-scale/job-{run_dir.name}/state"
+    state_key = f"/e2e-scale/{job.rdzv_id}/state"
     first, second = job.start_agent(), job.start_agent()
     wait_for_step(run_dir, 5, timeout=90, job=job)
     assert set(generations_by_world(run_dir).values()) == {2}
@@ -115,7 +115,7 @@ def test_training_rides_out_an_etcd_restart(small_config: Path, local_job: Calla
     job.start_agent()
     job.start_agent()
     wait_for_step(run_dir, 5, timeout=90, job=job)
-    state_key = f"/elastic_runner/rdzv/job-{run_dir.name}/state".encode()
+    state_key = f"/elastic_runner/rdzv/{job.rdzv_id}/state".encode()
     admin = gateway_client(server)
     # SIGKILL, down for longer than keep_alive_interval * keep_alive_max_attempt (3 s): every heartbeat
     # in the record is stale when etcd is back (see elastic_runner/rendezvous/handler.py).
