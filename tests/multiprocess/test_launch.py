@@ -68,7 +68,9 @@ def test_standalone_quickstart_runs_on_zygote_workers(small_config: Path, tmp_pa
 
 def test_plain_script_entrypoints_still_work(tmp_path: Path) -> None:
     script = tmp_path / "hello.py"
-    script.write_text("import os; print('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'])\n")
+    # One write() per line: both workers share the pipe, and print() with several arguments under
+    # PYTHONUNBUFFERED writes piece by piece, so the two lines could interleave.
+    script.write_text("import os; os.write(1, f\"rank {os.environ['RANK']} of {os.environ['WORLD_SIZE']}\\n\".encode())\n")
     result = launch("--standalone", "--nproc_per_node=2", str(script), timeout=120)
     assert result.returncode == 0, result.stdout[-3000:]
     assert "rank 0 of 2" in result.stdout and "rank 1 of 2" in result.stdout
