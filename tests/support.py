@@ -125,15 +125,40 @@ def c10d_rendezvous_state(endpoint: str, run_id: str) -> Any:
         return None
 
 
-def start_agent_while_paused(job: Any, timeout: float = 90) -> Any:
-    """Start one more agent of a c10d job while its workers are stopped (SIGSTOP), and let them go
-    once the new agent waits to join. However fast this machine trains, the job cannot finish
-    before the new agent arrives (its start-up takes seconds)."""
+def stop_workers_at_step(job: Any, step: int, count: int, timeout: float = 90) -> tuple[list[Any], int]:
+    """Stop (SIGSTOP) the job's ``count`` workers as soon as some rank has started ``step``; return
+    them and the step reached. Between checks they run for a few milliseconds only, so the job stops
+    within a step or two of ``step`` however fast this machine trains: waiting for the step and then
+    stopping lets a fast job run on for as long as the test process takes to react (on a loaded CI
+    machine, long enough to finish a short run). Let them go with :func:`continue_workers`."""
     import signal
 
-    paused = job.workers()
-    for w in paused:
-        job.signal_worker(w, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout
+    workers = job.wait_for_workers(count, timeout=timeout)
+    while True:
+        for w in workers:
+            job.signal_worker(w, signal.SIGSTOP)
+        reached = audited_step(job.run_dir)
+        if reached >= step:
+            return workers, reached
+        continue_workers(job, workers)
+        if time.monotonic() > deadline:
+            raise AssertionError(f"run did not reach step {step} within {timeout}s (at {reached})\n{job.logs_tail()}")
+        time.sleep(0.005)
+
+
+def continue_workers(job: Any, workers: Sequence[Any]) -> None:
+    import signal
+
+    for w in workers:
+        job.signal_worker(w, signal.SIGCONT)
+
+
+def start_agent_while_paused(job: Any, at_step: int, count: int, timeout: float = 90) -> Any:
+    """Once the c10d job has reached ``at_step``, start one more agent while its ``count`` workers
+    are stopped, and let them go once the new agent waits to join. However fast this machine trains,
+    the job cannot finish before the new agent arrives (its start-up takes seconds)."""
+    paused, _ = stop_workers_at_step(job, at_step, count, timeout)
     try:
         agent = job.start_agent()
         deadline = time.monotonic() + timeout
@@ -144,5 +169,4 @@ def start_agent_while_paused(job: Any, timeout: float = 90) -> Any:
             assert time.monotonic() < deadline, f"the new agent never joined the wait list\n{job.logs_tail()}"
             time.sleep(0.2)
     finally:
-        for w in paused:
-            job.signal_worker(w, signal.SIGCONT)
+        continue_workers(job, paused)

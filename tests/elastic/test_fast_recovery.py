@@ -10,7 +10,7 @@ import pytest
 
 from elastic_runner.audit import check_audit
 
-from ..support import assert_bitwise_equal, events, exported_model, wait_for_step
+from ..support import assert_bitwise_equal, continue_workers, events, exported_model, stop_workers_at_step
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
@@ -27,8 +27,10 @@ def test_worker_kill_resumes_from_a_survivors_memory_losing_no_step_and_ends_bit
     job.start_agent()
     job.start_agent()
     run_dir = Path(job.run_dir)
-    wait_for_step(run_dir, 130, timeout=120, job=job)
-    job.signal_worker(next(w for w in job.workers() if w.rank == 1), signal.SIGKILL)
+    workers, _ = stop_workers_at_step(job, 130, count=2, timeout=120)
+    victim = next(w for w in workers if w.rank == 1)
+    job.signal_worker(victim, signal.SIGKILL)
+    continue_workers(job, [w for w in workers if w is not victim])
     assert job.wait(timeout=180) == [0, 0], job.logs_tail()
 
     resume = first_resume(run_dir)
@@ -45,8 +47,8 @@ def test_losing_every_worker_at_once_falls_back_to_the_disk_snapshot(resume_conf
     job.start_agent()
     job.start_agent()
     run_dir = Path(job.run_dir)
-    wait_for_step(run_dir, 90, timeout=120, job=job)
-    for worker in job.workers():  # no survivor: nobody can keep the newest step
+    workers, _ = stop_workers_at_step(job, 90, count=2, timeout=120)
+    for worker in workers:  # no survivor: nobody can keep the newest step
         job.signal_worker(worker, signal.SIGKILL)
     assert job.wait(timeout=180) == [0, 0], job.logs_tail()
     resume = first_resume(run_dir)
@@ -59,10 +61,9 @@ def test_hung_worker_is_detected_within_the_heartbeat_time_and_killed_at_once(re
                     overrides=["dist.heartbeat_seconds=2"])
     job.start_agent()
     run_dir = Path(job.run_dir)
-    wait_for_step(run_dir, 60, timeout=120, job=job)
-    hung = next(w for w in job.workers() if w.rank == 1)
+    workers, _ = stop_workers_at_step(job, 60, count=2, timeout=120)
     stopped_at = time.time()
-    job.signal_worker(hung, signal.SIGSTOP)
+    continue_workers(job, [w for w in workers if w.rank != 1])  # rank 1 stays stopped: hung
     assert job.wait(timeout=120) == [0], job.logs_tail()
     detections = [e for e in events(run_dir, "failure") if e.get("detected_by") == "watchdog" and e["time"] > stopped_at]
     assert detections, "the watchdog reported the hung peer"
@@ -79,8 +80,9 @@ def test_node_loss_survivor_keeps_the_newest_step(resume_config: Path, local_job
     job.start_agent()
     second = job.start_agent()
     run_dir = Path(job.run_dir)
-    wait_for_step(run_dir, 90, timeout=120, job=job)
+    paused, _ = stop_workers_at_step(job, 90, count=2, timeout=120)
     job.kill_agent(second)
+    continue_workers(job, paused)
     assert job.wait(timeout=180)[0] == 0, job.logs_tail()
     resume = first_resume(run_dir)
     assert resume["tier"] == "memory" and resume["steps_recomputed"] <= 1

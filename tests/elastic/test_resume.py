@@ -15,13 +15,13 @@ from elastic_runner.snapshot import LocalStore
 from ..conftest import write_config
 from ..support import (
     assert_bitwise_equal,
-    audited_step,
+    continue_workers,
     end_events,
     events,
     exported_model,
     run_bounded,
     start_agent_while_paused,
-    wait_for_step,
+    stop_workers_at_step,
 )
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
@@ -46,18 +46,12 @@ def test_worker_sigkill_resumes_from_the_newest_snapshot_and_ends_bitwise_identi
     job.start_agent()
     job.start_agent()
     run_dir = Path(job.run_dir)
-    wait_for_step(run_dir, 130, timeout=120, job=job)
     # Freeze both workers so that the step at the kill is known: no rank has started a step past
     # the newest audit record, so no survivor can hold a newer state than that.
-    workers = job.workers()
-    for w in workers:
-        job.signal_worker(w, signal.SIGSTOP)
-    killed_at = audited_step(run_dir)
+    workers, killed_at = stop_workers_at_step(job, 130, count=2, timeout=120)
     victim = next(w for w in workers if w.rank == 1)
     job.signal_worker(victim, signal.SIGKILL)
-    for w in workers:
-        if w is not victim:
-            job.signal_worker(w, signal.SIGCONT)
+    continue_workers(job, [w for w in workers if w is not victim])
     assert job.wait(timeout=180) == [0, 0], job.logs_tail()
 
     saved_before = [e["step"] for e in events(run_dir, "snapshot_saved") if e["generation"] == 1]
@@ -80,15 +74,15 @@ def test_node_loss_then_join_keeps_global_batch_and_tracks_the_uninterrupted_los
     job.start_agent()
     second = job.start_agent()
     run_dir = Path(job.run_dir)
-    wait_for_step(run_dir, 80, timeout=120, job=job)
+    paused, _ = stop_workers_at_step(job, 80, count=2, timeout=120)
     job.kill_agent(second)  # node loss: agent and its worker, SIGKILL (agent 0 hosts the c10d store)
+    continue_workers(job, paused)
     deadline = time.monotonic() + 90
     while not [e for e in events(run_dir, "world") if e["world_size"] == 1]:
         assert time.monotonic() < deadline, job.logs_tail()
         time.sleep(0.1)
     at_one = max(e["step"] for e in events(run_dir, "world") if e["world_size"] == 1)
-    wait_for_step(run_dir, at_one + 40, timeout=90, job=job)
-    start_agent_while_paused(job)  # node join
+    start_agent_while_paused(job, at_step=at_one + 40, count=1)  # node join
     codes = job.wait(timeout=240)
     assert codes[0] == 0 and codes[2] == 0, job.logs_tail()
 
@@ -143,9 +137,10 @@ def test_sigterm_saves_within_the_grace_period_exits_zero_and_resumes_without_lo
     job = local_job(config=str(resume_config), nnodes="1:1", nproc_per_node=2)
     agent = job.start_agent()
     run_dir = Path(job.run_dir)
-    wait_for_step(run_dir, 60, timeout=120, job=job)
+    paused, _ = stop_workers_at_step(job, 60, count=2, timeout=120)
     sent = time.monotonic()
     agent.proc.send_signal(signal.SIGTERM)  # what Kubernetes sends on preemption
+    continue_workers(job, paused)
     job.wait(timeout=60)
     assert time.monotonic() - sent < 30
     assert not job.leftover_processes()

@@ -22,7 +22,7 @@ from elastic_runner.localjob import LocalJob, free_port
 from elastic_runner.rendezvous.backend import decode_state
 from elastic_runner.rendezvous.etcd_server import EtcdServer
 
-from ..support import audited_step, events, run_bounded, wait_for_step
+from ..support import continue_workers, events, run_bounded, stop_workers_at_step, wait_for_step
 from .conftest import gateway_client
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
@@ -30,14 +30,21 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
 FAST_RDZV = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3"
 
 
-def wait_for_world(run_dir: Path, size: int, timeout: float, job: LocalJob, after_generation: int = 0) -> int:
-    """Generation of the first worker start at world size ``size`` (after ``after_generation``)."""
+def wait_for_world(run_dir: Path, size: int, timeout: float, job: LocalJob,
+                   after_generation: int = 0) -> tuple[int, int]:
+    """Generation and resume step of the first world of size ``size`` (after ``after_generation``)
+    in which every rank has loaded its state."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        starts = [e for e in events(run_dir, "start")
+        worlds = [e for e in events(run_dir, "world")
                   if e["world_size"] == size and e.get("generation", 0) > after_generation]
-        if len(starts) >= size:
-            return max(e["generation"] for e in starts)
+        by_generation: dict[int, list[dict[str, Any]]] = {}
+        for e in worlds:
+            by_generation.setdefault(e["generation"], []).append(e)
+        ready = [g for g, members in by_generation.items() if len(members) >= size]
+        if ready:
+            generation = min(ready)
+            return generation, by_generation[generation][0]["step"]
         time.sleep(0.1)
     raise AssertionError(f"no world of size {size} within {timeout:.0f}s\n{job.logs_tail()}")
 
@@ -69,29 +76,27 @@ def test_two_then_three_agents_then_one_killed_the_job_completes_exactly_once(
     run_dir = Path(job.run_dir)
     state_key = f"/e2e-scale/{job.rdzv_id}/state"
     first, second = job.start_agent(), job.start_agent()
-    wait_for_step(run_dir, 5, timeout=90, job=job)
-    assert set(generations_by_world(run_dir).values()) == {2}
 
-    # Scale up. The workers are paused while the new agent starts (seconds), so the job cannot
-    # finish before it arrives however fast this machine trains; they resume once it waits.
-    paused = job.workers()
-    for w in paused:
-        job.signal_worker(w, signal.SIGSTOP)
+    # Scale up. The workers are stopped while the new agent starts (seconds), so the job cannot
+    # finish before it arrives however fast this machine trains; they go on once it waits.
+    paused, _ = stop_workers_at_step(job, 5, count=2)
     try:
+        assert set(generations_by_world(run_dir).values()) == {2}
         third = job.start_agent()
         deadline = time.monotonic() + 60
         while not rendezvous_state(etcd_server, state_key).wait_list:
             assert time.monotonic() < deadline, f"the third agent never joined the wait list\n{job.logs_tail()}"
             time.sleep(0.2)
     finally:
-        for w in paused:
-            job.signal_worker(w, signal.SIGCONT)
-    three = wait_for_world(run_dir, 3, timeout=90, job=job)
-    wait_for_step(run_dir, audited_step(run_dir) + 3, timeout=60, job=job)
-    assert audited_step(run_dir) < 90, "the job must still be running when the agent is killed"
+        continue_workers(job, paused)
+    three, resumed_at = wait_for_world(run_dir, 3, timeout=90, job=job)
 
-    # Scale down: node loss, agent and its worker, no goodbye. The survivors' next collective fails.
+    # Scale down: node loss, agent and its worker, no goodbye, a few steps into the new world.
+    # The survivors' next collective fails.
+    paused, killed_at = stop_workers_at_step(job, resumed_at + 3, count=3)
+    assert killed_at < 100, "the job must still be running when the agent is killed"
     job.kill_agent(second, signal.SIGKILL)
+    continue_workers(job, paused)
     wait_for_world(run_dir, 2, timeout=90, job=job, after_generation=three)
     codes = job.wait(timeout=150)
     assert codes == [0, -signal.SIGKILL, 0], job.logs_tail()
