@@ -185,12 +185,13 @@ def test_damaged_newest_snapshot_is_reported_and_the_previous_one_used(small_con
 
 def test_snapshot_of_another_configuration_stops_with_the_differing_keys(small_config: Path, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    assert _alone(small_config, run_dir, "train.max_steps=10").returncode == 0
+    first = _alone(small_config, run_dir, "train.max_steps=10")
+    assert first.returncode == 0, first.stdout[-3000:]
     other_model = _alone(small_config, run_dir, "train.max_steps=20", "model.params.hidden=8")
-    assert other_model.returncode == 2
+    assert other_model.returncode == 2, other_model.stdout[-6000:]
     assert "model.params" in other_model.stdout and "snapshot.allow_mismatch" in other_model.stdout
     other_lr = _alone(small_config, run_dir, "train.max_steps=20", "optim.lr=0.05")
-    assert other_lr.returncode == 2 and "optim.lr" in other_lr.stdout
+    assert other_lr.returncode == 2 and "optim.lr" in other_lr.stdout, other_lr.stdout[-6000:]
     allowed = _alone(small_config, run_dir, "train.max_steps=20", "optim.lr=0.05", "snapshot.allow_mismatch=true")
     assert allowed.returncode == 0, allowed.stdout[-2000:]
     assert "finished step=20" in allowed.stdout
