@@ -14,6 +14,7 @@ starts the next rendezvous round.
 from __future__ import annotations
 
 import datetime
+import gc
 import logging
 import os
 import sys
@@ -106,6 +107,19 @@ def choose_backend(device: torch.device, requested: str = "auto") -> str:
     return requested
 
 
+def _import_dynamo_first() -> None:
+    """Import ``torch._dynamo`` before any process group exists.
+
+    The optimizer and DDP import it lazily anyway; imported while a group is up, it keeps a
+    reference to that group forever, so destroy_process_group cannot stop gloo's threads, and
+    a thread still alive during interpreter shutdown now and then aborts the process
+    (pytorch/pytorch#190489): a worker that ended cleanly (exit 0, or 2 for a usage error) is
+    reported as killed by SIGABRT and torchrun restarts it. Workers forked from the zygote
+    (elastic_runner.agent.warm) have it already.
+    """
+    import torch._dynamo  # noqa: F401
+
+
 @dataclass
 class Dist:
     """The process group of one training attempt and its small collectives."""
@@ -139,6 +153,7 @@ class Dist:
             "Ending this attempt so torchrun can start a new rendezvous round. If nodes are just "
             "slow to start, raise dist.init_timeout_seconds."
         )
+        _import_dynamo_first()
         started = time.monotonic()
         with Deadline(init_timeout_seconds, message):
             if env.world_size == 1 and env.master_port is None:
@@ -163,6 +178,10 @@ class Dist:
         return dist
 
     def down(self) -> None:
+        # Objects in reference cycles (a worker's DDP model after an exception) hold the group
+        # until the collector runs: free them first, or gloo's threads outlive the group
+        # (see _import_dynamo_first for why that matters).
+        gc.collect()
         if tdist.is_initialized():
             try:
                 tdist.destroy_process_group()

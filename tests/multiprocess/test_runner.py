@@ -75,3 +75,45 @@ def test_unwritable_run_dir_stops_every_rank_with_one_message(small_config: Path
     assert result.returncode != 0
     assert "cannot prepare run.dir" in result.stdout
     assert blocker.read_text() == "not a directory"
+
+
+# Runs the worker's main in a fresh interpreter and lists the native threads left when it returns.
+# (gloo's transport loop ends on its own a moment after the group is destroyed: wait a little.)
+_THREADS_AFTER_MAIN = """
+import os, sys, time
+from elastic_runner.train import main
+
+def gloo_threads():
+    names = []
+    for task in os.listdir("/proc/self/task"):
+        try:
+            names.append(open(f"/proc/self/task/{task}/comm").read().strip())
+        except FileNotFoundError:  # a thread that just ended
+            pass
+    return sorted(n for n in names if "gloo" in n)
+
+code = main(sys.argv[1:])
+deadline = time.monotonic() + 5
+while gloo_threads() and time.monotonic() < deadline:
+    time.sleep(0.05)
+print("exit", code, "gloo threads", gloo_threads())
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="lists threads through Linux's /proc")
+def test_no_gloo_thread_outlives_the_worker_so_its_exit_status_is_the_real_one(small_config: Path, tmp_path: Path) -> None:
+    # A gloo thread alive during interpreter shutdown now and then aborts the process
+    # (pytorch/pytorch#190489): torchrun then sees SIGABRT instead of 0 or 2 and restarts the worker.
+    run_dir = tmp_path / "run"
+
+    def worker(*overrides: str) -> str:
+        cmd = [sys.executable, "-c", _THREADS_AFTER_MAIN, "--config", str(small_config), "--set", f"run.dir={run_dir}",
+               "--set", "train.max_steps=10"]
+        for item in overrides:
+            cmd += ["--set", item]
+        result = run_bounded(cmd, timeout=120)
+        assert result.returncode in (0, 2), result.stdout[-3000:]
+        return result.stdout
+
+    assert "exit 0 gloo threads []" in worker()
+    assert "exit 2 gloo threads []" in worker("model.params.hidden=8"), "a usage error (snapshot of another model)"
