@@ -60,6 +60,22 @@ class StopRequest:
             log.warning("received %s: finishing the current step, saving a snapshot and stopping", name)
 
 
+try:
+    _LIBC: ctypes.CDLL | None = ctypes.CDLL(None, use_errno=True)  # loaded before any fork
+except OSError:  # pragma: no cover - not Linux
+    _LIBC = None
+
+
+def child_dies_with_starter() -> None:
+    """``preexec_fn`` for a child that must not outlive whoever started it (SIGKILL when it dies).
+
+    Runs between fork and exec, so it only calls into libc (loaded at import). The kernel ties the
+    signal to the starting *thread*: start such children from the thread that owns them.
+    """
+    if _LIBC is not None:
+        _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
 def die_with_parent() -> None:
     """Ask the kernel to SIGKILL this worker when its torchrun agent dies.
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from .lifecycle import PR_SET_PDEATHSIG, proc_state
+from .lifecycle import child_dies_with_starter, proc_state
 
 PR_SET_CHILD_SUBREAPER = 36
 
@@ -38,15 +38,6 @@ PR_SET_CHILD_SUBREAPER = 36
 def become_subreaper() -> None:
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-
-
-def _die_with_parent() -> None:
-    """In the agent, before exec: SIGKILL when whoever started it dies (never orphaned).
-
-    Must be called from the thread that owns the job: the kernel ties the
-    signal to the parent *thread*.
-    """
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
 def free_port() -> int:
@@ -230,7 +221,7 @@ class LocalJob:
         fh.write(f"$ {shlex.join(command)}\n".encode())
         fh.flush()
         proc = subprocess.Popen(command, stdout=fh, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+                                start_new_session=True, stdin=subprocess.DEVNULL, preexec_fn=child_dies_with_starter)
         fh.close()
         agent = Agent(index=index, proc=proc, log_path=log_path, started_at=time.time(),
                       hosts_store=any(a.startswith("--rdzv_conf=") and "is_host=true" in a for a in command))

@@ -47,7 +47,7 @@ from .client import (
     LeaseKeeper,
     Put,
 )
-from .options import DEFAULT_KEY_PREFIX, DEFAULTS, EtcdOptions, parse_options
+from .options import DEFAULT_KEY_PREFIX, DEFAULTS, parse_options
 
 if TYPE_CHECKING:
     from .store import EtcdStore
@@ -176,12 +176,6 @@ class EtcdRendezvousBackend(RendezvousBackend):
         return decode_state(kv.value, self._key_text), kv.mod_revision, False
 
 
-def create_client(options: EtcdOptions) -> EtcdGatewayClient:
-    return EtcdGatewayClient(options.endpoints, request_timeout=options.request_timeout,
-                             retry_timeout=options.retry_timeout, cacert=options.cacert, cert=options.cert,
-                             key=options.key, user=options.user, password=options.password)
-
-
 def create_backend(params: RendezvousParameters) -> tuple[EtcdRendezvousBackend, "EtcdStore"]:
     """Backend and store for ``params`` (``--rdzv_endpoint``, ``--rdzv_id``, ``--rdzv_conf``).
 
@@ -191,7 +185,7 @@ def create_backend(params: RendezvousParameters) -> tuple[EtcdRendezvousBackend,
     from .store import EtcdStore
 
     options = parse_options(params)
-    client = create_client(options)
+    client = EtcdGatewayClient(options)
     leases = LeaseKeeper(client, options.ttl)
     backend = EtcdRendezvousBackend(client, params.run_id, options.key_prefix, options.ttl, leases)
     try:

@@ -46,12 +46,12 @@ import ssl
 import threading
 import time
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Literal, Sequence, TypeVar, Union
 
 import requests
 
-from .options import DEFAULTS, Endpoint
+from .options import Endpoint, EtcdOptions
 
 log = logging.getLogger(__name__)
 
@@ -179,8 +179,7 @@ class KVClient(ABC):
             self._requests += 1
 
     @abstractmethod
-    def txn(self, compare: Sequence[Compare], success: Sequence[Op], failure: Sequence[Op] = (),
-            *, budget: float | None = None) -> TxnResult:
+    def txn(self, compare: Sequence[Compare], success: Sequence[Op], failure: Sequence[Op] = ()) -> TxnResult:
         """One atomic transaction: if every compare holds run ``success``, else ``failure``."""
 
     @abstractmethod
@@ -345,38 +344,28 @@ class _Member:
     endpoint: Endpoint
     client: Any  # etcd3gw.Etcd3Client
     token: str | None = None  #: None: not authenticated yet; "": auth is off on this server
+    speaks_tls: bool | None = None  #: None: not probed yet, or the probe could not connect
 
 
-@dataclass
 class EtcdGatewayClient(KVClient):
     """``KVClient`` on etcd's v3 HTTP/JSON gateway via ``etcd3gw`` (see the module docstring)."""
 
-    endpoints: Sequence[Endpoint]
-    request_timeout: float = DEFAULTS["request_timeout"]
-    retry_timeout: float = DEFAULTS["retry_timeout"]
-    cacert: str | None = None
-    cert: str | None = None
-    key: str | None = None
-    user: str | None = None
-    password: str | None = field(default=None, repr=False)
-    sleep: Callable[[float], None] = time.sleep
-    _members: list[_Member] = field(init=False, repr=False)
-
-    def __post_init__(self) -> None:
+    def __init__(self, options: EtcdOptions) -> None:
         super().__init__()
         import etcd3gw
 
-        if not self.endpoints:
+        if not options.endpoints:
             raise ValueError("EtcdGatewayClient needs at least one endpoint.")
+        self.options = options
         self._members = [
-            _Member(e, etcd3gw.Etcd3Client(host=e.host, port=e.port, protocol=e.scheme, timeout=self.request_timeout,
+            _Member(e, etcd3gw.Etcd3Client(host=e.host, port=e.port, protocol=e.scheme, timeout=options.request_timeout,
                                            session=self._session()))
-            for e in self.endpoints
+            for e in options.endpoints
         ]
         self._current = 0
         self._auth_lock = threading.Lock()
         self._warned_auth_off = False
-        self.endpoint_text = ", ".join(str(e) for e in self.endpoints)
+        self.endpoint_text = ", ".join(str(e) for e in options.endpoints)
 
     # -- plumbing -----------------------------------------------------------------------------------------
 
@@ -390,14 +379,14 @@ class EtcdGatewayClient(KVClient):
         """
         session = requests.Session()
         session.trust_env = False
-        session.verify = self.cacert or os.environ.get("REQUESTS_CA_BUNDLE") or os.environ.get("CURL_CA_BUNDLE") \
+        session.verify = self.options.cacert or os.environ.get("REQUESTS_CA_BUNDLE") or os.environ.get("CURL_CA_BUNDLE") \
             or True
-        if self.cert and self.key:
-            session.cert = (self.cert, self.key)
+        if self.options.cert and self.options.key:
+            session.cert = (self.options.cert, self.options.key)
         return session
 
     def _authenticate(self, member: _Member) -> None:
-        if not self.user or member.token is not None:
+        if not self.options.user or member.token is not None:
             return
         with self._auth_lock:
             if member.token is not None:
@@ -406,12 +395,12 @@ class EtcdGatewayClient(KVClient):
             self._count()
             try:
                 answer = client.post(client.get_url("/auth/authenticate"),
-                                     json={"name": self.user, "password": self.password or ""})
+                                     json={"name": self.options.user, "password": self.options.password or ""})
             except Exception as exc:  # noqa: BLE001 - classified below
                 if "authentication is not enabled" in _detail(exc):
                     if not self._warned_auth_off:
                         log.warning("etcd at %s has authentication turned off; the rendezvous user '%s' is not "
-                                    "used.", member.endpoint, self.user)
+                                    "used.", member.endpoint, self.options.user)
                         self._warned_auth_off = True
                     member.token = ""
                     return
@@ -435,32 +424,29 @@ class EtcdGatewayClient(KVClient):
                 f"only if etcd serves TLS), that 'cacert' is the CA that signed etcd's server certificate and that "
                 f"the certificate is valid for host '{member.endpoint.host}', and that 'cert'/'key' are accepted by "
                 f"etcd (--trusted-ca-file).")
+        plain_http_to_tls = EtcdTLSError(
+            f"{where} serves TLS but the rendezvous connects with plain http. Use an https:// endpoint or set "
+            "'cacert' (and 'cert'/'key' if etcd requires client certificates) in --rdzv_conf.")
+        needs_login = EtcdAuthError(f"{where} requires authentication. Set user=NAME and password_file=PATH in "
+                                    "--rdzv_conf.")
         if "http request to an https server" in lowered:
-            return EtcdTLSError(f"{where} serves TLS but the rendezvous connects with plain http. Use an https:// "
-                                "endpoint or set 'cacert' (and 'cert'/'key' if etcd requires client certificates) "
-                                "in --rdzv_conf.")
+            return plain_http_to_tls
         if isinstance(exc, (gx.ConnectionFailedError, gx.ConnectionTimeoutError, gx.InternalServerError)):
             reason = _reason(message or detail)
             if reason == "connection closed by etcd" and member.endpoint.scheme == "http" \
-                    and _speaks_tls(member.endpoint, self.request_timeout):
+                    and self._speaks_tls(member):
                 # etcd with client-certificate auth drops plain-http connections without an answer
-                return EtcdTLSError(f"{where} serves TLS but the rendezvous connects with plain http. Use an "
-                                    "https:// endpoint or set 'cacert' (and 'cert'/'key' if etcd requires client "
-                                    "certificates) in --rdzv_conf.")
+                return plain_http_to_tls
             return _Transient(f"{where}: {reason}")
         if "invalid auth token" in lowered or "revision in header is old" in lowered:
-            if self.user:
-                return _Reauthenticate()
-            return EtcdAuthError(f"{where} requires authentication. Set user=NAME and password_file=PATH in "
-                                 "--rdzv_conf.")
-        if "user name is empty" in lowered or "user name not found" in lowered and not self.user:
-            return EtcdAuthError(f"{where} requires authentication. Set user=NAME and password_file=PATH in "
-                                 "--rdzv_conf.")
+            return _Reauthenticate() if self.options.user else needs_login
+        if "user name is empty" in lowered or "user name not found" in lowered and not self.options.user:
+            return needs_login
         if "authentication failed" in lowered or "invalid user id or password" in lowered:
-            return EtcdAuthError(f"{where} rejected user '{self.user}' and its password. Check 'user' and "
+            return EtcdAuthError(f"{where} rejected user '{self.options.user}' and its password. Check 'user' and "
                                  "'password_file' (or 'password') in --rdzv_conf against etcd's users.")
         if "permission denied" in lowered or code == 7:
-            return EtcdAuthError(f"{where} denied user '{self.user}' access. Grant the user's role readwrite "
+            return EtcdAuthError(f"{where} denied user '{self.options.user}' access. Grant the user's role readwrite "
                                  "permission on the rendezvous key prefix (etcdctl role grant-permission --prefix).")
         if "lease not found" in lowered:
             return EtcdLeaseNotFound(f"{where} no longer knows the lease: {message}.")
@@ -477,8 +463,14 @@ class EtcdGatewayClient(KVClient):
             return EtcdRequestError(f"{where} refused a request: {_short(message or detail)}.")
         return EtcdRequestError(f"Unexpected error talking to {where}: {type(exc).__name__}: {_short(str(exc))}.")
 
+    def _speaks_tls(self, member: _Member) -> bool:
+        """Probe once per member (a TLS handshake, up to 3 s), not on every failed try of a call."""
+        if member.speaks_tls is None:
+            member.speaks_tls = _speaks_tls(member.endpoint, self.options.request_timeout)
+        return bool(member.speaks_tls)
+
     def _call(self, fn: Callable[[_Member], T], what: str, budget: float | None = None) -> T:
-        deadline = time.monotonic() + (self.retry_timeout if budget is None else budget)
+        deadline = time.monotonic() + (self.options.retry_timeout if budget is None else budget)
         backoff = Backoff()
         reauth = 0
         first: str | None = None
@@ -500,7 +492,7 @@ class EtcdGatewayClient(KVClient):
                 if reauth <= 2:
                     continue
                 raise EtcdAuthError(f"etcd at {member.endpoint} keeps rejecting fresh auth tokens for user "
-                                    f"'{self.user}'; check etcd's --auth-token settings.") from cause
+                                    f"'{self.options.user}'; check etcd's --auth-token settings.") from cause
             if not isinstance(error, _Transient):
                 raise error from cause
             remaining = deadline - time.monotonic()
@@ -511,22 +503,21 @@ class EtcdGatewayClient(KVClient):
             if remaining <= 0:
                 raise EtcdUnavailable(
                     f"Could not {what} on etcd ({self.endpoint_text}) within "
-                    f"{self.retry_timeout if budget is None else budget:.0f} s; last error: {error}. Check that etcd "
+                    f"{self.options.retry_timeout if budget is None else budget:.0f} s; last error: {error}. Check that etcd "
                     f"is running and reachable from this node, and that --rdzv_endpoint lists its client URLs."
                 ) from cause
             self._current = (self._current + 1) % len(self._members)
-            self.sleep(min(remaining, backoff.next_delay()))
+            time.sleep(min(remaining, backoff.next_delay()))
 
     def _post(self, path: str, payload: dict[str, Any], what: str, budget: float | None = None) -> dict[str, Any]:
         return self._call(lambda m: m.client.post(m.client.get_url(path), json=payload), what, budget)
 
     # -- KVClient ------------------------------------------------------------------------------------------------
 
-    def txn(self, compare: Sequence[Compare], success: Sequence[Op], failure: Sequence[Op] = (),
-            *, budget: float | None = None) -> TxnResult:
+    def txn(self, compare: Sequence[Compare], success: Sequence[Op], failure: Sequence[Op] = ()) -> TxnResult:
         payload = {"compare": [_compare_json(c) for c in compare], "success": [_op_json(o) for o in success],
                    "failure": [_op_json(o) for o in failure]}
-        answer = self._post("/kv/txn", payload, "run a transaction", budget)
+        answer = self._post("/kv/txn", payload, "run a transaction")
         ok = bool(answer.get("succeeded", False))
         ops = success if ok else failure
         responses = answer.get("responses") or []
@@ -570,9 +561,9 @@ class EtcdGatewayClient(KVClient):
             self._count()
             client = member.client
             with client.session.post(client.get_url("/watch"), json=payload, stream=True,
-                                     timeout=(self.request_timeout, timeout)) as resp:
+                                     timeout=(self.options.request_timeout, timeout)) as resp:
                 if resp.status_code != 200:
-                    if resp.status_code == 401 and self.user:
+                    if resp.status_code == 401 and self.options.user:
                         member.token = None
                     raise _Transient(f"watch answered HTTP {resp.status_code}: {_short(resp.text)}")
                 for line in resp.iter_lines():
@@ -580,7 +571,7 @@ class EtcdGatewayClient(KVClient):
                         continue
                     message = json.loads(line)
                     if "error" in message:
-                        if "auth" in json.dumps(message["error"]).lower() and self.user:
+                        if "auth" in json.dumps(message["error"]).lower() and self.options.user:
                             member.token = None
                         raise _Transient(f"watch failed: {_short(json.dumps(message['error']))}")
                     result = message.get("result", {})
@@ -595,7 +586,7 @@ class EtcdGatewayClient(KVClient):
                 raise
             log.debug("watch on %r at %s failed (%s); re-reading", key, member.endpoint, exc)
             self._current = (self._current + 1) % len(self._members)
-            self.sleep(max(0.0, min(timeout - elapsed, random.uniform(0.1, 0.5))))
+            time.sleep(max(0.0, min(timeout - elapsed, random.uniform(0.1, 0.5))))
             return True
 
     def close(self) -> None:
@@ -637,8 +628,9 @@ def _reason(detail: str) -> str:
     return _short(detail)
 
 
-def _speaks_tls(endpoint: Endpoint, timeout: float) -> bool:
-    """Whether the endpoint completes a TLS handshake (certificates not checked: this only detects the scheme)."""
+def _speaks_tls(endpoint: Endpoint, timeout: float) -> bool | None:
+    """Whether the endpoint completes a TLS handshake (certificates not checked: this only detects the
+    scheme); None when it cannot be reached."""
     context = ssl.create_default_context()
     context.check_hostname = False
     context.verify_mode = ssl.CERT_NONE
@@ -649,7 +641,7 @@ def _speaks_tls(endpoint: Endpoint, timeout: float) -> bool:
     except ssl.SSLError as exc:
         return "wrong version number" not in str(exc).lower() and "record layer" not in str(exc).lower()
     except OSError:
-        return False
+        return None
 
 
 def _short(text: str, limit: int = 200) -> str:
@@ -780,8 +772,7 @@ class MemoryKV(KVClient):
         super().__init__()
         self.server = server
 
-    def txn(self, compare: Sequence[Compare], success: Sequence[Op], failure: Sequence[Op] = (),
-            *, budget: float | None = None) -> TxnResult:
+    def txn(self, compare: Sequence[Compare], success: Sequence[Op], failure: Sequence[Op] = ()) -> TxnResult:
         self._count()
         try:
             return self.server.txn(compare, success, failure)

@@ -18,33 +18,18 @@ installs the ``etcd-server`` package non-interactively.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import shutil
-import signal
 import subprocess
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
 
 import requests
 
+from ..lifecycle import child_dies_with_starter
 from ..localjob import free_port
-
-PR_SET_PDEATHSIG = 1
-try:
-    _LIBC: ctypes.CDLL | None = ctypes.CDLL(None, use_errno=True)  # loaded before any fork
-except OSError:  # pragma: no cover - not Linux
-    _LIBC = None
-
-
-def _die_with_parent() -> None:
-    """In the child between fork and exec: SIGKILL when the starting thread's process goes away."""
-    if _LIBC is not None:
-        _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-
 
 @dataclass(frozen=True)
 class ServerTLS:
@@ -96,7 +81,6 @@ class EtcdServer:
     tls: ServerTLS | None = None
     binary: str | None = None
     log_path: Path | None = None
-    extra_args: Sequence[str] = ()
     name: str = "er-etcd"
     #: SIGKILL etcd when its starter's process dies without stopping it (a crash, a hard-killed test
     #: run). The kernel ties this to the starting *thread*, so it applies only to starts from the main
@@ -148,7 +132,7 @@ class EtcdServer:
             cmd += ["--cert-file", self.tls.cert, "--key-file", self.tls.key]
             if self.tls.client_cert_auth:
                 cmd += ["--trusted-ca-file", self.tls.ca, "--client-cert-auth"]
-        return cmd + list(self.extra_args)
+        return cmd
 
     def start(self, timeout: float = 20.0) -> "EtcdServer":
         if self.running():
@@ -165,7 +149,7 @@ class EtcdServer:
                 log.flush()
                 self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                              stdin=subprocess.DEVNULL, start_new_session=True,
-                                             preexec_fn=_die_with_parent if self._tie_to_parent() else None)
+                                             preexec_fn=child_dies_with_starter if self._tie_to_parent() else None)
             try:
                 self._wait_healthy(timeout)
                 return self
@@ -210,8 +194,7 @@ class EtcdServer:
         if self.proc is None:
             return
         if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.proc.pid, signal.SIGTERM)
+            self.proc.terminate()
             try:
                 self.proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
@@ -222,9 +205,7 @@ class EtcdServer:
         """Crash stop (SIGKILL)."""
         if self.proc is None:
             return
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.kill()  # a no-op once it has been reaped
         self.proc.wait()
 
     def restart(self, down_seconds: float = 0.0, crash: bool = False, timeout: float = 20.0) -> None:

@@ -177,11 +177,7 @@ def parse_options(params: "RendezvousParameters") -> EtcdOptions:
     return EtcdOptions(
         endpoints=parse_endpoints(params.endpoint, tls=bool(cacert or cert)),
         key_prefix=prefix,
-        ttl=_positive_int(params, "ttl", DEFAULTS["ttl"]),
-        request_timeout=_positive_int(params, "request_timeout", DEFAULTS["request_timeout"]),
-        retry_timeout=_positive_int(params, "retry_timeout", DEFAULTS["retry_timeout"]),
-        connect_timeout=_positive_int(params, "connect_timeout", DEFAULTS["connect_timeout"]),
-        read_timeout=_positive_int(params, "read_timeout", DEFAULTS["read_timeout"]),
+        **{name: _positive_int(params, name, default) for name, default in DEFAULTS.items()},
         cacert=cacert, cert=cert, key=key,
         user=str(user) if user else None, password=None if password is None else str(password),
     )

@@ -21,7 +21,7 @@ import pytest
 
 from elastic_runner.rendezvous.client import EtcdGatewayClient, KVClient, Put
 from elastic_runner.rendezvous.etcd_server import EtcdServer, ServerTLS, ensure_installed
-from elastic_runner.rendezvous.options import parse_endpoints
+from elastic_runner.rendezvous.options import EtcdOptions, parse_endpoints
 
 from ..unit.test_etcd_fake import KVEnv
 
@@ -63,7 +63,7 @@ def etcd_factory(etcd_binary: str, tmp_path: Path) -> Iterator[Callable[..., Etc
 def gateway_client(server: EtcdServer, **kwargs: object) -> EtcdGatewayClient:
     kwargs.setdefault("request_timeout", 5)
     kwargs.setdefault("retry_timeout", 10)
-    return EtcdGatewayClient(parse_endpoints(server.url), **kwargs)  # type: ignore[arg-type]
+    return EtcdGatewayClient(EtcdOptions(parse_endpoints(server.url), **kwargs))  # type: ignore[arg-type]
 
 
 @pytest.fixture

@@ -27,11 +27,11 @@ class TestStoreContractOnEtcd(StoreContract):
 ADDER = textwrap.dedent("""
     import sys
     from elastic_runner.rendezvous.client import EtcdGatewayClient
-    from elastic_runner.rendezvous.options import parse_endpoints
+    from elastic_runner.rendezvous.options import EtcdOptions, parse_endpoints
     from elastic_runner.rendezvous.store import EtcdStore
 
     url, prefix, count = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    store = EtcdStore(EtcdGatewayClient(parse_endpoints(url)), prefix)
+    store = EtcdStore(EtcdGatewayClient(EtcdOptions(parse_endpoints(url))), prefix)
     store.wait(["go"])  # start together for maximal contention
     print(" ".join(str(store.add("counter", 1)) for _ in range(count)), flush=True)
 """)
@@ -39,7 +39,7 @@ ADDER = textwrap.dedent("""
 
 def test_concurrent_adds_from_four_processes_are_each_counted_once(etcd_server: EtcdServer, tmp_path: Path) -> None:
     from elastic_runner.rendezvous.client import EtcdGatewayClient
-    from elastic_runner.rendezvous.options import parse_endpoints
+    from elastic_runner.rendezvous.options import EtcdOptions, parse_endpoints
     from elastic_runner.rendezvous.store import EtcdStore
 
     prefix = f"/test/adders-{tmp_path.name}"
@@ -47,7 +47,7 @@ def test_concurrent_adds_from_four_processes_are_each_counted_once(etcd_server: 
                               stderr=subprocess.PIPE, text=True, cwd=ROOT, start_new_session=True)
              for _ in range(4)]
     try:
-        EtcdStore(EtcdGatewayClient(parse_endpoints(etcd_server.url)), prefix).set("go", "1")
+        EtcdStore(EtcdGatewayClient(EtcdOptions(parse_endpoints(etcd_server.url))), prefix).set("go", "1")
         outputs = [p.communicate(timeout=45) for p in procs]
     finally:
         for p in procs:

@@ -44,7 +44,7 @@ from elastic_runner.rendezvous.client import (
     MemoryEtcd,
 )
 from elastic_runner.rendezvous.handler import create_handler as etcd_handler
-from elastic_runner.rendezvous.options import OPTIONS, markdown_table, parse_endpoints, parse_options
+from elastic_runner.rendezvous.options import OPTIONS, EtcdOptions, markdown_table, parse_endpoints, parse_options
 from elastic_runner.rendezvous.store import EtcdStore, EtcdStoreConnectionError
 
 
@@ -440,7 +440,7 @@ def test_lease_is_refreshed_after_a_third_of_the_ttl_and_regranted_when_lost() -
 
 def test_unreachable_endpoint_fails_after_the_retry_budget_naming_it() -> None:
     port = free_port()
-    client = EtcdGatewayClient(parse_endpoints(f"127.0.0.1:{port}"), request_timeout=1, retry_timeout=1)
+    client = EtcdGatewayClient(EtcdOptions(parse_endpoints(f"127.0.0.1:{port}"), request_timeout=1, retry_timeout=1))
     started = time.monotonic()
     with pytest.raises(EtcdUnavailable, match=f"127.0.0.1:{port}.*within 1 s.*etcd is running"):
         client.get(b"/x")
