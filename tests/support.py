@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -159,14 +159,23 @@ def start_agent_while_paused(job: Any, at_step: int, count: int, timeout: float 
     are stopped, and let them go once the new agent waits to join. However fast this machine trains,
     the job cannot finish before the new agent arrives (its start-up takes seconds)."""
     paused, _ = stop_workers_at_step(job, at_step, count, timeout)
+
+    def waiting() -> bool:
+        state = c10d_rendezvous_state(job.rdzv_endpoint, job.rdzv_id)
+        return state is not None and bool(state.wait_list)
+
+    return start_agent_until_waiting(job, paused, waiting, timeout)
+
+
+def start_agent_until_waiting(job: Any, paused: Sequence[Any], waiting: Callable[[], bool], timeout: float = 90) -> Any:
+    """Start one more agent while ``paused`` workers are stopped; let them go once ``waiting()`` says
+    the new agent is in the rendezvous' wait list (or the wait failed)."""
     try:
         agent = job.start_agent()
         deadline = time.monotonic() + timeout
-        while True:
-            state = c10d_rendezvous_state(job.rdzv_endpoint, job.rdzv_id)
-            if state is not None and state.wait_list:
-                return agent
+        while not waiting():
             assert time.monotonic() < deadline, f"the new agent never joined the wait list\n{job.logs_tail()}"
             time.sleep(0.2)
+        return agent
     finally:
         continue_workers(job, paused)

@@ -43,10 +43,12 @@ def test_concurrent_adds_from_four_processes_are_each_counted_once(etcd_server: 
     from elastic_runner.rendezvous.store import EtcdStore
 
     prefix = f"/test/adders-{tmp_path.name}"
-    procs = [subprocess.Popen([sys.executable, "-c", ADDER, etcd_server.url, prefix, "25"], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, cwd=ROOT, start_new_session=True)
-             for _ in range(4)]
+    procs: list[subprocess.Popen[str]] = []
     try:
+        for _ in range(4):
+            procs.append(subprocess.Popen([sys.executable, "-c", ADDER, etcd_server.url, prefix, "25"],
+                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                                          start_new_session=True))
         EtcdStore(EtcdGatewayClient(EtcdOptions(parse_endpoints(etcd_server.url))), prefix).set("go", "1")
         outputs = [p.communicate(timeout=45) for p in procs]
     finally:

@@ -22,12 +22,17 @@ from elastic_runner.localjob import LocalJob, free_port
 from elastic_runner.rendezvous.backend import decode_state
 from elastic_runner.rendezvous.etcd_server import EtcdServer
 
-from ..support import continue_workers, events, run_bounded, stop_workers_at_step, wait_for_step
+from ..support import (
+    continue_workers,
+    events,
+    run_bounded,
+    start_agent_until_waiting,
+    stop_workers_at_step,
+    wait_for_step,
+)
 from .conftest import gateway_client
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
-
-FAST_RDZV = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3"
 
 
 def wait_for_world(run_dir: Path, size: int, timeout: float, job: LocalJob,
@@ -71,24 +76,19 @@ def rendezvous_state(server: EtcdServer, key: str) -> Any:
 def test_two_then_three_agents_then_one_killed_the_job_completes_exactly_once(
         small_config: Path, local_job: Callable[..., LocalJob], etcd_server: EtcdServer) -> None:
     job = local_job(config=str(small_config), nnodes="1:3", rdzv_backend="etcd-v3",
-                    rdzv_endpoint=etcd_server.endpoint, rdzv_conf=FAST_RDZV + ",key_prefix=/e2e-scale",
+                    rdzv_endpoint=etcd_server.endpoint, rdzv_conf=LocalJob.rdzv_conf + ",key_prefix=/e2e-scale",
                     overrides=["train.epochs=20", "train.max_steps=100"])
     run_dir = Path(job.run_dir)
     state_key = f"/e2e-scale/{job.rdzv_id}/state"
-    first, second = job.start_agent(), job.start_agent()
+    job.start_agent()
+    second = job.start_agent()
 
     # Scale up. The workers are stopped while the new agent starts (seconds), so the job cannot
     # finish before it arrives however fast this machine trains; they go on once it waits.
     paused, _ = stop_workers_at_step(job, 5, count=2)
-    try:
-        assert set(generations_by_world(run_dir).values()) == {2}
-        third = job.start_agent()
-        deadline = time.monotonic() + 60
-        while not rendezvous_state(etcd_server, state_key).wait_list:
-            assert time.monotonic() < deadline, f"the third agent never joined the wait list\n{job.logs_tail()}"
-            time.sleep(0.2)
-    finally:
-        continue_workers(job, paused)
+    assert set(generations_by_world(run_dir).values()) == {2}
+    start_agent_until_waiting(job, paused, lambda: bool(rendezvous_state(etcd_server, state_key).wait_list),
+                                      timeout=60)
     three, resumed_at = wait_for_world(run_dir, 3, timeout=90, job=job)
 
     # Scale down: node loss, agent and its worker, no goodbye, a few steps into the new world.
@@ -100,7 +100,6 @@ def test_two_then_three_agents_then_one_killed_the_job_completes_exactly_once(
     wait_for_world(run_dir, 2, timeout=90, job=job, after_generation=three)
     codes = job.wait(timeout=150)
     assert codes == [0, -signal.SIGKILL, 0], job.logs_tail()
-    assert [first.proc.returncode, third.proc.returncode] == [0, 0]
 
     report = check_audit(run_dir)
     assert report.ok, report.render()
@@ -114,21 +113,20 @@ def test_training_rides_out_an_etcd_restart(small_config: Path, local_job: Calla
                                              etcd_factory: Callable[..., EtcdServer]) -> None:
     server = etcd_factory()
     job = local_job(config=str(small_config), nnodes="2:2", rdzv_backend="etcd-v3", rdzv_endpoint=server.endpoint,
-                    rdzv_conf=FAST_RDZV, launcher="elastic-runner",
+                    launcher="elastic-runner",
                     overrides=["train.epochs=20", "train.max_steps=350"])
     run_dir = Path(job.run_dir)
     job.start_agent()
     job.start_agent()
     wait_for_step(run_dir, 5, timeout=90, job=job)
-    state_key = f"/elastic_runner/rdzv/{job.rdzv_id}/state".encode()
-    admin = gateway_client(server)
+    state_key = f"/elastic_runner/rdzv/{job.rdzv_id}/state"
     # SIGKILL, down for longer than keep_alive_interval * keep_alive_max_attempt (3 s): every heartbeat
     # in the record is stale when etcd is back (see elastic_runner/rendezvous/handler.py).
     server.restart(down_seconds=4, crash=True)
     back = datetime.now(timezone.utc)
     deadline = time.monotonic() + 20
     while True:
-        state = pickle.loads(decode_state(admin.get(state_key)[0].value, "state"))
+        state = rendezvous_state(server, state_key)
         if sum(beat > back for beat in state.last_heartbeats.values()) == 2:
             break
         assert time.monotonic() < deadline, (
@@ -138,7 +136,6 @@ def test_training_rides_out_an_etcd_restart(small_config: Path, local_job: Calla
         time.sleep(0.2)
     assert all(a.running() for a in job.agents), "heartbeats resumed while the job was still training"
     assert state.complete and len(state.participants) == 2, "both agents are still members of the round"
-    admin.close()
 
     assert job.wait(timeout=150) == [0, 0], job.logs_tail()
     report = check_audit(run_dir)

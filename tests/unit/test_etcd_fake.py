@@ -20,7 +20,7 @@ import uuid
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import pytest
 import torch.distributed as dist
@@ -46,6 +46,8 @@ from elastic_runner.rendezvous.client import (
 from elastic_runner.rendezvous.handler import create_handler as etcd_handler
 from elastic_runner.rendezvous.options import OPTIONS, EtcdOptions, markdown_table, parse_endpoints, parse_options
 from elastic_runner.rendezvous.store import EtcdStore, EtcdStoreConnectionError
+
+from ..conftest import ROOT
 
 
 @dataclass
@@ -196,28 +198,34 @@ class BackendContract:
             client = env.new_client()
             backend = EtcdRendezvousBackend(client, "hrun", env.prefix, 60)
             handlers.append(etcd_handler(EtcdStore(client, f"{env.prefix}/hrun"), backend, params))
-        infos: list = [None] * 3
-        errors: list[BaseException] = []
-
-        def join(i: int) -> None:
-            try:
-                infos[i] = handlers[i].next_rendezvous()
-            except BaseException as exc:  # noqa: BLE001 - reported below
-                errors.append(exc)
-
-        threads = [threading.Thread(target=join, args=(i,)) for i in range(3)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(30)
         try:
-            assert not errors, errors
+            infos = rendezvous_together(handlers, timeout=30)
             assert sorted(i.rank for i in infos) == [0, 1, 2]
             assert {i.world_size for i in infos} == {3}
             assert len({(i.bootstrap_store_info.master_addr, i.bootstrap_store_info.master_port) for i in infos}) == 1
         finally:
             for h in handlers:
                 h.shutdown()
+
+
+def rendezvous_together(handlers: list[Any], timeout: float) -> list[Any]:
+    """Every handler's ``next_rendezvous`` at once (each blocks until the round is complete)."""
+    infos: list[Any] = [None] * len(handlers)
+    errors: list[BaseException] = []
+
+    def join(i: int) -> None:
+        try:
+            infos[i] = handlers[i].next_rendezvous()
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=join, args=(i,)) for i in range(len(handlers))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    assert not errors and all(infos), f"the round did not form: {errors or infos}"
+    return infos
 
 
 class TestBackendContractOnFake(BackendContract):
@@ -478,13 +486,9 @@ def test_after_an_outage_longer_than_the_heartbeat_window_live_agents_heartbeat_
         store = EtcdStore(client, f"{memory_env.prefix}/orun")
         handlers.append((etcd_handler if tolerant else create_handler)(store, backend, params))
         backends.append(backend)
-    threads = [threading.Thread(target=h.next_rendezvous) for h in handlers]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(20)
     server = backends[0].client.server  # type: ignore[attr-defined]
     try:
+        rendezvous_together(handlers, timeout=20)
         server.available = False  # etcd away for longer than keep_alive_interval * keep_alive_max_attempt (2 s)
         time.sleep(2.5)
         server.available = True
@@ -516,14 +520,8 @@ def test_an_agent_dropped_from_its_running_round_puts_itself_back(
     handlers = [etcd_handler(EtcdStore(memory_env.new_client(), f"{memory_env.prefix}/drun"),
                              EtcdRendezvousBackend(memory_env.new_client(), "drun", memory_env.prefix, 60), params)
                 for _ in range(2)]
-    infos: list = [None, None]
-    threads = [threading.Thread(target=lambda i=i: infos.__setitem__(i, handlers[i].next_rendezvous()))
-               for i in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(20)
     try:
+        rendezvous_together(handlers, timeout=20)
         # Another agent (here: the test) drops rank 1 from the complete round, as after an outage.
         bits, token = backend.get_state()
         state = pickle.loads(bits)
@@ -558,6 +556,7 @@ def test_options_defaults_match_the_documented_table() -> None:
         assert str(getattr(options, name)) == documented[name]
     assert options.user is None and options.cacert is None
     assert all(f"`{o.name}`" in markdown_table() for o in OPTIONS)
+    assert markdown_table() in (ROOT / "README.md").read_text(), "README's rdzv_conf table is out of date"
 
 
 def test_endpoints_accept_lists_schemes_default_port_and_ipv6() -> None:
