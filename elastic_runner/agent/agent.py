@@ -78,11 +78,6 @@ class ElasticRunnerAgent(LocalElasticAgent):
     # -- rendezvous --------------------------------------------------------------------------
 
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
-        handler = worker_group.spec.rdzv_handler
-        holder = getattr(handler, "_state_holder", None)
-        state = getattr(holder, "state", None)
-        if state is not None and getattr(state, "complete", False):
-            fast_rendezvous.set_previous_participants(state.participants, getattr(state, "last_heartbeats", {}))
         started = time.monotonic()
         super()._rendezvous(worker_group)
         self._notify("rendezvous", seconds=time.monotonic() - started, world_size=worker_group.group_world_size,

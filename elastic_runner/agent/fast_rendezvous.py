@@ -136,6 +136,10 @@ def install() -> bool:
         # agent's monitor asks for waiting nodes every 0.1 s during training, and the cache keeps
         # that at one read a second.
         holder = getattr(self, "_state_holder", None)
+        state = getattr(holder, "state", None)
+        if state is not None and getattr(state, "complete", False):
+            # The round that just ended: who to wait for (or to see dead) before completing the next.
+            set_previous_participants(state.participants, getattr(state, "last_heartbeats", {}))
         saved = getattr(holder, "_cache_duration", None)
         if saved is not None:
             holder._cache_duration = min(saved, poll_interval())
