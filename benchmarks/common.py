@@ -30,7 +30,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from elastic_runner.events import read_events  # noqa: E402
+from elastic_runner.events import EventFollower, read_events  # noqa: E402
 from elastic_runner.localjob import LocalJob  # noqa: E402
 
 VARIANTS = ("torchrun-default", "torchrun-tuned", "elastic-runner")
@@ -128,12 +128,12 @@ class Attempt:
     resumed_step: int | None
 
 
-def attempts(variant: str, run_dir: Path) -> list[Attempt]:
-    """Training attempts (one per restart) in time order."""
+def attempts(variant: str, run_dir: Path, events: EventFollower | None = None) -> list[Attempt]:
+    """Training attempts (one per restart) in time order (``events``: follow the run in a poll loop)."""
     found: list[Attempt] = []
     if variant == "elastic-runner":
         gens: dict[int, dict[str, Any]] = {}
-        for e in read_events(run_dir):
+        for e in (events.read() if events is not None else read_events(run_dir)):
             g = e.get("generation")
             if g is None or e.get("role") == "agent":
                 continue
@@ -194,8 +194,9 @@ def furthest_completed_step(variant: str, run_dir: Path, before: float) -> int:
 def wait_stepping(variant: str, run_dir: Path, after: float, world: int, timeout: float) -> tuple[float | None, Attempt | None]:
     """Seconds from ``after`` until an attempt started after it has all ``world`` ranks stepping."""
     deadline = time.monotonic() + timeout
+    events = EventFollower(run_dir)
     while time.monotonic() < deadline:
-        for a in attempts(variant, run_dir):
+        for a in attempts(variant, run_dir, events):
             if a.started > after - 0.5 and a.world_size == world and a.all_stepping is not None and a.all_stepping > after:
                 return a.all_stepping - after, a
         time.sleep(0.1)

@@ -45,11 +45,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # as elastic-runner launch sets it
+import common  # noqa: F401 - puts the repository on sys.path
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -57,10 +53,14 @@ from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousPa
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend  # noqa: E402
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler  # noqa: E402
 
+from elastic_runner.launch import ENV_DEFAULTS  # noqa: E402
 from elastic_runner.localjob import free_port  # noqa: E402
-from elastic_runner.rendezvous.backend import create_backend  # noqa: E402
+from elastic_runner.rendezvous.backend import create_backend, run_prefix  # noqa: E402
 from elastic_runner.rendezvous.etcd_server import EtcdServer  # noqa: E402
 from elastic_runner.rendezvous.handler import create_handler as etcd_handler  # noqa: E402
+
+for _key, _value in ENV_DEFAULTS.items():  # as elastic-runner launch sets them
+    os.environ.setdefault(_key, _value)
 
 
 class CountingC10dBackend(C10dRendezvousBackend):
@@ -91,7 +91,7 @@ def build_etcd_agents(endpoint: str, n: int, timeout: int, conf: dict[str, str]
         handlers.append(etcd_handler(store, backend, params))
 
     def cleanup() -> None:
-        clients[0].delete_prefix(f"/bench/{run_id}/".encode())
+        clients[0].delete_prefix((run_prefix("/bench", run_id) + "/").encode())
         for c in clients:
             c.close()
 
@@ -112,7 +112,12 @@ def build_c10d_agents(n: int, timeout: int, conf: dict[str, str]
         backend = CountingC10dBackend(store, run_id)
         backends.append(backend)
         handlers.append(create_handler(store, backend, params))
-    return handlers, lambda: sum(b.calls for b in backends), lambda: server.__class__  # keep the server alive
+
+    def cleanup() -> None:
+        nonlocal server  # the agents' stores need their server until the trial ends
+        server = None
+
+    return handlers, lambda: sum(b.calls for b in backends), cleanup
 
 
 def run_trial(backend: str, n: int, timeout: int, endpoint: str | None, conf: dict[str, str]) -> dict[str, Any]:

@@ -28,7 +28,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Sequence
 
 from .lifecycle import child_dies_with_starter, proc_state
 
@@ -344,19 +344,3 @@ def _reap(pids: set[int]) -> None:
     for pid in pids:
         with contextlib.suppress(ChildProcessError, OSError):
             os.waitpid(pid, 0)
-
-
-def iter_new_lines(path: Path, start: int = 0) -> Iterator[tuple[int, str]]:
-    """Lines appended to ``path`` since byte offset ``start`` (for following logs)."""
-    try:
-        with open(path, "rb") as fh:
-            fh.seek(start)
-            data = fh.read()
-    except OSError:
-        return
-    offset = start
-    for line in data.splitlines(keepends=True):
-        if not line.endswith(b"\n"):
-            break
-        offset += len(line)
-        yield offset, line.decode(errors="replace").rstrip("\n")

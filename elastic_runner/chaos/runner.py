@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from ..audit import check_audit
-from ..events import read_events
+from ..events import EventFollower, read_events
 from ..localjob import LocalJob
 from .faults import FAULTS, FaultContext, Skip
 from .scenario import Scenario, ScenarioError
@@ -30,6 +30,7 @@ class ChaosRun:
         self.s = scenario
         self.out = out
         self.run_dir = Path(scenario.run_dir)
+        self.live = EventFollower(self.run_dir)  #: the job's events while it runs
         self.faults: list[Injected] = []
         self.t0 = 0.0
 
@@ -147,7 +148,7 @@ class ChaosRun:
     def _wait_stepping(self, job: LocalJob) -> None:
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
-            if any(e["kind"] == "first_step" or e["kind"] == "progress" for e in read_events(self.run_dir)):
+            if any(e["kind"] == "first_step" or e["kind"] == "progress" for e in self.live.read()):
                 return
             if not job.running_agents():
                 raise ScenarioError(f"the job ended before it started stepping:\n{job.logs_tail()}")
@@ -157,8 +158,7 @@ class ChaosRun:
     def _announce_recoveries(self, announced: set[int]) -> None:
         if not self.faults:
             return
-        events = read_events(self.run_dir)
-        attribute_recoveries(self.faults, events)
+        attribute_recoveries(self.faults, self.live.read())
         for i, f in enumerate(self.faults):
             if i in announced or f.generation is None:
                 continue
