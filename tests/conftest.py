@@ -29,6 +29,17 @@ def write_config(path: Path, **sections: dict) -> Path:
     return path
 
 
+@pytest.fixture(scope="session")
+def etcd_binary() -> str:
+    """etcd, installed from Debian when missing (as root), for tests that need a real server."""
+    from elastic_runner.rendezvous.etcd_server import ensure_installed
+
+    try:
+        return ensure_installed()
+    except RuntimeError as exc:
+        pytest.skip(str(exc))
+
+
 @pytest.fixture
 def quickstart() -> Path:
     return QUICKSTART

@@ -62,10 +62,10 @@ class Scenario:
             raise ScenarioError(f"nnodes {self.nnodes!r}: need 1 <= MIN <= MAX")
         if not lo <= self.agents <= hi:
             raise ScenarioError(f"agents={self.agents} must lie within nnodes {self.nnodes}")
-        for t in [f.type for f in self.faults] + list(self.random_types):
+        wanted = [f.type for f in self.faults] + list(self.random_types)
+        for t in wanted:
             if t not in FAULT_TYPES:
                 raise ScenarioError(f"unknown fault {t!r}: choose from {', '.join(FAULT_TYPES)}")
-        wanted = {f.type for f in self.faults} | set(self.random_types)
         if "restart-etcd" in wanted and self.rdzv_backend != "etcd-v3":
             raise ScenarioError("restart-etcd needs --rdzv-backend etcd-v3")
         if "restart-etcd" in wanted and self.etcd_endpoint is not None:

@@ -70,7 +70,6 @@ class KeyValue:
     value: bytes
     create_revision: int
     mod_revision: int
-    version: int = 1
     lease: int = 0
 
 
@@ -299,7 +298,7 @@ def _unb64(text: str | None) -> bytes:
 def _kv(obj: dict[str, Any]) -> KeyValue:
     return KeyValue(key=_unb64(obj.get("key")), value=_unb64(obj.get("value")),
                     create_revision=int(obj.get("create_revision", 0)), mod_revision=int(obj.get("mod_revision", 0)),
-                    version=int(obj.get("version", 0)), lease=int(obj.get("lease", 0)))
+                    lease=int(obj.get("lease", 0)))
 
 
 def _op_json(op: Op) -> dict[str, Any]:
@@ -669,9 +668,8 @@ class MemoryEtcd:
     then reports a connection failure (a response lost on the way back).
     """
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic, min_ttl: int = 1) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock
-        self.min_ttl = min_ttl
         self.revision = 1
         self.available = True
         self.fail_after_apply = 0
@@ -724,8 +722,7 @@ class MemoryEtcd:
     def _apply_put(self, op: Put) -> None:
         old = self._data.get(op.key)
         rev = self.revision + 1
-        self._data[op.key] = KeyValue(op.key, op.value, old.create_revision if old else rev, rev,
-                                      (old.version + 1) if old else 1, op.lease)
+        self._data[op.key] = KeyValue(op.key, op.value, old.create_revision if old else rev, rev, op.lease)
         self._put_revision[op.key] = rev
 
     def txn(self, compare: Sequence[Compare], success: Sequence[Op], failure: Sequence[Op]) -> TxnResult:
@@ -814,7 +811,7 @@ class MemoryKV(KVClient):
         with s._cond:
             s._check()
             s._next_lease += 1
-            ttl = max(int(ttl), s.min_ttl)
+            ttl = max(int(ttl), 1)
             s._leases[s._next_lease] = (ttl, s.clock() + ttl)
             return s._next_lease
 

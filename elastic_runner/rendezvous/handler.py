@@ -54,9 +54,8 @@ log = logging.getLogger(__name__)
 class OutageTolerantStateHolder(_BackendRendezvousStateHolder):
     """torch's state holder plus the two rules of the module docstring."""
 
-    def __init__(self, backend: RendezvousBackend, settings: RendezvousSettings, node: _NodeDesc | None = None,
-                 cache_duration: int = 1) -> None:
-        super().__init__(backend, settings, cache_duration)
+    def __init__(self, backend: RendezvousBackend, settings: RendezvousSettings, node: _NodeDesc) -> None:
+        super().__init__(backend, settings)
         self.node = node
         #: (round, rank) of the complete round this agent is part of; None while it (re)joins
         self.member_of: tuple[int, int] | None = None
@@ -97,7 +96,7 @@ class OutageTolerantStateHolder(_BackendRendezvousStateHolder):
         super()._sanitize()
 
     def _keep_self_alive(self) -> None:
-        if self.node is None or self.member_of is None:
+        if self.member_of is None:
             return
         state = self._state
         round_, rank = self.member_of

@@ -70,13 +70,13 @@ class EtcdStore(dist.Store):
     """See the module docstring. ``prefix`` is the run's prefix, e.g. ``/elastic_runner/rdzv/job1``."""
 
     def __init__(self, client: KVClient, prefix: str, leases: LeaseKeeper | None = None,
-                 read_timeout: float = DEFAULT_READ_TIMEOUT, ttl: int = DEFAULTS["ttl"]) -> None:
+                 read_timeout: float = DEFAULT_READ_TIMEOUT) -> None:
         super().__init__()  # required by the pybind trampoline
         self._client = client
-        self._run_prefix = prefix.rstrip("/")
-        self._prefix = f"{self._run_prefix}/store/".encode()
-        self._ops_prefix = f"{self._run_prefix}/ops/{uuid.uuid4().hex}-".encode()
-        self._leases = leases or LeaseKeeper(client, ttl)
+        run_prefix = prefix.rstrip("/")
+        self._prefix = f"{run_prefix}/store/".encode()
+        self._ops_prefix = f"{run_prefix}/ops/{uuid.uuid4().hex}-".encode()
+        self._leases = leases or LeaseKeeper(client, DEFAULTS["ttl"])
         self.set_timeout(timedelta(seconds=read_timeout))
 
     # -- helpers ---------------------------------------------------------------------------------------------------

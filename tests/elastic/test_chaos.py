@@ -58,13 +58,8 @@ def test_each_fault_type_leaves_the_job_whole(fault: str, chaos_config: Path, tm
 
 
 @pytest.mark.slow
-def test_on_etcd_v3_the_job_rides_out_an_etcd_restart_and_loses_any_node(chaos_config: Path, tmp_path: Path) -> None:
-    from elastic_runner.rendezvous.etcd_server import ensure_installed
-
-    try:
-        ensure_installed()
-    except RuntimeError as exc:
-        pytest.skip(str(exc))
+def test_on_etcd_v3_the_job_rides_out_an_etcd_restart_and_loses_any_node(
+        chaos_config: Path, tmp_path: Path, etcd_binary: str) -> None:
     run_dir = tmp_path / "run"
     # With etcd-v3 no agent hosts the rendezvous: the first agent (c10d's host) may go too, and seed 1
     # picks it.

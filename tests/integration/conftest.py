@@ -20,18 +20,10 @@ from typing import Callable, Iterator
 import pytest
 
 from elastic_runner.rendezvous.client import EtcdGatewayClient, KVClient, Put
-from elastic_runner.rendezvous.etcd_server import EtcdServer, ServerTLS, ensure_installed
+from elastic_runner.rendezvous.etcd_server import EtcdServer, ServerTLS
 from elastic_runner.rendezvous.options import EtcdOptions, parse_endpoints
 
 from ..unit.test_etcd_fake import KVEnv
-
-
-@pytest.fixture(scope="session")
-def etcd_binary() -> str:
-    try:
-        return ensure_installed()
-    except RuntimeError as exc:
-        pytest.skip(str(exc))
 
 
 @pytest.fixture(scope="session")

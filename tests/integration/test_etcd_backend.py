@@ -8,14 +8,14 @@ from pathlib import Path
 from typing import Callable
 
 import pytest
-from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousParameters
+from torch.distributed.elastic.rendezvous import RendezvousConnectionError
 
 from elastic_runner.localjob import free_port
 from elastic_runner.rendezvous.backend import create_backend, decode_state
 from elastic_runner.rendezvous.etcd_server import EtcdServer
 from elastic_runner.rendezvous.plugin import create_handler
 
-from ..unit.test_etcd_fake import BackendContract, KVEnv
+from ..unit.test_etcd_fake import BackendContract, KVEnv, params
 from .conftest import Certs, gateway_client
 
 pytestmark = pytest.mark.timeout(60)
@@ -25,10 +25,6 @@ class TestBackendContractOnEtcd(BackendContract):
     @pytest.fixture
     def env(self, etcd_env: KVEnv) -> KVEnv:
         return etcd_env
-
-
-def params(endpoint: str, run_id: str = "job", **conf: str) -> RendezvousParameters:
-    return RendezvousParameters("etcd-v3", endpoint, run_id, 1, 2, **conf)
 
 
 def test_factory_lays_out_state_and_store_under_the_prefix(etcd_server: EtcdServer) -> None:

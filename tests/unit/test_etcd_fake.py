@@ -545,8 +545,8 @@ def test_an_agent_dropped_from_its_running_round_puts_itself_back(
 # == options ===================================================================================================
 
 
-def params(endpoint: str = "127.0.0.1:2379", **conf: str) -> RendezvousParameters:
-    return RendezvousParameters("etcd-v3", endpoint, "run", 1, 2, **conf)
+def params(endpoint: str = "127.0.0.1:2379", run_id: str = "run", **conf: str) -> RendezvousParameters:
+    return RendezvousParameters("etcd-v3", endpoint, run_id, 1, 2, **conf)
 
 
 def test_options_defaults_match_the_documented_table() -> None:
