@@ -74,14 +74,19 @@ def test_node_loss_then_join_keeps_global_batch_and_tracks_the_uninterrupted_los
     job.start_agent()
     second = job.start_agent()
     run_dir = Path(job.run_dir)
-    paused, _ = stop_workers_at_step(job, 80, count=2, timeout=120)
+    paused, _ = stop_workers_at_step(job, 80, count=2, timeout=120)  # two workers: a world of 2
+    killed_at = time.time()
     job.kill_agent(second)  # node loss: agent and its worker, SIGKILL (agent 0 hosts the c10d store)
     continue_workers(job, paused)
+
+    def alone() -> list[dict]:  # the first agent may have trained alone before the second joined
+        return [e for e in events(run_dir, "world") if e["world_size"] == 1 and e["time"] > killed_at]
+
     deadline = time.monotonic() + 90
-    while not [e for e in events(run_dir, "world") if e["world_size"] == 1]:
+    while not alone():
         assert time.monotonic() < deadline, job.logs_tail()
         time.sleep(0.1)
-    at_one = max(e["step"] for e in events(run_dir, "world") if e["world_size"] == 1)
+    at_one = max(e["step"] for e in alone())
     start_agent_while_paused(job, at_step=at_one + 40, count=1)  # node join
     codes = job.wait(timeout=240)
     assert codes[0] == 0 and codes[2] == 0, job.logs_tail()
