@@ -146,14 +146,22 @@ class ChaosRun:
         return finished, job.leftover_processes()
 
     def _wait_stepping(self, job: LocalJob) -> None:
+        """Wait until every started agent trains in one world. An agent that starts a moment late
+        misses the first round (1 s last call) and joins the next: faults timed from a world
+        that is about to restart would hit the scale-up instead of the job asked for."""
+        expected = self.s.agents * self.s.nproc_per_node
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
-            if any(e["kind"] == "first_step" or e["kind"] == "progress" for e in self.live.read()):
+            events = self.live.read()
+            full = {e["generation"] for e in events if e["kind"] == "world" and e["world_size"] == expected}
+            if any(e["kind"] in ("first_step", "progress") and e.get("generation") in full for e in events):
                 return
             if not job.running_agents():
-                raise ScenarioError(f"the job ended before it started stepping:\n{job.logs_tail()}")
+                raise ScenarioError(f"the job ended before it started stepping with all {self.s.agents} agents:\n"
+                                    f"{job.logs_tail()}")
             time.sleep(0.2)
-        raise ScenarioError(f"the job did not start stepping within 300 s:\n{job.logs_tail()}")
+        raise ScenarioError(f"the job did not start stepping at world size {expected} ({self.s.agents} agents x "
+                            f"{self.s.nproc_per_node}) within 300 s:\n{job.logs_tail()}")
 
     def _announce_recoveries(self, announced: set[int]) -> None:
         if not self.faults:
