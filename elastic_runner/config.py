@@ -571,7 +571,7 @@ def _apply(config: Config, key: str, value: Any, source: str) -> None:
                 f"{_suggest(parts[0], list(SECTIONS))}Valid sections: {', '.join(SECTIONS)}", source,
             )
         raise ConfigError(key, "is a section, not a value", f"Set a key inside it, e.g. {key}.{dataclasses.fields(SECTIONS[key])[0].name}", source)
-    section_name, field_name = parts[0], ".".join(parts[1:])
+    section_name = parts[0]
     if section_name not in SECTIONS:
         raise ConfigError(
             key, f"unknown section {section_name!r}",

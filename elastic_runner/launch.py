@@ -24,9 +24,12 @@ import logging
 import os
 import signal
 import sys
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from .lifecycle import EXIT_USAGE
+
+if TYPE_CHECKING:
+    from .events import EventLog
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +140,7 @@ def _log_to_stderr() -> None:
         logger.propagate = False
 
 
-def _agent_events(args: Any) -> "EventLog | None":
+def _agent_events(args: Any) -> EventLog | None:
     """The agent's own event log in the worker's run directory (if its config loads)."""
     import socket
 
