@@ -130,6 +130,7 @@ class SnapshotWriter:
             if self.observer is not None:
                 self.observer.snapshot_saved(ref, result.meta, result.blocking_s, result.write_s)
         except Exception as exc:  # noqa: BLE001 - report every failure, keep training
+            exc = self._stale_instead(exc)
             result.error = exc
             result.write_s = time.perf_counter() - started
             self.failures += 1
@@ -148,6 +149,19 @@ class SnapshotWriter:
             if staging is not None:
                 self.store.discard(staging)
             result.done.set()
+
+    def _stale_instead(self, exc: Exception) -> Exception:
+        """A write that failed because a newer round started meanwhile (its start sweeps older
+        rounds' staging directories) is the stale-writer error, not a disk problem to retry."""
+        if isinstance(exc, StaleWriterError):
+            return exc
+        try:
+            self.store.check_fence(self.generation)
+        except StaleWriterError as stale:
+            return stale
+        except Exception:  # noqa: BLE001 - the store itself failing: report the original error
+            return exc
+        return exc
 
     def _prune(self, newest: SnapshotRef) -> None:
         complete = self.store.complete()

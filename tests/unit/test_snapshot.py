@@ -173,6 +173,27 @@ def test_stale_generation_cannot_publish_and_nothing_complete_is_lost(store: Loc
     assert store.complete()[-1].generation == 2
 
 
+class NewRoundStartsMidWrite(LocalStore):
+    """A store in which a newer round starts (claims its generation and sweeps older rounds'
+    staging directories, as train.py does) just after a writer created its staging directory."""
+
+    def staging(self, ref: SnapshotRef) -> Path:
+        path = super().staging(ref)
+        self.sweep(self.claim_generation({}))
+        return path
+
+
+def test_a_write_cut_short_by_a_newer_round_is_the_stale_writer_error_not_a_disk_failure(tmp_path: Path) -> None:
+    store = NewRoundStartsMidWrite(tmp_path / "snapshots")
+    store.ensure()
+    old = writer_for(store)
+    result = old.save(10, capture(10), sync=True)
+    assert isinstance(result.error, StaleWriterError), result.error
+    with pytest.raises(StaleWriterError, match="is stale: generation 2"):
+        old.raise_if_fatal()
+    assert store.complete() == [] and store.incomplete() == []
+
+
 def test_concurrent_writers_of_two_rounds_only_the_newer_becomes_latest(store: LocalStore) -> None:
     old_gen = store.claim_generation({})
     new_gen = store.claim_generation({})
