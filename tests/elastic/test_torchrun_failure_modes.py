@@ -65,23 +65,41 @@ def test_a_stale_writer_cannot_replace_the_newer_rounds_snapshots(small_config: 
     common = [sys.executable, "-m", "elastic_runner.train", "--config", str(small_config), "--set", f"run.dir={run_dir}",
               "--set", "snapshot.every_steps=5", "--set", "train.epochs=1000", "--set", "snapshot.in_memory=false"]
     env = os.environ | {"PYTHONUNBUFFERED": "1"}
-    # The old round: a zombie that keeps training on its own after being cut off.
-    old = subprocess.Popen(common + ["--set", "train.max_steps=100000"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                           text=True, env=env, start_new_session=True)
+    def start(max_steps: int) -> subprocess.Popen[str]:
+        return subprocess.Popen(common + ["--set", f"train.max_steps={max_steps}"], stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
+
+    started: list[subprocess.Popen[str]] = []
     try:
+        # The old round: a zombie that keeps training on its own after being cut off.
+        old = start(100000)
+        started.append(old)
         store = LocalStore(run_dir / "snapshots")
         deadline = time.monotonic() + 120
         while not store.complete():
             assert time.monotonic() < deadline and old.poll() is None
             time.sleep(0.05)
-        # The newer round starts on the same run directory (generation 2).
-        new = run_bounded(common + ["--set", "train.max_steps=60"], timeout=180)
+        # The old round is held (stopped) while the newer one starts on the same run directory and
+        # claims generation 2: however slowly the new one starts, the old one is still far from
+        # step 60, so the new round has steps left to train and snapshot.
+        os.kill(old.pid, signal.SIGSTOP)
+        try:
+            new_proc = start(60)
+            started.append(new_proc)
+            while not (run_dir / "snapshots" / "generations" / "000002").exists():
+                assert time.monotonic() < deadline, "the new round never claimed generation 2"
+                assert new_proc.poll() is None, new_proc.communicate()[0][-2000:]
+                time.sleep(0.05)
+        finally:
+            os.kill(old.pid, signal.SIGCONT)
+        new_out, _ = new_proc.communicate(timeout=180)
         old_out, _ = old.communicate(timeout=120)
     finally:
-        if old.poll() is None:
-            old.kill()
-            old.communicate()
-    assert new.returncode == 0, new.stdout[-2000:]
+        for proc in started:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    assert new_proc.returncode == 0, new_out[-2000:]
     assert old.returncode == 1, old_out[-2000:]
     assert "is stale: generation 2" in old_out and "split brain" in old_out
     complete = store.complete()
