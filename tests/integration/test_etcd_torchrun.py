@@ -23,6 +23,7 @@ from elastic_runner.rendezvous.backend import decode_state
 from elastic_runner.rendezvous.etcd_server import EtcdServer
 
 from ..support import (
+    audited_step,
     continue_workers,
     events,
     run_bounded,
@@ -115,7 +116,8 @@ def test_training_rides_out_an_etcd_restart(small_config: Path, local_job: Calla
     server = etcd_factory()
     job = local_job(config=str(small_config), nnodes="2:2", rdzv_backend="etcd-v3", rdzv_endpoint=server.endpoint,
                     launcher="elastic-runner",
-                    overrides=["train.epochs=20", "train.max_steps=350"])
+                    overrides=["train.epochs=20", "train.max_steps=350",
+                               "data.sampler=tests.broken_components:PacedSampler"])  # >= 14 s of steps
     run_dir = Path(job.run_dir)
     job.start_agent()
     job.start_agent()
@@ -123,8 +125,10 @@ def test_training_rides_out_an_etcd_restart(small_config: Path, local_job: Calla
     state_key = f"/elastic_runner/rdzv/{job.rdzv_id}/state"
     # SIGKILL, down for longer than keep_alive_interval * keep_alive_max_attempt (3 s): every heartbeat
     # in the record is stale when etcd is back (see elastic_runner/rendezvous/handler.py).
+    before = audited_step(run_dir)
     server.restart(down_seconds=4, crash=True)
     back = datetime.now(timezone.utc)
+    assert before < audited_step(run_dir) < 350, "training went on while etcd was down, and is not over yet"
     deadline = time.monotonic() + 20
     while True:
         state = rendezvous_state(server, state_key)
