@@ -76,7 +76,8 @@ def rendezvous_state(server: EtcdServer, key: str) -> Any:
 @pytest.mark.slow
 def test_two_then_three_agents_then_one_killed_the_job_completes_exactly_once(
         small_config: Path, local_job: Callable[..., LocalJob], etcd_server: EtcdServer) -> None:
-    job = local_job(config=str(small_config), nnodes="1:3", rdzv_backend="etcd-v3",
+    # At least 2: an agent that starts a moment late would otherwise miss the first round (1 s last call).
+    job = local_job(config=str(small_config), nnodes="2:3", rdzv_backend="etcd-v3",
                     rdzv_endpoint=etcd_server.endpoint, rdzv_conf=LocalJob.rdzv_conf + ",key_prefix=/e2e-scale",
                     overrides=["train.epochs=20", "train.max_steps=100"])
     run_dir = Path(job.run_dir)
@@ -86,9 +87,8 @@ def test_two_then_three_agents_then_one_killed_the_job_completes_exactly_once(
 
     # Scale up. The workers are stopped while the new agent starts (seconds), so the job cannot
     # finish before it arrives however fast this machine trains; they go on once it waits.
-    # Two workers run at once only in a round of both agents (the second agent may have missed the
-    # first round, 1 s last call, and joined the next): the third joins a world of 2.
     paused, _ = stop_workers_at_step(job, 5, count=2)
+    assert set(generations_by_world(run_dir).values()) == {2}
     start_agent_until_waiting(job, paused, lambda: bool(rendezvous_state(etcd_server, state_key).wait_list),
                                       timeout=60)
     three, resumed_at = wait_for_world(run_dir, 3, timeout=90, job=job)
@@ -107,7 +107,7 @@ def test_two_then_three_agents_then_one_killed_the_job_completes_exactly_once(
     assert report.ok, report.render()
     assert report.finished and report.final_step == 100
     sizes = list(generations_by_world(run_dir).values())
-    assert 2 in sizes[:sizes.index(3)] and sizes[-1] == 2, sizes
+    assert sizes[0] == 2 and 3 in sizes and sizes[-1] == 2, sizes
 
 
 @pytest.mark.slow

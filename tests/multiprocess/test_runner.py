@@ -56,16 +56,16 @@ def test_config_error_is_one_line_without_traceback(quickstart: Path, tmp_path: 
 
 
 def test_two_elastic_agents_run_one_job_at_world_size_two(small_config: Path, local_job) -> None:  # noqa: ANN001
-    job = local_job(config=str(small_config), nnodes="1:2", overrides=["train.max_steps=40"])
+    # 2:2: with a lower minimum, an agent that starts a moment late misses the first round (1 s last
+    # call) and a 40-step job may be over before it arrives.
+    job = local_job(config=str(small_config), nnodes="2:2", overrides=["train.max_steps=40"])
     job.start_agent()
     job.start_agent()
     codes = job.wait(timeout=180)
     assert codes == [0, 0], job.logs_tail()
     run_dir = Path(job.run_dir)
-    # The second agent may miss the first round (1 s last call) and join in the next one.
     starts = events(run_dir, "start")
-    last = [e for e in starts if e["generation"] == max(s["generation"] for s in starts)]
-    assert sorted(e["rank"] for e in last) == [0, 1] and {e["world_size"] for e in last} == {2}
+    assert sorted(e["rank"] for e in starts) == [0, 1] and {e["world_size"] for e in starts} == {2}
     assert len({e["params_sha256"] for e in end_events(run_dir)}) == 1
     assert check_audit(run_dir).ok
 
