@@ -123,12 +123,14 @@ def test_rank0_killed_while_writing_a_large_snapshot_resumes_from_the_previous_o
         assert time.monotonic() < deadline, job.logs_tail()
         time.sleep(0.01)
     first = store.complete()[-1]
+    rank0 = next(w for w in job.workers() if w.rank == 0)  # looked up first: the kill follows the sighting at once
     while not [n for n in store.incomplete() if n.startswith(".tmp-step")]:
         assert time.monotonic() < deadline, job.logs_tail()
         time.sleep(0.002)
-    complete_at_kill = store.complete()[-1]
-    rank0 = next(w for w in job.workers() if w.rank == 0)
     job.signal_worker(rank0, signal.SIGKILL)
+    # Only rank 0 writes: what is complete now is what the restart may use.
+    complete_at_kill = store.complete()[-1]
+    assert [n for n in store.incomplete() if n.startswith(".tmp-step")], "killed in the middle of a write"
     assert job.wait(timeout=180) == [0], job.logs_tail()
 
     resumed = [e for e in events(Path(job.run_dir), "snapshot_loaded") if e["generation"] == 2]
