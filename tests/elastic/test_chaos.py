@@ -42,10 +42,12 @@ FAULT_RUNS = {
 def test_each_fault_type_leaves_the_job_whole(fault: str, chaos_config: Path, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     agents = "1" if fault == "join" else "2"
-    # A joining agent needs its own start-up (~8 s here) before the job can grow.
-    longer = ["--set", "train.epochs=40"] if fault == "join" else []
+    # A joining agent needs its own start-up (~8 s here, slower on a loaded machine) before the job
+    # can grow: the job at world size 1 must outlast it several times over.
+    longer = ["--set", "train.epochs=80"] if fault == "join" else []
+    # Hung well past the watchdog's 2 s heartbeat timeout, so detection never races the wake-up.
     result = chaos("--config", str(chaos_config), "--run-dir", str(run_dir), "--agents", agents, "--nnodes", "1:2",
-                   "--at", FAULT_RUNS[fault], "--hang-seconds", "3", *longer)
+                   "--at", FAULT_RUNS[fault], "--hang-seconds", "5", *longer)
     assert result.returncode == 0, result.stdout[-4000:]
     assert f"fault  {fault}" in result.stdout and f"recovered from {fault}" in result.stdout
     report = json.loads((run_dir / "chaos" / "report.json").read_text())
@@ -91,7 +93,7 @@ def test_a_scenario_file_and_random_faults(chaos_config: Path, tmp_path: Path) -
     scenario = tmp_path / "scenario.yaml"
     scenario.write_text(
         f"config: {chaos_config}\nrun_dir: {tmp_path / 'run'}\nnnodes: '1:2'\nagents: 2\nduration: 8\n"
-        "random: {types: [kill-worker, hang], every: [3, 4], seed: 7}\nhang_seconds: 2\n"
+        "random: {types: [kill-worker, hang], every: [3, 4], seed: 7}\nhang_seconds: 5\n"
         # long enough to outlast the 8 s of faults on a fast machine
         "overrides: ['train.epochs=40']\n"
     )
