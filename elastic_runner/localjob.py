@@ -328,19 +328,26 @@ class LocalJob:
                         os.kill(pid, signal.SIGKILL)
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(a.pid, signal.SIGKILL)
-        leftovers = self.leftover_processes()
-        for pid in leftovers:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
         for a in self.agents:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 a.proc.wait(timeout=10)
-        _reap(set(leftovers) | self._orphans)
+        # A killed process takes a moment to go (freeing its memory), and the zygote's workers
+        # become our children only once the zygote is gone: look again until none is left.
+        seen = set(self._orphans)
+        deadline = time.monotonic() + 10
+        while (leftovers := self.leftover_processes()) and time.monotonic() < deadline:
+            seen.update(leftovers)
+            for pid in leftovers:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            _reap(seen, block=False)
+            time.sleep(0.05)
+        _reap(seen)
         shutil.rmtree(self.memory_root(), ignore_errors=True)
 
 
-def _reap(pids: set[int]) -> None:
+def _reap(pids: set[int], block: bool = True) -> None:
     """Collect exit statuses of re-parented orphans (we are their subreaper)."""
     for pid in pids:
         with contextlib.suppress(ChildProcessError, OSError):
-            os.waitpid(pid, 0)
+            os.waitpid(pid, 0 if block else os.WNOHANG)
