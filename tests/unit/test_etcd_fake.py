@@ -251,14 +251,14 @@ class StoreContract:
         threading.Timer(0.5, writer.set, args=("late", "here")).start()
         started = time.monotonic()
         assert reader.get("late") == b"here"
-        assert 0.4 < time.monotonic() - started < 1.8
+        assert 0.4 < time.monotonic() - started < 3.0  # returns when set, long before any timeout
 
     def test_get_times_out_with_a_dist_store_error_naming_the_key(self, env: KVEnv) -> None:
         store = env.store(read_timeout=1)
         started = time.monotonic()
         with pytest.raises(dist.DistStoreError, match="'missing'.*read_timeout"):
             store.get("missing")
-        assert 0.9 < time.monotonic() - started < 2.0
+        assert 0.9 < time.monotonic() - started < 3.0
 
     def test_add_counts_from_zero_and_returns_the_new_value(self, env: KVEnv) -> None:
         store = env.store()
@@ -288,7 +288,7 @@ class StoreContract:
         threading.Timer(0.5, writer.set, args=("b", "2")).start()
         started = time.monotonic()
         reader.wait(["a", "b"])
-        assert 0.4 < time.monotonic() - started < 1.8
+        assert 0.4 < time.monotonic() - started < 3.0
 
     def test_wait_times_out_listing_the_missing_keys(self, env: KVEnv) -> None:
         store = env.store(read_timeout=30)
