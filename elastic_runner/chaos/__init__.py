@@ -30,7 +30,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--rdzv-backend", choices=["c10d", "etcd-v3"], default=None)
     p.add_argument("--etcd-endpoint", default=None, help="use this etcd instead of starting one")
     p.add_argument("--launcher", choices=["elastic-runner", "torchrun"], default=None)
-    p.add_argument("--at", default=None, metavar="T:TYPE,...", help="faults at fixed times, e.g. 10:kill-worker,25:join")
+    p.add_argument("--at", default=None, metavar="T:TYPE,...", help="faults at fixed times (seconds after all agents train together), e.g. 10:kill-worker,25:join")
     p.add_argument("--faults", default=None, help=f"fault types drawn at random intervals: {', '.join(FAULT_TYPES)}")
     p.add_argument("--every", default=None, metavar="MIN:MAX", help="random interval between faults in seconds (default 8:15)")
     p.add_argument("--seed", type=int, default=None)

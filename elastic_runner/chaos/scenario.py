@@ -17,7 +17,7 @@ class ScenarioError(ValueError):
 
 @dataclass
 class FaultSpec:
-    at: float  #: seconds after the job started stepping
+    at: float  #: seconds after all started agents train in one world
     type: str
 
 
