@@ -13,6 +13,7 @@ log = logging.getLogger(__name__)
 
 PR_SET_PDEATHSIG = 1
 PR_SET_NAME = 15
+PR_SET_CHILD_SUBREAPER = 36
 
 
 #: The signal that asked this process to stop (any StopRequest), for code that
@@ -66,14 +67,27 @@ except OSError:  # pragma: no cover - not Linux
     _LIBC = None
 
 
+def _prctl(option: int, arg: int | ctypes.c_char_p) -> bool:
+    """Linux prctl(2) through the libc loaded at import (safe between fork and exec); False
+    where it is unavailable or fails."""
+    try:
+        return _LIBC is not None and _LIBC.prctl(option, arg, 0, 0, 0) == 0
+    except AttributeError:  # a libc without prctl
+        return False
+
+
+def become_subreaper() -> None:
+    """Adopt orphaned descendants (instead of init), so that they can be found and reaped."""
+    _prctl(PR_SET_CHILD_SUBREAPER, 1)
+
+
 def child_dies_with_starter() -> None:
     """``preexec_fn`` for a child that must not outlive whoever started it (SIGKILL when it dies).
 
     Runs between fork and exec, so it only calls into libc (loaded at import). The kernel ties the
     signal to the starting *thread*: start such children from the thread that owns them.
     """
-    if _LIBC is not None:
-        _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def die_with_parent() -> None:
@@ -83,15 +97,11 @@ def die_with_parent() -> None:
     loss, OOM killer) leaves its workers running as orphans that hold ports,
     memory and GPU; this makes them follow their agent.
     """
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-            log.debug("prctl(PR_SET_PDEATHSIG) failed: errno %d", ctypes.get_errno())
-        elif os.getppid() == 1:
-            # The agent died before we asked: follow it now.
-            os.kill(os.getpid(), signal.SIGKILL)
-    except (OSError, AttributeError):
-        log.debug("parent-death signal unavailable on this platform")
+    if not _prctl(PR_SET_PDEATHSIG, signal.SIGKILL):
+        log.debug("parent-death signal unavailable (errno %d)", ctypes.get_errno())
+    elif os.getppid() == 1:
+        # The agent died before we asked: follow it now.
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def name_process(rank: int, local_rank: int) -> None:
@@ -101,11 +111,7 @@ def name_process(rank: int, local_rank: int) -> None:
     environment block predates RANK, so this is how people and tools
     (elastic_runner.localjob, the chaos tool) tell them apart.
     """
-    try:
-        name = f"er-r{rank}-l{local_rank}".encode()[:15]
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_NAME, ctypes.c_char_p(name), 0, 0, 0)
-    except (OSError, AttributeError):
-        pass
+    _prctl(PR_SET_NAME, ctypes.c_char_p(f"er-r{rank}-l{local_rank}".encode()[:15]))
 
 
 #: Worker exit statuses. Here (standard library only) so that the launcher and the agent can

@@ -15,7 +15,6 @@ agent is re-parented to us and can still be found and reaped.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import re
 import shlex
@@ -30,14 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-from .lifecycle import child_dies_with_starter, proc_state
-
-PR_SET_CHILD_SUBREAPER = 36
-
-
-def become_subreaper() -> None:
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+from .lifecycle import become_subreaper, child_dies_with_starter, proc_state
 
 
 def free_port() -> int:

@@ -10,7 +10,8 @@ from typing import Iterator
 import pytest
 import yaml
 
-from elastic_runner.localjob import LocalJob, become_subreaper
+from elastic_runner.lifecycle import become_subreaper
+from elastic_runner.localjob import LocalJob
 
 ROOT = Path(__file__).resolve().parent.parent
 QUICKSTART = ROOT / "configs" / "quickstart.yaml"
