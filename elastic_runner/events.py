@@ -14,7 +14,7 @@ import os
 import socket
 import time
 from pathlib import Path
-from typing import Any, Iterator, TextIO
+from typing import Any, TextIO
 
 EVENTS_DIR = "events"
 
@@ -52,11 +52,7 @@ class NullEventLog(EventLog):
 
 def read_events(run_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """All events of a run, in time order; torn lines from killed writers are skipped."""
-    events: list[dict[str, Any]] = []
-    for path in sorted((Path(run_dir) / EVENTS_DIR).glob("*.jsonl")):
-        events.extend(_lines(path))
-    events.sort(key=lambda e: e.get("time", 0))
-    return events
+    return EventFollower(run_dir).read()
 
 
 class EventFollower:
@@ -89,13 +85,3 @@ class EventFollower:
             self._events.extend(new)
             self._events.sort(key=lambda e: e.get("time", 0))
         return self._events
-
-
-def _lines(path: Path) -> Iterator[dict[str, Any]]:
-    with open(path) as fh:
-        for line in fh:
-            if line.endswith("\n"):
-                try:
-                    yield json.loads(line)
-                except ValueError:
-                    continue
