@@ -469,7 +469,8 @@ class EtcdGatewayClient(KVClient):
         return bool(member.speaks_tls)
 
     def _call(self, fn: Callable[[_Member], T], what: str, budget: float | None = None) -> T:
-        deadline = time.monotonic() + (self.options.retry_timeout if budget is None else budget)
+        budget = self.options.retry_timeout if budget is None else budget
+        deadline = time.monotonic() + budget
         backoff = Backoff()
         reauth = 0
         first: str | None = None
@@ -502,7 +503,7 @@ class EtcdGatewayClient(KVClient):
             if remaining <= 0:
                 raise EtcdUnavailable(
                     f"Could not {what} on etcd ({self.endpoint_text}) within "
-                    f"{self.options.retry_timeout if budget is None else budget:.0f} s; last error: {error}. Check that etcd "
+                    f"{budget:.0f} s; last error: {error}. Check that etcd "
                     f"is running and reachable from this node, and that --rdzv_endpoint lists its client URLs."
                 ) from cause
             self._current = (self._current + 1) % len(self._members)

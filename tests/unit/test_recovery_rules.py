@@ -153,7 +153,6 @@ def test_memory_settings_do_not_change_the_fingerprint(quickstart: Path) -> None
     assert load_config(quickstart, ["batch.micro_size=4", "batch.uneven=refuse"]).fingerprint() == base
 
 
-
 def test_following_a_run_s_events_reads_only_new_complete_lines_and_matches_reading_them_all(tmp_path: Path) -> None:
     from elastic_runner.events import EVENTS_DIR, EventFollower, EventLog, read_events
 
