@@ -16,8 +16,6 @@ from __future__ import annotations
 import datetime
 import gc
 import logging
-import os
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -27,11 +25,9 @@ import torch
 import torch.distributed as tdist
 
 from .env import WorkerEnv
+from .lifecycle import EXIT_PEER_TIMEOUT, exit_now
 
 log = logging.getLogger(__name__)
-
-#: Exit status of a worker that gave up waiting for its peers.
-EXIT_PEER_TIMEOUT = 75
 
 T = TypeVar("T")
 
@@ -71,15 +67,12 @@ class Deadline:
         if self._done.wait(self.seconds):
             return
         log.critical(self.message)
-        sys.stderr.write(f"elastic_runner: {self.message}\n")
-        sys.stderr.flush()
         if self.on_expire is not None:
             try:
                 self.on_expire()
             except Exception:  # noqa: BLE001 - we are exiting anyway
                 log.exception("deadline hook failed")
-        logging.shutdown()
-        os._exit(self.exit_code)
+        exit_now(self.exit_code, self.message)
 
 
 def choose_device(env: WorkerEnv, requested: str = "auto") -> torch.device:
@@ -176,6 +169,18 @@ class Dist:
             dist.all_reduce_sum(torch.zeros(1, device=dev))
         log.debug("process group up in %.3fs", time.monotonic() - started)
         return dist
+
+    def abort(self) -> None:
+        """Abort the process group from another thread (NCCL): only that returns the GPU stream of a
+        collective stuck on a lost peer, so the main thread raises out of it."""
+        try:
+            from torch.distributed import distributed_c10d
+
+            abort = getattr(distributed_c10d, "_abort_process_group", None)
+            if abort is not None:
+                abort()
+        except Exception:  # noqa: BLE001 - we are ending the attempt anyway
+            log.debug("process group abort failed", exc_info=True)
 
     def down(self) -> None:
         # Objects in reference cycles (a worker's DDP model after an exception) hold the group

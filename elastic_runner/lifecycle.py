@@ -1,4 +1,8 @@
-"""Process lifecycle: graceful-stop signals, parent death, process start time."""
+"""Process lifecycle: graceful-stop signals, exit statuses, leaving at once, parent death, start time.
+
+Standard library only, so that the launcher, the agent and the zygote can use it without
+importing the trainer (or torch).
+"""
 
 from __future__ import annotations
 
@@ -6,10 +10,42 @@ import ctypes
 import logging
 import os
 import signal
+import sys
 import time
 from types import FrameType
 
 log = logging.getLogger(__name__)
+
+# -- worker exit statuses (the only place they are defined) ------------------------------------------
+
+#: Finished, or stopped gracefully on SIGTERM/SIGINT after saving a snapshot.
+EXIT_OK = 0
+#: Anything else; torchrun restarts the group.
+EXIT_FAILED = 1
+#: A configuration or resume problem: a restart would fail the same way, so our agent does not retry.
+EXIT_USAGE = 2
+#: Peers did not arrive within ``dist.init_timeout_seconds`` (process group or first collective).
+EXIT_PEER_TIMEOUT = 75
+#: The attempt ended because a peer died or hung; the state was kept for the next attempt.
+EXIT_PEER_LOST = 76
+
+
+def exit_now(code: int, message: str | None = None) -> None:
+    """Leave at once with ``code``: one line to stderr, log handlers flushed, no interpreter teardown.
+
+    For threads that must end a process whose main thread is stuck in native code (a collective, a
+    process-group start) and for forked workers that must not run the parent's teardown.
+    """
+    if message:
+        sys.stderr.write(f"elastic_runner: {message}\n")
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - a closed pipe must not keep us alive
+            pass
+    os._exit(code)
+
 
 PR_SET_PDEATHSIG = 1
 PR_SET_NAME = 15
@@ -109,16 +145,11 @@ def name_process(rank: int, local_rank: int) -> None:
 
     Workers forked from the zygote all share one command line and their
     environment block predates RANK, so this is how people and tools
-    (elastic_runner.localjob, the chaos tool) tell them apart.
+    (elastic_runner.testing.localjob, the chaos tool) tell them apart.
     """
     _prctl(PR_SET_NAME, ctypes.c_char_p(f"er-r{rank}-l{local_rank}".encode()[:15]))
 
 
-#: Worker exit statuses. Here (standard library only) so that the launcher and the agent can
-#: use them without importing the trainer: 2 tells the agent that a restart cannot help.
-EXIT_OK = 0
-EXIT_FAILED = 1
-EXIT_USAGE = 2
 
 
 def proc_state(pid: int) -> str:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import multiprocessing.forkserver as forkserver
-import os
 import sys
 import threading
 
@@ -65,16 +64,6 @@ def worker_main(*argv: str) -> None:
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1
     except BaseException:  # noqa: BLE001 - reported by @record; exit without teardown
-        _exit_now(1)
+        lifecycle.exit_now(lifecycle.EXIT_FAILED)
     if code or lifecycle.stop_signal is not None:
-        _exit_now(int(code or 0))
-
-
-def _exit_now(code: int) -> None:
-    logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:  # noqa: BLE001
-            pass
-    os._exit(code)
+        lifecycle.exit_now(int(code or 0))
