@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from elastic_runner.events import EventFollower, read_events  # noqa: E402
-from elastic_runner.localjob import LocalJob  # noqa: E402
+from elastic_runner.testing.localjob import LocalJob  # noqa: E402
 
 VARIANTS = ("torchrun-default", "torchrun-tuned", "elastic-runner")
 TUNED_RDZV = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3"

@@ -6,7 +6,7 @@ round completes as soon as the N-th agent has joined (no last-call wait). No tra
 
 - etcd-v3: every agent has its own HTTP client, backend and store, built by the plugin's factory
   exactly as torchrun builds them (connectivity check included), against one local etcd started
-  here (``elastic_runner.rendezvous.etcd_server``) unless ``--etcd-endpoint`` names one.
+  here (``elastic_runner.testing.etcd_server``) unless ``--etcd-endpoint`` names one.
 - c10d: torch's backend; one ``TCPStore`` server in this process (the host agent's role) and one
   ``TCPStore`` client per agent, which is what torchrun's c10d backend does across nodes.
 
@@ -54,9 +54,9 @@ from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRen
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler  # noqa: E402
 
 from elastic_runner.launch import ENV_DEFAULTS  # noqa: E402
-from elastic_runner.localjob import free_port  # noqa: E402
+from elastic_runner.testing.localjob import free_port  # noqa: E402
 from elastic_runner.rendezvous.backend import create_backend, run_prefix  # noqa: E402
-from elastic_runner.rendezvous.etcd_server import EtcdServer  # noqa: E402
+from elastic_runner.testing.etcd_server import EtcdServer  # noqa: E402
 from elastic_runner.rendezvous.handler import create_handler as etcd_handler  # noqa: E402
 
 for _key, _value in ENV_DEFAULTS.items():  # as elastic-runner launch sets them

@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
-PORT=$(.venv/bin/python -c 'from elastic_runner.localjob import free_port; print(free_port())')
+PORT=$(.venv/bin/python -c 'from elastic_runner.testing.localjob import free_port; print(free_port())')
 RUN_DIR=${RUN_DIR:-runs/quickstart-$(date +%Y%m%d-%H%M%S)}
 echo "==> training; run directory $RUN_DIR"
 .venv/bin/elastic-runner launch --nnodes=1:2 --nproc_per_node=2 --rdzv_backend=c10d \

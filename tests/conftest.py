@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from elastic_runner.lifecycle import become_subreaper
-from elastic_runner.localjob import LocalJob
+from elastic_runner.testing.localjob import LocalJob
 
 ROOT = Path(__file__).resolve().parent.parent
 QUICKSTART = ROOT / "configs" / "quickstart.yaml"
@@ -33,7 +33,7 @@ def write_config(path: Path, **sections: dict) -> Path:
 @pytest.fixture(scope="session")
 def etcd_binary() -> str:
     """etcd, installed from Debian when missing (as root), for tests that need a real server."""
-    from elastic_runner.rendezvous.etcd_server import ensure_installed
+    from elastic_runner.testing.etcd_server import ensure_installed
 
     try:
         return ensure_installed()

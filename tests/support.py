@@ -13,7 +13,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from elastic_runner.events import read_events
-from elastic_runner.localjob import free_port
+from elastic_runner.testing.localjob import free_port
 
 
 def torchrun_standalone(config: Path | str, run_dir: Path, nproc: int = 2, overrides: Sequence[str] = (),
@@ -34,7 +34,7 @@ def run_bounded(cmd: Sequence[str], timeout: float, env: dict[str, str] | None =
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        from elastic_runner.localjob import descendants
+        from elastic_runner.testing.localjob import descendants
 
         for pid in descendants(proc.pid) + [proc.pid]:
             try:

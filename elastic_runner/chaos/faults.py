@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from ..localjob import Agent, LocalJob, Worker
+from ..testing.localjob import Agent, LocalJob, Worker
 from ..snapshot import LocalStore
 from .scenario import FAULT_TYPES
 
@@ -33,7 +33,7 @@ class FaultContext:
     max_agents: int
     hang_seconds: float
     snapshot_dir: Path
-    etcd: Any = None  #: elastic_runner.rendezvous.etcd_server.EtcdServer when self-started
+    etcd: Any = None  #: elastic_runner.testing.etcd_server.EtcdServer when self-started
 
 
 def _removable_agents(ctx: FaultContext) -> list[Agent]:

@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterator
 
 from ..audit import check_audit
 from ..events import EventFollower, read_events
-from ..localjob import LocalJob
+from ..testing.localjob import LocalJob
 from .faults import FAULTS, FaultContext, Skip
 from .scenario import Scenario, ScenarioError
 from .verify import Injected, Verdict, as_dicts, attribute_recoveries, generations, recovery_stats, verify
@@ -66,7 +66,7 @@ class ChaosRun:
         if self.s.rdzv_backend != "etcd-v3" or self.s.etcd_endpoint:
             yield None
             return
-        from ..rendezvous.etcd_server import EtcdServer
+        from ..testing.etcd_server import EtcdServer
 
         server = EtcdServer(data_dir=self.run_dir.with_name(self.run_dir.name + "-etcd") / "data")
         server.start()

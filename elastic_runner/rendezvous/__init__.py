@@ -6,10 +6,11 @@ losing that node loses the job. This package keeps torch's ``DynamicRendezvousHa
 protocol) and puts its shared state and its store on etcd's v3 API:
 
 - ``options``  ``--rdzv_endpoint`` / ``--rdzv_conf`` parsing, one table of options with defaults.
-- ``client``   the narrow key-value interface the rest is written against (get, transaction with
-               compare-and-swap, lease, delete, count, wait-for-change), its implementation on
-               etcd's HTTP/JSON gateway (``etcd3gw``) with retries and fail-over, and an in-memory
-               fake with the same semantics (revisions, leases, expiry) for fast tests.
+- ``kv``       the narrow key-value interface the rest is written against (get, transaction with
+               compare-and-swap, lease, delete, count, wait-for-change), its errors, leases.
+- ``gateway``  that interface on etcd's HTTP/JSON gateway (``etcd3gw``) with retries, fail-over,
+               TLS and auth. (An in-memory fake with the same semantics, the contract suites and a
+               local etcd server for tests live in :mod:`elastic_runner.testing`.)
 - ``backend``  ``RendezvousBackend``: the state under one key, ``set_state`` as one transaction
                that compares the key's ``mod_revision`` (the fencing token).
 - ``store``    ``torch.distributed.Store`` on the same prefix; waits use etcd watches.
@@ -17,7 +18,6 @@ protocol) and puts its shared state and its store on etcd's v3 API:
                window, live agents heartbeat again instead of dropping themselves from the record.
 - ``plugin``   the ``torchrun.handlers`` entry point (kept import-light: torch's registry loads it
                while it is itself being imported).
-- ``etcd_server``  start/stop/restart a local etcd (tests, benchmarks, chaos).
 
 Nothing here is imported by ``import elastic_runner.rendezvous``; import the submodules.
 """

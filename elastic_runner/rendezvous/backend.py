@@ -38,15 +38,8 @@ from torch.distributed.elastic.rendezvous import (
 )
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend, Token
 
-from .client import (
-    Compare,
-    EtcdError,
-    EtcdGatewayClient,
-    Get,
-    KVClient,
-    LeaseKeeper,
-    Put,
-)
+from .gateway import EtcdGatewayClient
+from .kv import Compare, EtcdError, Get, KVClient, LeaseKeeper, Put
 from .options import DEFAULT_KEY_PREFIX, DEFAULTS, parse_options
 
 if TYPE_CHECKING:

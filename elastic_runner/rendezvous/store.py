@@ -33,7 +33,7 @@ from typing import Any, Sequence
 import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError
 
-from .client import (
+from .kv import (
     MAX_TXN_OPS,
     WATCH_SLICE_SECONDS,
     Compare,

@@ -7,7 +7,7 @@ from typing import Iterator
 
 import pytest
 
-from elastic_runner.localjob import LocalJob
+from elastic_runner.testing.localjob import LocalJob
 
 from ..conftest import write_config
 from ..support import exported_model

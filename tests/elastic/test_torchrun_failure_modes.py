@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from elastic_runner.audit import check_audit
-from elastic_runner.localjob import free_port
+from elastic_runner.testing.localjob import free_port
 from elastic_runner.snapshot import LocalStore
 
 from ..conftest import write_config

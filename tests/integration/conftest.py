@@ -19,11 +19,12 @@ from typing import Callable, Iterator
 
 import pytest
 
-from elastic_runner.rendezvous.client import EtcdGatewayClient, KVClient, Put
-from elastic_runner.rendezvous.etcd_server import EtcdServer, ServerTLS
+from elastic_runner.rendezvous.gateway import EtcdGatewayClient
+from elastic_runner.rendezvous.kv import KVClient, Put
+from elastic_runner.testing.etcd_server import EtcdServer, ServerTLS
 from elastic_runner.rendezvous.options import EtcdOptions, parse_endpoints
 
-from ..unit.test_etcd_fake import KVEnv
+from elastic_runner.testing.contracts import KVEnv
 
 
 @pytest.fixture(scope="session")

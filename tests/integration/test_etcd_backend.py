@@ -10,12 +10,14 @@ from typing import Callable
 import pytest
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError
 
-from elastic_runner.localjob import free_port
+from elastic_runner.testing.localjob import free_port
 from elastic_runner.rendezvous.backend import create_backend, decode_state
-from elastic_runner.rendezvous.etcd_server import EtcdServer
+from elastic_runner.testing.etcd_server import EtcdServer
 from elastic_runner.rendezvous.plugin import create_handler
 
-from ..unit.test_etcd_fake import BackendContract, KVEnv, params
+from elastic_runner.testing.contracts import BackendContract, KVEnv
+
+from ..unit.test_etcd_fake import params
 from .conftest import Certs, gateway_client
 
 pytestmark = pytest.mark.timeout(60)

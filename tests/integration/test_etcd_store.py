@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from elastic_runner.rendezvous.etcd_server import EtcdServer
+from elastic_runner.testing.etcd_server import EtcdServer
 
-from ..unit.test_etcd_fake import KVEnv, StoreContract
+from elastic_runner.testing.contracts import KVEnv, StoreContract
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -26,7 +26,7 @@ class TestStoreContractOnEtcd(StoreContract):
 
 ADDER = textwrap.dedent("""
     import sys
-    from elastic_runner.rendezvous.client import EtcdGatewayClient
+    from elastic_runner.rendezvous.gateway import EtcdGatewayClient
     from elastic_runner.rendezvous.options import EtcdOptions, parse_endpoints
     from elastic_runner.rendezvous.store import EtcdStore
 
@@ -38,7 +38,7 @@ ADDER = textwrap.dedent("""
 
 
 def test_concurrent_adds_from_four_processes_are_each_counted_once(etcd_server: EtcdServer, tmp_path: Path) -> None:
-    from elastic_runner.rendezvous.client import EtcdGatewayClient
+    from elastic_runner.rendezvous.gateway import EtcdGatewayClient
     from elastic_runner.rendezvous.options import EtcdOptions, parse_endpoints
     from elastic_runner.rendezvous.store import EtcdStore
 

@@ -16,7 +16,7 @@ from typing import Iterator
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from elastic_runner.localjob import descendants, free_port
+from elastic_runner.testing.localjob import descendants, free_port
 
 from ..conftest import write_config
 

@@ -1,14 +1,8 @@
-"""The narrow etcd v3 interface the backend and the store are written against, two implementations.
+"""``KVClient`` on etcd's v3 HTTP/JSON gateway (``/v3/kv/txn``, ``/v3/watch``...) through ``etcd3gw``.
 
-Everything the rendezvous needs from etcd fits in a handful of calls: read one key (with its
-``mod_revision``), one *transaction* (compare a key's mod/create revision or value, then put, get or
-delete; otherwise get), count and delete a prefix, grant/refresh a lease, and *wait until a key
-changes after a revision* (a watch). ``KVClient`` is that interface.
-
-``EtcdGatewayClient`` implements it on etcd's HTTP/JSON gateway (``/v3/kv/txn``, ``/v3/watch``...)
-through ``etcd3gw`` (maintained, no grpc/protobuf pins; the ``etcd3`` package fails to import with
-protobuf >= 4 and locks out a failed endpoint for minutes). ``etcd3gw`` gives us sessions, TLS, API
-path discovery and status-code mapping; the payloads, error classification, retries and watches are
+``etcd3gw`` is maintained and has no grpc/protobuf pins (the ``etcd3`` package fails to import with
+protobuf >= 4 and locks out a failed endpoint for minutes). It gives us sessions, TLS, API path
+discovery and status-code mapping; the payloads, error classification, retries and watches are
 ours, because its helpers encode keys as latin-1 text and its watcher has no timeout:
 
 - *Retries.* Connection failures, timeouts and etcd's "unavailable" answers (no leader, leader
@@ -22,16 +16,6 @@ ours, because its helpers encode keys as latin-1 text and its watcher has no tim
 - *Auth.* With ``user``/``password``, a token from ``/v3/auth/authenticate`` goes into the
   ``Authorization`` header of each endpoint's session; an expired or foreign token (simple tokens
   are per member) is renewed once and the request repeated.
-
-``MemoryEtcd`` / ``MemoryKV`` is an in-memory fake with the same semantics (store revision,
-``create_revision``/``mod_revision``, failed value-compare on a missing key, leases whose expiry
-deletes their keys, watch from a revision) so the contract suites run in milliseconds and can
-simulate outages; the same suites run against the real server.
-
-``LeaseKeeper`` gives one client one lease: granted on the first write, refreshed (one keep-alive
-request) when a third of the TTL has passed since the last refresh and the process writes again,
-re-granted when etcd no longer knows it. The keys of a process thus live while it keeps writing and
-vanish between 2/3 TTL and TTL after it stopped, with no background thread.
 """
 
 from __future__ import annotations
@@ -45,107 +29,31 @@ import socket
 import ssl
 import threading
 import time
-from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Callable, Literal, Sequence, TypeVar, Union
+from typing import Any, Callable, Sequence
 
 import requests
 
+from .kv import (
+    Backoff,
+    Compare,
+    Delete,
+    EtcdAuthError,
+    EtcdLeaseNotFound,
+    EtcdRequestError,
+    EtcdTLSError,
+    EtcdUnavailable,
+    Get,
+    KeyValue,
+    KVClient,
+    Op,
+    Put,
+    T,
+    TxnResult,
+)
 from .options import Endpoint, EtcdOptions
 
 log = logging.getLogger(__name__)
-
-T = TypeVar("T")
-
-MAX_TXN_OPS = 128  # etcd's default --max-txn-ops
-WATCH_SLICE_SECONDS = 10.0  # longest single watch request; bounds how long a silently dead stream goes unnoticed
-
-
-# -- data model ------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class KeyValue:
-    key: bytes
-    value: bytes
-    create_revision: int
-    mod_revision: int
-    lease: int = 0
-
-
-@dataclass(frozen=True)
-class Compare:
-    """``key``'s ``target`` equals ``expected`` (etcd's compare; a missing key has revisions 0)."""
-
-    key: bytes
-    target: Literal["mod_revision", "create_revision", "value"]
-    expected: int | bytes
-
-    @staticmethod
-    def mod_revision(key: bytes, revision: int) -> "Compare":
-        return Compare(key, "mod_revision", revision)
-
-    @staticmethod
-    def absent(key: bytes) -> "Compare":
-        return Compare(key, "create_revision", 0)
-
-    @staticmethod
-    def value(key: bytes, value: bytes) -> "Compare":
-        return Compare(key, "value", value)
-
-
-@dataclass(frozen=True)
-class Put:
-    key: bytes
-    value: bytes
-    lease: int = 0
-
-
-@dataclass(frozen=True)
-class Get:
-    key: bytes
-
-
-@dataclass(frozen=True)
-class Delete:
-    key: bytes
-
-
-Op = Union[Put, Get, Delete]
-
-
-@dataclass(frozen=True)
-class TxnResult:
-    succeeded: bool
-    revision: int  #: store revision after the transaction (the mod_revision of its puts)
-    results: tuple[Any, ...]  #: per op of the branch taken: Get → KeyValue | None, Delete → count, Put → None
-
-
-# -- errors -----------------------------------------------------------------------------------------
-
-
-class EtcdError(Exception):
-    """Base of the client's errors; the message is a full sentence that says what to check."""
-
-
-class EtcdUnavailable(EtcdError):
-    """No endpoint answered within the operation's retry budget."""
-
-
-class EtcdAuthError(EtcdError):
-    """Authentication is required, failed, or the user lacks permission."""
-
-
-class EtcdTLSError(EtcdError):
-    """TLS handshake or scheme mismatch between client and server."""
-
-
-class EtcdLeaseNotFound(EtcdError):
-    """A put referred to a lease etcd does not know (expired or revoked)."""
-
-
-class EtcdRequestError(EtcdError):
-    """etcd refused the request for a reason retrying does not fix."""
 
 
 class _Transient(Exception):
@@ -155,133 +63,6 @@ class _Transient(Exception):
 class _Reauthenticate(Exception):
     """Internal: the auth token expired or belongs to another member."""
 
-
-# -- interface -----------------------------------------------------------------------------------------
-
-
-class KVClient(ABC):
-    """The calls the rendezvous backend and store make; see the module docstring."""
-
-    endpoint_text: str = "etcd"
-
-    def __init__(self) -> None:
-        self._requests = 0
-        self._count_lock = threading.Lock()
-
-    @property
-    def requests(self) -> int:
-        """Requests sent so far (retries, watches and lease calls included)."""
-        return self._requests
-
-    def _count(self) -> None:
-        with self._count_lock:
-            self._requests += 1
-
-    @abstractmethod
-    def txn(self, compare: Sequence[Compare], success: Sequence[Op], failure: Sequence[Op] = ()) -> TxnResult:
-        """One atomic transaction: if every compare holds run ``success``, else ``failure``."""
-
-    @abstractmethod
-    def get(self, key: bytes, *, budget: float | None = None) -> tuple[KeyValue | None, int]:
-        """The key (or None) and the store revision of the read."""
-
-    @abstractmethod
-    def count_prefix(self, prefix: bytes) -> int:
-        """Number of keys that start with ``prefix``."""
-
-    @abstractmethod
-    def delete_prefix(self, prefix: bytes) -> int:
-        """Delete every key that starts with ``prefix``; return how many there were."""
-
-    @abstractmethod
-    def grant_lease(self, ttl: int) -> int:
-        """A new lease id with the given TTL in seconds."""
-
-    @abstractmethod
-    def keep_alive_lease(self, lease_id: int) -> int:
-        """Refresh a lease; its new TTL, or <= 0 when etcd no longer knows it."""
-
-    @abstractmethod
-    def wait_for_change(self, key: bytes, start_revision: int, timeout: float) -> bool:
-        """Block until ``key`` is written at a revision >= ``start_revision`` or ``timeout`` passes.
-
-        Returns False only on timeout. True means "look again": it is also returned after a
-        connection problem (after a short pause) so the caller re-reads with its own retries.
-        """
-
-    def get_many(self, keys: Sequence[bytes]) -> tuple[dict[bytes, KeyValue], int]:
-        """Present keys among ``keys`` and the (lowest) revision at which they were read."""
-        found: dict[bytes, KeyValue] = {}
-        revision: int | None = None
-        for start in range(0, len(keys), MAX_TXN_OPS):
-            chunk = keys[start:start + MAX_TXN_OPS]
-            result = self.txn((), [Get(k) for k in chunk])
-            revision = result.revision if revision is None else min(revision, result.revision)
-            for kv in result.results:
-                if kv is not None:
-                    found[kv.key] = kv
-        return found, revision or 0
-
-    def close(self) -> None:
-        """Release connections."""
-
-
-# -- lease --------------------------------------------------------------------------------------------------
-
-
-class LeaseKeeper:
-    """One lease for one client, granted and refreshed lazily on writes (see module docstring)."""
-
-    def __init__(self, client: KVClient, ttl: int, clock: Callable[[], float] = time.monotonic) -> None:
-        self.client = client
-        self.ttl = int(ttl)
-        self._clock = clock
-        self._lock = threading.Lock()
-        self._id = 0
-        self._refreshed = 0.0
-
-    def current(self) -> int:
-        with self._lock:
-            now = self._clock()
-            if self._id and now - self._refreshed < self.ttl / 3:
-                return self._id
-            if self._id and self.client.keep_alive_lease(self._id) > 0:
-                self._refreshed = now
-                return self._id
-            self._id = self.client.grant_lease(self.ttl)
-            self._refreshed = now
-            return self._id
-
-    def invalidate(self, lease_id: int) -> None:
-        with self._lock:
-            if self._id == lease_id:
-                self._id = 0
-
-    def run(self, write: Callable[[int], T]) -> T:
-        """Call ``write(lease_id)``; if etcd lost the lease meanwhile, once more with a new one."""
-        lease = self.current()
-        try:
-            return write(lease)
-        except EtcdLeaseNotFound:
-            self.invalidate(lease)
-            return write(self.current())
-
-
-# -- retries ------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Backoff:
-    """Exponential backoff with jitter: attempt k sleeps uniformly in [d/2, d], d = min(cap, base·2^k)."""
-
-    base: float = 0.05
-    cap: float = 2.0
-    attempt: int = 0
-
-    def next_delay(self) -> float:
-        d = min(self.cap, self.base * (2 ** self.attempt))
-        self.attempt += 1
-        return random.uniform(d / 2, d)
 
 
 # -- etcd over the HTTP gateway ------------------------------------------------------------------------------
@@ -656,189 +437,3 @@ def _is_timeout(exc: BaseException) -> bool:
             return True
         seen = seen.__cause__ or seen.__context__
     return False
-
-
-# -- in-memory fake -----------------------------------------------------------------------------------------------
-
-
-class MemoryEtcd:
-    """An etcd server in memory: one revision counter, keys with revisions, leases with expiry.
-
-    ``clock`` drives lease expiry (tests pass a fake clock); ``available = False`` makes every
-    request fail like an unreachable server; ``fail_after_apply`` applies the next transaction and
-    then reports a connection failure (a response lost on the way back).
-    """
-
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
-        self.clock = clock
-        self.revision = 1
-        self.available = True
-        self.fail_after_apply = 0
-        self._cond = threading.Condition()
-        self._data: dict[bytes, KeyValue] = {}
-        self._leases: dict[int, tuple[int, float]] = {}  # id -> (ttl, expiry)
-        self._next_lease = 1000
-        self._put_revision: dict[bytes, int] = {}
-
-    def client(self) -> "MemoryKV":
-        return MemoryKV(self)
-
-    def raw_put(self, key: bytes, value: bytes) -> None:
-        """Write a key directly (tests corrupt state this way)."""
-        with self._cond:
-            self._apply_put(Put(key, value))
-            self.revision += 1
-            self._cond.notify_all()
-
-    # -- internals (call with the condition held) -----------------------------------------------------------------
-
-    def _check(self) -> None:
-        if not self.available:
-            raise EtcdUnavailable("Could not reach the in-memory etcd (it is marked unavailable). Check that etcd is "
-                                  "running and reachable from this node.")
-        self._expire()
-
-    def _expire(self) -> None:
-        now = self.clock()
-        dead = [lid for lid, (_, expiry) in self._leases.items() if expiry <= now]
-        if not dead:
-            return
-        removed = False
-        for lid in dead:
-            del self._leases[lid]
-            for key in [k for k, kv in self._data.items() if kv.lease == lid]:
-                del self._data[key]
-                removed = True
-        if removed:
-            self.revision += 1
-            self._cond.notify_all()
-
-    def _holds(self, c: Compare) -> bool:
-        kv = self._data.get(c.key)
-        if c.target == "value":
-            return kv is not None and kv.value == c.expected  # etcd: a value compare on a missing key fails
-        actual = 0 if kv is None else getattr(kv, c.target)
-        return actual == c.expected
-
-    def _apply_put(self, op: Put) -> None:
-        old = self._data.get(op.key)
-        rev = self.revision + 1
-        self._data[op.key] = KeyValue(op.key, op.value, old.create_revision if old else rev, rev, op.lease)
-        self._put_revision[op.key] = rev
-
-    def txn(self, compare: Sequence[Compare], success: Sequence[Op], failure: Sequence[Op]) -> TxnResult:
-        with self._cond:
-            self._check()
-            ok = all(self._holds(c) for c in compare)
-            ops = success if ok else failure
-            for op in ops:
-                if isinstance(op, Put) and op.lease and op.lease not in self._leases:
-                    raise EtcdLeaseNotFound("The in-memory etcd no longer knows the lease: requested lease not found.")
-            results: list[Any] = []
-            writes = False
-            for op in ops:
-                if isinstance(op, Get):
-                    results.append(self._data.get(op.key))
-                elif isinstance(op, Put):
-                    self._apply_put(op)
-                    writes = True
-                    results.append(None)
-                else:
-                    existed = self._data.pop(op.key, None) is not None
-                    writes = writes or existed
-                    results.append(int(existed))
-            if writes:
-                self.revision += 1
-                self._cond.notify_all()
-            result = TxnResult(ok, self.revision, tuple(results))
-            if self.fail_after_apply:
-                self.fail_after_apply -= 1
-                raise _LostResponse()
-            return result
-
-
-class _LostResponse(Exception):
-    """The fake applied a request and 'lost' the answer."""
-
-
-class MemoryKV(KVClient):
-    """A client of a ``MemoryEtcd``; several clients of one server act like several agents."""
-
-    endpoint_text = "memory"
-
-    def __init__(self, server: MemoryEtcd) -> None:
-        super().__init__()
-        self.server = server
-
-    def txn(self, compare: Sequence[Compare], success: Sequence[Op], failure: Sequence[Op] = ()) -> TxnResult:
-        self._count()
-        try:
-            return self.server.txn(compare, success, failure)
-        except _LostResponse:
-            # Like the gateway client: a lost answer is retried once the server answers again.
-            self._count()
-            return self.server.txn(compare, success, failure)
-
-    def get(self, key: bytes, *, budget: float | None = None) -> tuple[KeyValue | None, int]:
-        self._count()
-        s = self.server
-        with s._cond:
-            s._check()
-            return s._data.get(key), s.revision
-
-    def count_prefix(self, prefix: bytes) -> int:
-        self._count()
-        s = self.server
-        with s._cond:
-            s._check()
-            return sum(1 for k in s._data if k.startswith(prefix))
-
-    def delete_prefix(self, prefix: bytes) -> int:
-        self._count()
-        s = self.server
-        with s._cond:
-            s._check()
-            keys = [k for k in s._data if k.startswith(prefix)]
-            for k in keys:
-                del s._data[k]
-            if keys:
-                s.revision += 1
-                s._cond.notify_all()
-            return len(keys)
-
-    def grant_lease(self, ttl: int) -> int:
-        self._count()
-        s = self.server
-        with s._cond:
-            s._check()
-            s._next_lease += 1
-            ttl = max(int(ttl), 1)
-            s._leases[s._next_lease] = (ttl, s.clock() + ttl)
-            return s._next_lease
-
-    def keep_alive_lease(self, lease_id: int) -> int:
-        self._count()
-        s = self.server
-        with s._cond:
-            s._check()
-            if lease_id not in s._leases:
-                return -1
-            ttl, _ = s._leases[lease_id]
-            s._leases[lease_id] = (ttl, s.clock() + ttl)
-            return ttl
-
-    def wait_for_change(self, key: bytes, start_revision: int, timeout: float) -> bool:
-        self._count()
-        s = self.server
-        deadline = time.monotonic() + timeout
-        with s._cond:
-            while True:
-                if not s.available:
-                    return True
-                s._expire()
-                if s._put_revision.get(key, 0) >= start_revision:
-                    return True
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return False
-                s._cond.wait(min(remaining, 0.05))

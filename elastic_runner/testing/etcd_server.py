@@ -29,7 +29,7 @@ from pathlib import Path
 import requests
 
 from ..lifecycle import child_dies_with_starter
-from ..localjob import free_port
+from .localjob import free_port
 
 @dataclass(frozen=True)
 class ServerTLS:
