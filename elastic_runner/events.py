@@ -85,3 +85,12 @@ class EventFollower:
             self._events.extend(new)
             self._events.sort(key=lambda e: e.get("time", 0))
         return self._events
+
+
+def furthest_step_reached(run_dir: str | os.PathLike[str], before_generation: int) -> int:
+    """The highest step any attempt before ``before_generation`` reported: the bound for steps recomputed."""
+    furthest = 0
+    for event in read_events(run_dir):
+        if event.get("generation", before_generation) < before_generation and isinstance(event.get("step"), int):
+            furthest = max(furthest, event["step"])
+    return furthest

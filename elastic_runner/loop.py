@@ -14,10 +14,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import random
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 from torch import nn
@@ -31,9 +30,13 @@ from .events import EventLog
 from .lifecycle import StopRequest
 from .logs import Progress, RankZero
 from .metrics import Metrics
-from .recovery import StateGuard
 from .models import per_sample_loss
-from .sampler import ElasticSampler, StepPlan
+from .rng import seed_step, step_seed
+from .sampler import StepPlan
+
+if TYPE_CHECKING:
+    from .checkpoint import Checkpointer
+    from .watchdog import PeerWatchdog
 
 log = logging.getLogger(__name__)
 
@@ -72,111 +75,57 @@ class TrainState:
         self.world_history.append({"generation": generation, "step": self.step, "world_size": world_size, "time": time.time()})
 
 
-def rng_state() -> dict[str, Any]:
-    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    try:
-        import numpy as np
-
-        kind, keys, pos, has_gauss, cached = np.random.get_state()
-        state["numpy"] = {"kind": kind, "keys": keys.tolist(), "pos": pos, "has_gauss": has_gauss, "cached": cached}
-    except ImportError:
-        pass
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    if "python" in state:
-        version, internal, gauss = state["python"]
-        random.setstate((version, tuple(internal), gauss))
-    if "torch" in state:
-        torch.set_rng_state(state["torch"].cpu())
-    if "cuda" in state and torch.cuda.is_available():
-        states = state["cuda"][: torch.cuda.device_count()]
-        torch.cuda.set_rng_state_all([s.cpu() for s in states])
-    if "numpy" in state:
-        try:
-            import numpy as np
-
-            n = state["numpy"]
-            np.random.set_state((n["kind"], np.array(n["keys"], dtype=np.uint32), n["pos"], n["has_gauss"], n["cached"]))
-        except ImportError:
-            pass
-
-
-def step_seed(seed: int, step: int, rank: int) -> int:
-    """Per-step, per-rank seed: randomness (dropout, augmentation) after a resume is
-    the same as in an uninterrupted run, without gathering every rank's RNG state."""
-    return (seed * 6_364_136_223_846_793_005 + step * 1_442_695_040_888_963_407 + rank * 2_654_435_761) % (2**63 - 1)
-
-
-def seed_step(seed: int, device: torch.device) -> None:
-    """Seed the generators a step on ``device`` draws from (CPU, and that GPU).
-
-    Not ``torch.manual_seed``: it also seeds every CUDA/XPU/MTIA device, and where one is not
-    initialised it queues the call with a captured stack trace; on a CPU machine that cost 11 %
-    of a small model's step time (py-spy, quickstart CNN).
-    """
-    torch.default_generator.manual_seed(seed)
-    if device.type == "cuda":
-        torch.cuda.manual_seed(seed)  # the current device, which the process group set to LOCAL_RANK
-
-
 @dataclass
 class Components:
-    """Everything the loop drives, built by :mod:`elastic_runner.train`."""
+    """Everything the loop drives, built by :mod:`elastic_runner.attempt`."""
 
     cfg: Config
     dist: Dist
     model: nn.Module  #: the un-wrapped model (state_dict keys without ``module.``)
     ddp: nn.Module
-    optimizer: torch.optim.Optimizer
-    scheduler: Any
-    scaler: Any
-    sampler: ElasticSampler
     layout: BatchLayout
     source: BatchSource
     test_source: BatchSource | None
     test_size: int
-    state: TrainState
     total_steps: int
+    checkpointer: Checkpointer  #: owns optimizer, schedule, scaler, sampler and TrainState; saves them
     events: EventLog
     metrics: Metrics
     audit: AuditWriter | None
     stop: StopRequest
-    save_snapshot: Callable[..., Any]  #: (reason, sync) -> None; rank filtering inside
-    check_writer: Callable[[], None]  #: raises when a snapshot writer became stale
     started_at: float  #: process start (wall clock), for the recovery duration
     resumed: bool
     empty_batch: tuple[torch.Tensor, torch.Tensor]  #: zero-length (inputs, targets) like a real sample
-    guard: StateGuard = field(default_factory=StateGuard)
-    on_collectives_done: Callable[[], None] = lambda: None  #: e.g. stop the peer watchdog
+    watchdog: PeerWatchdog | None = None  #: told when the last collective is done
 
 
 class Trainer:
     def __init__(self, c: Components) -> None:
         self.c = c
         self.cfg = c.cfg
+        ckpt = c.checkpointer
+        self.checkpointer = ckpt
+        # The parts the checkpointer saves; the loop changes them only under ckpt.mutating().
+        self.state, self.sampler, self.optimizer = ckpt.state, ckpt.sampler, ckpt.optimizer
+        self.scheduler, self.scaler = ckpt.scheduler, ckpt.scaler
         self.rank0 = RankZero(c.dist.rank)
         self.progress = Progress(c.total_steps, c.cfg.logging.every_steps, c.cfg.logging.format, c.cfg.logging.progress_bar)
         self.autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(c.cfg.train.precision)
         self._window_loss = torch.zeros(2, dtype=torch.float64, device=c.dist.device)
         self._window_started = time.monotonic()
         self._window_samples = 0
-        self._window_first_step = c.state.step
-        self._last_snapshot_time = time.monotonic()
+        self._window_first_step = self.state.step
         self._first_step_done = False
         self.last_eval: dict[str, float] = {}
 
     # ------------------------------------------------------------------ the loop
 
     def fit(self) -> dict[str, Any]:
-        c, state, sampler = self.c, self.c.state, self.c.sampler
+        c, state, sampler = self.c, self.state, self.sampler
         epochs = self.cfg.train.epochs
         while state.step < c.total_steps:
             if sampler.epoch_done():
-                with c.guard.mutating():
+                with self.checkpointer.mutating():
                     sampler.next_epoch()
                 continue
             if epochs is not None and sampler.epoch >= epochs:
@@ -189,8 +138,8 @@ class Trainer:
         return self.finish()
 
     def _plans_until_limit(self) -> Iterator[StepPlan]:
-        step = self.c.state.step
-        for plan in self.c.sampler.plans():
+        step = self.state.step
+        for plan in self.sampler.plans():
             if step >= self.c.total_steps:
                 return
             step += 1
@@ -203,8 +152,8 @@ class Trainer:
                     yield list(micro)
 
     def train_step(self, plan: StepPlan, batches: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        c, layout = self.c, self.c.layout
-        step = c.state.step + 1
+        c, layout, scaler, optimizer = self.c, self.c.layout, self.scaler, self.optimizer
+        step = self.state.step + 1
         started = time.perf_counter()
         if c.audit is not None:
             # Before any collective: see the audit module for why this order matters.
@@ -229,30 +178,30 @@ class Trainer:
                 with self._autocast():
                     losses = per_sample_loss(self.cfg.model.loss, c.ddp(x), y)
                     loss = losses.sum() * scale
-                if c.scaler is not None:
-                    c.scaler.scale(loss).backward()
+                if scaler is not None:
+                    scaler.scale(loss).backward()
                 else:
                     loss.backward()
                 self._window_loss[0] += losses.detach().sum().double()
                 self._window_loss[1] += len(micro)
-        # Everything that changes the saved state happens under the guard, so a
-        # watchdog thread that snapshots a failing attempt sees a whole step, and a
+        # Everything that changes the saved state happens under the step lock, so a
+        # watchdog thread that keeps a failing attempt's state sees a whole step, and a
         # step interrupted half-way is never kept.
-        with c.guard.mutating():
+        with self.checkpointer.mutating():
             if self.cfg.optim.grad_clip_norm is not None:
-                if c.scaler is not None:
-                    c.scaler.unscale_(c.optimizer)
+                if scaler is not None:
+                    scaler.unscale_(optimizer)
                 nn.utils.clip_grad_norm_(c.model.parameters(), self.cfg.optim.grad_clip_norm)
-            if c.scaler is not None:
-                c.scaler.step(c.optimizer)
-                c.scaler.update()
+            if scaler is not None:
+                scaler.step(optimizer)
+                scaler.update()
             else:
-                c.optimizer.step()
-            c.scheduler.step()
-            c.optimizer.zero_grad(set_to_none=True)
-            c.sampler.advance(plan)
-            c.state.step = step
-            c.state.samples_total += plan.global_count
+                optimizer.step()
+            self.scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            self.sampler.advance(plan)
+            self.state.step = step
+            self.state.samples_total += plan.global_count
         self._window_samples += plan.global_count
         c.metrics.steps.inc()
         c.metrics.samples.inc(len(plan.indices))
@@ -267,8 +216,8 @@ class Trainer:
     # ------------------------------------------------------------------ between steps
 
     def after_step(self, plan: StepPlan) -> None:
-        c, step = self.c, self.c.state.step
-        c.check_writer()
+        c, step = self.c, self.state.step
+        self.checkpointer.check_writer()
         if not self._first_step_done:
             self._first_step_done = True
             since_start = time.time() - c.started_at
@@ -284,34 +233,29 @@ class Trainer:
         every = self.cfg.train.eval_every_steps
         if every and step % every == 0 and not last:
             self.evaluate()
-        snap = self.cfg.snapshot
-        due_steps = snap.every_steps and step % snap.every_steps == 0
-        due_time = snap.every_seconds and time.monotonic() - self._last_snapshot_time >= snap.every_seconds
-        if (due_steps or due_time) and not last:
-            c.save_snapshot("periodic", sync=False)
-            self._last_snapshot_time = time.monotonic()
+        self.checkpointer.maybe_save(step, last)
         if c.stop.requested:
             c.events.emit("stop", step=step, signal=c.stop.signal_name)
-            c.save_snapshot("stop", sync=True)
+            self.checkpointer.save("stop", sync=True)
             raise GracefulStop(c.stop.signal_name)
 
     def report_progress(self, plan: StepPlan) -> None:
-        c = self.c
+        c, step = self.c, self.state.step
         loss_sum, count = c.dist.all_reduce_sum(self._window_loss.clone()).tolist()
         self._window_loss.zero_()
-        window_steps = c.state.step - self._window_first_step
-        self._window_first_step = c.state.step
+        window_steps = step - self._window_first_step
+        self._window_first_step = step
         now = time.monotonic()
         rate = self._window_samples / max(1e-9, now - self._window_started)
         self._window_started, self._window_samples = now, 0
         loss = loss_sum / max(1.0, count)
-        lr = c.optimizer.param_groups[0]["lr"]
+        lr = self.optimizer.param_groups[0]["lr"]
         c.metrics.loss.set(loss)
         c.metrics.lr.set(lr)
-        c.metrics.step.set(c.state.step)
+        c.metrics.step.set(step)
         c.metrics.epoch.set(plan.epoch)
         fields = {
-            "step": c.state.step, "epoch": plan.epoch, "loss": loss, "samples_per_s": round(rate, 1),
+            "step": step, "epoch": plan.epoch, "loss": loss, "samples_per_s": round(rate, 1),
             "world_size": c.dist.world_size, "lr": lr,
         }
         if self.rank0.active:
@@ -342,21 +286,22 @@ class Trainer:
         c.metrics.eval_accuracy.set(result["eval_accuracy"])
         self.last_eval = result
         if self.rank0.active:
-            c.events.emit("eval", step=c.state.step, **result)
-            self.progress.line({"step": c.state.step, "eval_loss": result["eval_loss"], "eval_accuracy": result["eval_accuracy"]})
+            c.events.emit("eval", step=self.state.step, **result)
+            self.progress.line({"step": self.state.step, "eval_loss": result["eval_loss"], "eval_accuracy": result["eval_accuracy"]})
         return result
 
     def finish(self) -> dict[str, Any]:
         c = self.c
         self.rank0(self.progress.close)
         result: dict[str, Any] = dict(self.evaluate())
-        c.on_collectives_done()  # the last collective: peers may now exit at any time
+        if c.watchdog is not None:
+            c.watchdog.stop(done=True)  # the last collective: peers may now exit at any time
         # Every rank records a digest of its replica: equal digests prove DDP kept them identical.
         result["params_sha256"] = state_digest(c.model)
-        c.save_snapshot("final", sync=True)
+        self.checkpointer.save("final", sync=True)
         if c.audit is not None and c.dist.rank == 0:
-            c.audit.end(c.state.step)
-        return result | {"step": c.state.step}
+            c.audit.end(self.state.step)
+        return result | {"step": self.state.step}
 
 
 def state_digest(model: nn.Module) -> str:

@@ -25,7 +25,10 @@ import datetime
 import logging
 import threading
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    from .env import WorkerEnv
 
 log = logging.getLogger(__name__)
 
@@ -132,3 +135,18 @@ class PeerWatchdog:
     def _fire(self, reason: str) -> None:
         log.error("peer watchdog: %s; ending this attempt", reason)
         self.on_lost(reason)
+
+
+def start_watchdog(env: WorkerEnv, generation: int, timeout: float, startup_grace: float,
+                   on_lost: Callable[[str], None]) -> PeerWatchdog | None:
+    """Start right after the process group is up, before any rank's (possibly slow) set-up; None
+    when there is nothing to watch (alone, off) or the job's store cannot be reached."""
+    if timeout <= 0 or env.world_size < 2 or env.master_addr is None or env.master_port is None:
+        return None
+    try:
+        return PeerWatchdog.connect(env.master_addr, env.master_port, timeout, rank=env.rank,
+                                    world_size=env.world_size, generation=generation, on_lost=on_lost,
+                                    startup_grace=startup_grace).start()
+    except Exception as exc:  # noqa: BLE001 - liveness checking is a safety net, not a requirement
+        log.warning("peer watchdog not started (%s); dead peers are detected by collective errors only", exc)
+        return None

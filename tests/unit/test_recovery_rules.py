@@ -14,7 +14,7 @@ from elastic_runner.config import BatchConfig, Config, ScheduleConfig, TrainConf
 from elastic_runner.events import NullEventLog
 from elastic_runner.loop import TrainState, planned_total_steps, refresh_schedule, rescale_lr
 from elastic_runner.optim import build_schedule
-from elastic_runner.recovery import Keeper, StateGuard
+from elastic_runner.checkpoint import Keeper, StateGuard
 from elastic_runner.sampler import ElasticSampler
 from elastic_runner.snapshot import LocalStore, SnapshotError, SnapshotRef, SnapshotUnavailableError, SnapshotWriter, find_newest, require_ok
 from elastic_runner.snapshot.memory import MemoryTier

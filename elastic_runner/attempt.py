@@ -1,0 +1,306 @@
+"""One training attempt of one rank: from a process group that is up to the end of training.
+
+An *attempt* is what runs between two rendezvous rounds. In order: rank 0 claims a new
+generation in the run directory (fencing older attempts' writers) → the event log, metrics and
+the :class:`~elastic_runner.checkpoint.Checkpointer` → the peer watchdog (liveness first, before
+any slow set-up) → datasets, model, optimizer, schedule, sampler → resume from the newest state of
+either snapshot tier → the loop → the final snapshot.
+
+How an attempt ends:
+
+- finished: final snapshot written, node memory dropped, ``end`` event;
+- a stop signal: the loop writes a snapshot (and keeps it in node memory) and raises
+  :class:`~elastic_runner.loop.GracefulStop`;
+- a failure (usually a peer died and a collective raised): the last completed step is kept in
+  node memory for the next attempt;
+- a peer lost while this rank waits in a collective: :class:`AttemptEnd`, called from the
+  watchdog's thread, keeps the state and leaves with :data:`~elastic_runner.lifecycle.EXIT_PEER_LOST`.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import sys
+from typing import Any
+
+import torch
+
+from . import __version__
+from .audit import AuditWriter
+from .batching import layout_for
+from .checkpoint import Checkpointer, StopSnapshotFailed
+from .config import Config, ConfigError, write_effective_config
+from .data import build_datasets, make_source
+from .dist import Dist
+from .env import WorkerEnv
+from .events import EventLog, furthest_step_reached
+from .imports import resolve
+from .lifecycle import EXIT_PEER_LOST, StopRequest, exit_now
+from .loop import Components, GracefulStop, Trainer, TrainState, planned_total_steps, refresh_schedule, rescale_lr
+from .metrics import Metrics
+from .models import build_model
+from .optim import build_optimizer, build_schedule
+from .sampler import ElasticSampler
+from .snapshot import LocalStore, SnapshotError, open_store
+from .watchdog import PeerWatchdog, start_watchdog
+
+log = logging.getLogger("elastic_runner.train")
+
+
+class SetupError(RuntimeError):
+    """Rank 0 could not prepare the run; every rank stops with its message."""
+
+
+class RetryableSetupError(RuntimeError):
+    """Rank 0 could not prepare the run for a reason that may pass (I/O): the attempt is retried."""
+
+
+# errno values that mean "this run directory cannot work" rather than "try again".
+_PERMANENT_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EEXIST, errno.ENAMETOOLONG}
+
+
+def prepare_run_dir(cfg: Config, env: WorkerEnv, dist: Dist) -> tuple[LocalStore, int, str]:
+    """Rank 0 claims the generation and writes the effective config; all ranks learn the outcome."""
+    store = open_store(cfg.snapshot_dir)
+    outcome: tuple[str, Any, str] = ("ok", 0, "")
+    if dist.rank == 0:
+        try:
+            os.makedirs(cfg.run.dir, exist_ok=True)
+            if not os.access(cfg.run.dir, os.W_OK | os.X_OK):
+                raise PermissionError(errno.EACCES, f"not writable by uid {os.getuid()}")
+            store.ensure()
+            run_uid = store.run_uid()
+            generation = store.claim_generation({"world_size": env.world_size, "run_id": env.run_id,
+                                                 "restart_count": env.restart_count})
+            store.sweep(generation)
+            write_effective_config(cfg, cfg.run.dir)
+            outcome = ("ok", generation, run_uid)
+        except (OSError, SnapshotError) as exc:
+            cause = exc if isinstance(exc, OSError) else exc.__cause__
+            permanent = not isinstance(cause, OSError) or cause.errno in _PERMANENT_ERRNOS
+            message = (f"cannot prepare run.dir {cfg.run.dir!r}: {exc}" + ("; fix its permissions or choose "
+                       "another run.dir" if permanent else "; retrying with the next attempt"))
+            outcome = ("usage" if permanent else "retry", message, "")
+    status, value, run_uid = dist.broadcast_object(outcome)
+    if status == "usage":
+        raise SetupError(value)
+    if status == "retry":
+        raise RetryableSetupError(value)
+    return store, int(value), run_uid
+
+
+class AttemptEnd:
+    """The watchdog's handler when a peer is lost (runs on the watchdog's thread).
+
+    If the main thread is already ending the attempt (a failure or a stop it is handling), it
+    leaves that to the main thread. Otherwise the main thread is stuck in a collective with the
+    lost peer: with NCCL the process group is aborted first (only that returns the GPU stream to
+    us), then the state is kept and the worker exits with ``EXIT_PEER_LOST`` — or 0 when this rank
+    was asked to stop anyway.
+    """
+
+    def __init__(self, env: WorkerEnv, dist: Dist, stop: StopRequest, events: EventLog,
+                 checkpointer: Checkpointer) -> None:
+        self.env = env
+        self.dist = dist
+        self.stop = stop
+        self.events = events
+        self.checkpointer = checkpointer
+
+    def on_peer_lost(self, reason: str) -> None:
+        ckpt = self.checkpointer
+        self.events.emit("failure", error=f"peer lost: {reason}", step=ckpt.state.step, detected_by="watchdog")
+        if ckpt.ending.is_set():
+            return  # the main thread is already keeping state and exiting
+        if self.dist.device.type == "cuda":
+            self.dist.abort()
+            # The main thread now raises out of its collective and ends the attempt
+            # through its own failure path; if it does not, we do it here.
+            if ckpt.ending.wait(5.0):
+                return
+        ckpt.keep("peer lost")
+        exit_now(0 if self.stop.requested else EXIT_PEER_LOST, f"rank {self.env.rank}: {reason}; ending this attempt")
+
+
+class Attempt:
+    """One training attempt of one rank; :meth:`run` returns when training finished."""
+
+    def __init__(self, cfg: Config, env: WorkerEnv, dist: Dist, stop: StopRequest, started_at: float) -> None:
+        self.cfg, self.env, self.dist, self.stop, self.started_at = cfg, env, dist, stop, started_at
+        self.state = TrainState()
+
+    def run(self) -> None:
+        cfg, env, dist = self.cfg, self.env, self.dist
+        store, generation, run_uid = prepare_run_dir(cfg, env, dist)
+        self.generation = generation
+        events = self.events = EventLog(cfg.run.dir, f"gen-{generation:06d}-rank-{env.rank:05d}",
+                                        generation=generation, rank=env.rank)
+        events.emit("start", world_size=env.world_size, local_rank=env.local_rank, restart_count=env.restart_count,
+                    run_id=env.run_id, device=str(dist.device), backend=dist.backend, process_start=self.started_at,
+                    version=__version__, zygote="elastic_runner.agent.warm" in sys.modules)
+        metrics = self.metrics = Metrics(env.rank, env.local_rank)
+        self.checkpointer = Checkpointer(cfg, env, dist, store, generation=generation, run_uid=run_uid,
+                                         state=self.state, events=events, metrics=metrics)
+        # Liveness first: every rank is here within milliseconds of the others (the process
+        # group is up), so no rank is declared dead for being slow to build its dataset.
+        end = AttemptEnd(env, dist, self.stop, events, self.checkpointer)
+        self.watchdog: PeerWatchdog | None = start_watchdog(
+            env, generation, cfg.dist.heartbeat_seconds, startup_grace=cfg.dist.init_timeout_seconds,
+            on_lost=end.on_peer_lost)
+        metrics.serve(cfg.metrics.port, cfg.metrics.bind)
+        metrics.set_restarts(env.restart_count)
+        metrics.set_generation(generation)
+        try:
+            self.build()
+            resumed = self.resume()
+            self._announce(resumed)
+            result = self.train(resumed)
+            self.checkpointer.finished()
+            self._report_end(result)
+        except GracefulStop:
+            events.emit("end", status="stopped", step=self.state.step)
+            raise
+        except BaseException as exc:
+            step = self.state.step
+            if self.stop.requested and isinstance(exc, Exception) and not isinstance(exc, StopSnapshotFailed):
+                # Peers that stopped first broke our collective: this is the stop we were asked for.
+                events.emit("stop", step=step, signal=self.stop.signal_name,
+                            note=f"peers stopped first ({type(exc).__name__})")
+                events.emit("end", status="stopped", step=step)
+            else:
+                events.emit("failure", error=f"{type(exc).__name__}: {str(exc)[:300]}", step=step)
+            raise
+        finally:
+            if self.watchdog is not None:
+                self.watchdog.stop(done=False)
+            metrics.close()
+            events.close()
+
+    # -- components ---------------------------------------------------------------------------------------
+
+    def build(self) -> None:
+        cfg, env, dist = self.cfg, self.env, self.dist
+        self.bundle = build_datasets(cfg.data)
+        self.layout = layout_for(cfg.batch, env.world_size)
+        sampler_cls = ElasticSampler if cfg.data.sampler == "elastic" else resolve(cfg.data.sampler, "data.sampler")
+        try:
+            sampler = sampler_cls(self.bundle.num_train, self.layout.global_size, seed=cfg.run.seed,
+                                  shuffle=cfg.data.shuffle, partial_batch=cfg.data.partial_batch,
+                                  rank=env.rank, world_size=env.world_size)
+        except ValueError as exc:
+            raise ConfigError("batch.global_size", str(exc), "Adjust batch.global_size or data.partial_batch") from exc
+        torch.manual_seed(cfg.run.seed)  # identical initial weights on every rank
+        self.model = build_model(cfg.model, self.bundle.input_shape, self.bundle.num_classes).to(dist.device)
+        optimizer = build_optimizer(cfg.optim, self.model.parameters(), self.layout.lr_scale)
+        self.total_steps = planned_total_steps(cfg, sampler, 0)
+        scheduler = build_schedule(cfg.schedule, optimizer, self.total_steps)
+        scaler = None
+        if cfg.train.precision == "fp16":
+            if dist.device.type != "cuda":
+                raise ConfigError("train.precision", "fp16 needs a CUDA device", "Use train.precision: bf16 or fp32 on CPU")
+            scaler = torch.amp.GradScaler("cuda")
+        self.state.lr_scale = self.layout.lr_scale
+        self.checkpointer.track(model=self.model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
+                                sampler=sampler)
+
+    def empty_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Zero-length inputs and targets with a real sample's dtype and shape."""
+        x, y = self.bundle.train[0]
+        x, y = torch.as_tensor(x), torch.as_tensor(y)
+        return (x.new_zeros((0, *x.shape)).to(self.dist.device), y.new_zeros((0, *y.shape)).to(self.dist.device))
+
+    # -- resume -----------------------------------------------------------------------------------------------
+
+    def resume(self) -> bool:
+        cfg, env, state, ckpt = self.cfg, self.env, self.state, self.checkpointer
+        loaded = ckpt.restore()
+        if loaded is not None:
+            # The run's length and learning rate follow the current config and world size.
+            self.total_steps = planned_total_steps(cfg, ckpt.sampler, state.step)
+            refresh_schedule(ckpt.scheduler, cfg.schedule, self.total_steps)
+            rescale_lr(ckpt.optimizer, ckpt.scheduler, old=state.lr_scale, new=self.layout.lr_scale)  # type: ignore[arg-type]
+            state.lr_scale = self.layout.lr_scale
+        ckpt.sampler.reshard(env.rank, env.world_size)
+        state.enter_generation(self.generation, env.world_size, loaded is not None)
+        self.metrics.restore({"membership_changes": state.membership_changes, "recoveries": state.recoveries})
+        if loaded is not None and self.dist.rank == 0:
+            reached = furthest_step_reached(cfg.run.dir, self.generation)
+            recomputed = max(0, reached - state.step)
+            self.metrics.recomputed.set(recomputed)
+            self.events.emit("resume", step=state.step, furthest_step=reached, steps_recomputed=recomputed,
+                             snapshot=loaded.ref.name, tier=loaded.tier)
+        return loaded is not None
+
+    # -- training ---------------------------------------------------------------------------------------------
+
+    def _announce(self, resumed: bool) -> None:
+        layout, m, sampler = self.layout, self.metrics, self.checkpointer.sampler
+        m.world_size.set(self.env.world_size)
+        m.global_batch.set(layout.global_size)
+        m.micro_batch.set(layout.micro_size)
+        m.accumulation.set(layout.accumulation)
+        self.events.emit("world", world_size=self.env.world_size, global_batch=layout.global_size,
+                         micro_batch=layout.micro_size, accumulation=layout.accumulation, step=self.state.step)
+        if self.dist.rank == 0:
+            log.info("%s %s; dataset %s; at step %d/%d (epoch %d, %d consumed); generation %d",
+                     "resuming" if resumed else "starting", layout.describe(), self.bundle.description,
+                     self.state.step, self.total_steps, sampler.epoch, sampler.consumed, self.generation)
+
+    def train(self, resumed: bool) -> dict[str, Any]:
+        cfg, env, dist, ckpt = self.cfg, self.env, self.dist, self.checkpointer
+        ckpt.open_writer()
+        audit = None
+        if cfg.audit.samples:
+            audit = AuditWriter(cfg.run.dir, generation=self.generation, rank=env.rank, world_size=env.world_size, header={
+                "num_samples": self.bundle.num_train, "seed": cfg.run.seed, "shuffle": cfg.data.shuffle,
+                "partial_batch": cfg.data.partial_batch, "global_batch": self.layout.global_size,
+                "sampler": cfg.data.sampler,
+            })
+        test = self.bundle.test
+        trainer = Trainer(Components(
+            cfg=cfg, dist=dist, model=self.model, ddp=dist.wrap(self.model), layout=self.layout,
+            source=make_source(self.bundle.train, dist.device, cfg.data, cfg.run.seed + ckpt.sampler.epoch),
+            test_source=make_source(test, dist.device, cfg.data, cfg.run.seed) if test is not None else None,
+            test_size=len(test) if test is not None else 0,  # type: ignore[arg-type]
+            total_steps=self.total_steps, checkpointer=ckpt, events=self.events, metrics=self.metrics, audit=audit,
+            stop=self.stop, started_at=self.started_at, resumed=resumed, empty_batch=self.empty_batch(),
+            watchdog=self.watchdog,
+        ))
+        try:
+            return trainer.fit()
+        except GracefulStop:
+            raise
+        except BaseException:
+            self._on_failure()
+            raise
+        finally:
+            ckpt.close()
+            if audit is not None:
+                audit.close()
+
+    def _on_failure(self) -> None:
+        """The attempt broke (usually a peer died): keep what we have for the next one."""
+        ckpt = self.checkpointer
+        ckpt.ending.set()  # our own watchdog must not race us to the exit
+        if self.watchdog is not None:
+            self.watchdog.stop(done=False)
+            self.watchdog.abort(f"rank {self.env.rank} failed at step {self.state.step}")
+        if self.stop.requested and ckpt.writer is not None:
+            # A peer stopped first and broke the collective; our last completed step is
+            # the newest state there is: make it durable (a failure here is reported).
+            ckpt.save("stop", sync=True)
+        else:
+            ckpt.keep("failure")
+
+    def _report_end(self, result: dict[str, Any]) -> None:
+        step = self.state.step
+        self.events.emit("end", status="finished", step=step, **{k: v for k, v in result.items() if k != "step"})
+        if self.dist.rank == 0:
+            acc = result.get("eval_accuracy")
+            log.info("finished at step %d%s; snapshots in %s", step,
+                     f", test accuracy {acc:.2%}" if acc is not None else "", self.checkpointer.store.location)
+            print(f"elastic_runner: finished step={step}"
+                  + (f" test_accuracy={acc:.4f} test_loss={result['eval_loss']:.4f}" if acc is not None else ""),
+                  flush=True)
