@@ -86,6 +86,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .agent import fast_rendezvous, zygote
     from .agent.agent import ElasticRunnerAgent
     from .agent.metrics import AgentMetrics, install_bridge
+    from .torch_patches import AGENT_CORRECTIONS, PROCESS_GROUP_ABORT, usable
 
     # The same preamble as torch.distributed.run.run().
     import uuid
@@ -110,10 +111,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     agent_metrics = AgentMetrics(_agent_events(args) if runs_our_worker else None)
     agent_metrics.serve()
     install_bridge(agent_metrics)
-    ElasticRunnerAgent.default_observers = [agent_metrics.observe]
-    # torch's launch_agent builds a LocalElasticAgent; ours adds the corrections
-    # documented in elastic_runner.agent.agent. Only this process is affected.
-    launcher_api.LocalElasticAgent = ElasticRunnerAgent
+    if usable(AGENT_CORRECTIONS, log):
+        ElasticRunnerAgent.default_observers = [agent_metrics.observe]
+        # torch's launch_agent builds a LocalElasticAgent; ours adds the corrections
+        # documented in elastic_runner.agent.agent. Only this process is affected.
+        launcher_api.LocalElasticAgent = ElasticRunnerAgent
+    usable(PROCESS_GROUP_ABORT, log)
     try:
         launcher_api.elastic_launch(config=config, entrypoint=entrypoint)(*worker_args)
     except ChildFailedError as exc:

@@ -1,20 +1,22 @@
-"""``ElasticRunnerAgent``: torch's ``LocalElasticAgent`` with three corrections.
+"""``ElasticRunnerAgent``: torch's ``LocalElasticAgent`` with three corrections, and observers.
 
 - **Stopped workers are killed, not waited for.** Stopping a worker group
   sends SIGTERM and waits up to the shutdown timeout (30 s) before SIGKILL. A
   worker in the stopped state (SIGSTOP, a debugger, a wedged cgroup) cannot
   handle SIGTERM, so that wait is pure loss: it is SIGKILLed at once.
 - **Configuration errors are not retried.** A worker that exits with status 2
-  (:data:`elastic_runner.train.EXIT_USAGE`: invalid config, incompatible
+  (:data:`elastic_runner.lifecycle.EXIT_USAGE`: invalid config, incompatible
   snapshot) would fail identically on every restart; the agent stops instead
   of burning ``--max-restarts`` restarts.
 - **No lazy imports on the recovery path.** torch's log formatter imports
   ``torch._dynamo`` (~2.5 s) the first time it formats an exception, which
   the agent does when a worker fails; it is imported in the background
   after the first rendezvous instead.
-- **Rendezvous remembers the previous round** so that
-  :mod:`elastic_runner.agent.fast_rendezvous` can complete the next round as
-  soon as everyone is back.
+
+Observers (agent metrics and events, :mod:`elastic_runner.agent.metrics`) hear of every
+rendezvous round, failed worker group and restart. The private methods overridden here are
+checked by :data:`elastic_runner.torch_patches.AGENT_CORRECTIONS`; ``elastic-runner launch``
+uses torch's agent unchanged when they no longer fit.
 """
 
 from __future__ import annotations

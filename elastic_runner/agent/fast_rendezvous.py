@@ -35,8 +35,9 @@ Two changes, applied only inside the ``elastic-runner launch`` agent process:
 
 Both hook torch internals (``_RendezvousJoinOp``, ``_delay``, the state
 holder's ``_cache_duration`` during ``next_rendezvous``) that have been
-stable since torch 1.9; :func:`install` checks they exist and otherwise
-leaves torch's behaviour alone with a warning.
+stable since torch 1.9; :func:`install` checks them
+(:data:`elastic_runner.torch_patches.FAST_RENDEZVOUS`) and otherwise leaves
+torch's behaviour alone with a warning.
 """
 
 from __future__ import annotations
@@ -94,9 +95,9 @@ def install() -> bool:
         return True
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
 
-    required = ("_RendezvousJoinOp", "_Action", "_delay", "DynamicRendezvousHandler")
-    if not all(hasattr(dr, name) for name in required):
-        log.warning("this torch version's rendezvous internals differ; using torch's rendezvous timing unchanged")
+    from ..torch_patches import FAST_RENDEZVOUS, usable
+
+    if not usable(FAST_RENDEZVOUS, log):
         return False
     base_join, action, original_delay = dr._RendezvousJoinOp, dr._Action, dr._delay
     waiting = {action.SYNC, action.KEEP_ALIVE}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import signal
 import sys
 import time
@@ -110,3 +111,25 @@ def test_sigterm_ends_the_agent_with_128_plus_signal_and_no_traceback(small_conf
     assert proc.returncode == 128 + signal.SIGTERM, out[-3000:]
     assert "Traceback" not in out
     assert sorted(e["rank"] for e in events(run_dir, "stop")) == [0, 1]
+
+
+def test_a_torch_patch_that_no_longer_fits_is_skipped_with_one_warning(small_config: Path, tmp_path: Path) -> None:
+    # As if a torch upgrade had renamed a private method our agent overrides.
+    code = (
+        "import dataclasses, sys\n"
+        "from elastic_runner import torch_patches as tp\n"
+        "renamed = tp.Need(tp.LOCAL_AGENT, 'LocalElasticAgent._renamed_in_a_future_torch')\n"
+        "tp.AGENT_CORRECTIONS = dataclasses.replace(tp.AGENT_CORRECTIONS, needs=tp.AGENT_CORRECTIONS.needs + (renamed,))\n"
+        "from elastic_runner.launch import main\n"
+        "sys.exit(main(sys.argv[1:]))\n"
+    )
+    run_dir = tmp_path / "run"
+    result = run_bounded([sys.executable, "-c", code, "--standalone", "--nproc_per_node=1", "-m", "elastic_runner.train",
+                          "--config", str(small_config), "--set", f"run.dir={run_dir}", "--set", "train.max_steps=5"],
+                         180, env=os.environ | {"PYTHONUNBUFFERED": "1"})
+    assert result.returncode == 0, result.stdout[-3000:]
+    warnings = [line for line in result.stdout.splitlines() if "cannot apply" in line]
+    assert len(warnings) == 1, result.stdout[-3000:]
+    assert "LocalElasticAgent._renamed_in_a_future_torch does not exist" in warnings[0]
+    assert "running with torch's behaviour instead: torch's LocalElasticAgent" in warnings[0]
+    assert not [e for e in events(run_dir) if e["kind"] == "agent_rendezvous"], "torch's own agent ran the job"
