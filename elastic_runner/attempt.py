@@ -23,7 +23,7 @@ import errno
 import logging
 import os
 import sys
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -32,7 +32,8 @@ from .audit import AuditWriter
 from .batching import layout_for
 from .checkpoint import Checkpointer, StopSnapshotFailed
 from .config import Config, ConfigError, write_effective_config
-from .data import build_datasets, make_source
+from .batches import BatchSource, LoaderSource, TensorSource
+from .data import TensorPairDataset
 from .dist import Dist
 from .env import WorkerEnv
 from .events import EventLog, furthest_step_reached
@@ -40,11 +41,10 @@ from .imports import resolve
 from .lifecycle import EXIT_PEER_LOST, StopRequest, exit_now
 from .loop import Components, GracefulStop, Trainer, TrainState, planned_total_steps, refresh_schedule, rescale_lr
 from .metrics import Metrics
-from .models import build_model
-from .optim import build_optimizer, build_schedule
 from .sampler import ElasticSampler
 from .snapshot import LocalStore, SnapshotError, open_store
 from .watchdog import PeerWatchdog, start_watchdog
+from .workload import Workload, check, from_config
 
 log = logging.getLogger("elastic_runner.train")
 
@@ -127,12 +127,15 @@ class AttemptEnd:
 class Attempt:
     """One training attempt of one rank; :meth:`run` returns when training finished."""
 
-    def __init__(self, cfg: Config, env: WorkerEnv, dist: Dist, stop: StopRequest, started_at: float) -> None:
+    def __init__(self, cfg: Config, env: WorkerEnv, dist: Dist, stop: StopRequest, started_at: float,
+                 make_workload: Callable[[], Workload] | None = None) -> None:
         self.cfg, self.env, self.dist, self.stop, self.started_at = cfg, env, dist, stop, started_at
+        self.make_workload = make_workload or (lambda: from_config(cfg))
         self.state = TrainState()
 
     def run(self) -> None:
         cfg, env, dist = self.cfg, self.env, self.dist
+        self.prepare()  # before anything is written: a bad input leaves run.dir as it was
         store, generation, run_uid = prepare_run_dir(cfg, env, dist)
         self.generation = generation
         events = self.events = EventLog(cfg.run.dir, f"gen-{generation:06d}-rank-{env.rank:05d}",
@@ -142,9 +145,10 @@ class Attempt:
                     version=__version__, zygote="elastic_runner.agent.warm" in sys.modules)
         metrics = self.metrics = Metrics(env.rank, env.local_rank)
         self.checkpointer = Checkpointer(cfg, env, dist, store, generation=generation, run_uid=run_uid,
-                                         state=self.state, events=events, metrics=metrics)
+                                         state=self.state, events=events, metrics=metrics,
+                                         identity=self.workload.identity, model_build=self.workload.model_build)
         # Liveness first: every rank is here within milliseconds of the others (the process
-        # group is up), so no rank is declared dead for being slow to build its dataset.
+        # group is up), so no rank is declared dead for being slow to build its optimizer.
         end = AttemptEnd(env, dist, self.stop, events, self.checkpointer)
         self.watchdog: PeerWatchdog | None = start_watchdog(
             env, generation, cfg.dist.heartbeat_seconds, startup_grace=cfg.dist.init_timeout_seconds,
@@ -180,22 +184,37 @@ class Attempt:
 
     # -- components ---------------------------------------------------------------------------------------
 
-    def build(self) -> None:
+    def prepare(self) -> None:
+        """What is trained, on this rank's device, checked on its first items; every rank agrees."""
         cfg, env, dist = self.cfg, self.env, self.dist
-        self.bundle = build_datasets(cfg.data)
-        self.layout = layout_for(cfg.batch, env.world_size)
+        problem: BaseException | None = None
+        try:
+            self.workload = self.make_workload()
+            self.layout = layout_for(cfg.batch, env.world_size)
+            self.model = self.workload.model.to(dist.device)
+            check(self.workload, dist.device, self.layout.micro_size)
+        except Exception as exc:  # noqa: BLE001 - raised below, after every rank has said how it went
+            problem = exc
+        verdicts = dist.all_gather_object(None if problem is None else (isinstance(problem, ConfigError), str(problem)))
+        if problem is not None:
+            raise problem
+        for rank, verdict in enumerate(verdicts):
+            if verdict is not None:
+                usage, message = verdict
+                raise (SetupError if usage else RetryableSetupError)(f"rank {rank}: {message}")
+
+    def build(self) -> None:
+        cfg, env, dist, w = self.cfg, self.env, self.dist, self.workload
         sampler_cls = ElasticSampler if cfg.data.sampler == "elastic" else resolve(cfg.data.sampler, "data.sampler")
         try:
-            sampler = sampler_cls(self.bundle.num_train, self.layout.global_size, seed=cfg.run.seed,
+            sampler = sampler_cls(w.num_train, self.layout.global_size, seed=cfg.run.seed,
                                   shuffle=cfg.data.shuffle, partial_batch=cfg.data.partial_batch,
                                   rank=env.rank, world_size=env.world_size)
         except ValueError as exc:
             raise ConfigError("batch.global_size", str(exc), "Adjust batch.global_size or data.partial_batch") from exc
-        torch.manual_seed(cfg.run.seed)  # identical initial weights on every rank
-        self.model = build_model(cfg.model, self.bundle.input_shape, self.bundle.num_classes).to(dist.device)
-        optimizer = build_optimizer(cfg.optim, self.model.parameters(), self.layout.lr_scale)
+        optimizer = w.make_optimizer(self.model.parameters(), self.layout.lr_scale)
         self.total_steps = planned_total_steps(cfg, sampler, 0)
-        scheduler = build_schedule(cfg.schedule, optimizer, self.total_steps)
+        scheduler = w.make_schedule(optimizer, self.total_steps)
         scaler = None
         if cfg.train.precision == "fp16":
             if dist.device.type != "cuda":
@@ -204,12 +223,6 @@ class Attempt:
         self.state.lr_scale = self.layout.lr_scale
         self.checkpointer.track(model=self.model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
                                 sampler=sampler)
-
-    def empty_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Zero-length inputs and targets with a real sample's dtype and shape."""
-        x, y = self.bundle.train[0]
-        x, y = torch.as_tensor(x), torch.as_tensor(y)
-        return (x.new_zeros((0, *x.shape)).to(self.dist.device), y.new_zeros((0, *y.shape)).to(self.dist.device))
 
     # -- resume -----------------------------------------------------------------------------------------------
 
@@ -245,7 +258,7 @@ class Attempt:
                          micro_batch=layout.micro_size, accumulation=layout.accumulation, step=self.state.step)
         if self.dist.rank == 0:
             log.info("%s %s; dataset %s; at step %d/%d (epoch %d, %d consumed); generation %d",
-                     "resuming" if resumed else "starting", layout.describe(), self.bundle.description,
+                     "resuming" if resumed else "starting", layout.describe(), self.workload.description,
                      self.state.step, self.total_steps, sampler.epoch, sampler.consumed, self.generation)
 
     def train(self, resumed: bool) -> dict[str, Any]:
@@ -254,19 +267,20 @@ class Attempt:
         audit = None
         if cfg.audit.samples:
             audit = AuditWriter(cfg.run.dir, generation=self.generation, rank=env.rank, world_size=env.world_size, header={
-                "num_samples": self.bundle.num_train, "seed": cfg.run.seed, "shuffle": cfg.data.shuffle,
+                "num_samples": self.workload.num_train, "seed": cfg.run.seed, "shuffle": cfg.data.shuffle,
                 "partial_batch": cfg.data.partial_batch, "global_batch": self.layout.global_size,
                 "sampler": cfg.data.sampler,
             })
-        test = self.bundle.test
+        w = self.workload
+        ddp = dist.wrap(self.model)
+        ckpt.at_boundary()  # DDP made every rank's parameters and buffers rank 0's
         trainer = Trainer(Components(
-            cfg=cfg, dist=dist, model=self.model, ddp=dist.wrap(self.model), layout=self.layout,
-            source=make_source(self.bundle.train, dist.device, cfg.data, cfg.run.seed + ckpt.sampler.epoch),
-            test_source=make_source(test, dist.device, cfg.data, cfg.run.seed) if test is not None else None,
-            test_size=len(test) if test is not None else 0,  # type: ignore[arg-type]
+            cfg=cfg, dist=dist, model=self.model, ddp=ddp, task=w.task, layout=self.layout,
+            source=self._source(w.train, cfg.run.seed + ckpt.sampler.epoch),
+            test_source=self._source(w.test, cfg.run.seed) if w.test is not None else None,
+            test_size=len(w.test) if w.test is not None else 0,  # type: ignore[arg-type]
             total_steps=self.total_steps, checkpointer=ckpt, events=self.events, metrics=self.metrics, audit=audit,
-            stop=self.stop, started_at=self.started_at, resumed=resumed, empty_batch=self.empty_batch(),
-            watchdog=self.watchdog,
+            stop=self.stop, started_at=self.started_at, resumed=resumed, watchdog=self.watchdog,
         ))
         try:
             return trainer.fit()
@@ -294,13 +308,19 @@ class Attempt:
         else:
             ckpt.keep("failure")
 
+    def _source(self, dataset: Any, seed: int) -> BatchSource:
+        w, device = self.workload, self.dist.device
+        if isinstance(dataset, TensorPairDataset) and w.collate is None:
+            return TensorSource(dataset.x, dataset.y, device)
+        return LoaderSource(dataset, device, self.cfg.data.num_workers, seed, collate=w.collate)
+
     def _report_end(self, result: dict[str, Any]) -> None:
         step = self.state.step
         self.events.emit("end", status="finished", step=step, **{k: v for k, v in result.items() if k != "step"})
         if self.dist.rank == 0:
-            acc = result.get("eval_accuracy")
+            shown = {k.removeprefix("eval_"): v for k, v in result.items()
+                     if k.startswith("eval_") and k != "eval_samples" and isinstance(v, float)}
             log.info("finished at step %d%s; snapshots in %s", step,
-                     f", test accuracy {acc:.2%}" if acc is not None else "", self.checkpointer.store.location)
-            print(f"elastic_runner: finished step={step}"
-                  + (f" test_accuracy={acc:.4f} test_loss={result['eval_loss']:.4f}" if acc is not None else ""),
+                     "".join(f", test {k} {v:.4g}" for k, v in shown.items()), self.checkpointer.store.location)
+            print(f"elastic_runner: finished step={step}" + "".join(f" test_{k}={v:.4f}" for k, v in shown.items()),
                   flush=True)

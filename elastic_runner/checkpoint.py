@@ -75,9 +75,9 @@ class Compatibility:
         return self.model_ok and self.data_ok and self.optim_ok
 
 
-def compatibility(meta: dict[str, Any], cfg: Config) -> Compatibility:
+def compatibility(meta: dict[str, Any], cfg: Config, identity: dict[str, Any] | None = None) -> Compatibility:
     theirs = meta.get("fingerprint", {})
-    ours = cfg.fingerprint()
+    ours = cfg.fingerprint(identity)
     saved_cfg = meta.get("config", {})
     current = cfg.to_dict()
     sections = ("model", "data", "optim", "schedule", "batch")
@@ -86,12 +86,14 @@ def compatibility(meta: dict[str, Any], cfg: Config) -> Compatibility:
                  if k not in free]
     if saved_cfg.get("run", {}).get("seed") != cfg.run.seed:
         differing.append("run.seed")
+    differing += [f"the script's {part} ({meta.get('script', {}).get(part)} -> {value})"
+                  for part, value in (identity or {}).items() if meta.get("script", {}).get(part) != value]
     return Compatibility(differing=differing, model_ok=theirs.get("model") == ours["model"],
                          data_ok=theirs.get("data") == ours["data"], optim_ok=theirs.get("optim") == ours["optim"])
 
 
-def check_compatible(loaded: Loaded, cfg: Config) -> Compatibility:
-    compat = compatibility(loaded.meta, cfg)
+def check_compatible(loaded: Loaded, cfg: Config, identity: dict[str, Any] | None = None) -> Compatibility:
+    compat = compatibility(loaded.meta, cfg, identity)
     if compat.exact:
         return compat
     keys = ", ".join(compat.differing) or "the config fingerprint"
@@ -164,6 +166,46 @@ class Keeper:
         return ok
 
 
+class StepBoundary:
+    """The model's persistent buffers as they were at the last step boundary.
+
+    A forward updates some buffers in place (BatchNorm's running statistics and its batch counter,
+    a user's running averages), and not always through an operation that bumps the tensor's
+    version (BatchNorm's kernel writes its statistics directly). When an attempt ends in the middle
+    of a step, those buffers already hold part of a step that will never complete. So at every
+    boundary (the end of each optimizer step, a restore) the buffers that a snapshot holds are
+    copied aside, and a snapshot always takes them from that copy: one ``_foreach_copy_`` per step
+    of the persistent buffers' bytes (a few KB for a ResNet; nothing for a model without buffers).
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        persistent = set(model.state_dict(keep_vars=True))
+        self.names = [name for name, _ in model.named_buffers() if name in persistent]
+        self.copies: list[torch.Tensor] = []
+        self.mark()
+
+    def live(self) -> list[torch.Tensor]:
+        if not self.names:
+            return []
+        named = dict(self.model.named_buffers())  # looked up each time: a module may replace a buffer
+        return [named[name] for name in self.names]
+
+    def mark(self) -> None:
+        buffers = self.live()
+        if [t.shape for t in buffers] != [t.shape for t in self.copies] or \
+                [(t.dtype, t.device) for t in buffers] != [(t.dtype, t.device) for t in self.copies]:
+            self.copies = [t.detach().clone() for t in buffers]
+        elif buffers:
+            torch._foreach_copy_(self.copies, [t.detach() for t in buffers])
+
+    def overlay(self, model_state: dict[str, Any]) -> dict[str, Any]:
+        """``model_state`` with every persistent buffer as of the last boundary."""
+        for name, copy in zip(self.names, self.copies):
+            model_state[name] = copy
+        return model_state
+
+
 # -- the Checkpointer ----------------------------------------------------------------------------------------
 
 
@@ -172,19 +214,23 @@ class Checkpointer:
     first second of an attempt); :meth:`track` hands it the training parts once they exist."""
 
     def __init__(self, cfg: Config, env: WorkerEnv, dist: Dist, store: LocalStore, *, generation: int, run_uid: str,
-                 state: TrainState, events: EventLog, metrics: Metrics) -> None:
+                 state: TrainState, events: EventLog, metrics: Metrics, identity: dict[str, Any] | None = None,
+                 model_build: dict[str, Any] | None = None) -> None:
         self.cfg, self.env, self.dist, self.store = cfg, env, dist, store
         self.generation, self.run_uid = generation, run_uid
         self.events, self.metrics = events, metrics
         self.state = state
         self.rng = RNGState()
         self.guard = StateGuard()
-        self.fingerprint = cfg.fingerprint()
+        self.identity = identity or {}
+        self.fingerprint = cfg.fingerprint(self.identity)
         self._config = cfg.to_dict()
+        self._model_build = model_build or {}
         self.memory = MemoryTier(memory_root(store.location), generation, run_uid) if cfg.snapshot.in_memory else None
         if self.memory is not None and env.is_local_leader:
             self.memory.sweep()
         self.model: torch.nn.Module | None = None
+        self.boundary: StepBoundary | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: Any = None
         self.scaler: Any = None
@@ -202,14 +248,15 @@ class Checkpointer:
               sampler: Any) -> None:
         """The parts a snapshot holds besides the TrainState and the generators."""
         self.model, self.optimizer, self.scheduler, self.scaler, self.sampler = model, optimizer, scheduler, scaler, sampler
+        self.boundary = StepBoundary(model)
 
     # -- state ---------------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """The complete training state, with live tensors."""
-        assert self.model is not None and self.optimizer is not None, "track() the training parts first"
+        """The complete training state after the last completed step, with live tensors."""
+        assert self.model is not None and self.boundary is not None, "track() the training parts first"
         return {
-            "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+            "model": self.boundary.overlay(self.model.state_dict()), "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "scaler": self.scaler.state_dict() if self.scaler is not None else None,
             "train": self.state.state_dict(), "sampler": self.sampler.state_dict(), "rng": self.rng.state_dict(),
@@ -222,6 +269,7 @@ class Checkpointer:
             "world_history": self.state.world_history, "fingerprint": self.fingerprint, "config": self._config,
             "writer": {"rank": self.env.rank, "host": self.env.hostname}, "torch": torch.__version__,
             "elastic_runner": __version__, "samples_total": self.state.samples_total, "run_uid": self.run_uid,
+            "model_build": self._model_build, "script": self.identity,
         }
 
     def capture(self) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -229,9 +277,26 @@ class Checkpointer:
 
     @contextlib.contextmanager
     def mutating(self) -> Iterator[None]:
-        """Hold the step lock while the loop changes the saved state (see :class:`StateGuard`)."""
+        """Hold the step lock while the loop changes the saved state (see :class:`StateGuard`); leaving
+        the block normally is a step boundary."""
         with self.guard.mutating():
             yield
+            self.at_boundary()
+
+    def at_boundary(self) -> None:
+        """The parts are at a step boundary now (a step completed, a restore, DDP's first broadcast)."""
+        if self.boundary is not None:
+            self.boundary.mark()
+
+    def sync_buffers(self) -> None:
+        """Every rank takes rank 0's persistent buffers, as DDP does before a forward (a collective).
+
+        Run once per step, before the optimizer step (not under the step lock: a collective can
+        fail on a lost peer), so that at every boundary each rank holds the job's buffers and any
+        survivor's copy is the one the next step would have used.
+        """
+        if self.boundary is not None and self.dist.world_size > 1:
+            self.dist.broadcast_tensors(self.boundary.live(), src=0)
 
     # -- resume ---------------------------------------------------------------------------------------------
 
@@ -244,7 +309,8 @@ class Checkpointer:
             on_rejected=lambda ref, why: self.events.emit("snapshot_rejected", snapshot=ref.name, reason=why))
         if loaded is None:
             return None
-        skipped = self._load(loaded, check_compatible(loaded, cfg))
+        skipped = self._load(loaded, check_compatible(loaded, cfg, self.identity))
+        self.at_boundary()
         if loaded.tier == "disk":
             self.saved_steps.add(self.state.step)  # a memory copy is not durable: the final save must still happen
         self._keeper.resumed_step = self.state.step
@@ -366,5 +432,5 @@ class Checkpointer:
             self.memory.drop()
 
 
-__all__ = ["Checkpointer", "Compatibility", "Keeper", "ResumeError", "StateGuard", "StopSnapshotFailed",
+__all__ = ["Checkpointer", "Compatibility", "Keeper", "ResumeError", "StateGuard", "StepBoundary", "StopSnapshotFailed",
            "check_compatible", "compatibility"]

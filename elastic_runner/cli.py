@@ -6,6 +6,7 @@
     elastic-runner snapshot export RUN_DIR --out FILE     plain model state_dict
     elastic-runner audit RUN_DIR                          exactly-once check of the audit trail
     elastic-runner config [FILE] [--set ...] [--docs]     validate / print the effective config
+    elastic-runner data prepare-text IN.txt --out DIR     token files (character vocabulary) for data.name: tokens
     elastic-runner chaos --config FILE --run-dir DIR ...  break a local job on purpose, verify nothing was lost
     elastic-runner report RUN_DIR [--out run.png]         summary and timeline picture of a run
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Sequence
 
@@ -34,12 +36,32 @@ def _config(args: argparse.Namespace) -> int:
     if args.docs:
         print(reference_markdown())
         return 0
+    from .imports import check_references
+
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # import paths find modules here, as they do in a worker
     try:
         cfg = load_config(args.file, args.overrides)
+        check_references(cfg)
     except ConfigError as exc:
         print(f"elastic-runner: config error: {exc}", file=sys.stderr)
         return 2
     print(dump_yaml(cfg), end="")
+    return 0
+
+
+def _data(args: argparse.Namespace) -> int:
+    from .config import ConfigError
+    from .tokens import prepare_text
+
+    try:
+        meta = prepare_text(args.input, args.out, args.val_fraction)
+    except ConfigError as exc:
+        print(f"elastic-runner: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.out}: vocabulary of {meta['vocab_size']} characters, {meta['train_tokens']:,} training and "
+          f"{meta['val_tokens']:,} validation tokens ({meta['dtype']}); train with data.name: tokens, "
+          f"data.path: {args.out}")
     return 0
 
 
@@ -81,6 +103,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     pc.add_argument("file", nargs="?", default=None)
     pc.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     pc.add_argument("--docs", action="store_true", help="print the config reference (Markdown)")
+    pd = sub.add_parser("data", help="prepare datasets")
+    dsub = pd.add_subparsers(dest="data_cmd", required=True)
+    pt = dsub.add_parser("prepare-text", help="UTF-8 text -> train.bin/val.bin/meta.json (character tokens)")
+    pt.add_argument("input", help="a UTF-8 text file")
+    pt.add_argument("--out", required=True, help="directory for train.bin, val.bin and meta.json")
+    pt.add_argument("--val-fraction", type=float, default=0.1, help="share of the text (its end) held out (0.1)")
     from . import chaos, report
 
     chaos.add_parser(sub)
@@ -94,6 +122,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _audit(args)
     if args.command == "config":
         return _config(args)
+    if args.command == "data":
+        return _data(args)
     if args.command == "chaos":
         return chaos.run(args)
     if args.command == "report":

@@ -1,18 +1,17 @@
-"""Datasets from config, and the sources that turn index lists into batches.
+"""Datasets from config.
 
 Built in:
 - ``digits``: the UCI optical-recognition digits (1,797 8x8 images, CC BY 4.0),
   shipped inside the package, so the quickstart needs no download.
 - ``synthetic``: deterministic Gaussian class clusters of any size and shape,
   for benchmarks.
+- ``tokens``: memory-mapped token files for language models (:mod:`elastic_runner.tokens`).
 - ``image_folder`` and ``cifar10``: from a local directory via torchvision
   (optional extra, imported only when used).
-- ``package.module:callable``: the user's own.
+- ``package.module:callable``: the user's own; items may be any nesting of
+  tensors, numbers, tuples, lists, dicts and dataclasses.
 
-The training loop never iterates a dataset directly: the elastic sampler says
-which indices each rank consumes in each step, and a :class:`BatchSource`
-fetches exactly those (indexing tensors when the data fits in memory, a
-DataLoader with worker processes otherwise).
+How index lists become batches on the device: :mod:`elastic_runner.batches`.
 """
 
 from __future__ import annotations
@@ -22,10 +21,10 @@ import gzip
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Protocol, Sequence
+from typing import Any, Sequence
 
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 
 from .config import ConfigError, DataConfig
 from .imports import call, resolve
@@ -38,9 +37,12 @@ DIGITS_SPLIT_SEED = 20240917
 class DatasetBundle:
     train: Dataset[Any]
     test: Dataset[Any] | None
-    input_shape: tuple[int, ...]
-    num_classes: int
+    input_shape: tuple[int, ...] | None  #: shape of one input of (input, target) items, if they are
+    num_classes: int | None  #: what the dataset tells (a built-in classifier needs it)
     description: str
+    vocab_size: int | None = None  #: token datasets
+    block_size: int | None = None  #: token datasets: tokens per window
+    language_model: bool = False
 
     @property
     def num_train(self) -> int:
@@ -186,89 +188,39 @@ def _infer_num_classes(ds: Any) -> int | None:
 def _user_dataset(cfg: DataConfig) -> DatasetBundle:
     factory = resolve(cfg.name, "data.name")
     result = call(factory, dict(cfg.params), "data.params", cfg.name)
-    train, test = (result if isinstance(result, tuple) else (result, None))
+    train, test = (result if isinstance(result, tuple) and len(result) == 2 else (result, None))
     if not hasattr(train, "__len__") or not hasattr(train, "__getitem__"):
         raise ConfigError("data.name", f"{cfg.name} returned {type(train).__name__}, not a map-style dataset", "Return a torch Dataset with __len__ and __getitem__ (or a (train, test) pair)")
     if len(train) == 0:
         raise ConfigError("data.name", f"{cfg.name} returned an empty dataset", "Check the dataset's source")
-    sample_x = train[0][0]
-    shape = tuple(sample_x.shape) if isinstance(sample_x, torch.Tensor) else ()
-    num_classes = _infer_num_classes(train)
-    if num_classes is None:
-        raise ConfigError("data.name", f"cannot tell the number of classes of {cfg.name}", "Give the dataset a 'num_classes' or 'classes' attribute")
-    return DatasetBundle(train, test, shape, num_classes, f"{cfg.name} ({len(train)} samples)")
+    return bundle_of(train, test, f"{cfg.name} ({len(train)} samples)")
+
+
+def bundle_of(train: Any, test: Any, description: str) -> DatasetBundle:
+    """What can be told about a dataset of any items: the input shape of (input, target) items
+    with a tensor input, the number of classes if the dataset says."""
+    first = train[0]
+    shape = None
+    if isinstance(first, (tuple, list)) and len(first) == 2 and isinstance(first[0], torch.Tensor):
+        shape = tuple(first[0].shape)
+    return DatasetBundle(train, test, shape, _infer_num_classes(train), description)
+
+
+def _tokens(cfg: DataConfig) -> DatasetBundle:
+    from .tokens import token_datasets
+
+    unknown = set(cfg.params) - {"block_size"}
+    if unknown:
+        raise ConfigError("data.params", f"unknown tokens parameter(s) {sorted(unknown)}", "Valid parameters: block_size")
+    block_size = cfg.params.get("block_size", 128)
+    train, val, meta = token_datasets(Path(cfg.path or ""), block_size)
+    return DatasetBundle(train, val, None, None, f"tokens {cfg.path} ({train.tokens:,} train tokens, "
+                         f"{len(train):,} windows of {block_size}; vocabulary {meta['vocab_size']})",
+                         vocab_size=meta["vocab_size"], block_size=block_size, language_model=True)
 
 
 def build_datasets(cfg: DataConfig) -> DatasetBundle:
-    builders = {"digits": _digits, "synthetic": _synthetic, "image_folder": _image_folder, "cifar10": _cifar10}
+    builders = {"digits": _digits, "synthetic": _synthetic, "tokens": _tokens, "image_folder": _image_folder,
+                "cifar10": _cifar10}
     bundle = builders[cfg.name](cfg) if cfg.name in builders else _user_dataset(cfg)
     return bundle
-
-
-# --------------------------------------------------------------------------- batch sources
-
-
-class BatchSource(Protocol):
-    def batches(self, index_lists: Iterable[list[int]]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """One (inputs, targets) batch per index list, in order."""
-
-
-class TensorSource:
-    """In-memory data: a batch is one indexing operation, no worker processes."""
-
-    def __init__(self, dataset: TensorPairDataset, device: torch.device) -> None:
-        # Keep the data on the training device when it is small: no per-step copies.
-        self.on_device = device.type == "cuda" and dataset.x.numel() * dataset.x.element_size() < (1 << 30)
-        self.x = dataset.x.to(device) if self.on_device else dataset.x
-        self.y = dataset.y.to(device) if self.on_device else dataset.y
-        self.device = device
-
-    def batches(self, index_lists: Iterable[list[int]]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        for indices in index_lists:
-            idx = torch.as_tensor(indices, dtype=torch.long, device=self.x.device)
-            x, y = self.x.index_select(0, idx), self.y.index_select(0, idx)
-            if not self.on_device:
-                x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-            yield x, y
-
-
-class LoaderSource:
-    """File-backed data: a DataLoader whose batch sampler is our index lists."""
-
-    def __init__(self, dataset: Dataset[Any], device: torch.device, num_workers: int, seed: int) -> None:
-        self.dataset = dataset
-        self.device = device
-        self.num_workers = num_workers
-        self.seed = seed
-
-    def batches(self, index_lists: Iterable[list[int]]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        generator = torch.Generator().manual_seed(self.seed)
-        loader = DataLoader(
-            self.dataset, batch_sampler=_Once(index_lists), num_workers=self.num_workers,
-            pin_memory=self.device.type == "cuda", generator=generator,
-            persistent_workers=False,
-        )
-        for x, y in loader:
-            yield x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-
-
-class _Once:
-    """A batch sampler over a one-shot iterable (DataLoader only iterates it once)."""
-
-    def __init__(self, index_lists: Iterable[list[int]]) -> None:
-        self.index_lists = index_lists
-
-    def __iter__(self) -> Iterator[list[int]]:
-        return iter(self.index_lists)
-
-
-def make_source(dataset: Dataset[Any], device: torch.device, cfg: DataConfig, seed: int) -> BatchSource:
-    if isinstance(dataset, TensorPairDataset):
-        return TensorSource(dataset, device)
-    return LoaderSource(dataset, device, cfg.num_workers, seed)
-
-
-def shard(n: int, rank: int, world: int) -> range:
-    """Evaluation shard of rank r: every world-th index, so shards cover [0, n) once."""
-    return range(rank, n, world)
-

@@ -223,6 +223,19 @@ class Dist:
         tdist.broadcast(tensor, src=src)
         return tensor
 
+    def broadcast_tensors(self, tensors: list[torch.Tensor], src: int = 0) -> None:
+        """Overwrite ``tensors`` with ``src``'s, in one broadcast per dtype and device (coalesced)."""
+        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+        groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+        for t in tensors:
+            groups.setdefault((t.dtype, t.device), []).append(t)
+        for group in groups.values():
+            flat = _flatten_dense_tensors([t.detach() for t in group])
+            tdist.broadcast(flat, src=src)
+            if self.rank != src:
+                torch._foreach_copy_([t.detach() for t in group], list(_unflatten_dense_tensors(flat, group)))
+
     def barrier(self) -> None:
         self.all_reduce_sum(torch.zeros(1, device=self.device))
 
@@ -232,9 +245,51 @@ class Dist:
     # -- models --------------------------------------------------------------------------
 
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
-        """DDP around the model (also at world size 1: one code path)."""
+        """DDP around the model (also at world size 1: one code path).
+
+        Buffers are not broadcast before every forward (DDP's default): the loop makes every rank
+        take rank 0's buffers once per step, at the step boundary (Checkpointer.sync_buffers), so
+        that the state a survivor keeps is the job's. The gradient is the same either way (a
+        training-mode forward normalises by the batch's own statistics). ``ddp(EMPTY)`` joins the
+        gradient sync of a micro-step in which this rank has no sample (see :class:`Replica`).
+        """
         from torch.nn.parallel import DistributedDataParallel
 
-        device_ids = [self.device.index] if self.device.type == "cuda" else None
-        return DistributedDataParallel(model, device_ids=device_ids)
+        import inspect
 
+        device_ids = [self.device.index] if self.device.type == "cuda" else None
+        # torch 2.13 renamed the switch (broadcast_buffers is deprecated there; older torch lacks the new name).
+        accepted = inspect.signature(DistributedDataParallel.__init__).parameters
+        no_forward_sync = {"forward_sync_buffers": False} if "forward_sync_buffers" in accepted else {"broadcast_buffers": False}
+        return DistributedDataParallel(Replica(model), device_ids=device_ids, **no_forward_sync)
+
+
+
+#: The input of a micro-step in which this rank has no sample: ``ddp(EMPTY)`` is a zero loss.
+EMPTY = object()
+
+
+class Replica(torch.nn.Module):
+    """The module DDP wraps: the model, or a zero loss over its parameters for :data:`EMPTY`.
+
+    A rank without samples in a micro-step must still join the gradient all-reduce, with zero
+    gradients and without running the model: a user's model or loss need not handle an empty
+    batch, and BatchNorm refuses one in training mode. The zero loss reaches every parameter, so
+    DDP's hooks fire exactly as after a real forward. Attribute lookups the model answers (a loss
+    function reading ``model.module.config``) are passed through.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if len(args) == 1 and args[0] is EMPTY and not kwargs:
+            return sum(p.sum() for p in self.model.parameters() if p.requires_grad) * 0.0
+        return self.model(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(super().__getattr__("model"), name)

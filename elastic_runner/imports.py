@@ -56,3 +56,19 @@ def call(factory: Callable[..., Any], kwargs: dict[str, Any], key: str, referenc
     except ValueError:
         pass  # builtins without a signature: let the call itself decide
     return factory(*args, **kwargs)
+
+
+def references(cfg: Any) -> list[tuple[str, str]]:
+    """Every import path a config names, as (key, reference)."""
+    found = [("data.name", cfg.data.name), ("data.sampler", cfg.data.sampler), ("data.collate", cfg.data.collate),
+             ("model.name", cfg.model.name), ("model.loss", cfg.model.loss), ("optim.name", cfg.optim.name),
+             ("schedule.name", cfg.schedule.name)]
+    if isinstance(cfg.eval.metrics, list):
+        found += [("eval.metrics", m) for m in cfg.eval.metrics]
+    return [(key, ref) for key, ref in found if isinstance(ref, str) and is_import_path(ref)]
+
+
+def check_references(cfg: Any) -> None:
+    """Import every import path of ``cfg``; the first that does not import or is not callable raises."""
+    for key, reference in references(cfg):
+        resolve(reference, key)

@@ -26,7 +26,7 @@ import signal
 import sys
 from typing import TYPE_CHECKING, Any, Sequence
 
-from .lifecycle import EXIT_USAGE
+from .lifecycle import EXIT_FINAL
 
 if TYPE_CHECKING:
     from .events import EventLog
@@ -123,7 +123,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # torchrun printed the failure table; only the exit status is left to choose.
         codes = {f.exitcode for f in exc.failures.values()}
         log.error("%s", exc)
-        return EXIT_USAGE if codes == {EXIT_USAGE} else 1
+        return codes.pop() if len(codes) == 1 and codes <= EXIT_FINAL else 1
     except SignalException as exc:
         # SIGTERM/SIGINT: workers were stopped (and saved a snapshot). Never exit 0 on a
         # signal: Kubernetes' Job success rule relies on 0 meaning "training complete".

@@ -24,6 +24,10 @@ EXIT_OK = 0
 EXIT_FAILED = 1
 #: A configuration or resume problem: a restart would fail the same way, so our agent does not retry.
 EXIT_USAGE = 2
+#: The gradient became NaN or inf (train.on_nonfinite: stop): a restart would diverge the same way.
+EXIT_DIVERGED = 3
+#: Statuses our agent does not restart: every attempt would end the same way.
+EXIT_FINAL = frozenset({EXIT_USAGE, EXIT_DIVERGED})
 #: Peers did not arrive within ``dist.init_timeout_seconds`` (process group or first collective).
 EXIT_PEER_TIMEOUT = 75
 #: The attempt ended because a peer died or hung; the state was kept for the next attempt.

@@ -2,11 +2,12 @@
 
 Read :meth:`Trainer.fit` top to bottom: for each step the sampler says which
 samples this rank takes, the audit records them, the micro-batches run
-forward/backward with gradient sync only on the last one, the optimizer
-steps, and then the between-step duties run (progress, evaluation, snapshot,
-stop request). Everything that must survive a restart lives in objects with
-``state_dict()``: the model, optimizer, scheduler, sampler and
-:class:`TrainState`.
+forward/backward (the task's loss on the batch as collated) with gradient sync
+only on the last one, the gradient becomes the exact mean over the global batch
+(:mod:`elastic_runner.gradients`), the optimizer steps, and then the
+between-step duties run (progress, evaluation, snapshot, stop request).
+Everything that must survive a restart lives in objects with ``state_dict()``,
+owned by the :class:`~elastic_runner.checkpoint.Checkpointer`.
 """
 
 from __future__ import annotations
@@ -22,17 +23,18 @@ import torch
 from torch import nn
 
 from .audit import AuditWriter
+from .batches import BatchSource, shard
 from .batching import BatchLayout, split_even
 from .config import Config
-from .data import BatchSource, shard
-from .dist import Dist
+from .dist import EMPTY, Dist
 from .events import EventLog
+from .gradients import StepGradients
 from .lifecycle import StopRequest
 from .logs import Progress, RankZero
 from .metrics import Metrics
-from .models import per_sample_loss
 from .rng import seed_step, step_seed
 from .sampler import StepPlan
+from .tasks import Task
 
 if TYPE_CHECKING:
     from .checkpoint import Checkpointer
@@ -83,6 +85,7 @@ class Components:
     dist: Dist
     model: nn.Module  #: the un-wrapped model (state_dict keys without ``module.``)
     ddp: nn.Module
+    task: Task  #: the loss and the evaluation metrics
     layout: BatchLayout
     source: BatchSource
     test_source: BatchSource | None
@@ -95,7 +98,6 @@ class Components:
     stop: StopRequest
     started_at: float  #: process start (wall clock), for the recovery duration
     resumed: bool
-    empty_batch: tuple[torch.Tensor, torch.Tensor]  #: zero-length (inputs, targets) like a real sample
     watchdog: PeerWatchdog | None = None  #: told when the last collective is done
 
 
@@ -108,6 +110,8 @@ class Trainer:
         # The parts the checkpointer saves; the loop changes them only under ckpt.mutating().
         self.state, self.sampler, self.optimizer = ckpt.state, ckpt.sampler, ckpt.optimizer
         self.scheduler, self.scaler = ckpt.scheduler, ckpt.scaler
+        self.gradients = StepGradients(c.dist, c.model, c.cfg.optim.grad_clip_norm, c.cfg.train.on_nonfinite,
+                                       self.scaler)
         self.rank0 = RankZero(c.dist.rank)
         self.progress = Progress(c.total_steps, c.cfg.logging.every_steps, c.cfg.logging.format, c.cfg.logging.progress_bar)
         self.autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(c.cfg.train.precision)
@@ -151,8 +155,8 @@ class Trainer:
                 if micro:
                     yield list(micro)
 
-    def train_step(self, plan: StepPlan, batches: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        c, layout, scaler, optimizer = self.c, self.c.layout, self.scaler, self.optimizer
+    def train_step(self, plan: StepPlan, batches: Iterator[Any]) -> None:
+        c, layout, scaler, task = self.c, self.c.layout, self.scaler, self.c.task
         step = self.state.step + 1
         started = time.perf_counter()
         if c.audit is not None:
@@ -161,47 +165,50 @@ class Trainer:
                          indices=plan.indices, micro_batch=layout.micro_size, accumulation=layout.accumulation)
         seed_step(step_seed(self.cfg.run.seed, step, c.dist.rank), c.dist.device)
         c.ddp.train()
-        scale = c.dist.world_size / plan.global_count
         micro_lists = list(split_even(plan.indices, layout.accumulation))
-        data_wait = 0.0
+        data_wait, weighted = 0.0, None
+        step_loss = torch.zeros(2, dtype=torch.float64, device=c.dist.device)  # (weighted) loss sum, weight
         for i, micro in enumerate(micro_lists):
             sync = i == len(micro_lists) - 1
             with contextlib.nullcontext() if sync else c.ddp.no_sync():  # type: ignore[operator]
                 if micro:
                     t0 = time.perf_counter()
-                    x, y = next(batches)
+                    batch = next(batches)
                     data_wait += time.perf_counter() - t0
+                    with self._autocast():
+                        losses, weights = task.compute_loss(c.ddp, batch, len(micro))
+                        loss = self.gradients.loss_for_backward(losses, weights, plan.global_count, task.where)
+                    weighted = weights is not None
+                    w = weights.detach().double() if weights is not None else None
+                    step_loss[0] += (losses.detach().double() * w).sum() if w is not None else losses.detach().double().sum()
+                    step_loss[1] += w.sum() if w is not None else len(micro)
                 else:
-                    # A rank without samples in this micro-step still joins the gradient sync,
-                    # with a zero-length batch of the data's own dtype and shape.
-                    x, y = c.empty_batch
-                with self._autocast():
-                    losses = per_sample_loss(self.cfg.model.loss, c.ddp(x), y)
-                    loss = losses.sum() * scale
+                    # No sample for this rank in this micro-step: join the gradient sync with zeros.
+                    loss = c.ddp(EMPTY)
                 if scaler is not None:
                     scaler.scale(loss).backward()
                 else:
                     loss.backward()
-                self._window_loss[0] += losses.detach().sum().double()
-                self._window_loss[1] += len(micro)
+        apply = self.gradients.finish(step, weighted, step_loss, self.optimizer)
+        self._window_loss += step_loss
+        self.checkpointer.sync_buffers()
         # Everything that changes the saved state happens under the step lock, so a
         # watchdog thread that keeps a failing attempt's state sees a whole step, and a
         # step interrupted half-way is never kept.
         with self.checkpointer.mutating():
-            if self.cfg.optim.grad_clip_norm is not None:
-                if scaler is not None:
-                    scaler.unscale_(optimizer)
-                nn.utils.clip_grad_norm_(c.model.parameters(), self.cfg.optim.grad_clip_norm)
-            if scaler is not None:
-                scaler.step(optimizer)
+            if apply and scaler is not None:
+                scaler.step(self.optimizer)
                 scaler.update()
-            else:
-                optimizer.step()
+            elif apply:
+                self.optimizer.step()
             self.scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
+            self.optimizer.zero_grad(set_to_none=True)
             self.sampler.advance(plan)
             self.state.step = step
             self.state.samples_total += plan.global_count
+        if not apply:
+            c.metrics.nonfinite.inc()
+            self.rank0(c.events.emit, "nonfinite_skipped", step=step)
         self._window_samples += plan.global_count
         c.metrics.steps.inc()
         c.metrics.samples.inc(len(plan.indices))
@@ -264,6 +271,7 @@ class Trainer:
             self.progress.line(fields)
 
     def evaluate(self) -> dict[str, float]:
+        """The task's metrics over the whole test set (each rank a shard, sums gathered)."""
         c = self.c
         if c.test_source is None or c.test_size == 0:
             return {}
@@ -271,23 +279,24 @@ class Trainer:
         indices = list(shard(c.test_size, c.dist.rank, c.dist.world_size))
         batch = self.cfg.data.eval_batch_size
         chunks = [indices[i:i + batch] for i in range(0, len(indices), batch)]
-        loss_sum = torch.zeros((), dtype=torch.float64, device=c.dist.device)
-        correct = torch.zeros((), dtype=torch.float64, device=c.dist.device)
+        sums: dict[str, float] = {}
         with torch.no_grad(), self._autocast():
-            for x, y in c.test_source.batches(chunks):
-                out = c.model(x)
-                loss_sum += per_sample_loss(self.cfg.model.loss, out, y).double().sum()
-                if out.dim() == 2 and y.dim() == 1:
-                    correct += (out.argmax(1) == y).double().sum()
-        totals = torch.stack([loss_sum, correct, torch.tensor(float(len(indices)), dtype=torch.float64, device=c.dist.device)])
-        loss_total, correct_total, n = c.dist.all_reduce_sum(totals).tolist()
-        result = {"eval_loss": loss_total / max(1.0, n), "eval_accuracy": correct_total / max(1.0, n), "eval_samples": int(n)}
-        c.metrics.eval_loss.set(result["eval_loss"])
-        c.metrics.eval_accuracy.set(result["eval_accuracy"])
+            for chunk, data in zip(chunks, c.test_source.batches(chunks)):
+                for key, value in c.task.eval_sums(c.model, data, len(chunk)).items():
+                    sums[key] = sums.get(key, 0.0) + value
+        totals: dict[str, float] = {}
+        samples = 0.0
+        for rank_sums, count in c.dist.all_gather_object((sums, len(indices))):
+            samples += count
+            for key, value in rank_sums.items():
+                totals[key] = totals.get(key, 0.0) + value
+        metrics = c.task.finalize(totals, samples)
+        result = {f"eval_{k}": v for k, v in metrics.items()} | {"eval_samples": int(samples)}
+        c.metrics.set_eval(metrics)
         self.last_eval = result
         if self.rank0.active:
             c.events.emit("eval", step=self.state.step, **result)
-            self.progress.line({"step": self.state.step, "eval_loss": result["eval_loss"], "eval_accuracy": result["eval_accuracy"]})
+            self.progress.line({"step": self.state.step} | {k: v for k, v in result.items() if k != "eval_samples"})
         return result
 
     def finish(self) -> dict[str, Any]:
@@ -312,7 +321,8 @@ def state_digest(model: nn.Module) -> str:
     for name, tensor in sorted(model.state_dict().items()):
         t = tensor.detach().to("cpu").contiguous()
         sha.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
-        sha.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        # reshape(-1): a 0-dim tensor (BatchNorm's num_batches_tracked) cannot be viewed as bytes
+        sha.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return sha.hexdigest()
 
 

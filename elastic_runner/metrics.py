@@ -102,6 +102,10 @@ class Metrics:
         self.recomputed = gauge("steps_recomputed", "Steps redone after the last failure (progress lost).")
         self.eval_loss = gauge("eval_loss", "Test loss at the last evaluation (reduced over ranks).")
         self.eval_accuracy = gauge("eval_accuracy_ratio", "Test accuracy at the last evaluation (0..1).")
+        self.eval_metric = Gauge(PREFIX + "eval_metric", "Every metric of the last evaluation (eval.metrics).",
+                                 ["rank", "metric"], registry=r)
+        self.nonfinite = counter("nonfinite_steps", "Steps whose gradient was not finite and that were skipped "
+                                 "(train.on_nonfinite: skip).")
         self.job = _JobCounters(self.rank)
         r.register(self.job)
         build = Info(PREFIX + "build", "Versions of this worker.", registry=r)
@@ -140,6 +144,14 @@ class Metrics:
             server.shutdown()
             server.server_close()
         self._server = None
+
+    def set_eval(self, metrics: dict[str, float]) -> None:
+        for name, value in metrics.items():
+            self.eval_metric.labels(self.rank, name).set(value)
+        if "loss" in metrics:
+            self.eval_loss.set(metrics["loss"])
+        if "accuracy" in metrics:
+            self.eval_accuracy.set(metrics["accuracy"])
 
     # -- job-level state ---------------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""Built-in small models, and user models by import path.
+"""Built-in small models (mlp, cnn; gpt in :mod:`elastic_runner.gpt`), and user models by import path.
 
 Models know nothing about distribution: no torch.distributed here.
 """
@@ -64,29 +64,40 @@ class SmallCNN(nn.Module):
 BUILTIN = {"mlp": MLP, "cnn": SmallCNN}
 
 
-def build_model(cfg: ModelConfig, input_shape: Sequence[int], num_classes: int) -> nn.Module:
+def build_model(cfg: ModelConfig, input_shape: Sequence[int] | None, num_classes: int | None, *,
+                vocab_size: int | None = None, block_size: int | None = None) -> nn.Module:
+    """The configured model; ``input_shape``, ``num_classes``, ``vocab_size`` and ``block_size`` are
+    what the dataset tells (a built-in model takes what it needs, an import path gets
+    ``num_classes`` when it accepts it and the config does not set it)."""
     params: dict[str, Any] = dict(cfg.params)
     if cfg.name in BUILTIN:
-        cls = BUILTIN[cfg.name]
-        return call(cls, params, "model.params", cfg.name, tuple(input_shape), num_classes)
+        if num_classes is None and "num_classes" not in params:
+            raise ConfigError("model.name", f"{cfg.name} needs the number of classes, which the dataset does not tell",
+                              "Give the dataset a 'num_classes' or 'classes' attribute, or set model.params.num_classes")
+        if not input_shape:
+            raise ConfigError("model.name", f"{cfg.name} needs (input, target) items with a tensor input",
+                              "Use your own model (an import path) for this dataset")
+        params.setdefault("num_classes", num_classes)
+        return call(BUILTIN[cfg.name], params, "model.params", cfg.name, tuple(input_shape))
+    if cfg.name == "gpt":
+        from .gpt import GPT
+
+        if vocab_size is None and "vocab_size" not in params:
+            raise ConfigError("model.name", "gpt needs the vocabulary size, which the dataset does not tell",
+                              "Use data.name: tokens, or set model.params.vocab_size")
+        params.setdefault("vocab_size", vocab_size)
+        if block_size is not None:
+            params.setdefault("block_size", block_size)
+        return call(GPT, params, "model.params", "gpt")
     factory = resolve(cfg.name, "model.name")
     # Most vision constructors take num_classes; pass the dataset's unless the user chose.
     try:
         accepts = "num_classes" in inspect.signature(factory).parameters
     except (TypeError, ValueError):
         accepts = False
-    if accepts and "num_classes" not in params:
+    if accepts and "num_classes" not in params and num_classes is not None:
         params["num_classes"] = num_classes
     model = call(factory, params, "model.params", cfg.name)
     if not isinstance(model, nn.Module):
         raise ConfigError("model.name", f"{cfg.name} returned {type(model).__name__}, not a torch.nn.Module", "Point model.name at a model class or factory")
     return model
-
-
-def per_sample_loss(name: str, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Unreduced loss, so the loop can normalise by the *global* batch size."""
-    if name == "cross_entropy":
-        return nn.functional.cross_entropy(output, target, reduction="none")
-    if name == "mse":
-        return nn.functional.mse_loss(output, target.to(output.dtype), reduction="none").flatten(1).mean(1)
-    raise ConfigError("model.loss", f"unknown loss {name!r}", "Use cross_entropy or mse")

@@ -8,7 +8,8 @@ group up and down, and the exit status. One training attempt is
 
 Exit status (:mod:`elastic_runner.lifecycle`): 0 finished or stopped gracefully
 (SIGTERM/SIGINT), 2 a configuration or resume problem (the message says what
-to fix), 75 peers did not arrive in time, 76 a peer was lost, 1 anything else.
+to fix), 3 the gradient became NaN or inf, 75 peers did not arrive in time,
+76 a peer was lost, 1 anything else.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import argparse
 import logging
 import os
 import sys
-from typing import Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
@@ -27,11 +28,24 @@ from .checkpoint import ResumeError, StopSnapshotFailed
 from .config import Config, ConfigError, load_config
 from .dist import Dist, DistError
 from .env import EnvError, WorkerEnv
-from .lifecycle import EXIT_FAILED, EXIT_OK, EXIT_USAGE, StopRequest, die_with_parent, name_process, process_start_time
+from .gradients import NonFiniteGradient
+from .lifecycle import (
+    EXIT_DIVERGED,
+    EXIT_FAILED,
+    EXIT_OK,
+    EXIT_USAGE,
+    StopRequest,
+    die_with_parent,
+    name_process,
+    process_start_time,
+)
 from .logs import setup_logging
 from .loop import GracefulStop
 from .preflight import warn_known_bad_setups
 from .snapshot import StaleWriterError
+
+if TYPE_CHECKING:
+    from .workload import Workload
 
 log = logging.getLogger("elastic_runner.train")
 
@@ -58,7 +72,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     return run(cfg, env)
 
 
-def run(cfg: Config, env: WorkerEnv) -> int:
+def run(cfg: Config, env: WorkerEnv, make_workload: Callable[[], Workload] | None = None) -> int:
+    """One worker process: ``make_workload`` builds what is trained (default: from ``cfg``)."""
     started_at = process_start_time()
     setup_logging(cfg.logging.level, env.rank, env.world_size)
     if env.under_torchrun:
@@ -82,7 +97,7 @@ def run(cfg: Config, env: WorkerEnv) -> int:
         print(f"elastic_runner: {exc}", file=sys.stderr)
         return EXIT_USAGE
     try:
-        Attempt(cfg, env, dist, stop, started_at).run()
+        Attempt(cfg, env, dist, stop, started_at, make_workload).run()
         return EXIT_OK
     except GracefulStop:
         log.info("stopped on %s after saving a snapshot", stop.signal_name)
@@ -90,6 +105,10 @@ def run(cfg: Config, env: WorkerEnv) -> int:
     except (ConfigError, ResumeError, SetupError) as exc:
         print(f"elastic_runner: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except NonFiniteGradient as exc:
+        if env.rank == 0:  # every rank saw it; one line is enough
+            print(f"elastic_runner: {exc}", file=sys.stderr)
+        return EXIT_DIVERGED
     except (StaleWriterError, StopSnapshotFailed, RetryableSetupError) as exc:
         print(f"elastic_runner: {exc}", file=sys.stderr)
         return EXIT_FAILED

@@ -6,8 +6,8 @@
   handle SIGTERM, so that wait is pure loss: it is SIGKILLed at once.
 - **Configuration errors are not retried.** A worker that exits with status 2
   (:data:`elastic_runner.lifecycle.EXIT_USAGE`: invalid config, incompatible
-  snapshot) would fail identically on every restart; the agent stops instead
-  of burning ``--max-restarts`` restarts.
+  snapshot) or 3 (the gradient became NaN or inf) would fail identically on
+  every restart; the agent stops instead of burning ``--max-restarts`` restarts.
 - **No lazy imports on the recovery path.** torch's log formatter imports
   ``torch._dynamo`` (~2.5 s) the first time it formats an exception, which
   the agent does when a worker fails; it is imported in the background
@@ -31,7 +31,7 @@ from typing import Any
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
-from ..lifecycle import EXIT_USAGE, proc_state
+from ..lifecycle import EXIT_DIVERGED, EXIT_FINAL, EXIT_USAGE, proc_state
 from . import fast_rendezvous
 
 log = logging.getLogger(__name__)
@@ -121,10 +121,11 @@ class ElasticRunnerAgent(LocalElasticAgent):
         if result.state == WorkerState.FAILED:
             codes = sorted({f.exitcode for f in result.failures.values()})
             self._notify("worker_failed", exit_codes=codes, count=len(result.failures))
-            if EXIT_USAGE in codes and self._remaining_restarts > 0:
-                log.error("a worker exited with status %d (configuration or resume error, printed above); "
-                          "restarting would fail the same way, so the job stops. Fix the config and start again.",
-                          EXIT_USAGE)
+            final = sorted(set(codes) & EXIT_FINAL)
+            if final and self._remaining_restarts > 0:
+                why = {EXIT_USAGE: "configuration or resume error", EXIT_DIVERGED: "the gradient became NaN or inf"}
+                log.error("a worker exited with status %d (%s, printed above); restarting would fail the same way, "
+                          "so the job stops. Fix the cause and start again.", final[0], why[final[0]])
                 self._remaining_restarts = 0
         self._notify("state", state=result.state.name, remaining_restarts=self._remaining_restarts)
         return result

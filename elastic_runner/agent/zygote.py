@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing.forkserver as forkserver
+import os
 import sys
 import threading
 
@@ -55,6 +56,10 @@ def worker_main(*argv: str) -> None:
     and interpreter teardown only delays the restart. ``@record`` on the
     worker's ``main`` has already written the error file torchrun reports.
     """
+    # ``python -m elastic_runner.train`` (a plain torchrun worker) has the working directory on
+    # sys.path, so config import paths like 'mymodels:Net' find modules there; so does a zygote worker.
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     from elastic_runner import lifecycle
     from elastic_runner.train import main
 

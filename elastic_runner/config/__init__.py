@@ -12,6 +12,8 @@ from .loader import (
     write_effective_config,
 )
 from .sections import (
+    BUILTIN_LOSSES,
+    BUILTIN_METRICS,
     RESUME_FREE,
     SECTIONS,
     AuditConfig,
@@ -20,6 +22,7 @@ from .sections import (
     ConfigError,
     DataConfig,
     DistConfig,
+    EvalConfig,
     LoggingConfig,
     MetricsConfig,
     ModelConfig,
@@ -33,7 +36,8 @@ from .sections import (
 )
 
 __all__ = [
-    "RESUME_FREE", "SECTIONS", "AuditConfig", "BatchConfig", "Config", "ConfigError", "DataConfig", "DistConfig",
+    "BUILTIN_LOSSES", "BUILTIN_METRICS", "RESUME_FREE", "SECTIONS", "AuditConfig", "BatchConfig", "Config",
+    "ConfigError", "DataConfig", "DistConfig", "EvalConfig",
     "LoggingConfig", "MetricsConfig", "ModelConfig", "OptimConfig", "RunConfig", "ScheduleConfig", "SnapshotConfig",
     "TrainConfig", "coerce", "config_from_dict", "diff_configs", "dump_yaml", "is_import_path", "load_config",
     "parse_override", "reference_markdown", "resume_free_keys", "write_effective_config",

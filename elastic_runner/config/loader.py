@@ -9,14 +9,31 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import types
 import typing
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal, Union
 
 import yaml
 
 from .sections import SECTIONS, Config, ConfigError
+
+#: YAML 1.2's float (core schema). PyYAML implements YAML 1.1, where a float needs a dot: 3e-4 and
+#: 1e-2, how almost every optimizer setting is written, would be read as strings.
+YAML12_FLOAT = re.compile(r"[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)([eE][-+]?[0-9]+)?")
+
+
+class ConfigLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that also reads YAML 1.2 floats (``3e-4``, ``1E+3``) as numbers."""
+
+
+ConfigLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."),
+)
 
 def _resolve_hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
@@ -62,9 +79,17 @@ def coerce(value: Any, tp: Any, key: str) -> Any:
         raise ConfigError(key, f"got {value!r}, expected {_type_name(tp)}", f"Set {key} to {_type_name(tp)}")
     if origin is Literal:
         allowed = typing.get_args(tp)
-        if value in allowed:
+        if isinstance(value, bool) and {"on", "off"} <= set(allowed):
+            # YAML 1.1 reads on/off/yes/no as booleans; for a key whose values are words they mean on/off.
+            return "on" if value else "off"
+        if value in allowed and not isinstance(value, bool):
             return value
         raise ConfigError(key, f"got {value!r}, expected one of {', '.join(map(str, allowed))}", f"Set {key} to one of {list(allowed)}")
+    if origin is list:
+        if isinstance(value, list):
+            (item_type,) = typing.get_args(tp) or (Any,)
+            return [v if item_type is Any else coerce(v, item_type, f"{key}[{i}]") for i, v in enumerate(value)]
+        raise ConfigError(key, f"got {value!r}, expected a list", f"Write {key} as a YAML list, e.g. [a, b]")
     if origin is dict:
         if isinstance(value, dict):
             return dict(value)
@@ -82,6 +107,8 @@ def coerce(value: Any, tp: Any, key: str) -> Any:
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
+        if isinstance(value, str) and YAML12_FLOAT.fullmatch(value.strip()):
+            return float(value)  # e.g. "3e-4" written as a string (a config built in Python)
         raise ConfigError(key, f"got {value!r}, expected a number", f"Set {key} to a number")
     if tp is str:
         if isinstance(value, str):
@@ -170,20 +197,25 @@ def parse_override(text: str) -> tuple[str, Any]:
     key, raw = text.split("=", 1)
     key = key.strip()
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = yaml.load(raw, Loader=ConfigLoader) if raw.strip() else ""
     except yaml.YAMLError as exc:
         raise ConfigError(key, f"cannot parse value {raw!r}: {exc.problem}", "Quote the value or fix its YAML syntax", f"--set {text}") from exc
     return key, value
 
 
-def load_config(path: str | os.PathLike[str] | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Defaults < YAML file < ``--set`` overrides, then validation.
+def load_config(path: str | os.PathLike[str] | Mapping[str, Any] | None,
+                overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Defaults < YAML file (or a mapping of sections) < ``--set`` overrides, then validation.
 
     Raises :class:`ConfigError` (one line, with the source) on any problem.
     """
     config = Config()
     sources: dict[str, str] = {}
-    if path is not None:
+    if isinstance(path, Mapping):
+        for key, value in _flatten(dict(path), "config mapping"):
+            _apply(config, key, value, "config mapping")
+            sources[key] = "config mapping"
+    elif path is not None:
         source = str(path)
         try:
             text = Path(path).read_text()
@@ -192,7 +224,7 @@ def load_config(path: str | os.PathLike[str] | None, overrides: list[str] | tupl
         except OSError as exc:
             raise ConfigError("--config", f"cannot read {source!r}: {exc.strerror}", "Check the path and its permissions") from exc
         try:
-            data = yaml.safe_load(text) or {}
+            data = yaml.load(text, Loader=ConfigLoader) or {}
         except yaml.YAMLError as exc:
             mark = getattr(exc, "problem_mark", None)
             where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""

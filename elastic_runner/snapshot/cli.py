@@ -78,21 +78,26 @@ def inspect(run_dir: str, verify: bool = False) -> dict[str, Any]:
     }
 
 
-def export(run_dir: str, out: str, name: str | None = None) -> dict[str, Any]:
-    """Write the newest intact snapshot's plain model state_dict to ``out``."""
-    import torch
-
+def load_for_export(run_dir: str, name: str | None = None, map_location: Any = "cpu") -> tuple[SnapshotRef, dict[str, Any], dict[str, Any]]:
+    """The newest intact snapshot of a run (or the one named), read-only: (ref, meta, state)."""
     store = open_store(snapshot_dir_of(run_dir))
     if name is not None:
         ref = SnapshotRef.parse(name)
         if ref is None:
             raise SnapshotError(f"{name!r} is not a snapshot name (step-NNNNNNNNN-gen-NNNNNN)")
-        meta, state = load_snapshot(store.path(ref), map_location="cpu")
-    else:
-        loaded = find_newest_readonly(store)
-        if loaded is None:
-            raise SnapshotError(f"no intact snapshot in {store.location}")
-        ref, meta, state = loaded
+        meta, state = load_snapshot(store.path(ref), map_location=map_location)
+        return ref, meta, state
+    loaded = find_newest_readonly(store, map_location)
+    if loaded is None:
+        raise SnapshotError(f"no intact snapshot in {store.location}")
+    return loaded
+
+
+def export(run_dir: str, out: str, name: str | None = None) -> dict[str, Any]:
+    """Write the newest intact snapshot's plain model state_dict to ``out``."""
+    import torch
+
+    ref, meta, state = load_for_export(run_dir, name)
     target = Path(out)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
@@ -101,11 +106,11 @@ def export(run_dir: str, out: str, name: str | None = None) -> dict[str, Any]:
     return {"snapshot": ref.name, "step": ref.step, "out": str(target), "tensors": len(state["model"])}
 
 
-def find_newest_readonly(store: LocalStore) -> tuple[SnapshotRef, dict[str, Any], dict[str, Any]] | None:
+def find_newest_readonly(store: LocalStore, map_location: Any = "cpu") -> tuple[SnapshotRef, dict[str, Any], dict[str, Any]] | None:
     """Like the loader, but never moves anything aside (inspection must not change a run)."""
     for ref in reversed(store.complete()):
         try:
-            meta, state = load_snapshot(store.path(ref), map_location="cpu")
+            meta, state = load_snapshot(store.path(ref), map_location=map_location)
         except SnapshotError as exc:
             print(f"elastic-runner: skipping {ref.name}: {exc}", file=sys.stderr)
             continue

@@ -14,7 +14,8 @@ from elastic_runner.config import BatchConfig, ConfigError, DataConfig, ModelCon
 from elastic_runner.data import build_datasets, load_digits_tensors
 from elastic_runner.env import EnvError, WorkerEnv
 from elastic_runner.imports import resolve
-from elastic_runner.models import build_model, per_sample_loss
+from elastic_runner.models import build_model
+from elastic_runner.tasks import per_sample_loss
 from elastic_runner.optim import build_optimizer, build_schedule
 
 # ---------------------------------------------------------------- batching

@@ -150,3 +150,10 @@ def test_reference_documents_every_key() -> None:
     for key in ("run.dir", "run.seed", "train.max_steps", "train.epochs", "batch.global_size",
                 "snapshot.every_steps", "audit.samples", "metrics.port"):
         assert f"`{key}`" in text
+
+
+def test_the_readme_shows_the_current_reference() -> None:
+    from ..conftest import ROOT
+
+    assert reference_markdown() in (ROOT / "README.md").read_text(), (
+        "README's configuration table is out of date: paste `elastic-runner config --docs`")

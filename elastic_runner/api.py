@@ -1,0 +1,131 @@
+"""Bring an existing script: hand your own objects to :func:`fit`, get every guarantee.
+
+A training script started by torchrun (or ``elastic-runner launch``) builds its model and datasets
+as it always did and calls::
+
+    import elastic_runner
+
+    sys.exit(elastic_runner.fit(
+        model, train_dataset, eval_data=test_dataset,
+        loss=my_loss,                                   # fn(model, batch) -> losses [B] or (losses, weights)
+        optimizer=lambda params: torch.optim.AdamW(params, lr=3e-4),
+        config={"run": {"dir": "runs/x"}, "batch": {"global_size": 64}, "train": {"epochs": 3}},
+    ))
+
+``fit`` runs the same worker as ``python -m elastic_runner.train`` — snapshots on disk and in node
+memory, resume from the newest after any restart, the elastic sampler (exactly once, constant global
+batch), the peer watchdog, metrics, events, the audit — with these objects instead of the config's
+import paths. The config (a YAML file, a mapping of sections, or ``None`` for the defaults) supplies
+everything else; its ``data``/``model``/``optim`` names are not used (the snapshot records the
+objects' classes and shapes instead, so that a changed model is refused on resume). Returns the
+worker's exit status (:mod:`elastic_runner.lifecycle`).
+
+:func:`load_model` rebuilds a run's model from its effective config and loads the newest snapshot's
+weights (or loads them into the model you pass, for a script's own model).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from .config import Config, ConfigError, load_config
+
+Optimizer = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+
+
+def fit(model: nn.Module, train_data: Any, *, loss: Callable[..., Any] | str = "cross_entropy",
+        optimizer: Optimizer | None = None, eval_data: Any = None,
+        metrics: Sequence[str | Callable[..., Any]] | None = None, collate: Callable[[list[Any]], Any] | None = None,
+        schedule: Callable[[torch.optim.Optimizer, int], Any] | None = None,
+        config: str | os.PathLike[str] | Mapping[str, Any] | Config | None = None, overrides: Sequence[str] = ()) -> int:
+    """Train ``model`` on ``train_data`` as an elastic, fault-tolerant job; see the module docstring.
+
+    ``loss``: ``fn(model, batch)`` or a built-in name (``cross_entropy``, ``mse`` for (input,
+    target) items). ``optimizer``: ``fn(parameters) -> Optimizer`` (default: the config's ``optim``
+    section). ``metrics``: built-in names and ``fn(model, batch) -> {name: values [B]}``.
+    ``schedule``: ``fn(optimizer, total_steps) -> LRScheduler`` (default: the config's ``schedule``).
+    """
+    from .env import EnvError, WorkerEnv
+    from .lifecycle import EXIT_USAGE
+    from .train import run
+
+    try:
+        cfg = config if isinstance(config, Config) else load_config(config, list(overrides))
+        env = WorkerEnv.from_environ()
+        builtin_loss = loss if isinstance(loss, str) else None
+        if builtin_loss is not None:
+            cfg.model.loss = builtin_loss
+            cfg.model.validate()
+        if metrics is not None:
+            cfg.eval.metrics = [m for m in metrics if isinstance(m, str)] or ["loss"]
+            cfg.eval.validate()
+    except (ConfigError, EnvError) as exc:
+        print(f"elastic_runner: config error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    cfg.data.name = f"(script) {type(train_data).__qualname__}"
+    cfg.model.name = f"(script) {type(model).__qualname__}"
+
+    def make_workload() -> Any:
+        from .optim import build_optimizer, build_schedule
+        from .tasks import build_task
+        from .workload import Workload, identity_of
+
+        fns = {getattr(m, "__qualname__", f"metric{i}"): m for i, m in enumerate(metrics or ()) if callable(m)}
+        task = build_task(cfg.model, cfg.eval, loss=None if builtin_loss else loss,  # type: ignore[arg-type]
+                          metric_fns=fns)  # type: ignore[arg-type]
+
+        def make_optimizer(params: Iterable[nn.Parameter], lr_scale: float) -> torch.optim.Optimizer:
+            if optimizer is None:
+                return build_optimizer(cfg.optim, params, lr_scale)
+            built = optimizer(params)
+            if not isinstance(built, torch.optim.Optimizer):
+                raise ConfigError("fit(optimizer=...)", f"returned {type(built).__name__}, not a torch.optim.Optimizer",
+                                  "Pass a function parameters -> optimizer, e.g. lambda p: torch.optim.AdamW(p, lr=3e-4)")
+            for group in built.param_groups:
+                group["lr"] *= lr_scale
+            return built
+
+        def make_schedule(opt: torch.optim.Optimizer, total_steps: int) -> Any:
+            return schedule(opt, total_steps) if schedule is not None else build_schedule(cfg.schedule, opt, total_steps)
+
+        probe = optimizer([nn.Parameter(torch.zeros(1))]) if optimizer is not None else None
+        return Workload(train=train_data, test=eval_data, model=model, task=task, make_optimizer=make_optimizer,
+                        make_schedule=make_schedule, description=f"{type(train_data).__qualname__} "
+                        f"({len(train_data)} samples)", collate=collate, identity=identity_of(model, train_data, probe))
+
+    return run(cfg, env, make_workload=make_workload)
+
+
+def load_model(run_dir: str | os.PathLike[str], model: nn.Module | None = None, *,
+               map_location: str | torch.device = "cpu", snapshot: str | None = None) -> nn.Module:
+    """The model of a run with the weights of its newest intact snapshot (or ``snapshot``), in eval mode.
+
+    Without ``model`` it is rebuilt from the snapshot's own config (built-in models and import
+    paths; for ``model.name: gpt`` the vocabulary and block size the data had). A script's own
+    model cannot be rebuilt from a config: pass it (``load_model(run_dir, MyNet())``).
+    """
+    from .config import config_from_dict
+    from .models import build_model
+    from .snapshot.cli import load_for_export
+
+    ref, meta, state = load_for_export(str(run_dir), snapshot, map_location=map_location)
+    if model is None:
+        cfg = config_from_dict(meta.get("config", {}))
+        build = meta.get("model_build")
+        if not build or cfg.model.name.startswith("(script)"):
+            raise ConfigError("load_model", f"{ref.name} was trained from a script's own model ({cfg.model.name})",
+                              "Build that model and pass it: load_model(run_dir, model)")
+        if os.getcwd() not in sys.path:
+            sys.path.insert(0, os.getcwd())  # an import-path model from the working directory, as in training
+        model = build_model(cfg.model, **build)
+    try:
+        model.load_state_dict(state["model"])
+    except RuntimeError as exc:
+        raise ConfigError("load_model", f"the weights of {ref.name} do not fit this model: "
+                          f"{str(exc).splitlines()[0]}", "Pass the model the run trained") from exc
+    return model.to(map_location).eval()

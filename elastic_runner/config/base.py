@@ -1,0 +1,36 @@
+"""What every configuration section shares: the one-line error, field help, import paths."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import field
+from typing import Any
+
+IMPORT_PATH_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
+
+
+class ConfigError(ValueError):
+    """A configuration problem, phrased as one line the user can act on."""
+
+    def __init__(self, key: str, problem: str, fix: str, source: str = "") -> None:
+        self.key = key
+        self.problem = problem
+        self.fix = fix
+        self.source = source
+        super().__init__(self._render())
+
+    def _render(self) -> str:
+        where = f"{self.source}: " if self.source else ""
+        return f"{where}{self.key}: {self.problem}. {self.fix}"
+
+    def with_source(self, source: str) -> "ConfigError":
+        return ConfigError(self.key, self.problem, self.fix, source)
+
+
+def _help(text: str, **kwargs: Any) -> Any:
+    return field(metadata={"help": text}, **kwargs)
+
+
+def is_import_path(value: str) -> bool:
+    """True for ``package.module:callable`` references (user components)."""
+    return bool(IMPORT_PATH_RE.match(value))

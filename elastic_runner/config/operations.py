@@ -1,0 +1,114 @@
+"""The sections that define how a run is operated: snapshots, audit, metrics, logging, process group.
+
+None of these changes the mathematics of a run; they may change between attempts of one run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from .base import ConfigError, _help
+
+
+@dataclass
+class SnapshotConfig:
+    every_steps: int = _help("Write a durable snapshot every N steps (0: off).", default=50)
+    every_seconds: float = _help("Also write one when this many seconds passed since the last (0: off).", default=0.0)
+    keep_last: int = _help("Complete snapshots to keep; older ones are deleted once a newer one is complete.", default=3)
+    dir: str | None = _help("Where snapshots live (default: RUN_DIR/snapshots).", default=None)
+    async_write: bool = _help(
+        "Serialise and write in a background thread; the step only waits for the copy "
+        "into host memory. At most one write is in flight.",
+        default=True,
+    )
+    verify: bool = _help("Check each snapshot's SHA-256 before loading it.", default=True)
+    allow_mismatch: bool = _help(
+        "Resume even if the snapshot was written for a different model/data/optimizer "
+        "config (e.g. to fine-tune). The differing keys are logged.",
+        default=False,
+    )
+    in_memory: bool = _help(
+        "When an attempt ends (a peer failed, torchrun restarts the group, SIGTERM), every "
+        "surviving node keeps its newest step in shared memory (/dev/shm); the next start "
+        "takes the newest step any node holds, so a failure with a survivor loses at most "
+        "one step. Costs nothing during training.",
+        default=True,
+    )
+
+    def validate(self) -> None:
+        if self.every_steps < 0:
+            raise ConfigError("snapshot.every_steps", f"got {self.every_steps}, must be >= 0", "Set it to e.g. 50, or 0 to disable")
+        if self.every_seconds < 0:
+            raise ConfigError("snapshot.every_seconds", f"got {self.every_seconds}, must be >= 0", "Set it to e.g. 300, or 0 to disable")
+        if self.keep_last < 1:
+            raise ConfigError("snapshot.keep_last", f"got {self.keep_last}, must be >= 1", "Set snapshot.keep_last to e.g. 3")
+
+
+@dataclass
+class AuditConfig:
+    samples: bool = _help(
+        "Append one JSON line per rank per step with the dataset indices it consumed "
+        "(RUN_DIR/audit/); 'elastic-runner audit RUN_DIR' checks exactly-once delivery.",
+        default=False,
+    )
+
+
+@dataclass
+class MetricsConfig:
+    port: int = _help(
+        "Serve Prometheus /metrics on port + LOCAL_RANK (0: off).", default=0
+    )
+    bind: str = _help(
+        "Address to bind: 'auto' is all interfaces inside Kubernetes (KUBERNETES_SERVICE_HOST "
+        "set) and 127.0.0.1 elsewhere.",
+        default="auto",
+    )
+
+    def validate(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ConfigError("metrics.port", f"got {self.port}, must be 0..65535", "Set metrics.port to e.g. 9400, or 0 to disable")
+
+
+@dataclass
+class LoggingConfig:
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = _help("Log level.", default="INFO")
+    every_steps: int = _help("One progress line every N steps.", default=10)
+    format: Literal["text", "json"] = _help("Progress line format.", default="text")
+    progress_bar: Literal["auto", "on", "off"] = _help(
+        "Progress bar on rank 0: auto shows it only when stdout is a terminal.", default="auto"
+    )
+
+    def validate(self) -> None:
+        if self.every_steps <= 0:
+            raise ConfigError("logging.every_steps", f"got {self.every_steps}, must be positive", "Set logging.every_steps to e.g. 10")
+
+
+@dataclass
+class DistConfig:
+    backend: Literal["auto", "gloo", "nccl"] = _help(
+        "Process-group backend: auto picks nccl when the device is a GPU, gloo otherwise.",
+        default="auto",
+    )
+    device: Literal["auto", "cpu", "cuda"] = _help(
+        "auto: cuda:LOCAL_RANK when CUDA is available, else cpu.", default="auto"
+    )
+    timeout_seconds: float = _help("Timeout of one collective operation.", default=300.0)
+    init_timeout_seconds: float = _help(
+        "Process-group creation plus the first collective must finish within this time "
+        "after a (re)start, or the attempt ends with a clear error instead of hanging.",
+        default=30.0,
+    )
+    heartbeat_seconds: float = _help(
+        "A peer whose heartbeat stops for this long (dead node, SIGSTOP, wedged process) "
+        "ends the attempt on every rank, also with NCCL whose own timeout is minutes. 0: off.",
+        default=5.0,
+    )
+
+    def validate(self) -> None:
+        if self.heartbeat_seconds < 0:
+            raise ConfigError("dist.heartbeat_seconds", f"got {self.heartbeat_seconds}, must be >= 0", "Set it to e.g. 5, or 0 to disable")
+        for key in ("timeout_seconds", "init_timeout_seconds"):
+            value = getattr(self, key)
+            if not value > 0:
+                raise ConfigError(f"dist.{key}", f"got {value}, must be positive", f"Set dist.{key} to e.g. 30")

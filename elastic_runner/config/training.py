@@ -1,0 +1,328 @@
+"""The sections that define the mathematics of a run: what is trained on what, and how.
+
+Every field carries a ``help`` text (the README's config reference is generated from them:
+``elastic-runner config --docs``) and every section a ``validate()`` that says what to set instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from .base import ConfigError, _help, is_import_path
+
+
+@dataclass
+class RunConfig:
+    dir: str = _help(
+        "Directory for everything the run writes: snapshots, audit trail, event log, "
+        "effective config. Shared by all nodes (a shared filesystem or PVC in production).",
+        default="runs/default",
+    )
+    seed: int = _help("Seed for model init, data order and per-step randomness.", default=0)
+    deterministic: bool = _help(
+        "Use deterministic algorithms (torch.use_deterministic_algorithms, cuDNN "
+        "deterministic). Needed for bitwise-reproducible GPU runs; slower.",
+        default=False,
+    )
+
+    def validate(self) -> None:
+        if not self.dir.strip():
+            raise ConfigError("run.dir", "is empty", "Set run.dir to a directory path, e.g. runs/exp1")
+
+
+@dataclass
+class DataConfig:
+    name: str = _help(
+        "Dataset: digits (8x8 handwritten digits shipped with the package), synthetic, "
+        "tokens (token files from 'elastic-runner data prepare-text'), image_folder, cifar10, or an "
+        "import path 'package.module:callable' returning a (train, test) pair or a train dataset "
+        "(items: any nesting of tensors, numbers, tuples, lists, dicts, dataclasses).",
+        default="digits",
+    )
+    path: str | None = _help(
+        "Dataset directory (required for tokens, image_folder and cifar10).", default=None
+    )
+    params: dict[str, Any] = _help(
+        "Keyword arguments for the dataset builder (synthetic: size, shape, num_classes, "
+        "test_size; tokens: block_size; import paths: anything the callable accepts).",
+        default_factory=dict,
+    )
+    collate: str | None = _help(
+        "Import path of a function that turns a list of items into a batch (e.g. one that pads "
+        "variable-length sequences); null: torch's default_collate.",
+        default=None,
+    )
+    test_fraction: float = _help(
+        "Share of the digits dataset held out for evaluation.", default=0.2
+    )
+    shuffle: bool = _help("Shuffle the sample order every epoch (seeded).", default=True)
+    partial_batch: Literal["drop", "partial"] = _help(
+        "Last global batch of an epoch when the dataset size is not a multiple of "
+        "batch.global_size: drop (skip those samples this epoch) or partial (one smaller "
+        "step; the loss is still the exact mean over its samples). Samples are never repeated.",
+        default="drop",
+    )
+    num_workers: int = _help(
+        "DataLoader worker processes for file-backed datasets (in-memory datasets ignore it).",
+        default=0,
+    )
+    eval_batch_size: int = _help("Per-rank batch size for evaluation.", default=256)
+    sampler: str = _help(
+        "Sample order: 'elastic' (exactly-once across restarts and world sizes) or an "
+        "import path to a class with the same interface (for experiments and tests).",
+        default="elastic",
+    )
+
+    def validate(self) -> None:
+        builtin = {"digits", "synthetic", "tokens", "image_folder", "cifar10"}
+        if self.name not in builtin and not is_import_path(self.name):
+            raise ConfigError(
+                "data.name",
+                f"unknown dataset {self.name!r}",
+                f"Use one of {sorted(builtin)} or an import path like 'mypkg.data:build'",
+            )
+        if self.name in {"tokens", "image_folder", "cifar10"}:
+            if not self.path:
+                raise ConfigError(
+                    "data.path", f"is required for data.name={self.name}",
+                    "Set data.path to the dataset directory",
+                )
+            if not Path(self.path).is_dir():
+                raise ConfigError(
+                    "data.path", f"directory {self.path!r} does not exist",
+                    "Point data.path at an existing dataset directory",
+                )
+        if not 0.0 < self.test_fraction < 1.0:
+            raise ConfigError(
+                "data.test_fraction", f"got {self.test_fraction}, must be between 0 and 1",
+                "Set data.test_fraction to e.g. 0.2",
+            )
+        if self.num_workers < 0:
+            raise ConfigError(
+                "data.num_workers", f"got {self.num_workers}, must be >= 0",
+                "Set data.num_workers to 0 (load in the training process) or a positive count",
+            )
+        if self.eval_batch_size <= 0:
+            raise ConfigError(
+                "data.eval_batch_size", f"got {self.eval_batch_size}, must be positive",
+                "Set data.eval_batch_size to e.g. 256",
+            )
+        if self.sampler != "elastic" and not is_import_path(self.sampler):
+            raise ConfigError(
+                "data.sampler", f"got {self.sampler!r}",
+                "Use 'elastic' or an import path like 'mypkg.sampling:MySampler'",
+            )
+        if self.collate is not None and not is_import_path(self.collate):
+            raise ConfigError("data.collate", f"got {self.collate!r}, not an import path",
+                              "Write it as 'package.module:function', or null for torch's default_collate")
+
+
+#: Built-in per-sample losses (for (input, target) items); anything else is an import path.
+BUILTIN_LOSSES = ("cross_entropy", "mse")
+#: Built-in evaluation metrics; "auto" picks them from the task.
+BUILTIN_METRICS = ("loss", "accuracy", "mse", "r2", "perplexity")
+
+
+@dataclass
+class ModelConfig:
+    name: str = _help(
+        "Model: mlp, cnn, gpt (decoder-only transformer for the tokens dataset), or an import path "
+        "such as 'torchvision.models:resnet18'.",
+        default="cnn",
+    )
+    params: dict[str, Any] = _help(
+        "Keyword arguments for the model constructor (mlp: hidden, depth, dropout; "
+        "cnn: channels, hidden, dropout; gpt: n_layer, n_head, n_embd, block_size, dropout, bias).",
+        default_factory=dict,
+    )
+    loss: str = _help(
+        "Training loss: cross_entropy or mse for (input, target) items, or an import path to "
+        "fn(model, batch) returning per-sample losses [B], or (losses [B], weights [B]) for a "
+        "weighted mean (e.g. token counts); the step optimises the exact mean over the global batch.",
+        default="cross_entropy",
+    )
+
+    def validate(self) -> None:
+        if self.name not in {"mlp", "cnn", "gpt"} and not is_import_path(self.name):
+            raise ConfigError(
+                "model.name", f"unknown model {self.name!r}",
+                "Use mlp, cnn, gpt or an import path like 'torchvision.models:resnet18'",
+            )
+        if self.loss not in BUILTIN_LOSSES and not is_import_path(self.loss):
+            raise ConfigError(
+                "model.loss", f"got {self.loss!r}, expected one of {', '.join(BUILTIN_LOSSES)} or an import path",
+                "Set model.loss to cross_entropy, mse, or 'package.module:fn' with fn(model, batch) -> losses [B]",
+            )
+
+
+@dataclass
+class EvalConfig:
+    metrics: list[str] | str = _help(
+        "Metrics of an evaluation, averaged exactly over the test set across ranks: auto (by task: "
+        "classification: loss and accuracy; regression: loss and r2; language model: loss and "
+        "perplexity; your own loss: loss) or a list of loss, accuracy, mse, r2, perplexity and import "
+        "paths to fn(model, batch) -> {name: per-sample values [B]}.",
+        default="auto",
+    )
+
+    def validate(self) -> None:
+        if isinstance(self.metrics, str):
+            if self.metrics != "auto":
+                raise ConfigError("eval.metrics", f"got {self.metrics!r}", "Use auto, or a list such as [loss, accuracy]")
+            return
+        for name in self.metrics:
+            if name not in BUILTIN_METRICS and not is_import_path(name):
+                raise ConfigError(
+                    "eval.metrics", f"unknown metric {name!r}",
+                    f"Use {', '.join(BUILTIN_METRICS)} or an import path 'package.module:fn'",
+                )
+
+
+@dataclass
+class OptimConfig:
+    name: str = _help(
+        "Optimizer: sgd, adamw, or an import path to a torch.optim.Optimizer subclass.",
+        default="sgd",
+    )
+    lr: float = _help("Learning rate (peak rate when a warm-up schedule is used).", default=0.1)
+    momentum: float = _help("SGD momentum.", default=0.9)
+    weight_decay: float = _help("Weight decay.", default=0.0)
+    params: dict[str, Any] = _help(
+        "Extra keyword arguments for the optimizer (e.g. betas for adamw).",
+        default_factory=dict,
+    )
+    grad_clip_norm: float | None = _help(
+        "Clip the global gradient norm to this value before each step (null: off).",
+        default=None,
+    )
+
+    def validate(self) -> None:
+        if self.name not in {"sgd", "adamw"} and not is_import_path(self.name):
+            raise ConfigError(
+                "optim.name", f"unknown optimizer {self.name!r}",
+                "Use sgd, adamw or an import path like 'torch.optim:RMSprop'",
+            )
+        if not self.lr > 0:
+            raise ConfigError("optim.lr", f"got {self.lr}, must be positive", "Set optim.lr to e.g. 0.1")
+        if self.momentum < 0:
+            raise ConfigError("optim.momentum", f"got {self.momentum}, must be >= 0", "Set optim.momentum to e.g. 0.9")
+        if self.weight_decay < 0:
+            raise ConfigError(
+                "optim.weight_decay", f"got {self.weight_decay}, must be >= 0", "Set optim.weight_decay to e.g. 0.0001"
+            )
+        if self.grad_clip_norm is not None and not self.grad_clip_norm > 0:
+            raise ConfigError(
+                "optim.grad_clip_norm", f"got {self.grad_clip_norm}, must be positive",
+                "Set optim.grad_clip_norm to e.g. 1.0, or null to disable clipping",
+            )
+
+
+@dataclass
+class ScheduleConfig:
+    name: str = _help(
+        "Learning-rate schedule: constant, step, cosine, or an import path to a callable "
+        "(optimizer, total_steps, **params) -> LRScheduler.",
+        default="constant",
+    )
+    warmup_steps: int = _help("Linear warm-up from 0 over this many steps.", default=0)
+    step_size: int = _help("step: multiply the rate by gamma every step_size steps.", default=100)
+    gamma: float = _help("step: decay factor.", default=0.1)
+    min_lr_ratio: float = _help("cosine: final rate as a fraction of optim.lr.", default=0.0)
+    params: dict[str, Any] = _help("Extra keyword arguments for an import-path schedule.", default_factory=dict)
+
+    def validate(self) -> None:
+        if self.name not in {"constant", "step", "cosine"} and not is_import_path(self.name):
+            raise ConfigError(
+                "schedule.name", f"unknown schedule {self.name!r}",
+                "Use constant, step, cosine or an import path like 'mypkg.sched:build'",
+            )
+        if self.warmup_steps < 0:
+            raise ConfigError("schedule.warmup_steps", f"got {self.warmup_steps}, must be >= 0", "Set it to 0 for no warm-up")
+        if self.step_size <= 0:
+            raise ConfigError("schedule.step_size", f"got {self.step_size}, must be positive", "Set schedule.step_size to e.g. 100")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ConfigError("schedule.min_lr_ratio", f"got {self.min_lr_ratio}, must be in [0, 1]", "Set it to e.g. 0.0")
+
+
+@dataclass
+class BatchConfig:
+    global_size: int | None = _help(
+        "Samples per optimizer step across all ranks. Kept constant when the world size "
+        "changes: each rank takes its share and the loss is normalised by this size, so "
+        "the gradient does not depend on the world size.",
+        default=64,
+    )
+    per_rank_size: int | None = _help(
+        "Alternative policy: samples per rank per step (the global batch then grows with "
+        "the world size). Set global_size to null to use it.",
+        default=None,
+    )
+    micro_size: int | None = _help(
+        "Largest micro-batch one rank processes at once (memory bound). A larger share is "
+        "split into gradient-accumulation micro-steps. null: no limit.",
+        default=None,
+    )
+    scale_lr: Literal["none", "linear"] = _help(
+        "With per_rank_size: 'linear' multiplies optim.lr by the world size "
+        "(optim.lr is then the rate for one rank).",
+        default="none",
+    )
+    uneven: Literal["weighted", "refuse"] = _help(
+        "When the world size does not divide global_size: 'weighted' lets shares differ by "
+        "one sample (the gradient is still the exact global mean); 'refuse' stops with the "
+        "list of world sizes that divide it (use with batch-norm models).",
+        default="weighted",
+    )
+
+    def validate(self) -> None:
+        if (self.global_size is None) == (self.per_rank_size is None):
+            raise ConfigError(
+                "batch", "exactly one of batch.global_size and batch.per_rank_size must be set",
+                "Set batch.global_size (constant optimisation, recommended) and batch.per_rank_size: null, or the reverse",
+            )
+        for key in ("global_size", "per_rank_size", "micro_size"):
+            value = getattr(self, key)
+            if value is not None and value <= 0:
+                raise ConfigError(
+                    f"batch.{key}", f"got {value}, must be a positive integer",
+                    f"Set batch.{key} to e.g. 64" + (" or null" if key != "global_size" else ""),
+                )
+        if self.scale_lr == "linear" and self.per_rank_size is None:
+            raise ConfigError(
+                "batch.scale_lr", "'linear' only applies with batch.per_rank_size",
+                "Set batch.scale_lr: none, or use batch.per_rank_size",
+            )
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int | None = _help("Stop after this many optimizer steps (counted from 1).", default=None)
+    epochs: int | None = _help("Stop after this many epochs. With max_steps, whichever comes first.", default=None)
+    eval_every_steps: int = _help("Evaluate on the test split every N steps (0: only at the end).", default=0)
+    precision: Literal["fp32", "bf16", "fp16"] = _help(
+        "Autocast dtype for forward passes. fp16 needs a GPU and uses a gradient scaler "
+        "(saved in snapshots); bf16 works on CPU and recent GPUs.",
+        default="fp32",
+    )
+    on_nonfinite: Literal["stop", "skip"] = _help(
+        "A step whose gradient is not finite (the loss is NaN or inf on some rank): stop (one line "
+        "naming the step and the rank, exit status 3, which is not restarted; the snapshots stay as "
+        "they were) or skip (no update on any rank; counted in elastic_runner_nonfinite_steps_total). "
+        "With fp16 the gradient scaler skips such steps itself.",
+        default="stop",
+    )
+
+    def validate(self) -> None:
+        if self.max_steps is None and self.epochs is None:
+            raise ConfigError(
+                "train", "neither train.max_steps nor train.epochs is set",
+                "Set train.epochs (e.g. 10) and/or train.max_steps (e.g. 1000)",
+            )
+        for key in ("max_steps", "epochs"):
+            value = getattr(self, key)
+            if value is not None and value <= 0:
+                raise ConfigError(f"train.{key}", f"got {value}, must be a positive integer", f"Set train.{key} to e.g. 10, or null")
+        if self.eval_every_steps < 0:
+            raise ConfigError("train.eval_every_steps", f"got {self.eval_every_steps}, must be >= 0", "Set it to 0 to evaluate only at the end")

@@ -1,0 +1,103 @@
+"""From the gradients of one step's backward passes to the update: exact mean, clipping, finiteness.
+
+Each rank backpropagates ``sum(losses) * W / global_count`` for per-sample losses, so DDP's
+average over the W ranks is the mean over the global batch. A weighted loss ``(losses, weights)``
+cannot be normalised before its weights are known on every rank: each rank backpropagates
+``sum(weights * losses) * W``, and once the backward passes are done (DDP has averaged the
+gradients) one all-reduce of the weight sum gives the global weight, by which the gradient is
+divided. Either way the gradient is the exact (weighted) mean over the global batch, whatever the
+world size and however a rank's share is split into micro-batches.
+
+Which of the two a loss is, every rank learns in the first step of an attempt (one all-reduce, so
+that a rank whose micro-batches were all empty learns it too); after that a per-sample loss costs
+no collective and a weighted one one scalar all-reduce per step.
+
+Then the gradient is clipped (``optim.grad_clip_norm``) and checked: a non-finite gradient (a NaN
+or inf loss on any rank reaches every rank through DDP's all-reduce, so all ranks agree without
+another collective) stops the run (:class:`NonFiniteGradient`) or, with
+``train.on_nonfinite: skip``, skips the update on every rank. With fp16 the gradient scaler skips
+such steps itself.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from .tasks import LossOutputError
+
+
+class NonFiniteGradient(RuntimeError):
+    """The gradient of a step is NaN or inf; ``ranks``: those whose own loss was not finite."""
+
+    def __init__(self, step: int, ranks: list[int], value: float) -> None:
+        self.step, self.ranks, self.value = step, ranks, value
+        who = f"the loss of rank {', '.join(map(str, ranks))} was {value}" if ranks else "the gradient overflowed"
+        super().__init__(
+            f"step {step}: {who}; stopping (exit status 3, not restarted). The snapshots stay as they were; "
+            "resume from the newest with a lower optim.lr or optim.grad_clip_norm, or set "
+            "train.on_nonfinite: skip to skip such steps")
+
+
+class StepGradients:
+    def __init__(self, dist: Any, model: nn.Module, clip_norm: float | None, on_nonfinite: str, scaler: Any) -> None:
+        self.dist = dist
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.clip_norm = clip_norm
+        self.on_nonfinite = on_nonfinite
+        self.scaler = scaler
+        #: Whether the loss is weighted; None until the first step of this attempt tells.
+        self.weighted: bool | None = None
+
+    def loss_for_backward(self, losses: torch.Tensor, weights: torch.Tensor | None, global_count: int,
+                          where: str) -> torch.Tensor:
+        form = weights is not None
+        if self.weighted is not None and form != self.weighted:
+            raise LossOutputError(where, "returned " + ("(losses, weights)" if form else "losses without weights")
+                                  + " after returning " + ("(losses, weights)" if self.weighted else "losses only"),
+                                  "Return the same form for every batch")
+        world = self.dist.world_size
+        if weights is None:
+            return losses.sum() * (world / global_count)
+        return (losses * weights.detach()).sum() * world
+
+    def finish(self, step: int, weighted_here: bool | None, step_loss: torch.Tensor,
+               optimizer: torch.optim.Optimizer) -> bool:
+        """After the backward passes: normalise, clip, check. True when the update may be applied.
+
+        ``weighted_here``: the form of this rank's losses this step (None: it had no sample);
+        ``step_loss``: this rank's (weighted) loss sum and its weight (or sample count)."""
+        if self.weighted is None or self.weighted:
+            total = self._global_weight(weighted_here, float(step_loss[1]) if weighted_here else 0.0)
+            if self.weighted and total > 0:
+                torch._foreach_mul_([p.grad for p in self.params if p.grad is not None], 1.0 / total)
+        if self.scaler is not None and self.clip_norm is not None:
+            self.scaler.unscale_(optimizer)
+        if self.clip_norm is not None:
+            norm = nn.utils.clip_grad_norm_(self.params, self.clip_norm)
+        elif self.scaler is None:
+            grads = [p.grad for p in self.params if p.grad is not None]
+            norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))) if grads else torch.zeros(())
+        if self.scaler is not None or bool(torch.isfinite(norm)):
+            return True
+        # Every rank sees the same non-finite gradient (DDP averaged it): all take this path.
+        losses = self.dist.all_gather_object(float(step_loss[0]))
+        bad = [r for r, value in enumerate(losses) if not math.isfinite(value)]
+        if self.on_nonfinite == "stop":
+            raise NonFiniteGradient(step, bad, losses[bad[0]] if bad else float("nan"))
+        optimizer.zero_grad(set_to_none=True)
+        return False
+
+    def _global_weight(self, weighted_here: bool | None, local_weight: float) -> float:
+        if self.weighted is None:
+            flags = self.dist.sum_floats([1.0 if weighted_here else 0.0, 1.0 if weighted_here is False else 0.0,
+                                          local_weight])
+            if flags[0] and flags[1]:
+                raise LossOutputError("model.loss", "returns (losses, weights) on some ranks and losses alone on others",
+                                      "Return the same form on every rank")
+            self.weighted = bool(flags[0])
+            return flags[2]
+        return self.dist.sum_floats([local_weight])[0]

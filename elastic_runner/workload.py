@@ -1,0 +1,106 @@
+"""What is trained: datasets, model, task (loss and metrics), optimizer and schedule factories.
+
+A :class:`Workload` comes from a config (:func:`from_config`: built-in names and import paths) or
+from a user's own script (:func:`elastic_runner.api.fit`: Python objects). The training attempt
+does not care which. :func:`check` runs once per attempt before anything is written to the run
+directory: it collates the first items and calls the loss on them, so that a dataset whose items
+do not collate or a loss that does not return per-sample values stops the run with one line and
+exit status 2, with nothing in ``run.dir`` changed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+import torch
+from torch import nn
+from torch.optim.lr_scheduler import LRScheduler
+from torch.utils.data import Dataset
+
+from .batches import Collate, collate_items, to_device
+from .config import Config, ConfigError
+from .data import DatasetBundle, build_datasets
+from .imports import resolve
+from .models import build_model
+from .optim import build_optimizer, build_schedule
+from .tasks import Task, build_task
+
+OptimizerFactory = Callable[[Iterable[nn.Parameter], float], torch.optim.Optimizer]
+ScheduleFactory = Callable[[torch.optim.Optimizer, int], LRScheduler]
+
+
+@dataclass
+class Workload:
+    train: Dataset[Any]
+    test: Dataset[Any] | None
+    model: nn.Module
+    task: Task
+    make_optimizer: OptimizerFactory  #: (parameters, lr_scale) -> optimizer
+    make_schedule: ScheduleFactory  #: (optimizer, total_steps) -> LR scheduler
+    description: str
+    collate: Collate | None = None
+    #: How the model is rebuilt without the data (see elastic_runner.api.load_model).
+    model_build: dict[str, Any] = field(default_factory=dict)
+    #: Fingerprint parts for objects no config describes (a script's own model and data).
+    identity: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_train(self) -> int:
+        return len(self.train)  # type: ignore[arg-type]
+
+
+def from_config(cfg: Config) -> Workload:
+    """Built-in names and import paths of ``cfg``; the model is built with ``run.seed``."""
+    bundle = build_datasets(cfg.data)
+    collate = resolve(cfg.data.collate, "data.collate") if cfg.data.collate else None
+    build = model_build_args(bundle)
+    torch.manual_seed(cfg.run.seed)  # identical initial weights on every rank and every attempt
+    model = build_model(cfg.model, **build)
+    task = build_task(cfg.model, cfg.eval, language_model=bundle.language_model or cfg.model.name == "gpt")
+    return Workload(
+        train=bundle.train, test=bundle.test, model=model, task=task,
+        make_optimizer=lambda params, lr_scale: build_optimizer(cfg.optim, params, lr_scale),
+        make_schedule=lambda optimizer, total: build_schedule(cfg.schedule, optimizer, total),
+        description=bundle.description, collate=collate, model_build=build)
+
+
+def model_build_args(bundle: DatasetBundle) -> dict[str, Any]:
+    """What a built-in model needs to know from the data (saved in snapshots for load_model)."""
+    return {"input_shape": list(bundle.input_shape) if bundle.input_shape is not None else None,
+            "num_classes": bundle.num_classes, "vocab_size": bundle.vocab_size, "block_size": bundle.block_size}
+
+
+def identity_of(model: nn.Module, train: Any, optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
+    """Fingerprint parts of a script's own objects: model class and parameter shapes, dataset size."""
+    shapes = {k: list(v.shape) for k, v in model.state_dict().items()}
+    digest = hashlib.sha256(json.dumps(shapes, sort_keys=True).encode()).hexdigest()[:16]
+    out: dict[str, Any] = {"model": f"{type(model).__module__}.{type(model).__qualname__}:{digest}",
+                           "data": f"{type(train).__qualname__}:{len(train)}"}
+    if optimizer is not None:
+        out["optim"] = type(optimizer).__qualname__
+    return out
+
+
+def check(workload: Workload, device: torch.device, micro_size: int) -> None:
+    """Collate the first items and call the loss on them (no gradient, the model in eval mode, so
+    that nothing — BatchNorm statistics, random generators — changes); a ConfigError if wrong."""
+    n = max(1, min(micro_size, 2, workload.num_train))
+    batch = to_device(collate_items(workload.train, list(range(n)), workload.collate), device)
+    model = workload.model
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            workload.task.compute_loss(model, batch, n)
+    except ConfigError:
+        raise
+    except Exception as exc:  # the user's model or loss failed on a real batch: say where
+        first = (str(exc).splitlines() or [""])[0][:300]
+        raise ConfigError(workload.task.where, f"failed on a batch of dataset items 0..{n - 1} "
+                          f"({type(exc).__name__}: {first})",
+                          "Check that the loss function matches the items the dataset returns (and data.collate)") from exc
+    finally:
+        model.train(was_training)
