@@ -45,7 +45,11 @@ class Timing:  # timing: benchmark instrumentation
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--run-dir", required=True)
-    p.add_argument("--data", default="digits", choices=["digits", "synthetic"])
+    p.add_argument("--data", default="digits", choices=["digits", "synthetic", "tokens"])
+    p.add_argument("--tokens-dir", default=None, help="--data tokens: a directory from elastic-runner data prepare-text")
+    p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--gpt", default="4,4,128", help="--model gpt: n_layer,n_head,n_embd")
+    p.add_argument("--optim", default="sgd", choices=["sgd", "adamw"])
     p.add_argument("--synthetic-size", type=int, default=8192)
     p.add_argument("--synthetic-shape", default="3,32,32")
     p.add_argument("--model", default="cnn")
@@ -65,17 +69,30 @@ def main() -> None:
     timing = Timing(args.run_dir, rank)  # timing
     timing("pg_up")  # timing
 
-    if args.data == "digits":
-        data_cfg = DataConfig(name="digits")
-    else:
-        data_cfg = DataConfig(name="synthetic", params={"size": args.synthetic_size,
-                                                        "shape": [int(s) for s in args.synthetic_shape.split(",")]})
-    bundle = build_datasets(data_cfg)
-    train = TensorDataset(bundle.train.x, bundle.train.y)  # type: ignore[attr-defined]
     torch.manual_seed(0)
-    params = {"hidden": args.hidden} | ({"channels": args.channels} if args.model == "cnn" else {"depth": args.depth})
-    model = build_model(ModelConfig(name=args.model, params=params), bundle.input_shape, bundle.num_classes)
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=1e-4)
+    if args.data == "tokens":  # the tiny GPT on token windows (next-token loss, mean over tokens)
+        from pathlib import Path
+
+        from elastic_runner.gpt import GPT
+        from elastic_runner.tokens import token_datasets
+
+        train, _, meta = token_datasets(Path(args.tokens_dir), args.block_size)
+        n_layer, n_head, n_embd = (int(v) for v in args.gpt.split(","))
+        model = GPT(meta["vocab_size"], args.block_size, n_layer, n_head, n_embd)
+    else:
+        if args.data == "digits":
+            data_cfg = DataConfig(name="digits")
+        else:
+            data_cfg = DataConfig(name="synthetic", params={"size": args.synthetic_size,
+                                                            "shape": [int(s) for s in args.synthetic_shape.split(",")]})
+        bundle = build_datasets(data_cfg)
+        train = TensorDataset(bundle.train.x, bundle.train.y)  # type: ignore[attr-defined]
+        params = {"hidden": args.hidden} | ({"channels": args.channels} if args.model == "cnn" else {"depth": args.depth})
+        model = build_model(ModelConfig(name=args.model, params=params), bundle.input_shape, bundle.num_classes)
+    if args.optim == "adamw":
+        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=1e-4)
+    else:
+        optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=1e-4)
 
     ckpt = os.path.join(args.run_dir, "checkpoint.pt")
     start_epoch, step = 0, 0
@@ -93,7 +110,8 @@ def main() -> None:
     for epoch in range(start_epoch, args.epochs):
         sampler.set_epoch(epoch)
         for x, y in loader:
-            loss = F.cross_entropy(model(x), y)
+            out = model(x)
+            loss = F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()

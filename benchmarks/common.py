@@ -51,6 +51,16 @@ class Workload:
     save_every: int = 50
     synthetic_size: int = 8192
     synthetic_shape: str = "3,32,32"
+    optim: str = "sgd"
+    lr: float = 0.05
+    tokens_dir: str = ""  #: data "tokens": a prepared directory
+    block_size: int = 64
+    gpt: str = "4,4,128"  #: model "gpt": n_layer,n_head,n_embd
+
+    @property
+    def sample_unit(self) -> int:
+        """Tokens per sample for a language model (rates in tokens/s), else 1."""
+        return self.block_size if self.data == "tokens" else 1
 
     def config(self, path: Path, **overrides: Any) -> Path:
         import yaml
@@ -58,16 +68,24 @@ class Workload:
         params: dict[str, Any] = {"hidden": self.hidden}
         if self.model == "cnn":
             params["channels"] = self.channels
+        elif self.model == "gpt":
+            n_layer, n_head, n_embd = (int(v) for v in self.gpt.split(","))
+            params = {"n_layer": n_layer, "n_head": n_head, "n_embd": n_embd}
         else:
             params["depth"] = self.depth
         data: dict[str, Any] = {"name": self.data}
         if self.data == "synthetic":
             data["params"] = {"size": self.synthetic_size, "shape": [int(s) for s in self.synthetic_shape.split(",")]}
+        if self.data == "tokens":
+            data |= {"path": self.tokens_dir, "params": {"block_size": self.block_size}}
+        optim: dict[str, Any] = {"name": self.optim, "lr": self.lr, "weight_decay": 0.0001}
+        if self.optim == "sgd":
+            optim["momentum"] = 0.9
         cfg = {
             "run": {"seed": 0},
             "data": data,
             "model": {"name": self.model, "params": params},
-            "optim": {"name": "sgd", "lr": 0.05, "momentum": 0.9, "weight_decay": 0.0001},
+            "optim": optim,
             "batch": {"global_size": self.batch_per_rank * self.world},
             "train": {"epochs": 100000, "max_steps": 10**9, "eval_every_steps": 0},
             "snapshot": {"every_steps": self.save_every},
@@ -78,6 +96,8 @@ class Workload:
             cfg.setdefault(section, {})[name] = value
         if self.model == "mlp":
             cfg["model"]["params"].pop("channels", None)
+        if self.data == "tokens":
+            cfg["data"].pop("test_fraction", None)
         path.write_text(yaml.safe_dump(cfg))
         return path
 
@@ -86,8 +106,10 @@ class Workload:
                 "--log-every", str(log_every),
                 "--model", self.model, "--hidden", str(self.hidden), "--channels", str(self.channels),
                 "--depth", str(self.depth),
-                "--batch-per-rank", str(self.batch_per_rank), "--save-every", str(self.save_every), "--lr", "0.05",
+                "--batch-per-rank", str(self.batch_per_rank), "--save-every", str(self.save_every),
+                "--lr", str(self.lr), "--optim", self.optim,
                 "--synthetic-size", str(self.synthetic_size), "--synthetic-shape", self.synthetic_shape,
+                "--tokens-dir", self.tokens_dir, "--block-size", str(self.block_size), "--gpt", self.gpt,
                 "--steps", str(steps)]
 
 
