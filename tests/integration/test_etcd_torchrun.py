@@ -79,7 +79,11 @@ def test_two_then_three_agents_then_one_killed_the_job_completes_exactly_once(
     # At least 2: an agent that starts a moment late would otherwise miss the first round (1 s last call).
     job = local_job(config=str(small_config), nnodes="2:3", rdzv_backend="etcd-v3",
                     rdzv_endpoint=etcd_server.endpoint, rdzv_conf=LocalJob.rdzv_conf + ",key_prefix=/e2e-scale",
-                    overrides=["train.epochs=20", "train.max_steps=100"])
+                    # Paced (>= 4 s for 100 steps): the runway after the join must outlast torchrun noticing the
+                    # waiting node (up to a second of state cache) and restarting the group, however fast this
+                    # machine trains; unpaced, a fast run finished before the third agent got in.
+                    overrides=["train.epochs=20", "train.max_steps=100",
+                               "data.sampler=tests.broken_components:PacedSampler"])
     run_dir = Path(job.run_dir)
     state_key = f"/e2e-scale/{job.rdzv_id}/state"
     job.start_agent()
