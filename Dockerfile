@@ -52,12 +52,12 @@ RUN python3 -m venv /opt/venv
 # changes least often.
 RUN pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"
 
-# Then the package with the project's pinned dependencies (constraints.txt pins
-# torch to the same version, so pip keeps the build installed above).
+# Then the package with the project's pinned dependencies (constraints-torch-2.13.txt
+# pins torch to the same version, so pip keeps the build installed above).
 WORKDIR /opt/elastic-runner
-COPY pyproject.toml README.md constraints.txt ./
+COPY pyproject.toml README.md constraints.txt constraints-torch-2.13.txt ./
 COPY elastic_runner ./elastic_runner
-RUN pip install -c constraints.txt ".${EXTRAS:+[$EXTRAS]}" \
+RUN pip install -c constraints.txt -c constraints-torch-2.13.txt ".${EXTRAS:+[$EXTRAS]}" \
  && python3 -c "import torch, elastic_runner; print('elastic_runner', elastic_runner.__version__, 'torch', torch.__version__)"
 
 # Non-root, with a numeric id so that Kubernetes' runAsNonRoot can verify it (the

@@ -45,7 +45,9 @@ class Timing:  # timing: benchmark instrumentation
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--run-dir", required=True)
-    p.add_argument("--data", default="digits", choices=["digits", "synthetic", "tokens"])
+    p.add_argument("--data", default="digits", choices=["digits", "synthetic", "tokens", "fake_images"])
+    p.add_argument("--workers", type=int, default=0, help="DataLoader worker processes")
+    p.add_argument("--augment", action="store_true", help="fake_images: random crop and flip in the workers")
     p.add_argument("--tokens-dir", default=None, help="--data tokens: a directory from elastic-runner data prepare-text")
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--gpt", default="4,4,128", help="--model gpt: n_layer,n_head,n_embd")
@@ -79,6 +81,27 @@ def main() -> None:
         train, _, meta = token_datasets(Path(args.tokens_dir), args.block_size)
         n_layer, n_head, n_embd = (int(v) for v in args.gpt.split(","))
         model = GPT(meta["vocab_size"], args.block_size, n_layer, n_head, n_embd)
+    elif args.data == "fake_images":  # a torchvision model on images, augmented in the DataLoader's workers
+        import torchvision
+        from torchvision.transforms import v2
+
+        from elastic_runner.images import FakeImages
+
+        side = int(args.synthetic_shape.split(",")[-1])
+        steps = [v2.RandomCrop(side, padding=4), v2.RandomHorizontalFlip()] if args.augment else []
+        transform = v2.Compose(steps + [v2.Normalize([0.5] * 3, [0.25] * 3)])
+        images = FakeImages(args.synthetic_size, 10, side, 0.7, seed=1234)
+
+        class Augmented(torch.utils.data.Dataset):  # as tutorials write it: the transform in __getitem__
+            def __len__(self) -> int:
+                return len(images)
+
+            def __getitem__(self, i: int):  # noqa: ANN204
+                x, y = images[i]
+                return transform(x), y
+
+        train = Augmented()
+        model = getattr(torchvision.models, args.model)(num_classes=10)
     else:
         if args.data == "digits":
             data_cfg = DataConfig(name="digits")
@@ -105,7 +128,7 @@ def main() -> None:
 
     model = DDP(model)
     sampler = DistributedSampler(train, shuffle=True, seed=0)
-    loader = DataLoader(train, batch_size=args.batch_per_rank, sampler=sampler, drop_last=True)
+    loader = DataLoader(train, batch_size=args.batch_per_rank, sampler=sampler, drop_last=True, num_workers=args.workers)
     first = True
     for epoch in range(start_epoch, args.epochs):
         sampler.set_epoch(epoch)

@@ -56,6 +56,8 @@ class Workload:
     tokens_dir: str = ""  #: data "tokens": a prepared directory
     block_size: int = 64
     gpt: str = "4,4,128"  #: model "gpt": n_layer,n_head,n_embd
+    workers: int = 0  #: data.num_workers
+    augment: bool = False  #: fake_images: random crop and flip (and normalisation)
 
     @property
     def sample_unit(self) -> int:
@@ -78,13 +80,21 @@ class Workload:
             data["params"] = {"size": self.synthetic_size, "shape": [int(s) for s in self.synthetic_shape.split(",")]}
         if self.data == "tokens":
             data |= {"path": self.tokens_dir, "params": {"block_size": self.block_size}}
+        if self.data == "fake_images":
+            side = int(self.synthetic_shape.split(",")[-1])
+            data["params"] = {"size": self.synthetic_size, "num_classes": 10, "image_size": side, "noise": 0.7}
+            data["augment"] = ([{"RandomCrop": {"size": side, "padding": 4}}, "RandomHorizontalFlip"] if self.augment
+                               else []) + [{"Normalize": {"mean": [0.5] * 3, "std": [0.25] * 3}}]
+            params = {}
+        data["num_workers"] = self.workers
         optim: dict[str, Any] = {"name": self.optim, "lr": self.lr, "weight_decay": 0.0001}
         if self.optim == "sgd":
             optim["momentum"] = 0.9
         cfg = {
             "run": {"seed": 0},
             "data": data,
-            "model": {"name": self.model, "params": params},
+            "model": {"name": f"torchvision.models:{self.model}" if self.data == "fake_images" else self.model,
+                      "params": params},
             "optim": optim,
             "batch": {"global_size": self.batch_per_rank * self.world},
             "train": {"epochs": 100000, "max_steps": 10**9, "eval_every_steps": 0},
@@ -110,7 +120,7 @@ class Workload:
                 "--lr", str(self.lr), "--optim", self.optim,
                 "--synthetic-size", str(self.synthetic_size), "--synthetic-shape", self.synthetic_shape,
                 "--tokens-dir", self.tokens_dir, "--block-size", str(self.block_size), "--gpt", self.gpt,
-                "--steps", str(steps)]
+                "--workers", str(self.workers), "--steps", str(steps)] + (["--augment"] if self.augment else [])
 
 
 def make_job(variant: str, workload: Workload, run_dir: Path, nnodes: str = "1:4", nproc_per_node: int = 1,

@@ -2,10 +2,12 @@
 
 No faults. One agent with two workers, the same model, data and global batch,
 ``--steps`` steps, the rate measured between step ``--skip`` and the end (so
-start-up is excluded). Two workloads (``--workloads``): ``cnn`` (a 32-channel CNN on
-3x32x32 synthetic images, samples/s) and ``gpt`` (the tiny GPT of configs/tiny-lm.yaml on
+start-up is excluded). Three workloads (``--workloads``): ``cnn`` (a 32-channel CNN on
+3x32x32 synthetic images, samples/s), ``gpt`` (the tiny GPT of configs/tiny-lm.yaml on
 the shipped Shakespeare text, AdamW, tokens/s; elastic_runner with its token-weighted
-loss, the baseline with the mean token loss of its batch). Variants run interleaved,
+loss, the baseline with the mean token loss of its batch) and ``resnet18`` (torchvision's
+resnet18 on augmented 3x32x32 images from 2 DataLoader workers per rank, images/s; needs
+the vision extra). Variants run interleaved,
 ``--repeats`` times each, and medians are compared, because this machine's speed drifts
 with other load:
 
@@ -24,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import Workload, make_job, median, steady_rate, write_json
+from common import Workload, make_job, median, read_events, steady_rate, write_json
 
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "baseline": ("torchrun-tuned", {}),
@@ -34,7 +36,8 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
-def one_run(name: str, workload: Workload, workdir: Path, steps: int, skip: int) -> float | None:
+def one_run(name: str, workload: Workload, workdir: Path, steps: int, skip: int) -> tuple[float | None, list[float]]:
+    """Samples/s after the warm-up, and how long each snapshot blocked the step (s; elastic_runner)."""
     variant, overrides = VARIANTS[name]
     run_dir = workdir / f"{name}-{time.time_ns()}"
     job = make_job(variant, workload, run_dir, nnodes="1:1", nproc_per_node=2, steps=steps, log_every=50, **overrides)
@@ -43,14 +46,19 @@ def one_run(name: str, workload: Workload, workdir: Path, steps: int, skip: int)
         job.wait(timeout=900)
     finally:
         job.close()
-    return steady_rate(variant, run_dir, skip, workload.batch_per_rank * workload.world)
+    blocking = [e["blocking_s"] for e in read_events(run_dir) if e["kind"] == "snapshot_saved"] \
+        if variant == "elastic-runner" else []
+    return steady_rate(variant, run_dir, skip, workload.batch_per_rank * workload.world), blocking
 
 
 def measure(name: str, workload: Workload, workdir: Path, repeats: int, steps: int, skip: int) -> dict[str, Any]:
     rates: dict[str, list[float]] = {variant: [] for variant in VARIANTS}
+    blocking: list[float] = []
     for _ in range(repeats):
         for variant in VARIANTS:
-            rate = one_run(variant, workload, workdir, steps, skip)
+            rate, blocked = one_run(variant, workload, workdir, steps, skip)
+            if variant == "elastic-runner":
+                blocking += blocked
             if rate is not None:
                 rates[variant].append(round(rate * workload.sample_unit, 1))
             print(f"{name} {variant}: {rates[variant]}", flush=True)
@@ -64,7 +72,9 @@ def measure(name: str, workload: Workload, workdir: Path, repeats: int, steps: i
     if med.get("elastic-runner") and med.get("elastic-runner-bare"):
         ratios["features_on_vs_off"] = round(med["elastic-runner"] / med["elastic-runner-bare"], 3)
     unit = "tokens_per_s" if workload.sample_unit > 1 else "samples_per_s"
-    return {"unit": unit, "rates": rates, "medians": med, "ratios": ratios, "steps": steps, "skip": skip}
+    return {"unit": unit, "rates": rates, "medians": med, "ratios": ratios, "steps": steps, "skip": skip,
+            "snapshot_blocking_ms_median": round(1000 * median(blocking), 1) if blocking else None,
+            "snapshots": len(blocking)}
 
 
 def main() -> None:
@@ -72,7 +82,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--steps", type=int, default=500)
     p.add_argument("--skip", type=int, default=100, help="steps excluded as warm-up")
-    p.add_argument("--workloads", default="cnn,gpt")
+    p.add_argument("--workloads", default="cnn,gpt,resnet18")
     p.add_argument("--workdir", default=None)
     p.add_argument("--out", default=None)
     args = p.parse_args()
@@ -91,6 +101,13 @@ def main() -> None:
         prepare_text(Path(__file__).resolve().parent.parent / "examples" / "data" / "shakespeare.txt", tokens)
         gpt = Workload(data="tokens", model="gpt", tokens_dir=str(tokens), optim="adamw", lr=2e-3)
         results["gpt"] = measure("gpt", gpt, workdir, args.repeats, max(100, args.steps * 3 // 4), args.skip)
+    if "resnet18" in chosen:
+        # torchvision's resnet18 (BatchNorm) on 3x32x32 images, random crop and flip in 2 DataLoader workers per
+        # rank: elastic_runner seeds each sample's draws, the baseline uses the workers' generators.
+        resnet = Workload(data="fake_images", model="resnet18", synthetic_size=2048, synthetic_shape="3,32,32",
+                          workers=2, augment=True, lr=0.05)
+        results["resnet18"] = measure("resnet18", resnet, workdir, args.repeats, max(60, args.steps // 4),
+                                      max(10, args.skip // 4))
     out: dict[str, Any] = {"benchmark": "throughput", "workloads": results, "repeats": args.repeats}
     if "cnn" in results:  # the summary table's row (benchmarks/run_all.py)
         out |= {"samples_per_s": results["cnn"]["rates"], "median_samples_per_s": results["cnn"]["medians"],

@@ -39,12 +39,13 @@ from .env import WorkerEnv
 from .events import EventLog, furthest_step_reached
 from .imports import resolve
 from .lifecycle import EXIT_PEER_LOST, StopRequest, exit_now
+from .preflight import largest_world_size, parent_cmdline
 from .loop import Components, GracefulStop, Trainer, TrainState, planned_total_steps, refresh_schedule, rescale_lr
 from .metrics import Metrics
 from .sampler import ElasticSampler
 from .snapshot import LocalStore, SnapshotError, open_store
 from .watchdog import PeerWatchdog, start_watchdog
-from .workload import Workload, check, from_config
+from .workload import Workload, check, check_batchnorm, from_config
 
 log = logging.getLogger("elastic_runner.train")
 
@@ -193,6 +194,9 @@ class Attempt:
             self.layout = layout_for(cfg.batch, env.world_size)
             self.model = self.workload.model.to(dist.device)
             check(self.workload, dist.device, self.layout.micro_size)
+            largest = largest_world_size(os.environ, env.world_size, env.local_world_size, parent_cmdline())
+            check_batchnorm(self.model, dist.device, cfg.batch, largest, env.world_size, self.workload.num_train,
+                            cfg.data.partial_batch == "partial")
         except Exception as exc:  # noqa: BLE001 - raised below, after every rank has said how it went
             problem = exc
         verdicts = dist.all_gather_object(None if problem is None else (isinstance(problem, ConfigError), str(problem)))

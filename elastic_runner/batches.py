@@ -30,8 +30,8 @@ Collate = Callable[[list[Any]], Any]
 
 
 class BatchSource(Protocol):
-    def batches(self, index_lists: Iterable[list[int]]) -> Iterator[Any]:
-        """One collated batch on the device per index list, in order."""
+    def batches(self, index_lists: Iterable[list[int]], epoch: int = 0) -> Iterator[Any]:
+        """One collated batch on the device per index list, in order (``epoch``: for per-sample seeding)."""
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
@@ -83,6 +83,14 @@ def _has_dataclass(obj: Any) -> bool:
         return any(_has_dataclass(v) for v in obj)
     return False
 
+
+
+class BadItem:
+    """What a dataset returns for an item it cannot produce (an image that does not decode): the batch
+    that holds it is refused by name, also from a DataLoader worker."""
+
+    def __init__(self, path: str, error: str) -> None:
+        self.path, self.error = path, error
 
 
 @dataclasses.dataclass
@@ -154,6 +162,10 @@ class IndexedCollate:
         self.custom = collate is not None
 
     def __call__(self, indexed: list[tuple[int, Any]]) -> Any:
+        bad = next(((i, item) for i, item in indexed if isinstance(item, BadItem)), None)
+        if bad is not None:
+            return BadBatch("data.path", f"dataset item {bad[0]}: {bad[1].path} cannot be decoded ({bad[1].error})",
+                            "Replace or remove the file, or set data.bad_images: skip to leave undecodable files out")
         try:
             return self.collate([item for _, item in indexed])
         except Exception as exc:  # noqa: BLE001 - explained, then raised in the training process
@@ -194,7 +206,7 @@ class TensorSource:
         self.y = y.to(device) if self.on_device else y
         self.device = device
 
-    def batches(self, index_lists: Iterable[list[int]]) -> Iterator[Any]:
+    def batches(self, index_lists: Iterable[list[int]], epoch: int = 0) -> Iterator[Any]:
         for indices in index_lists:
             idx = torch.as_tensor(indices, dtype=torch.long, device=self.x.device)
             x, y = self.x.index_select(0, idx), self.y.index_select(0, idx)
@@ -215,7 +227,10 @@ class LoaderSource:
         self.collate = IndexedCollate(collate)
         self.worker_init = worker_init
 
-    def batches(self, index_lists: Iterable[list[int]]) -> Iterator[Any]:
+    def batches(self, index_lists: Iterable[list[int]], epoch: int = 0) -> Iterator[Any]:
+        set_epoch = getattr(self.dataset.dataset, "set_epoch", None)
+        if callable(set_epoch):
+            set_epoch(epoch)  # before the workers start: they copy the dataset as it is now
         generator = torch.Generator().manual_seed(self.seed)
         loader = DataLoader(
             self.dataset, batch_sampler=_Once(index_lists), num_workers=self.num_workers, collate_fn=self.collate,

@@ -6,8 +6,8 @@ Built in:
 - ``synthetic``: deterministic Gaussian class clusters of any size and shape,
   for benchmarks.
 - ``tokens``: memory-mapped token files for language models (:mod:`elastic_runner.tokens`).
-- ``image_folder`` and ``cifar10``: from a local directory via torchvision
-  (optional extra, imported only when used).
+- ``image_folder``, ``cifar10`` (from a local directory) and ``fake_images``, with
+  augmentation that resumes bitwise: :mod:`elastic_runner.images`.
 - ``package.module:callable``: the user's own; items may be any nesting of
   tensors, numbers, tuples, lists, dicts and dataclasses.
 
@@ -129,48 +129,14 @@ def _synthetic(cfg: DataConfig) -> DatasetBundle:
     return DatasetBundle(train, test, tuple(p["shape"]), p["num_classes"], f"synthetic ({p['size']} x {tuple(p['shape'])})")
 
 
-def _torchvision(key: str) -> Any:
-    try:
-        import torchvision  # noqa: F401 - imported lazily: an optional extra
-        from torchvision import datasets, transforms
-    except ImportError as exc:
-        raise ConfigError(
-            key, f"needs torchvision, which cannot be imported ({exc})",
-            "Install the vision extra matching your torch build: pip install 'elastic-runner[vision]'",
-        ) from exc
-    return datasets, transforms
+def _images(kind: str) -> Any:
+    """image_folder, cifar10, fake_images (elastic_runner.images; torchvision imported only when needed)."""
+    def build(cfg: DataConfig, seed: int) -> DatasetBundle:
+        from . import images
 
-
-def _image_folder(cfg: DataConfig) -> DatasetBundle:
-    datasets, transforms = _torchvision("data.name=image_folder")
-    size = int(cfg.params.get("image_size", 32))
-    tf = transforms.Compose([transforms.Resize((size, size)), transforms.ToTensor()])
-    root = Path(cfg.path or "")
-    train_dir = root / "train" if (root / "train").is_dir() else root
-    test_dir = next((root / d for d in ("test", "val") if (root / d).is_dir()), None)
-    try:
-        train = datasets.ImageFolder(str(train_dir), transform=tf)
-        test = datasets.ImageFolder(str(test_dir), transform=tf) if test_dir else None
-    except (FileNotFoundError, RuntimeError) as exc:
-        raise ConfigError("data.path", f"no images found under {str(train_dir)!r} ({exc})", "Use one sub-directory per class: PATH/train/<class>/<image>") from exc
-    return DatasetBundle(train, test, (3, size, size), len(train.classes), f"image_folder {root} ({len(train)} images)")
-
-
-def _cifar10(cfg: DataConfig) -> DatasetBundle:
-    datasets, transforms = _torchvision("data.name=cifar10")
-    tf = transforms.Compose([
-        transforms.ToTensor(),
-        transforms.Normalize((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
-    ])
-    try:
-        train = datasets.CIFAR10(cfg.path, train=True, download=False, transform=tf)
-        test = datasets.CIFAR10(cfg.path, train=False, download=False, transform=tf)
-    except RuntimeError as exc:
-        raise ConfigError(
-            "data.path", f"CIFAR-10 not found under {cfg.path!r} ({exc})",
-            "Extract cifar-10-python.tar.gz there so that PATH/cifar-10-batches-py exists",
-        ) from exc
-    return DatasetBundle(train, test, (3, 32, 32), 10, f"cifar10 ({len(train)} train / {len(test)} test)")
+        train, test, shape, classes, description = getattr(images, kind)(cfg, seed)
+        return DatasetBundle(train, test, shape, classes, description)
+    return build
 
 
 def _infer_num_classes(ds: Any) -> int | None:
@@ -219,8 +185,11 @@ def _tokens(cfg: DataConfig) -> DatasetBundle:
                          vocab_size=meta["vocab_size"], block_size=block_size, language_model=True)
 
 
-def build_datasets(cfg: DataConfig) -> DatasetBundle:
-    builders = {"digits": _digits, "synthetic": _synthetic, "tokens": _tokens, "image_folder": _image_folder,
-                "cifar10": _cifar10}
-    bundle = builders[cfg.name](cfg) if cfg.name in builders else _user_dataset(cfg)
-    return bundle
+def build_datasets(cfg: DataConfig, seed: int = 0) -> DatasetBundle:
+    """The configured datasets; ``seed`` (run.seed) seeds their augmentation."""
+    builders = {"digits": _digits, "synthetic": _synthetic, "tokens": _tokens}
+    if cfg.name in builders:
+        return builders[cfg.name](cfg)
+    if cfg.name in ("image_folder", "cifar10", "fake_images"):
+        return _images(cfg.name)(cfg, seed)
+    return _user_dataset(cfg)

@@ -120,6 +120,7 @@ class Trainer:
         self._window_samples = 0
         self._window_first_step = self.state.step
         self._first_step_done = False
+        self._training = False
         self.last_eval: dict[str, float] = {}
 
     # ------------------------------------------------------------------ the loop
@@ -135,7 +136,7 @@ class Trainer:
             if epochs is not None and sampler.epoch >= epochs:
                 break
             plans = self._plans_until_limit()
-            batches = c.source.batches(self._micro_index_lists(self._plans_until_limit()))
+            batches = c.source.batches(self._micro_index_lists(self._plans_until_limit()), epoch=sampler.epoch)
             for plan in plans:
                 self.train_step(plan, batches)
                 self.after_step(plan)
@@ -164,7 +165,9 @@ class Trainer:
             c.audit.step(step=step, epoch=plan.epoch, start=plan.start, global_count=plan.global_count,
                          indices=plan.indices, micro_batch=layout.micro_size, accumulation=layout.accumulation)
         seed_step(step_seed(self.cfg.run.seed, step, c.dist.rank), c.dist.device)
-        c.ddp.train()
+        if not self._training:  # (a walk over every module: only after an evaluation switched it off)
+            c.ddp.train()
+            self._training = True
         micro_lists = list(split_even(plan.indices, layout.accumulation))
         data_wait, weighted = 0.0, None
         step_loss = torch.zeros(2, dtype=torch.float64, device=c.dist.device)  # (weighted) loss sum, weight
@@ -276,6 +279,7 @@ class Trainer:
         if c.test_source is None or c.test_size == 0:
             return {}
         c.ddp.eval()
+        self._training = False
         indices = list(shard(c.test_size, c.dist.rank, c.dist.world_size))
         batch = self.cfg.data.eval_batch_size
         chunks = [indices[i:i + batch] for i in range(0, len(indices), batch)]

@@ -90,9 +90,13 @@ def build_model(cfg: ModelConfig, input_shape: Sequence[int] | None, num_classes
             params.setdefault("block_size", block_size)
         return call(GPT, params, "model.params", "gpt")
     factory = resolve(cfg.name, "model.name")
-    # Most vision constructors take num_classes; pass the dataset's unless the user chose.
+    # Most vision constructors take num_classes; pass the dataset's unless the user chose. torchvision's
+    # builders (resnet18(*, weights, progress, **kwargs)) take it through **kwargs.
     try:
-        accepts = "num_classes" in inspect.signature(factory).parameters
+        parameters = inspect.signature(factory).parameters
+        accepts = "num_classes" in parameters or (
+            getattr(factory, "__module__", "").startswith("torchvision.models")
+            and any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()))
     except (TypeError, ValueError):
         accepts = False
     if accepts and "num_classes" not in params and num_classes is not None:

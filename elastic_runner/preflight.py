@@ -36,6 +36,32 @@ def rendezvous_conf(environ: Mapping[str, str], parent_cmdline: list[str] | None
     return conf
 
 
+def parent_cmdline() -> list[str] | None:
+    """The command line of this worker's parent (the torchrun agent, or the zygote it forked from)."""
+    try:
+        with open(f"/proc/{os.getppid()}/cmdline", "rb") as fh:
+            return [a.decode(errors="replace") for a in fh.read().split(b"\0") if a]
+    except OSError:
+        return None
+
+
+def largest_world_size(environ: Mapping[str, str], world_size: int, local_world_size: int,
+                       cmdline: list[str] | None = None) -> int:
+    """The most ranks this job may have: ``--nnodes`` MAX (from elastic-runner launch, PET_NNODES or the
+    agent's command line) times the workers per node; the current world size if it cannot be told."""
+    raw = environ.get("ELASTIC_RUNNER_NNODES") or environ.get("PET_NNODES")
+    for i, arg in enumerate(cmdline or []):
+        if raw is None and arg.startswith("--nnodes="):
+            raw = arg.split("=", 1)[1]
+        elif raw is None and arg == "--nnodes" and i + 1 < len(cmdline or []):
+            raw = (cmdline or [])[i + 1]
+    try:
+        most = int((raw or "").split(":")[-1])
+    except ValueError:
+        return world_size
+    return max(world_size, most * max(1, local_world_size))
+
+
 def problems(environ: Mapping[str, str], torch_version: str, parent_cmdline: list[str] | None = None) -> list[str]:
     found: list[str] = []
     if "TORCHELASTIC_RUN_ID" not in environ:
@@ -68,13 +94,7 @@ def warn_known_bad_setups(environ: Mapping[str, str] | None = None) -> list[str]
     import torch
 
     env = os.environ if environ is None else environ
-    parent: list[str] | None = None
-    try:
-        with open(f"/proc/{os.getppid()}/cmdline", "rb") as fh:
-            parent = [a.decode(errors="replace") for a in fh.read().split(b"\0") if a]
-    except OSError:
-        pass
-    found = problems(env, torch.__version__, parent)
+    found = problems(env, torch.__version__, parent_cmdline())
     for message in found:
         log.warning("known-bad launch setup: %s", message)
     return found

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
@@ -21,7 +22,8 @@ from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import Dataset
 
 from .batches import Collate, collate_items, to_device
-from .config import Config, ConfigError
+from .batching import split_even
+from .config import BatchConfig, Config, ConfigError
 from .data import DatasetBundle, build_datasets
 from .imports import resolve
 from .models import build_model
@@ -54,11 +56,13 @@ class Workload:
 
 def from_config(cfg: Config) -> Workload:
     """Built-in names and import paths of ``cfg``; the model is built with ``run.seed``."""
-    bundle = build_datasets(cfg.data)
+    bundle = build_datasets(cfg.data, seed=cfg.run.seed)
     collate = resolve(cfg.data.collate, "data.collate") if cfg.data.collate else None
     build = model_build_args(bundle)
     torch.manual_seed(cfg.run.seed)  # identical initial weights on every rank and every attempt
     model = build_model(cfg.model, **build)
+    if cfg.model.sync_batchnorm:
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     task = build_task(cfg.model, cfg.eval, language_model=bundle.language_model or cfg.model.name == "gpt")
     return Workload(
         train=bundle.train, test=bundle.test, model=model, task=task,
@@ -104,3 +108,40 @@ def check(workload: Workload, device: torch.device, micro_size: int) -> None:
                           "Check that the loss function matches the items the dataset returns (and data.collate)") from exc
     finally:
         model.train(was_training)
+
+
+def check_batchnorm(model: nn.Module, device: torch.device, batch: BatchConfig, largest: int, current: int,
+                    num_train: int, partial: bool) -> None:
+    """A model with BatchNorm in training mode needs >= 2 samples per rank and micro-step (BatchNorm
+    refuses one), at every world size this job may reach; SyncBatchNorm needs CUDA."""
+    norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    if any(isinstance(m, nn.SyncBatchNorm) for m in norms) and device.type != "cuda":
+        raise ConfigError("model.sync_batchnorm", f"needs CUDA devices (torch's SyncBatchNorm refuses {device.type} "
+                          "tensors)", "Set model.sync_batchnorm: false on CPUs")
+    if not norms or not model.training or any(isinstance(m, nn.SyncBatchNorm) for m in norms):
+        return
+    for world in sorted({current, largest}):
+        global_size = batch.global_size if batch.global_size is not None else (batch.per_rank_size or 1) * world
+        if smallest_micro_batch(global_size, world, batch.micro_size) == 1:
+            raise ConfigError(
+                "batch.global_size", f"at world size {world} (the most this job may reach is {largest}: --nnodes MAX x "
+                f"workers per node) some rank gets 1 sample in a micro-step of the global batch of {global_size}, "
+                "and the model's BatchNorm layers need at least 2 in training mode",
+                f"Raise batch.global_size to at least {2 * world}, lower the largest --nnodes, raise or drop "
+                "batch.micro_size, or set model.sync_batchnorm: true (GPUs)")
+        rest = num_train % global_size
+        if partial and rest and smallest_micro_batch(rest, world, batch.micro_size) == 1:
+            raise ConfigError(
+                "data.partial_batch", f"the last step of an epoch holds {rest} samples (the dataset's {num_train} "
+                f"modulo the global batch of {global_size}): at world size {world} some rank gets 1, and the model's "
+                "BatchNorm layers need at least 2 in training mode",
+                "Set data.partial_batch: drop (those samples wait for the next epoch's order)")
+
+
+def smallest_micro_batch(count: int, world: int, micro_size: int | None) -> int:
+    """The fewest samples (> 0) any rank runs through the model at once when ``count`` samples of a
+    step are shared by ``world`` ranks (as elastic_runner.batching lays them out); 0 if none gets any."""
+    shares = [count // world + (1 if r < count % world else 0) for r in range(world)]
+    accumulation = math.ceil(max(shares) / (micro_size or max(shares) or 1)) or 1
+    sizes = [len(part) for share in shares for part in split_even(range(share), accumulation) if len(part)]
+    return min(sizes, default=0)

@@ -1,28 +1,42 @@
 #!/usr/bin/env bash
-# Create .venv (idempotent) and install elastic_runner with pinned torch.
-#   scripts/setup.sh            runtime + report extra
-#   scripts/setup.sh test       + test dependencies
+# Create a virtual environment (idempotent) and install elastic_runner into it with pinned torch.
+#   scripts/setup.sh               .venv: torch 2.13.0, runtime + report extra (the quickstart; no torchvision)
+#   scripts/setup.sh test          .venv: the same + test dependencies (the short run on torch 2.13.0)
+#   scripts/setup.sh vision-test   .venv-vision: torch 2.14.1 + torchvision 0.29.1, vision + test extras (the full suite)
+# The versions are pinned in constraints-torch-*.txt; every other package in constraints.txt.
 # Set TORCH_INDEX_URL to choose a torch build, e.g.
 #   https://download.pytorch.org/whl/cu124  (CUDA 12.4)   https://download.pytorch.org/whl/cpu  (CPU)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
+case "${1:-run}" in
+  run)         VENV=.venv;        PINS=constraints-torch-2.13.txt; EXTRAS=report ;;
+  test)        VENV=.venv;        PINS=constraints-torch-2.13.txt; EXTRAS=report,test ;;
+  vision-test) VENV=.venv-vision; PINS=constraints-torch-2.14.txt; EXTRAS=report,test,vision ;;
+  *) echo "usage: scripts/setup.sh [run|test|vision-test]" >&2; exit 2 ;;
+esac
 "$PYTHON" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else "elastic_runner needs Python >= 3.10")'
-if [ ! -x .venv/bin/python ]; then
-  echo "==> creating .venv"
-  "$PYTHON" -m venv .venv
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "==> creating $VENV"
+  "$PYTHON" -m venv "$VENV"
 fi
-PIP=(.venv/bin/python -m pip --disable-pip-version-check -q)
-if ! .venv/bin/python -c 'import torch, sys; sys.exit(0 if torch.__version__.split("+")[0] == "2.13.0" else 1)' 2>/dev/null; then
-  echo "==> installing torch 2.13.0"
+PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
+TORCH=$(sed -n 's/^torch==//p' "$PINS")
+VISION=$(sed -n 's/^torchvision==//p' "$PINS")
+WANT=("torch==$TORCH")
+[ -n "$VISION" ] && WANT+=("torchvision==$VISION")
+HAVE='import sys, torch; ok = torch.__version__.split("+")[0] == sys.argv[1]
+if len(sys.argv) > 2:
+    import torchvision; ok = ok and torchvision.__version__.split("+")[0] == sys.argv[2]
+sys.exit(0 if ok else 1)'
+if ! "$VENV/bin/python" -c "$HAVE" "$TORCH" $VISION 2>/dev/null; then
+  echo "==> installing ${WANT[*]} into $VENV"
   if [ -n "${TORCH_INDEX_URL:-}" ]; then
-    "${PIP[@]}" install "torch==2.13.0" --index-url "$TORCH_INDEX_URL"
+    "${PIP[@]}" install "${WANT[@]}" --index-url "$TORCH_INDEX_URL"
   else
-    "${PIP[@]}" install "torch==2.13.0"
+    "${PIP[@]}" install "${WANT[@]}"
   fi
 fi
-EXTRAS=report
-if [ "${1:-}" = "test" ]; then EXTRAS=report,test; fi
-echo "==> installing elastic_runner[$EXTRAS]"
-"${PIP[@]}" install -c constraints.txt -e ".[$EXTRAS]" 2>&1 | grep -v "is ignored: it is neither" || true
-.venv/bin/python -c 'import elastic_runner, torch; print(f"==> elastic_runner {elastic_runner.__version__} with torch {torch.__version__}")'
+echo "==> installing elastic_runner[$EXTRAS] into $VENV"
+"${PIP[@]}" install -c constraints.txt -c "$PINS" -e ".[$EXTRAS]" 2>&1 | grep -v "is ignored: it is neither" || true
+"$VENV/bin/python" -c 'import elastic_runner, torch; print(f"==> elastic_runner {elastic_runner.__version__} with torch {torch.__version__}")'

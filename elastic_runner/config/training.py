@@ -36,7 +36,8 @@ class RunConfig:
 class DataConfig:
     name: str = _help(
         "Dataset: digits (8x8 handwritten digits shipped with the package), synthetic, "
-        "tokens (token files from 'elastic-runner data prepare-text'), image_folder, cifar10, or an "
+        "tokens (token files from 'elastic-runner data prepare-text'), image_folder, cifar10, fake_images "
+        "(deterministic learnable images, no download), or an "
         "import path 'package.module:callable' returning a (train, test) pair or a train dataset "
         "(items: any nesting of tensors, numbers, tuples, lists, dicts, dataclasses).",
         default="digits",
@@ -45,8 +46,9 @@ class DataConfig:
         "Dataset directory (required for tokens, image_folder and cifar10).", default=None
     )
     params: dict[str, Any] = _help(
-        "Keyword arguments for the dataset builder (synthetic: size, shape, num_classes, "
-        "test_size; tokens: block_size; import paths: anything the callable accepts).",
+        "Keyword arguments for the dataset builder (synthetic: size, shape, num_classes, test_size; "
+        "tokens: block_size; image_folder: image_size; fake_images: size, test_size, num_classes, "
+        "image_size, noise; import paths: anything the callable accepts).",
         default_factory=dict,
     )
     collate: str | None = _help(
@@ -64,6 +66,20 @@ class DataConfig:
         "step; the loss is still the exact mean over its samples). Samples are never repeated.",
         default="drop",
     )
+    augment: list[Any] | None = _help(
+        "Random augmentation of the training images (image_folder, cifar10, fake_images): torchvision "
+        "transforms.v2 by name and parameters, e.g. [{RandomCrop: {size: 32, padding: 4}}, "
+        "RandomHorizontalFlip, {Normalize: {mean: [...], std: [...]}}]. Every draw is seeded by (run.seed, "
+        "epoch, sample index), so a resumed run sees the same images at any world size and data.num_workers. "
+        "Normalize entries apply to the test split too.",
+        default=None,
+    )
+    bad_images: Literal["fail", "skip"] = _help(
+        "An image that cannot be decoded: fail (the run stops with one line naming the file, exit status 2, "
+        "not restarted) or skip (every image is checked once when the dataset is built and the undecodable "
+        "ones are left out, named in a warning).",
+        default="fail",
+    )
     num_workers: int = _help(
         "DataLoader worker processes for file-backed datasets (in-memory datasets ignore it).",
         default=0,
@@ -76,7 +92,7 @@ class DataConfig:
     )
 
     def validate(self) -> None:
-        builtin = {"digits", "synthetic", "tokens", "image_folder", "cifar10"}
+        builtin = {"digits", "synthetic", "tokens", "image_folder", "cifar10", "fake_images"}
         if self.name not in builtin and not is_import_path(self.name):
             raise ConfigError(
                 "data.name",
@@ -136,6 +152,11 @@ class ModelConfig:
         "Keyword arguments for the model constructor (mlp: hidden, depth, dropout; "
         "cnn: channels, hidden, dropout; gpt: n_layer, n_head, n_embd, block_size, dropout, bias).",
         default_factory=dict,
+    )
+    sync_batchnorm: bool = _help(
+        "Convert BatchNorm layers to SyncBatchNorm: batch statistics over the whole global batch instead "
+        "of each rank's share (needs CUDA devices).",
+        default=False,
     )
     loss: str = _help(
         "Training loss: cross_entropy or mse for (input, target) items, or an import path to "

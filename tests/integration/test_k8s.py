@@ -595,8 +595,8 @@ def test_the_dockerfile_installs_torch_first_then_the_pinned_package() -> None:
     package_step = next(i for i, r in enumerate(runs) if "-c constraints.txt" in r)
     assert torch_step < package_step, "torch must come from the chosen index before pip resolves the package"
     version = next(args.split("=")[1] for word, args in final_stage() if word == "ARG" and args.startswith("TORCH_VERSION="))
-    pin = re.search(r"^torch==(\S+)", (ROOT / "constraints.txt").read_text(), re.M)
-    assert pin and pin.group(1) == version, "the image's torch is the version constraints.txt pins"
+    pin = re.search(r"^torch==(\S+)", (ROOT / "constraints-torch-2.13.txt").read_text(), re.M)
+    assert pin and pin.group(1) == version, "the image's torch is the version constraints-torch-2.13.txt pins"
 
 
 def test_the_image_runs_elastic_runner_as_the_manifests_user(kubectl: str) -> None:

@@ -103,8 +103,9 @@ def test_regression_metrics_are_exact_over_batches() -> None:
     with torch.no_grad():
         pred = model(x)
     mse = float(((pred - y) ** 2).mean())
-    assert out["loss"] == pytest.approx(mse) and out["mse"] == pytest.approx(mse)
-    assert out["r2"] == pytest.approx(1 - float(((pred - y) ** 2).sum() / ((y - y.mean()) ** 2).sum()))
+    # float64 sums against a float32 reference: equal to float32 precision
+    assert out["loss"] == pytest.approx(mse, rel=1e-5) and out["mse"] == pytest.approx(mse, rel=1e-5)
+    assert out["r2"] == pytest.approx(1 - float(((pred - y) ** 2).sum() / ((y - y.mean()) ** 2).sum()), rel=1e-5)
     assert "accuracy" not in out
 
 
@@ -131,6 +132,9 @@ def _token_loss(model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tenso
 
 
 def _worker_gradient(rank: int, world: int, micro: int, store_path: str, out: str) -> None:
+    import gc
+
+    import torch._dynamo  # noqa: F401 - before the process group, as Dist.up does (gloo threads end with it)
     import torch.distributed as tdist
 
     from elastic_runner.batching import split_even
@@ -173,6 +177,8 @@ def _worker_gradient(rank: int, world: int, micro: int, store_path: str, out: st
                  torch.optim.SGD(model.parameters(), lr=0.1))
     if rank == 0:
         torch.save([p.grad for p in model.parameters()], out)
+    del ddp
+    gc.collect()
     tdist.destroy_process_group()
 
 
