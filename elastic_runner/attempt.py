@@ -37,6 +37,7 @@ from .data import TensorPairDataset
 from .dist import Dist
 from .env import WorkerEnv
 from .events import EventLog, furthest_step_reached
+from .fsmode import makedirs
 from .imports import resolve
 from .lifecycle import EXIT_PEER_LOST, StopRequest, exit_now
 from .preflight import largest_world_size, parent_cmdline
@@ -68,7 +69,7 @@ def prepare_run_dir(cfg: Config, env: WorkerEnv, dist: Dist) -> tuple[LocalStore
     outcome: tuple[str, Any, str] = ("ok", 0, "")
     if dist.rank == 0:
         try:
-            os.makedirs(cfg.run.dir, exist_ok=True)
+            makedirs(cfg.run.dir)
             if not os.access(cfg.run.dir, os.W_OK | os.X_OK):
                 raise PermissionError(errno.EACCES, f"not writable by uid {os.getuid()}")
             store.ensure()

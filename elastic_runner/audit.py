@@ -28,28 +28,49 @@ import os
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, Iterator, TextIO
 
+import numpy as np
+
+from .fsmode import makedirs, open_file
 from .sampler import epoch_permutation
 
 AUDIT_DIR = "audit"
 
 
+#: An audit file is closed and the next part opened beyond this size, so that no file grows without bound.
+MAX_FILE_BYTES = 64 << 20
+
+
 class AuditWriter:
     def __init__(self, run_dir: str | os.PathLike[str], *, generation: int, rank: int, world_size: int,
-                 header: dict[str, Any]) -> None:
-        directory = Path(run_dir) / AUDIT_DIR
-        directory.mkdir(parents=True, exist_ok=True)
-        self.path = directory / f"gen-{generation:06d}-rank-{rank:05d}.jsonl"
+                 header: dict[str, Any], max_file_bytes: int = MAX_FILE_BYTES) -> None:
+        self.directory = makedirs(Path(run_dir) / AUDIT_DIR)
+        self.stem = f"gen-{generation:06d}-rank-{rank:05d}"
+        self.path = self.directory / f"{self.stem}.jsonl"
         self.generation = generation
         self.rank = rank
         self.world_size = world_size
-        self._fh: TextIO = open(self.path, "a", buffering=1)
+        self.max_file_bytes = max_file_bytes
+        self._part = 0
+        self._fh: TextIO = open_file(self.path, "a", buffering=1)
+        self._written = self.path.stat().st_size
         self._write({"type": "header", "generation": generation, "rank": rank, "world_size": world_size} | header)
 
     def _write(self, record: dict[str, Any]) -> None:
-        self._fh.write(json.dumps(record, separators=(",", ":")) + "\n")
+        line = json.dumps(record, separators=(",", ":")) + "\n"
+        if self._written + len(line) > self.max_file_bytes and self._written:
+            self._rotate()
+        self._fh.write(line)
         self._fh.flush()
+        self._written += len(line)
+
+    def _rotate(self) -> None:
+        self._fh.close()
+        self._part += 1
+        self.path = self.directory / f"{self.stem}-part-{self._part:04d}.jsonl"
+        self._fh = open_file(self.path, "a", buffering=1)
+        self._written = self.path.stat().st_size
 
     def step(self, *, step: int, epoch: int, start: int, global_count: int, indices: list[int],
              micro_batch: int, accumulation: int) -> None:
@@ -132,30 +153,49 @@ class AuditReport:
         return "\n".join(lines)
 
 
-def _read_records(directory: Path) -> tuple[list[dict[str, Any]], int]:
-    records: list[dict[str, Any]] = []
-    torn = 0
-    for path in sorted(directory.glob("gen-*-rank-*.jsonl")):
-        with open(path) as fh:
-            for line in fh:
-                if not line.endswith("\n"):
-                    torn += 1
-                    continue
-                try:
-                    records.append(json.loads(line))
-                except ValueError:
-                    torn += 1
-    return records, torn
+class _Lines:
+    """The records of every audit file, read one line at a time (a second pass reads them again)."""
+
+    def __init__(self, directory: Path) -> None:
+        self.paths = sorted(directory.glob("gen-*-rank-*.jsonl"))
+        self.torn = 0
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        self.torn = 0
+        for path in self.paths:
+            with open(path) as fh:
+                for line in fh:
+                    if not line.endswith("\n"):
+                        self.torn += 1
+                        continue
+                    try:
+                        yield json.loads(line)
+                    except ValueError:
+                        self.torn += 1
 
 
 def check_audit(run_dir: str | os.PathLike[str]) -> AuditReport:
+    """Replay the audit trail in two streaming passes: memory grows with the number of steps and with
+    one byte per sample and epoch, not with the size of the trail."""
     directory = Path(run_dir) / AUDIT_DIR
     report = AuditReport()
     if not directory.is_dir():
         report.violations.append(f"no audit trail in {directory} (run with audit.samples: true)")
         return report
-    records, report.torn_lines = _read_records(directory)
-    headers = [r for r in records if r.get("type") == "header"]
+    lines = _Lines(directory)
+    headers, ends = [], []
+    # Pass 1: every step record without its indices, to find the generation that owns each step.
+    by_step: dict[int, dict[int, list[tuple[int, int, int, int, int, int]]]] = defaultdict(lambda: defaultdict(list))
+    for r in lines:
+        kind = r.get("type")
+        if kind == "header":
+            headers.append(r)
+        elif kind == "end":
+            ends.append(r)
+        elif kind == "step":
+            by_step[r["step"]][r["generation"]].append(
+                (r["rank"], r["world_size"], r["epoch"], r["start"], r["global_count"], len(r["indices"])))
+    report.torn_lines = lines.torn
     if not headers:
         report.violations.append("the audit trail has no header records")
         return report
@@ -167,12 +207,6 @@ def check_audit(run_dir: str | os.PathLike[str]) -> AuditReport:
     num_samples, seed, shuffle, partial = (header[k] for k in dataset_keys)
     report.world_sizes = {h["generation"]: h["world_size"] for h in headers}
     report.generations = sorted(report.world_sizes)
-
-    by_step: dict[int, dict[int, list[dict[str, Any]]]] = defaultdict(lambda: defaultdict(list))
-    for r in records:
-        if r.get("type") == "step":
-            by_step[r["step"]][r["generation"]].append(r)
-    ends = [r for r in records if r.get("type") == "end"]
     if ends:
         final = max(ends, key=lambda r: (r["generation"], r["step"]))
         report.finished = True
@@ -181,7 +215,7 @@ def check_audit(run_dir: str | os.PathLike[str]) -> AuditReport:
         report.final_step = max(by_step, default=0)
 
     batch_of = {h["generation"]: h["global_batch"] for h in headers}
-    epochs: dict[int, list[int]] = defaultdict(list)
+    owner: dict[int, int] = {}  # step -> the generation whose records count
     epoch_end: dict[int, tuple[int, int]] = {}  # epoch -> (end position, global batch there)
     for step in range(1, report.final_step + 1):
         gens = by_step.get(step)
@@ -191,16 +225,16 @@ def check_audit(run_dir: str | os.PathLike[str]) -> AuditReport:
         newest = max(gens)
         report.steps_superseded += sum(1 for g in gens if g != newest)
         recs = gens[newest]
-        world = recs[0]["world_size"]
-        ranks = sorted(r["rank"] for r in recs)
+        world = recs[0][1]
+        ranks = sorted(r[0] for r in recs)
         if ranks != list(range(world)):
             report.violations.append(f"step {step} (generation {newest}) has records from ranks {ranks}, expected 0..{world - 1}")
-        shape = {(r["epoch"], r["start"], r["global_count"]) for r in recs}
+        shape = {r[2:5] for r in recs}
         if len(shape) != 1:
             report.violations.append(f"step {step}: ranks disagree on (epoch, start, global batch): {sorted(shape)}")
             continue
         epoch, start, count = shape.pop()
-        consumed = sum(len(r["indices"]) for r in recs)
+        consumed = sum(r[5] for r in recs)
         if consumed != count:
             report.violations.append(f"step {step}: ranks consumed {consumed} samples, the global batch is {count}")
         nominal = batch_of.get(newest, count)
@@ -208,35 +242,52 @@ def check_audit(run_dir: str | os.PathLike[str]) -> AuditReport:
         if count != nominal and not last_partial:
             report.violations.append(f"step {step}: global batch {count}, generation {newest} promised {nominal}")
         report.global_batches.append(count)
-        for r in sorted(recs, key=lambda r: r["rank"]):
-            epochs[epoch].extend(r["indices"])
+        owner[step] = newest
         end = start + count
         if end >= epoch_end.get(epoch, (0, 0))[0]:
             epoch_end[epoch] = (end, nominal)
+    del by_step
+
+    # Pass 2: the indices of the owning records, counted per epoch (saturating at 255), plus any out of range.
+    counts: dict[int, np.ndarray] = {}
+    outside: dict[int, set[int]] = defaultdict(set)
+    seen_total: Counter[int] = Counter()
+    for r in lines:
+        if r.get("type") != "step" or owner.get(r["step"]) != r["generation"]:
+            continue
+        epoch, indices = r["epoch"], r["indices"]
+        if epoch not in counts:
+            counts[epoch] = np.zeros(num_samples, dtype=np.uint8)
+        seen_total[epoch] += len(indices)
+        valid = [i for i in indices if isinstance(i, int) and 0 <= i < num_samples]
+        outside[epoch].update(i for i in indices if not (isinstance(i, int) and 0 <= i < num_samples))
+        if valid:
+            arr = counts[epoch]
+            for i in valid:  # per index: a record may (wrongly) repeat one
+                if arr[i] < 255:
+                    arr[i] += 1
 
     canonical = header.get("sampler", "elastic") == "elastic"
-    last_epoch = max(epochs, default=-1)
-    for epoch in sorted(epochs):
-        perm = epoch_permutation(num_samples, seed, epoch, shuffle).tolist()
-        seen = epochs[epoch]
-        counts = Counter(seen)
+    last_epoch = max(counts, default=-1)
+    for epoch in sorted(counts):
+        arr = counts.pop(epoch)
         usable, nominal = epoch_end[epoch]
         left = num_samples - usable
         complete = left == 0 or (partial == "drop" and left < nominal)
         if epoch < last_epoch and not complete:
             report.violations.append(f"epoch {epoch} ended after {usable} of {num_samples} samples")
-        seen_set = set(counts)
+        seen_set = set(np.flatnonzero(arr).tolist())
         if canonical:
-            expected = set(perm[:usable])
+            expected = set(epoch_permutation(num_samples, seed, epoch, shuffle).tolist()[:usable])
         else:
             # A custom sampler's order is unknown: hold it to exactly-once within the dataset.
-            expected = set(range(num_samples)) if (complete and partial == "partial") else seen_set & set(range(num_samples))
+            expected = set(range(num_samples)) if (complete and partial == "partial") else set(seen_set)
             if complete and len(seen_set) != usable:
                 report.violations.append(f"epoch {epoch}: {len(seen_set)} distinct samples, expected {usable}")
         report.epochs.append(EpochReport(
-            epoch=epoch, complete=complete, expected=len(expected), seen=len(seen),
-            duplicates=sorted(i for i, c in counts.items() if c > 1),
+            epoch=epoch, complete=complete, expected=len(expected), seen=seen_total[epoch],
+            duplicates=np.flatnonzero(arr > 1).tolist(),
             missing=sorted(expected - seen_set),
-            unexpected=sorted(seen_set - expected),
+            unexpected=sorted((seen_set - expected) | outside[epoch]),
         ))
     return report

@@ -226,7 +226,13 @@ class Checkpointer:
         self.fingerprint = cfg.fingerprint(self.identity)
         self._config = cfg.to_dict()
         self._model_build = model_build or {}
-        self.memory = MemoryTier(memory_root(store.location), generation, run_uid) if cfg.snapshot.in_memory else None
+        self.memory: MemoryTier | None = None
+        if cfg.snapshot.in_memory:
+            try:
+                self.memory = MemoryTier(memory_root(store.location), generation, run_uid)
+            except OSError as exc:  # UnsafeDirectoryError: planted or shared by someone else
+                log.warning("no node-memory snapshots (%s); a failure resumes from the disk snapshot. Remove that "
+                            "directory or point ELASTIC_RUNNER_SHM_DIR at a directory of your own", exc)
         if self.memory is not None and env.is_local_leader:
             self.memory.sweep()
         self.model: torch.nn.Module | None = None

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import datetime
 import gc
+import json
 import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable
 
 import torch
 import torch.distributed as tdist
@@ -29,7 +30,6 @@ from .lifecycle import EXIT_PEER_TIMEOUT, exit_now
 
 log = logging.getLogger(__name__)
 
-T = TypeVar("T")
 
 
 class DistError(RuntimeError):
@@ -209,15 +209,34 @@ class Dist:
         self.all_reduce_sum(t)
         return [float(v) for v in t.tolist()]
 
-    def broadcast_object(self, obj: T, src: int = 0) -> T:
-        box = [obj if self.rank == src else None]
-        tdist.broadcast_object_list(box, src=src, device=self._object_device())
-        return box[0]  # type: ignore[return-value]
+    # Objects travel as JSON, never pickled: a rank accepts data from its peers, not code. (torch's
+    # broadcast_object_list/all_gather_object unpickle whatever a peer sends; a peer is only as
+    # trustworthy as the rendezvous that admitted it.) Tuples arrive as lists.
 
-    def all_gather_object(self, obj: T) -> list[T]:
-        out: list[Any] = [None] * self.world_size
-        tdist.all_gather_object(out, obj)
-        return out
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        """``obj`` (JSON-able: numbers, strings, lists, dicts, None) from rank ``src`` to every rank."""
+        device = self._object_device()
+        data = json.dumps(obj, separators=(",", ":")).encode() if self.rank == src else b""
+        size = torch.tensor([len(data)], dtype=torch.long, device=device)
+        tdist.broadcast(size, src=src)
+        buffer = (torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device) if self.rank == src
+                  else torch.empty(int(size.item()), dtype=torch.uint8, device=device))
+        tdist.broadcast(buffer, src=src)
+        return json.loads(buffer.cpu().numpy().tobytes()) if self.rank != src else json.loads(data)
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj`` (JSON-able), in rank order."""
+        device = self._object_device()
+        data = json.dumps(obj, separators=(",", ":")).encode()
+        sizes = [torch.zeros(1, dtype=torch.long, device=device) for _ in range(self.world_size)]
+        tdist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.long, device=device))
+        longest = max(int(t.item()) for t in sizes)
+        mine = torch.zeros(longest, dtype=torch.uint8, device=device)
+        if data:
+            mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+        gathered = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in range(self.world_size)]
+        tdist.all_gather(gathered, mine)
+        return [json.loads(g[:int(n.item())].cpu().numpy().tobytes()) for g, n in zip(gathered, sizes)]
 
     def broadcast_tensor(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
         tdist.broadcast(tensor, src=src)

@@ -16,17 +16,18 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
+from .fsmode import makedirs, open_file
+
 EVENTS_DIR = "events"
 
 
 class EventLog:
     def __init__(self, run_dir: str | os.PathLike[str], source: str, **context: Any) -> None:
-        directory = Path(run_dir) / EVENTS_DIR
-        directory.mkdir(parents=True, exist_ok=True)
+        directory = makedirs(Path(run_dir) / EVENTS_DIR)
         self.path = directory / f"{source}.jsonl"
         self.source = source
         self.context = {"host": socket.gethostname(), "pid": os.getpid()} | context
-        self._fh: TextIO | None = open(self.path, "a", buffering=1)
+        self._fh: TextIO | None = open_file(self.path, "a", buffering=1)  # whole lines reach readers at once
 
     def emit(self, kind: str, **fields: Any) -> None:
         if self._fh is None:

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from . import fsmode
 from .attempt import Attempt, RetryableSetupError, SetupError
 from .checkpoint import ResumeError, StopSnapshotFailed
 from .config import Config, ConfigError, load_config
@@ -76,6 +77,7 @@ def run(cfg: Config, env: WorkerEnv, make_workload: Callable[[], Workload] | Non
     """One worker process: ``make_workload`` builds what is trained (default: from ``cfg``)."""
     started_at = process_start_time()
     setup_logging(cfg.logging.level, env.rank, env.world_size)
+    fsmode.set_sharing(cfg.snapshot.mode)  # every file the run writes: private unless the team shares
     if env.under_torchrun:
         die_with_parent()
         name_process(env.rank, env.local_rank)

@@ -42,7 +42,9 @@ def _resolve_hints(cls: type) -> dict[str, Any]:
 def _type_name(tp: Any) -> str:
     origin = typing.get_origin(tp)
     if origin is Literal:
-        return " | ".join(repr(a) for a in typing.get_args(tp))
+        # Not "a | b": a bar would split the README's markdown table cell.
+        *first, last = (repr(a) for a in typing.get_args(tp))
+        return f"{', '.join(first)} or {last}" if first else last
     if origin in (Union, types.UnionType):
         return " or ".join(_type_name(a) for a in typing.get_args(tp))
     if tp is type(None):
@@ -261,12 +263,11 @@ def dump_yaml(config: Config) -> str:
 
 
 def write_effective_config(config: Config, run_dir: str) -> Path:
-    """Write the config the run actually uses (atomic replace)."""
-    target = Path(run_dir) / "config.yaml"
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".config.yaml.{os.getpid()}.tmp")
-    tmp.write_text("# effective configuration (defaults < file < --set)\n" + dump_yaml(config))
-    os.replace(tmp, target)
+    """Write the config the run actually uses (atomic replace, the run's file mode)."""
+    from ..fsmode import makedirs, write_file_atomically
+
+    target = makedirs(run_dir) / "config.yaml"
+    write_file_atomically(target, ("# effective configuration (defaults < file < --set)\n" + dump_yaml(config)).encode())
     return target
 
 

@@ -23,6 +23,12 @@ class SnapshotConfig:
         default=True,
     )
     verify: bool = _help("Check each snapshot's SHA-256 before loading it.", default=True)
+    mode: Literal["private", "group"] = _help(
+        "Who may read what the run writes (snapshots, node-memory copies, events, audit, effective config): "
+        "private (files 0600, directories 0700, the snapshot directory must be this user's) or group (0640/0750, "
+        "for a team that shares a volume).",
+        default="private",
+    )
     allow_mismatch: bool = _help(
         "Resume even if the snapshot was written for a different model/data/optimizer "
         "config (e.g. to fine-tune). The differing keys are logged.",

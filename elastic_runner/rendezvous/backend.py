@@ -25,6 +25,7 @@ heartbeats) in one opaque blob and needs two calls from a backend: ``get_state``
 
 from __future__ import annotations
 
+import hmac
 import random
 import struct
 import time
@@ -41,6 +42,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBa
 from .gateway import EtcdGatewayClient
 from .kv import Compare, EtcdError, Get, KVClient, LeaseKeeper, Put
 from .options import DEFAULT_KEY_PREFIX, DEFAULTS, parse_options
+from .seal import Sealer, StateContentError, check_state_pickle, inflate
 
 if TYPE_CHECKING:
     from .store import EtcdStore
@@ -49,39 +51,92 @@ BACKEND_NAME = "etcd-v3"
 DEFAULT_TTL = DEFAULTS["ttl"]
 
 _MAGIC = b"ERV3"
-_FORMAT = 1
-_HEADER = struct.Struct(">4sBI")  # magic, format version, CRC-32 of the compressed payload
+_FORMAT = 1  #: CRC-framed: magic, version, CRC-32 of the compressed payload, payload
+_SIGNED = 2  #: signed: magic, version, HMAC-SHA256 over (etcd key, magic, version, payload), payload
+_HEADER = struct.Struct(">4sBI")
 
 
-def encode_state(state: bytes) -> bytes:
+def encode_state(state: bytes, sealer: Sealer | None = None, key: str = "") -> bytes:
+    """A stored blob: CRC-framed (format 1), or signed under the job's key (format 2)."""
     payload = zlib.compress(state, 1)
-    return _HEADER.pack(_MAGIC, _FORMAT, zlib.crc32(payload)) + payload
+    if sealer is None or not sealer.enabled:
+        return _HEADER.pack(_MAGIC, _FORMAT, zlib.crc32(payload)) + payload
+    head = _MAGIC + bytes([_SIGNED])
+    return head + sealer.tag(key.encode(), head + payload) + payload
 
 
-def decode_state(blob: bytes, key: str) -> bytes:
-    """The state bytes of a stored blob; ``RendezvousStateError`` if it is not one of ours or damaged."""
+def decode_state(blob: bytes, key: str, sealer: Sealer | None = None) -> bytes:
+    """The state bytes of a stored blob; ``RendezvousStateError`` if it is not one of ours, damaged, not
+    signed with the job's key (when there is one), or larger than any state decompressed."""
     hint = (f"Another program may write to this key: check that nothing else uses the key prefix, or delete "
             f"the key ('etcdctl del {key}') to start the rendezvous afresh.")
+    signing = sealer is not None and sealer.enabled
     if len(blob) < _HEADER.size:
         raise RendezvousStateError(f"The rendezvous state in etcd key '{key}' is corrupt: {len(blob)} bytes is too "
                                    f"short for a state. {hint}")
-    magic, version, crc = _HEADER.unpack_from(blob)
-    if magic != _MAGIC:
+    if blob[:4] != _MAGIC:
         raise RendezvousStateError(f"The rendezvous state in etcd key '{key}' is corrupt: it was not written by the "
                                    f"etcd-v3 backend (unknown header). {hint}")
-    if version != _FORMAT:
+    version = blob[4]
+    if version not in (_FORMAT, _SIGNED):
         raise RendezvousStateError(f"The rendezvous state in etcd key '{key}' has format {version}, this version "
-                                   f"of elastic_runner reads format {_FORMAT}: run the same elastic_runner version on "
-                                   f"every node.")
-    payload = blob[_HEADER.size:]
-    if zlib.crc32(payload) != crc:
-        raise RendezvousStateError(f"The rendezvous state in etcd key '{key}' is corrupt: its checksum does not "
-                                   f"match. {hint}")
+                                   f"of elastic_runner reads formats {_FORMAT} and {_SIGNED}: run the same "
+                                   f"elastic_runner version on every node.")
+    if version == _SIGNED and not signing:
+        raise RendezvousStateError(f"The rendezvous state in etcd key '{key}' is signed, but this agent has no key: "
+                                   "give every node the same --rdzv_conf auth_key_file.")
+    if version == _FORMAT and signing:
+        raise RendezvousStateError(f"The rendezvous state in etcd key '{key}' is not signed, but this agent requires "
+                                   "states signed with the job's key (auth_key_file): it was written by an agent "
+                                   f"without the key, or planted. Give every node the same auth_key_file. {hint}")
+    if version == _SIGNED:
+        assert sealer is not None
+        head, tag, payload = blob[:5], blob[5:5 + 32], blob[5 + 32:]
+        if len(tag) < 32 or not hmac.compare_digest(tag, sealer.tag(key.encode(), head + payload)):
+            raise RendezvousStateError(f"The rendezvous state in etcd key '{key}' does not carry a valid signature "
+                                       "of the job's key: it was written with another key, changed or planted. "
+                                       f"Check that every node has the same auth_key_file. {hint}")
+    else:
+        _, _, crc = _HEADER.unpack_from(blob)
+        payload = blob[_HEADER.size:]
+        if zlib.crc32(payload) != crc:
+            raise RendezvousStateError(f"The rendezvous state in etcd key '{key}' is corrupt: its checksum does not "
+                                       f"match. {hint}")
     try:
-        return zlib.decompress(payload)
-    except zlib.error as exc:
-        raise RendezvousStateError(f"The rendezvous state in etcd key '{key}' is corrupt: it does not decompress "
-                                   f"({exc}). {hint}") from exc
+        return inflate(payload)
+    except StateContentError as exc:
+        raise RendezvousStateError(f"The rendezvous state in etcd key '{key}' is refused: {exc}. {hint}") from exc
+
+
+class CheckedStates(RendezvousBackend):
+    """A backend whose states torch may unpickle: each is first unpickled here with only a rendezvous
+    state's classes admitted (see :mod:`elastic_runner.rendezvous.seal`). The handler uses this wrapper;
+    the backend itself keeps torch's contract (opaque bytes)."""
+
+    def __init__(self, backend: EtcdRendezvousBackend) -> None:
+        self.backend = backend
+
+    @property
+    def name(self) -> str:
+        return self.backend.name
+
+    def _checked(self, state: bytes) -> bytes:
+        try:
+            check_state_pickle(state)
+        except StateContentError as exc:
+            raise RendezvousStateError(
+                f"The rendezvous state in etcd key '{self.backend.key}' is refused unread: {exc}. Something other "
+                f"than an elastic_runner agent wrote it: check who can write the key prefix (README, 'Trust'), "
+                f"then delete the key ('etcdctl del {self.backend.key}').") from exc
+        return state
+
+    def get_state(self) -> tuple[bytes, Token] | None:
+        result = self.backend.get_state()
+        return None if result is None else (self._checked(result[0]), result[1])
+
+    def set_state(self, state: bytes, token: Token | None = None) -> tuple[bytes, Token, bool] | None:
+        result = self.backend.set_state(state, token)
+        return None if result is None else (self._checked(result[0]), result[1], result[2])
 
 
 def run_prefix(key_prefix: str, run_id: str) -> str:
@@ -94,7 +149,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
     def __init__(self, client: KVClient, run_id: str, key_prefix: str = DEFAULT_KEY_PREFIX,
                  ttl: int = DEFAULT_TTL, leases: LeaseKeeper | None = None,
                  conflict_backoff: tuple[float, float] = (0.005, 2.0),
-                 sleep: Callable[[float], None] = time.sleep) -> None:
+                 sleep: Callable[[float], None] = time.sleep, sealer: Sealer | None = None) -> None:
         if not run_id:
             raise ValueError("The run id must be a non-empty string (torchrun's --rdzv_id).")
         if "/" in run_id:
@@ -107,6 +162,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
         self._backoff_base, self._backoff_cap = conflict_backoff
         self._sleep = sleep
         self._conflicts = 0  # consecutive lost compare-and-swaps of this agent
+        self._sealer = sealer or Sealer(None)
 
     @property
     def name(self) -> str:
@@ -133,7 +189,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
             raise self._connection_error("read", exc) from exc
         if kv is None:
             return None
-        return decode_state(kv.value, self._key_text), kv.mod_revision
+        return decode_state(kv.value, self._key_text, self._sealer), kv.mod_revision
 
     def set_state(self, state: bytes, token: Token | None = None) -> tuple[bytes, Token, bool] | None:
         if token is not None and not isinstance(token, int):
@@ -141,7 +197,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
             current = self.get_state()
             return None if current is None else (*current, False)
         compare = Compare.mod_revision(self._key, token) if token else Compare.absent(self._key)
-        blob = encode_state(state)
+        blob = encode_state(state, self._sealer, self._key_text)
 
         def write(lease: int) -> Any:
             return self._client.txn([compare], [Put(self._key, blob, lease)], [Get(self._key)])
@@ -166,7 +222,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
             self._sleep(random.uniform(0, window))
             current = self.get_state()
             return None if current is None else (*current, False)
-        return decode_state(kv.value, self._key_text), kv.mod_revision, False
+        return decode_state(kv.value, self._key_text, self._sealer), kv.mod_revision, False
 
 
 def create_backend(params: RendezvousParameters) -> tuple[EtcdRendezvousBackend, "EtcdStore"]:
@@ -180,7 +236,8 @@ def create_backend(params: RendezvousParameters) -> tuple[EtcdRendezvousBackend,
     options = parse_options(params)
     client = EtcdGatewayClient(options)
     leases = LeaseKeeper(client, options.ttl)
-    backend = EtcdRendezvousBackend(client, params.run_id, options.key_prefix, options.ttl, leases)
+    sealer = Sealer(options.auth_key)
+    backend = EtcdRendezvousBackend(client, params.run_id, options.key_prefix, options.ttl, leases, sealer=sealer)
     try:
         client.get(backend.key.encode(), budget=options.connect_timeout)
     except EtcdError as exc:
@@ -188,5 +245,5 @@ def create_backend(params: RendezvousParameters) -> tuple[EtcdRendezvousBackend,
         raise RendezvousConnectionError(
             f"The etcd-v3 rendezvous cannot start run '{params.run_id}': {exc}") from exc
     store = EtcdStore(client, run_prefix(options.key_prefix, params.run_id), leases=leases,
-                      read_timeout=options.read_timeout)
+                      read_timeout=options.read_timeout, sealer=sealer)
     return backend, store

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
+from .seal import loose_permissions, read_key
+
 if TYPE_CHECKING:
     from torch.distributed.elastic.rendezvous import RendezvousParameters
 
@@ -56,9 +58,17 @@ OPTIONS: tuple[Option, ...] = (
     Option("cert", "", "Client certificate for mutual TLS (with `key`). Turns on https."),
     Option("key", "", "Private key of the client certificate."),
     Option("user", "", "etcd user name (etcd's auth is on). Needs read/write permission on the key prefix."),
-    Option("password", "", "Password of `user`. Visible in the process list and in torchrun's log of its "
-           "rendezvous settings: prefer `password_file`."),
-    Option("password_file", "", "File whose first line is the password of `user` (a mounted Kubernetes secret)."),
+    Option("password_file", "", "File whose first line is the password of `user` (a mounted Kubernetes secret; "
+           "mode 600). A `password=` in `--rdzv_conf` is refused: it would be in the process list, torchrun's log "
+           "and every worker's environment. Credentials go only over https (`cacert`)."),
+    Option("auth_key_file", "",
+           "File with the job's secret (its first line, at least 32 bytes: `openssl rand -hex 32`), the same on every "
+           "node. Every rendezvous state and store value is then signed (HMAC-SHA256) and refused unless its "
+           "signature verifies: whoever can write etcd without the key cannot steer the job. Without it, states are "
+           "still unpickled only with a rendezvous state's classes."),
+    Option("insecure_loopback_auth", "false",
+           "`true` allows `user`/`password_file` over plain http, and only to loopback endpoints (127.0.0.1, ::1, "
+           "localhost): a local test etcd. Anywhere else credentials over http are refused."),
 )
 
 #: The documented defaults of the numeric options, read from the table (so the two cannot drift).
@@ -96,6 +106,7 @@ class EtcdOptions:
     key: str | None = None
     user: str | None = None
     password: str | None = field(default=None, repr=False)
+    auth_key: bytes | None = field(default=None, repr=False)
 
 
 _ENDPOINT = re.compile(r"(?:(?P<scheme>[A-Za-z]+)://)?"  # optional http:// or https://
@@ -150,6 +161,10 @@ def _file(params: "RendezvousParameters", name: str) -> str | None:
 
 def parse_options(params: "RendezvousParameters") -> EtcdOptions:
     """Read ``--rdzv_endpoint`` and ``--rdzv_conf`` (typed getters, documented defaults)."""
+    if params.get("password") is not None:
+        raise ValueError("The etcd password must not be given as --rdzv_conf password=...: it would be visible in the "
+                         "process list, in torchrun's log and in every worker's environment. Write it to a file only "
+                         "you can read (chmod 600) and set password_file=PATH instead.")
     known = {o.name for o in OPTIONS} | TORCH_KEYS
     unknown = sorted(set(params.config) - known)
     if unknown:
@@ -164,22 +179,35 @@ def parse_options(params: "RendezvousParameters") -> EtcdOptions:
         raise ValueError(f"The rendezvous option 'key_prefix' must start with '/' (got '{prefix}'), e.g. "
                          f"key_prefix={DEFAULT_KEY_PREFIX}.")
     user = params.get("user")
-    password = params.get("password")
+    password = None
     password_file = _file(params, "password_file")
     if password_file:
         lines = Path(password_file).read_text().splitlines()
         password = lines[0] if lines else ""
     if password is not None and not user:
-        raise ValueError("A password was given for the etcd-v3 rendezvous but no 'user'; set --rdzv_conf=user=NAME.")
+        raise ValueError("A password file was given for the etcd-v3 rendezvous but no 'user'; set "
+                         "--rdzv_conf=user=NAME.")
     if user and password is None:
-        raise ValueError(f"The etcd user '{user}' needs a password: set 'password_file' (or 'password') in "
-                         "--rdzv_conf.")
+        raise ValueError(f"The etcd user '{user}' needs a password: set password_file=PATH in --rdzv_conf.")
+    endpoints = parse_endpoints(params.endpoint, tls=bool(cacert or cert))
+    if user and any(e.scheme == "http" for e in endpoints):
+        loopback = all(e.host in ("127.0.0.1", "::1", "localhost") for e in endpoints)
+        if not (params.get_as_bool("insecure_loopback_auth", False) and loopback):
+            raise ValueError(f"The etcd user '{user}' would send its password over plain http to "
+                             f"{', '.join(str(e) for e in endpoints)}; use https:// endpoints (set cacert=PATH to the "
+                             "CA of etcd's certificate). Only for a local test etcd on loopback: "
+                             "insecure_loopback_auth=true.")
+    auth_key_file = _file(params, "auth_key_file")
+    for secret in (password_file, key, auth_key_file):
+        if secret and (problem := loose_permissions(secret)):
+            log.warning("%s", problem)
     return EtcdOptions(
-        endpoints=parse_endpoints(params.endpoint, tls=bool(cacert or cert)),
+        endpoints=endpoints,
         key_prefix=prefix,
         **{name: _positive_int(params, name, default) for name, default in DEFAULTS.items()},
         cacert=cacert, cert=cert, key=key,
         user=str(user) if user else None, password=None if password is None else str(password),
+        auth_key=read_key(auth_key_file) if auth_key_file else None,
     )
 
 

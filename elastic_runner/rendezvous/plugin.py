@@ -18,12 +18,13 @@ if TYPE_CHECKING:
 
 def create_handler(params: "RendezvousParameters") -> "RendezvousHandler":
     """torch's ``DynamicRendezvousHandler`` protocol with its state and store in etcd (see ``backend``),
-    tolerant of etcd outages (see ``handler``)."""
-    from .backend import create_backend
+    tolerant of etcd outages (see ``handler``), trusting nothing it reads unchecked (see ``seal``)."""
+    from .backend import CheckedStates, create_backend
     from .handler import create_handler as etcd_handler
 
     backend, store = create_backend(params)
-    return etcd_handler(store, backend, params)
+    # torch unpickles every state it reads: only states that unpickle with a state's classes reach it.
+    return etcd_handler(store, CheckedStates(backend), params)
 
 
 def handler_factory() -> Callable[["RendezvousParameters"], "RendezvousHandler"]:

@@ -19,6 +19,9 @@ Semantics follow ``TCPStore``:
   value (or ``expected`` for a missing key) is returned when it does not match.
 - Failures to reach etcd raise ``EtcdStoreConnectionError``, both a ``DistNetworkError`` (what c10d
   callers catch) and a ``RendezvousConnectionError`` (what the agent reports).
+- With the job's key (``auth_key_file``), every value is stored signed and a value that does not carry
+  a valid signature is refused (``EtcdStoreAuthError``): a writer without the key cannot plant
+  addresses or ranks (see :mod:`elastic_runner.rendezvous.seal`).
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from .kv import (
     Put,
 )
 from .options import DEFAULTS
+from .seal import AuthError, Sealer
 
 DEFAULT_READ_TIMEOUT = DEFAULTS["read_timeout"]
 
@@ -66,13 +70,18 @@ def _as_bytes(value: Any) -> bytes:
     raise TypeError(f"Store keys and values must be str or bytes, not {type(value).__name__}.")
 
 
+class EtcdStoreAuthError(dist.DistStoreError):
+    """A store value is not signed with the job's key."""
+
+
 class EtcdStore(dist.Store):
     """See the module docstring. ``prefix`` is the run's prefix, e.g. ``/elastic_runner/rdzv/job1``."""
 
     def __init__(self, client: KVClient, prefix: str, leases: LeaseKeeper | None = None,
-                 read_timeout: float = DEFAULT_READ_TIMEOUT) -> None:
+                 read_timeout: float = DEFAULT_READ_TIMEOUT, sealer: Sealer | None = None) -> None:
         super().__init__()  # required by the pybind trampoline
         self._client = client
+        self._sealer = sealer or Sealer(None)
         run_prefix = prefix.rstrip("/")
         self._prefix = f"{run_prefix}/store/".encode()
         self._ops_prefix = f"{run_prefix}/ops/{uuid.uuid4().hex}-".encode()
@@ -95,6 +104,17 @@ class EtcdStore(dist.Store):
 
     def _name(self, key: bytes) -> str:
         return key[len(self._prefix):].decode(errors="replace")
+
+    def _seal(self, key: bytes, value: bytes) -> bytes:
+        return self._sealer.seal(key, value)
+
+    def _open(self, kv: KeyValue) -> bytes:
+        try:
+            return self._sealer.open(kv.key, kv.value)
+        except AuthError as exc:
+            raise EtcdStoreAuthError(
+                f"The etcd store value at '{kv.key.decode(errors='replace')}' is refused: {exc}. Check that every "
+                "node has the same auth_key_file and who else can write the key prefix (README, 'Trust').") from exc
 
     def _error(self, action: str, exc: EtcdError) -> EtcdStoreConnectionError:
         return EtcdStoreConnectionError(f"The etcd store under '{self.prefix}' could not {action}. {exc}")
@@ -144,11 +164,12 @@ class EtcdStore(dist.Store):
     # -- torch.distributed.Store ------------------------------------------------------------------------------------
 
     def set(self, key: str, value: bytes | str) -> None:
-        self._txn("set a key", (), [Put(self._key(key), _as_bytes(value))])
+        k = self._key(key)
+        self._txn("set a key", (), [Put(k, self._seal(k, _as_bytes(value)))])
 
     def get(self, key: str) -> bytes:
         k = self._key(key)
-        return self._wait_for([k], None)[k].value
+        return self._open(self._wait_for([k], None)[k])
 
     def add(self, key: str, amount: int) -> int:
         k = self._key(key)
@@ -157,14 +178,16 @@ class EtcdStore(dist.Store):
         kv: KeyValue | None = None  # optimistic: try to create it; a failed attempt returns the current value
         conflicts = 0
         while True:
+            value = self._open(kv) if kv is not None else b"0"
             try:
-                current = int(kv.value) if kv is not None else 0
+                current = int(value)
             except ValueError:
-                raise ValueError(f"Store key '{key}' holds {kv.value[:40]!r}, not an integer; add() needs a "
+                raise ValueError(f"Store key '{key}' holds {value[:40]!r}, not an integer; add() needs a "
                                  "counter (a key written only by add()).") from None
             new = current + int(amount)
             compare = Compare.mod_revision(k, kv.mod_revision) if kv is not None else Compare.absent(k)
-            result = self._txn("add to a counter", [compare], [Put(k, str(new).encode()), Put(marker_key, marker)],
+            result = self._txn("add to a counter", [compare],
+                               [Put(k, self._seal(k, str(new).encode())), Put(marker_key, marker)],
                                [Get(k), Get(marker_key)])
             if result.succeeded:
                 return new
@@ -178,9 +201,10 @@ class EtcdStore(dist.Store):
     def compare_set(self, key: str, expected_value: bytes | str, desired_value: bytes | str) -> bytes:
         k = self._key(key)
         expected, desired = _as_bytes(expected_value), _as_bytes(desired_value)
-        compare = Compare.absent(k) if expected == b"" else Compare.value(k, expected)
+        # A signature is a pure function of (key, value): the sealed expectation compares like the value.
+        compare = Compare.absent(k) if expected == b"" else Compare.value(k, self._seal(k, expected))
         while True:
-            result = self._txn("compare-and-set a key", [compare], [Put(k, desired)], [Get(k)])
+            result = self._txn("compare-and-set a key", [compare], [Put(k, self._seal(k, desired))], [Get(k)])
             if result.succeeded:
                 return desired
             kv = result.results[0]
@@ -188,17 +212,19 @@ class EtcdStore(dist.Store):
                 if expected == b"":
                     continue  # deleted between compare and read: try to create it again
                 return expected  # TCPStore: a missing key with a non-empty expectation returns the expectation
-            if expected == b"" and kv.value == b"":
+            current = self._open(kv)
+            if expected == b"" and current == b"":
                 compare = Compare.mod_revision(k, kv.mod_revision)  # exists with the empty value: that matches too
                 continue
-            return kv.value
+            return current
 
     def append(self, key: str, value: bytes | str) -> None:
         k, extra = self._key(key), _as_bytes(value)
         kv: KeyValue | None = None  # optimistic create, as in add()
         while True:
             compare = Compare.mod_revision(k, kv.mod_revision) if kv is not None else Compare.absent(k)
-            result = self._txn("append to a key", [compare], [Put(k, (kv.value if kv else b"") + extra)], [Get(k)])
+            current = self._open(kv) if kv is not None else b""
+            result = self._txn("append to a key", [compare], [Put(k, self._seal(k, current + extra))], [Get(k)])
             if result.succeeded:
                 return
             kv = result.results[0]
@@ -217,12 +243,12 @@ class EtcdStore(dist.Store):
     def multi_get(self, keys: list[str]) -> list[bytes]:
         wanted = [self._key(k) for k in keys]
         found = self._wait_for(wanted, None)
-        return [found[k].value for k in wanted]
+        return [self._open(found[k]) for k in wanted]
 
     def multi_set(self, keys: list[str], values: list[bytes | str]) -> None:
         if len(keys) != len(values):
             raise ValueError(f"multi_set got {len(keys)} keys but {len(values)} values; pass one value per key.")
-        puts = [Put(self._key(k), _as_bytes(v)) for k, v in zip(keys, values)]
+        puts = [Put(key, self._seal(key, _as_bytes(v))) for key, v in ((self._key(k), v) for k, v in zip(keys, values))]
         for start in range(0, len(puts), MAX_TXN_OPS):
             self._txn("set keys", (), puts[start:start + MAX_TXN_OPS])
 

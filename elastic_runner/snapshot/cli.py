@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import io
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -12,6 +12,7 @@ from typing import Any
 
 import yaml
 
+from ..fsmode import write_file_atomically
 from .format import load_snapshot, read_meta, read_verified_bytes
 from .loader import find_newest
 from .store import LocalStore, SnapshotError, SnapshotRef, open_store
@@ -100,9 +101,9 @@ def export(run_dir: str, out: str, name: str | None = None) -> dict[str, Any]:
     ref, meta, state = load_for_export(run_dir, name)
     target = Path(out)
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    torch.save(state["model"], tmp)
-    os.replace(tmp, target)
+    buffer = io.BytesIO()
+    torch.save(state["model"], buffer)
+    write_file_atomically(target, buffer.getvalue())
     return {"snapshot": ref.name, "step": ref.step, "out": str(target), "tensors": len(state["model"])}
 
 

@@ -14,12 +14,14 @@ import hashlib
 import io
 import json
 import os
+import stat
 import time
 from pathlib import Path
 from typing import Any, BinaryIO
 
 import torch
 
+from ..fsmode import open_file
 from .store import META, STATE, CorruptSnapshotError, SnapshotError, SnapshotUnavailableError
 
 FORMAT_VERSION = 1
@@ -53,7 +55,7 @@ def write_snapshot_files(directory: Path, state: dict[str, Any], meta: dict[str,
     state_path = directory / STATE
     writer: _HashingWriter | None = None
     try:
-        with open(state_path, "wb") as fh:
+        with open_file(state_path, "wb", exclusive=True) as fh:
             writer = _HashingWriter(fh)
             try:
                 torch.save(state, writer)
@@ -70,7 +72,7 @@ def write_snapshot_files(directory: Path, state: dict[str, Any], meta: dict[str,
             "written_at": time.time(),
         }
         tmp_meta = directory / (META + ".tmp")
-        with open(tmp_meta, "w") as fh:
+        with open_file(tmp_meta, "w", exclusive=True) as fh:
             json.dump(full_meta, fh, indent=1, sort_keys=True)
             fh.flush()
             os.fsync(fh.fileno())
@@ -84,33 +86,74 @@ def write_snapshot_files(directory: Path, state: dict[str, Any], meta: dict[str,
     return full_meta
 
 
+#: A meta.json larger than this is not one of ours (a real one is a few KB; its config at most).
+MAX_META_BYTES = 4 << 20
+
+#: The fields a snapshot's meta.json must hold, and their types (``int`` excludes ``bool``).
+_META_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "format": int, "sha256": str, "size_bytes": int, "step": int, "generation": int, "written_at": (int, float),
+}
+_OPTIONAL_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "fingerprint": dict, "run_uid": str, "config": dict, "world_history": list, "epoch": int, "consumed": int,
+    "world_size": int, "samples_total": int, "model_build": dict, "script": dict,
+}
+
+
 def read_meta(directory: Path) -> dict[str, Any]:
+    """``meta.json``, checked field by field: anything malformed is :class:`CorruptSnapshotError` (the
+    snapshot is moved aside with the reason), never an exception that would crash-loop the job."""
+    path = directory / META
     try:
-        meta = json.loads((directory / META).read_text())
+        size = path.stat().st_size
+        if size > MAX_META_BYTES:
+            raise CorruptSnapshotError(f"{directory.name}: {META} has {size} bytes, far more than any marker")
+        meta = json.loads(path.read_bytes())
     except FileNotFoundError as exc:
         raise CorruptSnapshotError(f"{directory.name}: no {META} (incomplete snapshot)") from exc
-    except ValueError as exc:
-        raise CorruptSnapshotError(f"{directory.name}: unreadable {META} ({exc})") from exc
+    except (ValueError, RecursionError) as exc:
+        raise CorruptSnapshotError(f"{directory.name}: unreadable {META} ({type(exc).__name__}: {str(exc)[:120]})") from exc
     except OSError as exc:
         raise SnapshotUnavailableError(f"{directory.name}: cannot read {META} ({exc.strerror}); is the filesystem healthy?") from exc
     if not isinstance(meta, dict) or "sha256" not in meta:
         raise CorruptSnapshotError(f"{directory.name}: {META} lacks its checksum")
-    if meta.get("format") != FORMAT_VERSION:
+    if meta.get("format") != FORMAT_VERSION and isinstance(meta.get("format"), int):
         raise SnapshotError(f"{directory.name}: format {meta.get('format')} is not supported (expected {FORMAT_VERSION}); "
                             "resume with the elastic_runner version that wrote it")
+    for fields, required in ((_META_FIELDS, True), (_OPTIONAL_FIELDS, False)):
+        for name, kind in fields.items():
+            if name not in meta and not required:
+                continue
+            value = meta.get(name)
+            if not isinstance(value, kind) or isinstance(value, bool) and kind is int:
+                raise CorruptSnapshotError(f"{directory.name}: {META} field '{name}' is {type(value).__name__} "
+                                           f"{str(value)[:40]!r}, not {getattr(kind, '__name__', kind)}")
+    if not (len(meta["sha256"]) == 64 and all(c in "0123456789abcdef" for c in meta["sha256"])):
+        raise CorruptSnapshotError(f"{directory.name}: {META} field 'sha256' is not a SHA-256 hex digest")
+    if meta["size_bytes"] < 0 or meta["step"] < 0 or meta["generation"] < 0:
+        raise CorruptSnapshotError(f"{directory.name}: {META} has a negative size, step or generation")
+    fingerprint = meta.get("fingerprint", {})
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in fingerprint.items()):
+        raise CorruptSnapshotError(f"{directory.name}: {META} field 'fingerprint' is not a mapping of strings")
     return meta
 
 
 def read_verified_bytes(directory: Path, meta: dict[str, Any], verify: bool = True) -> bytes:
+    """``state.pt``: its size checked against the marker before it is read, its SHA-256 after."""
     path = directory / STATE
     try:
-        data = path.read_bytes()
+        # One open file for the size check and the read: a file swapped in between cannot slip through.
+        with open(path, "rb", opener=lambda p, f: os.open(p, f | getattr(os, "O_NOFOLLOW", 0))) as fh:
+            info = os.fstat(fh.fileno())
+            if stat.S_ISREG(info.st_mode) and info.st_size != meta["size_bytes"]:
+                raise CorruptSnapshotError(f"{directory.name}: {STATE} has {info.st_size} bytes, the marker says "
+                                           f"{meta['size_bytes']} (truncated or replaced)")
+            data = fh.read(meta["size_bytes"] + 1)
     except FileNotFoundError as exc:
         raise CorruptSnapshotError(f"{directory.name}: {STATE} is missing") from exc
     except (OSError, MemoryError) as exc:
         raise SnapshotUnavailableError(f"{directory.name}: cannot read {STATE} ({exc}); is the filesystem healthy?") from exc
-    if len(data) != meta.get("size_bytes"):
-        raise CorruptSnapshotError(f"{directory.name}: {STATE} has {len(data)} bytes, the marker says {meta.get('size_bytes')} (truncated)")
+    if len(data) != meta["size_bytes"]:
+        raise CorruptSnapshotError(f"{directory.name}: {STATE} has {len(data)} bytes, the marker says {meta['size_bytes']} (truncated)")
     if verify:
         digest = hashlib.sha256(data).hexdigest()
         if digest != meta["sha256"]:

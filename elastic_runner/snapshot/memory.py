@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from ..fsmode import private_dir
 from .format import read_meta, read_verified_bytes
 from .store import LocalStore, SnapshotError, SnapshotRef
 from .writer import SnapshotWriter, require_ok
@@ -37,10 +38,16 @@ SHM_ROOT = "/dev/shm"
 
 
 def memory_root(snapshot_location: str, base: str | None = None) -> Path:
-    """Node-local directory for one run (keyed by its snapshot location)."""
+    """Node-local directory for one run (keyed by its snapshot location), inside this user's own
+    directory ``BASE/elastic-runner-<uid>`` (mode 0700, checked: not a symlink, not another user's,
+    closed to others), so that no other local user can read the copies, plant one, or swap the
+    run's directory for a link into real data. Raises ``fsmode.UnsafeDirectoryError`` otherwise."""
     base = base or os.environ.get("ELASTIC_RUNNER_SHM_DIR") or (SHM_ROOT if os.path.isdir(SHM_ROOT) else tempfile.gettempdir())
     key = hashlib.sha256(os.path.abspath(snapshot_location).encode()).hexdigest()[:16]
-    return Path(base) / "elastic-runner" / key
+    # A base named by ELASTIC_RUNNER_SHM_DIR may not exist yet; what is ours below it is checked.
+    Path(base).mkdir(mode=0o700, parents=True, exist_ok=True)
+    mine = private_dir(Path(base) / f"elastic-runner-{os.getuid()}")
+    return private_dir(mine / key)
 
 
 @dataclass(frozen=True)
@@ -113,7 +120,7 @@ class MemoryTier:
         deadline = time.monotonic() + wait_for_other
         while True:
             try:
-                fd = os.open(lock, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                fd = os.open(lock, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
                 break
             except FileExistsError:
                 # Another rank of this node writes it: wait, unless that rank died.

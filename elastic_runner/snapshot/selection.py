@@ -15,6 +15,7 @@ for a second copy.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any, Callable
 
@@ -22,7 +23,7 @@ import torch
 
 from .format import load_state_bytes, read_meta
 from .loader import Loaded, find_newest, load_exact
-from .memory import MemoryTier
+from .memory import MemoryCandidate, MemoryTier
 from .store import LocalStore, SnapshotError, SnapshotRef
 
 log = logging.getLogger(__name__)
@@ -36,7 +37,8 @@ def select_newest(dist: Any, store: LocalStore, *, fingerprint: dict[str, str], 
                   on_rejected: Callable[[SnapshotRef, str], None] | None = None) -> Loaded | None:
     """The newest state anywhere; every rank returns the same one (or None: start from scratch)."""
     local = memory.newest(dist.rank) if memory is not None else None
-    candidates = [c for c in dist.all_gather_object(local) if c is not None]
+    reported = dist.all_gather_object(dataclasses.asdict(local) if local is not None else None)
+    candidates = [MemoryCandidate(**c) for c in reported if c is not None]
 
     decision: tuple[str, Any, Any] | None = None
     loaded: Loaded | None = None
@@ -50,13 +52,14 @@ def select_newest(dist: Any, store: LocalStore, *, fingerprint: dict[str, str], 
         if best_memory is None or (newest_disk is not None and newest_disk > best_memory.ref):
             loaded = find_newest(store, map_location="cpu", verify=verify, on_rejected=on_rejected)
         if best_memory is not None and (loaded is None or best_memory.ref > loaded.ref):
-            decision, loaded = ("memory", best_memory.rank, best_memory.ref), None
+            decision, loaded = ("memory", best_memory.rank, [best_memory.generation, best_memory.step]), None
         elif loaded is not None:
-            decision = ("disk", 0, loaded.ref)
+            decision = ("disk", 0, [loaded.ref.generation, loaded.ref.step])
     decision = dist.broadcast_object(decision)
     if decision is None:
         return None
-    tier, holder, ref = decision
+    tier, holder, (generation, step) = decision
+    ref = SnapshotRef(generation=generation, step=step)
     if tier == "disk":
         if loaded is None:
             loaded = load_exact(store, ref, map_location="cpu", verify=verify)

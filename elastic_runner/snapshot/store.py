@@ -34,7 +34,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Protocol
 
-NAME_RE = re.compile(r"^step-(\d{9})-gen-(\d{6})$")
+from ..fsmode import dir_mode, makedirs, open_file, sharing
+
+NAME_RE = re.compile(r"step-([0-9]{9})-gen-([0-9]{6})", re.ASCII)
 META = "meta.json"
 STATE = "state.pt"
 
@@ -70,7 +72,7 @@ class SnapshotRef:
 
     @classmethod
     def parse(cls, name: str) -> "SnapshotRef | None":
-        m = NAME_RE.match(name)
+        m = NAME_RE.fullmatch(name)
         return cls(generation=int(m.group(2)), step=int(m.group(1))) if m else None
 
 
@@ -107,7 +109,7 @@ class LocalStore:
 
     def ensure(self) -> None:
         try:
-            self.generations.mkdir(parents=True, exist_ok=True)
+            makedirs(self.generations)
         except OSError as exc:
             raise SnapshotError(
                 f"cannot create the snapshot directory {self.root} ({exc.strerror}); "
@@ -117,6 +119,13 @@ class LocalStore:
             raise SnapshotError(
                 f"the snapshot directory {self.root} is not writable by this user (uid {os.getuid()}); "
                 "fix its permissions or choose another run.dir"
+            )
+        owner = os.lstat(self.root).st_uid
+        if sharing() == "private" and owner != os.getuid():
+            raise SnapshotError(
+                f"the snapshot directory {self.root} belongs to uid {owner}, not to this user (uid {os.getuid()}); "
+                "with snapshot.mode: private a run keeps its snapshots in a directory of its own. Choose another "
+                "run.dir, or set snapshot.mode: group for a volume a team shares"
             )
 
     # -- listing -------------------------------------------------------------------------
@@ -158,7 +167,8 @@ class LocalStore:
     def staging(self, ref: SnapshotRef) -> Path:
         path = self.root / f".tmp-{ref.name}-{socket.gethostname()}-{os.getpid()}-{time.monotonic_ns()}"
         try:
-            path.mkdir(parents=True)
+            path.mkdir(mode=dir_mode())
+            os.chmod(path, dir_mode())
         except OSError as exc:
             raise SnapshotError(f"cannot create {path} ({exc.strerror}); check that {self.root} is writable and has space") from exc
         return path
@@ -192,7 +202,8 @@ class LocalStore:
         target = self.root / f"corrupt-{ref.name}"
         try:
             os.rename(self.path(ref), target)
-            (target / "REASON").write_text(reason + "\n")
+            with open_file(target / "REASON", "w") as fh:
+                fh.write(reason + "\n")
         except OSError:
             pass  # another rank moved it first, or it is gone
 
@@ -200,7 +211,7 @@ class LocalStore:
         """Remove staging leftovers of writers from older generations (dead by now)."""
         removed = []
         for name in self.incomplete():
-            m = re.search(r"-gen-(\d{6})", name)
+            m = re.search(r"-gen-([0-9]{6})", name)
             if name.startswith(".tmp-") and m and int(m.group(1)) < older_than_generation:
                 shutil.rmtree(self.root / name, ignore_errors=True)
                 removed.append(name)
@@ -216,10 +227,10 @@ class LocalStore:
         copies apart from those of an earlier run that used the same path."""
         path = self.root / "run-id"
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            fh = open_file(path, "w", exclusive=True)
         except FileExistsError:
             return path.read_text().strip()
-        with os.fdopen(fd, "w") as fh:
+        with fh:
             fh.write(uuid.uuid4().hex)
             fh.flush()
             os.fsync(fh.fileno())
@@ -230,7 +241,7 @@ class LocalStore:
 
     def _claimed(self) -> list[int]:
         try:
-            return sorted(int(n) for n in os.listdir(self.generations) if n.isdigit())
+            return sorted(int(n) for n in os.listdir(self.generations) if n.isascii() and n.isdigit())
         except FileNotFoundError:
             return []
 
@@ -246,13 +257,13 @@ class LocalStore:
         while True:
             path = self.generations / f"{candidate:06d}"
             try:
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                fh = open_file(path, "w", exclusive=True)
             except FileExistsError:
                 candidate += 1
                 continue
             except OSError as exc:
                 raise SnapshotError(f"cannot claim a generation in {self.generations} ({exc.strerror}); check that the run directory is writable") from exc
-            with os.fdopen(fd, "w") as fh:
+            with fh:
                 fh.write(body)
                 fh.flush()
                 os.fsync(fh.fileno())

@@ -122,8 +122,17 @@ def tls_server(etcd_factory: Callable[..., EtcdServer], certs: Certs) -> EtcdSer
 
 
 @pytest.fixture
-def auth_server(etcd_factory: Callable[..., EtcdServer]) -> EtcdServer:
-    """etcd with authentication on; user ``root`` / password ``s3cret``."""
+def auth_server(etcd_factory: Callable[..., EtcdServer], certs: Certs) -> EtcdServer:
+    """etcd with authentication on, over https (passwords never go over http); user ``root`` / password
+    ``s3cret``. Clients need ``cacert=certs.ca``."""
+    server = etcd_factory(tls=ServerTLS(certs.server_cert, certs.server_key, certs.ca))
+    server.enable_auth("root", "s3cret")
+    return server
+
+
+@pytest.fixture
+def loopback_auth_server(etcd_factory: Callable[..., EtcdServer]) -> EtcdServer:
+    """etcd with authentication on plain http, on loopback: what ``insecure_loopback_auth=true`` is for."""
     server = etcd_factory()
     server.enable_auth("root", "s3cret")
     return server

@@ -92,23 +92,43 @@ def test_an_outage_longer_than_retry_timeout_is_a_connection_error(etcd_factory:
 # -- authentication ---------------------------------------------------------------------------------------
 
 
-def test_auth_with_the_right_password_works(auth_server: EtcdServer, tmp_path: Path) -> None:
-    (tmp_path / "pw").write_text("s3cret\n")
-    backend, store = create_backend(params(auth_server.endpoint, user="root", password_file=str(tmp_path / "pw")))
+def password_file(tmp_path: Path, password: str) -> str:
+    path = tmp_path / "pw"
+    path.write_text(password + "\n")
+    path.chmod(0o600)
+    return str(path)
+
+
+def test_auth_with_the_right_password_works_over_https(auth_server: EtcdServer, certs: Certs,
+                                                      tmp_path: Path) -> None:
+    backend, store = create_backend(params(auth_server.endpoint, user="root", cacert=certs.ca,
+                                           password_file=password_file(tmp_path, "s3cret")))
     assert backend.set_state(b"x")[2] is True
     assert store.add("n", 2) == 2
 
 
-def test_a_wrong_password_is_a_clear_connection_error(auth_server: EtcdServer) -> None:
+def test_a_wrong_password_is_a_clear_connection_error(auth_server: EtcdServer, certs: Certs,
+                                                      tmp_path: Path) -> None:
     started = time.monotonic()
     with pytest.raises(RendezvousConnectionError, match="rejected user 'root'.*password"):
-        create_backend(params(auth_server.endpoint, user="root", password="wrong"))
+        create_backend(params(auth_server.endpoint, user="root", cacert=certs.ca,
+                              password_file=password_file(tmp_path, "wrong")))
     assert time.monotonic() - started < 5, "not retried: a wrong password does not heal"
 
 
-def test_missing_credentials_say_that_etcd_requires_them(auth_server: EtcdServer) -> None:
+def test_missing_credentials_say_that_etcd_requires_them(auth_server: EtcdServer, certs: Certs) -> None:
     with pytest.raises(RendezvousConnectionError, match="requires authentication.*user=NAME"):
-        create_backend(params(auth_server.endpoint))
+        create_backend(params(auth_server.endpoint, cacert=certs.ca))
+
+
+def test_a_password_never_goes_over_plain_http_unless_to_a_loopback_test_etcd(
+        loopback_auth_server: EtcdServer, tmp_path: Path) -> None:
+    pw = password_file(tmp_path, "s3cret")
+    with pytest.raises(ValueError, match="plain http.*cacert.*insecure_loopback_auth=true"):
+        create_backend(params(loopback_auth_server.endpoint, user="root", password_file=pw))
+    backend, _ = create_backend(params(loopback_auth_server.endpoint, user="root", password_file=pw,
+                                       insecure_loopback_auth="true"))
+    assert backend.set_state(b"x")[2] is True
 
 
 # -- TLS ------------------------------------------------------------------------------------------------------

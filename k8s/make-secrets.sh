@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Create the three Secrets the manifests read, in namespace NAMESPACE (default: the current one):
+#   etcd-tls                    etcd's server and peer certificate (names etcd, etcd.NS.svc, *.etcd-peers...)
+#   elastic-runner-etcd-client  the training pods' client certificate (etcd accepts no client without one)
+#   elastic-runner-rdzv-key     the job's secret: every rendezvous state and store value is signed with it
+# all signed by a CA made here (its key is left in $OUT, default ./k8s-secrets, mode 0700: keep it or
+# delete it). Idempotent: existing Secrets are replaced, the CA and the job key are kept. cert-manager
+# users create the same Secrets with Certificates instead (k8s/README.md).
+#
+#   k8s/make-secrets.sh [NAMESPACE]               files in $OUT, then the Secrets (kubectl apply)
+#   k8s/make-secrets.sh --files-only [NAMESPACE]  only the files (an etcd outside Kubernetes, a review)
+set -euo pipefail
+FILES_ONLY=false
+if [ "${1:-}" = "--files-only" ]; then FILES_ONLY=true; shift; fi
+case "${1:-}" in -*) echo "usage: $0 [--files-only] [NAMESPACE]" >&2; exit 2;; esac
+NS=${1:-$(kubectl config view --minify -o jsonpath='{..namespace}' 2>/dev/null || true)}
+NS=${NS:-default}
+OUT=${OUT:-./k8s-secrets}
+DAYS=${DAYS:-825}
+umask 077
+mkdir -p "$OUT"
+cd "$OUT"
+
+if [ ! -f ca.key ]; then
+  openssl req -x509 -newkey rsa:3072 -nodes -days "$DAYS" -subj "/CN=elastic-runner-etcd-ca" \
+    -keyout ca.key -out ca.crt
+fi
+
+sign() {  # sign NAME SUBJECT EXTFILE
+  openssl req -newkey rsa:3072 -nodes -subj "/CN=$2" -keyout "$1.key" -out "$1.csr"
+  openssl x509 -req -in "$1.csr" -CA ca.crt -CAkey ca.key -CAcreateserial -days "$DAYS" -extfile "$3" -out "$1.crt"
+  rm -f "$1.csr"
+}
+
+cat > server.ext <<EXT
+subjectAltName=DNS:etcd,DNS:etcd.$NS,DNS:etcd.$NS.svc,DNS:etcd.$NS.svc.cluster.local,DNS:*.etcd-peers,DNS:*.etcd-peers.$NS.svc,DNS:*.etcd-peers.$NS.svc.cluster.local,DNS:localhost,IP:127.0.0.1
+extendedKeyUsage=serverAuth,clientAuth
+EXT
+cat > client.ext <<EXT
+extendedKeyUsage=clientAuth
+EXT
+sign server etcd server.ext
+sign client elastic-runner client.ext
+[ -f rdzv.key ] || openssl rand -hex 32 > rdzv.key
+
+if $FILES_ONLY; then
+  echo "Certificates and the job key are in $OUT (namespace $NS in the server's names)."
+  exit 0
+fi
+apply() { kubectl -n "$NS" create secret generic "$@" --dry-run=client -o yaml | kubectl -n "$NS" apply -f -; }
+apply etcd-tls --from-file=ca.crt=ca.crt --from-file=tls.crt=server.crt --from-file=tls.key=server.key
+apply elastic-runner-etcd-client --from-file=ca.crt=ca.crt --from-file=tls.crt=client.crt --from-file=tls.key=client.key
+apply elastic-runner-rdzv-key --from-file=key=rdzv.key
+echo "Secrets etcd-tls, elastic-runner-etcd-client, elastic-runner-rdzv-key are in namespace $NS (CA in $OUT)."

@@ -1,0 +1,152 @@
+"""What a job trusts in etcd, with real torchrun agents: a value planted by someone who can write etcd
+runs nothing, and the etcd password reaches neither the workers' environment, the logs nor the run
+directory (README, "Trust")."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import stat
+import subprocess
+import sys
+from pathlib import Path
+from typing import Callable
+
+import pytest
+from torch.distributed.elastic.rendezvous import RendezvousConnectionError
+
+from elastic_runner.rendezvous.backend import create_backend, encode_state
+from elastic_runner.rendezvous.kv import Put
+from elastic_runner.rendezvous.seal import Sealer
+from elastic_runner.testing.etcd_server import EtcdServer, ServerTLS
+from elastic_runner.testing.localjob import LocalJob
+
+from ..conftest import ROOT
+from ..support import run_bounded, wait_for_step
+from ..unit.test_etcd_fake import params
+from .conftest import Certs, gateway_client
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(180)]
+
+
+class _RunsCode:
+    """A pickle that runs a command when it is loaded: what a writer of etcd could plant for torch's handler,
+    which unpickles the rendezvous state it reads."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return os.system, (f"touch {self.marker}",)
+
+
+def plant(server: EtcdServer, key: str, value: bytes) -> None:
+    admin = gateway_client(server)
+    try:
+        admin.txn((), [Put(key.encode(), value)])
+    finally:
+        admin.close()
+
+
+def secret_file(path: Path, text: str) -> str:
+    path.write_text(text + "\n")
+    path.chmod(0o600)
+    return str(path)
+
+
+def torchrun(endpoint: str, run_id: str, conf: str, config: Path, run_dir: Path) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc_per_node=1",
+            "--rdzv_backend=etcd-v3", f"--rdzv_endpoint={endpoint}", f"--rdzv_id={run_id}",
+            f"--rdzv_conf=last_call_timeout=1,connect_timeout=10,{conf}".rstrip(","),
+            "-m", "elastic_runner.train", "--config", str(config), "--set", f"run.dir={run_dir}"]
+
+
+@pytest.mark.parametrize("with_job_key", [False, True], ids=["no-job-key", "job-key"])
+def test_a_planted_rendezvous_state_runs_nothing_and_the_agent_stops_with_a_sentence(
+        etcd_server: EtcdServer, small_config: Path, tmp_path: Path, with_job_key: bool) -> None:
+    run_id = f"planted-{int(with_job_key)}"
+    key = f"/trust/{run_id}/state"
+    marker = tmp_path / "pwned"
+    # Well framed (the CRC matches): only the content gives it away.
+    plant(etcd_server, key, encode_state(pickle.dumps(_RunsCode(marker)), key=key))
+    conf = "key_prefix=/trust"
+    if with_job_key:
+        conf += ",auth_key_file=" + secret_file(tmp_path / "job.key", "k" * 64)
+    result = run_bounded(torchrun(etcd_server.endpoint, run_id, conf, small_config, tmp_path / "run"), timeout=90)
+
+    assert result.returncode != 0, result.stdout[-3000:]
+    assert not marker.exists(), "the planted pickle ran"
+    assert f"etcd key '{key}'" in result.stdout and "etcdctl del" in result.stdout, result.stdout[-3000:]
+    expected = "is not signed, but this agent requires" if with_job_key else "is refused unread"
+    assert expected in result.stdout, result.stdout[-3000:]
+    assert not (tmp_path / "run").exists(), "no worker started"
+
+
+def test_a_state_signed_with_another_jobs_key_is_refused(etcd_server: EtcdServer, small_config: Path,
+                                                        tmp_path: Path) -> None:
+    """Harmless content, but not this job's: whoever holds a different key (another job sharing the etcd)
+    cannot steer this one."""
+    run_id, key = "other-key", "/trust/other-key/state"
+    plant(etcd_server, key, encode_state(pickle.dumps(None), Sealer(b"o" * 64), key=key))
+    conf = "key_prefix=/trust,auth_key_file=" + secret_file(tmp_path / "job.key", "k" * 64)
+    result = run_bounded(torchrun(etcd_server.endpoint, run_id, conf, small_config, tmp_path / "run"), timeout=90)
+    assert result.returncode != 0, result.stdout[-3000:]
+    assert "does not carry a valid signature of the job's key" in result.stdout, result.stdout[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", ["torchrun", "elastic-runner"])
+def test_the_etcd_password_reaches_no_worker_environment_log_or_file(
+        etcd_factory: Callable[..., EtcdServer], certs: Certs, small_config: Path,
+        local_job: Callable[..., LocalJob], tmp_path: Path, launcher: str) -> None:
+    """elastic-runner launch hands its settings to the workers through the environment; torchrun logs them."""
+    password = "pw-" + os.urandom(12).hex()  # unique: found anywhere, it came from this run
+    auth_server = etcd_factory(tls=ServerTLS(certs.server_cert, certs.server_key, certs.ca))
+    auth_server.enable_auth("root", password)
+    job_key = secret_file(tmp_path / "job.key", os.urandom(32).hex())
+    conf = (f"{LocalJob.rdzv_conf},user=root,cacert={certs.ca},"
+            f"password_file={secret_file(tmp_path / 'pw', password)},auth_key_file={job_key}")
+    job = local_job(config=str(small_config), nnodes="1:2", rdzv_backend="etcd-v3",
+                    rdzv_endpoint=auth_server.endpoint, rdzv_conf=conf, log_dir=str(tmp_path / "logs"), launcher=launcher,
+                    overrides=["train.max_steps=40", "data.sampler=tests.broken_components:PacedSampler"])
+    run_dir = Path(job.run_dir)
+    job.start_agent()
+    wait_for_step(run_dir, 3, timeout=90, job=job)
+    environments = []
+    for worker in job.workers():
+        environments.append(Path(f"/proc/{worker.pid}/environ").read_bytes())
+    assert environments, "no worker to look at"
+    assert job.wait(timeout=120) == [0], job.logs_tail()
+
+    secret = password.encode()
+    for env in environments:
+        assert secret not in env, "the password is in a worker's environment"
+        assert b"PET_RDZV_CONF" not in env or b"password=" not in env
+    written = [p for d in (run_dir, tmp_path / "logs") for p in d.rglob("*") if p.is_file()]
+    assert written
+    for path in written:
+        assert secret not in path.read_bytes(), f"the password is in {path}"
+        assert open(job_key).read().strip().encode() not in path.read_bytes(), f"the job key is in {path}"
+
+
+def test_make_secrets_gives_an_etcd_and_clients_that_accept_each_other_and_nobody_else(
+        etcd_factory: Callable[..., EtcdServer], tmp_path: Path) -> None:
+    """k8s/make-secrets.sh's files, used as the manifests use them: etcd serves with the server certificate
+    and demands client certificates; the training pods' certificate and job key work."""
+    out = tmp_path / "secrets"
+    result = subprocess.run([str(ROOT / "k8s" / "make-secrets.sh"), "--files-only", "test-ns"],
+                            env=os.environ | {"OUT": str(out)}, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert stat.S_IMODE(out.stat().st_mode) == 0o700
+    for private in ("ca.key", "server.key", "client.key", "rdzv.key"):
+        assert stat.S_IMODE((out / private).stat().st_mode) == 0o600, private
+    server = etcd_factory(tls=ServerTLS(str(out / "server.crt"), str(out / "server.key"), str(out / "ca.crt"),
+                                        client_cert_auth=True, client_cert=str(out / "client.crt"),
+                                        client_key=str(out / "client.key")))
+    tls = {"cacert": str(out / "ca.crt"), "cert": str(out / "client.crt"), "key": str(out / "client.key")}
+    backend, store = create_backend(params(server.endpoint, "secrets", auth_key_file=str(out / "rdzv.key"), **tls))
+    assert backend.set_state(b"x")[2] is True
+    store.set("k", "v")
+    assert store.get("k") == b"v"
+    with pytest.raises(RendezvousConnectionError, match="certificate"):
+        create_backend(params(server.endpoint, "secrets", cacert=str(out / "ca.crt"), connect_timeout="3"))
