@@ -425,3 +425,64 @@ def exported_metric_names() -> frozenset[str]:
 
 def metric_names_in(expr: str) -> set[str]:
     return set(re.findall(r"\b(elastic_runner_[A-Za-z0-9_]+)\b", expr))
+
+
+# -- network policies --------------------------------------------------------------------------
+
+
+def _selects(selector: Mapping[str, Any] | None, labels: Mapping[str, str]) -> bool:
+    """A Kubernetes label selector (matchLabels and matchExpressions) applied to ``labels``."""
+    if selector is None:
+        return False
+    unknown = set(selector) - {"matchLabels", "matchExpressions"}
+    if unknown:
+        raise ValueError(f"selector fields {sorted(unknown)} are not modelled here: {selector}")
+    if not selector.get("matchLabels", {}).items() <= labels.items():
+        return False
+    for expr in selector.get("matchExpressions", []):
+        key, op, values = expr["key"], expr["operator"], expr.get("values", [])
+        ok = {"In": key in labels and labels[key] in values, "NotIn": labels.get(key) not in values,
+              "Exists": key in labels, "DoesNotExist": key not in labels}[op]
+        if not ok:
+            return False
+    return True
+
+
+@dataclass
+class Peer:
+    """A pod that opens a connection: its labels, and whether it runs in the job's namespace."""
+
+    labels: dict[str, str]
+    same_namespace: bool = True
+
+
+def ingress_admits(docs: list[dict[str, Any]], target_labels: Mapping[str, str], target_ports: Mapping[str, int],
+                   source: Peer, port: int) -> bool:
+    """Whether the rendered NetworkPolicies let ``source`` reach a pod labelled ``target_labels`` on ``port``
+    (Kubernetes semantics: a pod no Ingress policy selects admits everything; otherwise the union of the
+    rules of every policy that selects it)."""
+    policies = [p for p in by_kind(docs, "NetworkPolicy")
+                if "Ingress" in p["spec"].get("policyTypes", ["Ingress"])
+                and _selects(p["spec"]["podSelector"], target_labels)]
+    if not policies:
+        return True
+    for policy in policies:
+        for rule in policy["spec"].get("ingress", []):
+            ports = rule.get("ports")
+            if ports is not None and not any(
+                    target_ports.get(p["port"], p["port"]) == port if isinstance(p["port"], str) else p["port"] == port
+                    for p in ports):
+                continue
+            peers = rule.get("from")
+            if peers is None or peers == []:
+                return True
+            for peer in peers:
+                if "ipBlock" in peer:
+                    continue  # pod traffic is judged by selectors here
+                namespace_ok = ("namespaceSelector" in peer) or source.same_namespace
+                if "namespaceSelector" in peer and peer["namespaceSelector"] != {}:
+                    raise ValueError(f"{describe(policy)}: a namespaceSelector with labels is not modelled here")
+                pod_ok = "podSelector" not in peer or _selects(peer["podSelector"], source.labels)
+                if namespace_ok and pod_ok:
+                    return True
+    return False

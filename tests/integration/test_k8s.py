@@ -44,6 +44,8 @@ from .k8s_support import (
     exported_metric_names,
     find_kubectl,
     find_promtool,
+    ingress_admits,
+    Peer,
     metric_names_in,
     one,
     render,
@@ -364,6 +366,63 @@ def test_the_rendezvous_endpoint_is_the_etcd_service(overlay: tuple[str, list[di
         assert etcd["spec"]["podManagementPolicy"] == "Parallel", "members of a new cluster must start together"
         pdb = one(docs, "PodDisruptionBudget", "etcd")
         assert pdb["spec"]["minAvailable"] == len(members) // 2 + 1, "drains must keep the quorum"
+
+
+def test_only_the_jobs_own_pods_reach_the_training_pods(overlay: tuple[str, list[dict[str, Any]]]) -> None:
+    """torch's TCPStores (rendezvous, MASTER_PORT) and gloo/NCCL take unauthenticated connections on every
+    interface: the NetworkPolicy is what keeps the rest of the cluster out."""
+    name, docs = overlay
+    stranger = Peer({"app": "some-other-workload"})
+    prometheus = Peer({"app.kubernetes.io/name": "prometheus"}, same_namespace=False)
+    for pod in pods_of(docs):
+        labels = pod.template["metadata"]["labels"]
+        ports = {p["name"]: p["containerPort"] for p in pod.container().get("ports", [])}
+        for any_port in (29500, 29400, 41234):  # the stores' and process group's ports are picked at run time
+            assert ingress_admits(docs, labels, ports, Peer(dict(labels)), any_port), f"{name}: peers cut off"
+            assert not ingress_admits(docs, labels, ports, stranger, any_port), f"{name}: a stranger reaches {any_port}"
+            assert not ingress_admits(docs, labels, ports, prometheus, any_port), f"{name}: Prometheus reaches {any_port}"
+        for metrics in ("metrics", "agent-metrics"):
+            assert ingress_admits(docs, labels, ports, prometheus, port(pod, metrics)), f"{name}: {metrics} not scraped"
+            assert not ingress_admits(docs, labels, ports, stranger, port(pod, metrics))
+
+
+def test_etcd_takes_clients_only_from_the_training_pods_and_peers_only_from_its_members(
+        overlay: tuple[str, list[dict[str, Any]]]) -> None:
+    name, docs = overlay
+    etcd = one(docs, "StatefulSet", "etcd")
+    labels = etcd["spec"]["template"]["metadata"]["labels"]
+    ports = {p["name"]: p["containerPort"] for p in etcd["spec"]["template"]["spec"]["containers"][0]["ports"]}
+    workers = [Peer(dict(p.template["metadata"]["labels"])) for p in pods_of(docs)]
+    member, stranger = Peer(dict(labels)), Peer({"app": "some-other-workload"})
+    for worker in workers:
+        assert ingress_admits(docs, labels, ports, worker, ports["client"]), f"{name}: workers cannot reach etcd"
+        assert not ingress_admits(docs, labels, ports, worker, ports["peer"]), f"{name}: a worker reaches the peer port"
+    assert not ingress_admits(docs, labels, ports, stranger, ports["client"]), f"{name}: anyone reaches etcd's keys"
+    assert not ingress_admits(docs, labels, ports, stranger, ports["peer"])
+    assert ingress_admits(docs, labels, ports, member, ports["peer"]), f"{name}: members cannot form a cluster"
+    assert ingress_admits(docs, labels, ports, stranger, ports["metrics"]), f"{name}: probes and scrapes refused"
+
+
+def test_the_rendezvous_is_authenticated_end_to_end(overlay: tuple[str, list[dict[str, Any]]]) -> None:
+    """etcd demands client certificates over TLS; every pod signs rendezvous values with the job's key; both
+    come from Secrets mounted read-only (never from variables, which end up in logs and `kubectl describe`)."""
+    name, docs = overlay
+    etcd = one(docs, "StatefulSet", "etcd")
+    etcd_env = {v["name"]: v.get("value") for v in etcd["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert etcd_env["ETCD_CLIENT_CERT_AUTH"] == "true" and etcd_env["ETCD_TRUSTED_CA_FILE"], f"{name}: etcd without TLS"
+    assert all(u.startswith("https://") for u in etcd_env["ETCD_ADVERTISE_CLIENT_URLS"].split(","))
+    for pod in pods_of(docs):
+        env = resolve_env(pod, docs)
+        conf = dict(item.split("=", 1) for item in env["PET_RDZV_CONF"].split(","))
+        assert "password" not in conf, f"{name}: a password in the command line"
+        for key, secret in (("cacert", "elastic-runner-etcd-client"), ("cert", "elastic-runner-etcd-client"),
+                            ("key", "elastic-runner-etcd-client"), ("auth_key_file", "elastic-runner-rdzv-key")):
+            path = Path(conf[key])
+            mounted = [v for v in pod.spec["volumes"] if v.get("secret", {}).get("secretName") == secret]
+            assert mounted, f"{name}: Secret {secret} is not mounted"
+            assert mounted[0]["secret"]["defaultMode"] & 0o007 == 0, f"{name}: {secret} readable by every user"
+            assert str(path.parent) == mount_path(pod, mounted[0]["name"]), f"{name}: {key}={path} is not in {secret}"
+        assert not any("secretKeyRef" in str(v) for v in pod.container().get("env", [])), f"{name}: a secret in env"
 
 
 def test_the_run_directory_is_one_shared_volume(overlay: tuple[str, list[dict[str, Any]]]) -> None:
