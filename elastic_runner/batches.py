@@ -24,6 +24,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, default_collate
 
 from .config import ConfigError
+from .lifecycle import LoaderWorkersDieWithTrainer
 from .tasks import describe
 
 Collate = Callable[[list[Any]], Any]
@@ -235,7 +236,7 @@ class LoaderSource:
         loader = DataLoader(
             self.dataset, batch_sampler=_Once(index_lists), num_workers=self.num_workers, collate_fn=self.collate,
             pin_memory=self.device.type == "cuda", generator=generator, persistent_workers=False,
-            worker_init_fn=self.worker_init,
+            worker_init_fn=LoaderWorkersDieWithTrainer(self.worker_init),
         )
         for batch in loader:
             if isinstance(batch, BadBatch):

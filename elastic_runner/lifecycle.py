@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 import time
+from typing import Callable
 from types import FrameType
 
 log = logging.getLogger(__name__)
@@ -137,11 +138,34 @@ def die_with_parent() -> None:
     loss, OOM killer) leaves its workers running as orphans that hold ports,
     memory and GPU; this makes them follow their agent.
     """
+    follow_parent(os.getppid())
+
+
+def follow_parent(parent: int) -> None:
+    """SIGKILL this process when ``parent`` (its parent's pid, read before the call or handed down by
+    the parent itself) dies, including when it already has: re-parented to init or a subreaper."""
     if not _prctl(PR_SET_PDEATHSIG, signal.SIGKILL):
         log.debug("parent-death signal unavailable (errno %d)", ctypes.get_errno())
-    elif os.getppid() == 1:
-        # The agent died before we asked: follow it now.
+    elif os.getppid() != parent or os.getppid() == 1:
+        # The parent died before we asked: follow it now.
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+class LoaderWorkersDieWithTrainer:
+    """``worker_init_fn`` for DataLoader workers: they end with the training process that forked them.
+
+    torch's loader workers notice a dead parent only at their next poll (seconds), and, forked after
+    the process group was created, hold copies of its sockets meanwhile, so the peers do not see the
+    failure. Wraps the user's own ``worker_init_fn`` (called after)."""
+
+    def __init__(self, then: Callable[[int], None] | None = None) -> None:
+        self.trainer = os.getpid()
+        self.then = then
+
+    def __call__(self, worker_id: int) -> None:
+        follow_parent(self.trainer)
+        if self.then is not None:
+            self.then(worker_id)
 
 
 def name_process(rank: int, local_rank: int) -> None:

@@ -9,8 +9,9 @@ server is started in the background as soon as the launcher starts, so it
 warms up while the agent imports torch and joins the rendezvous.
 
 Workers are then children of the zygote, not of the agent. They still die
-with their agent: the zygote exits when the agent's end of its pipe closes,
-and each worker asks for SIGKILL on its parent's death
+with their agent: the zygote exits when the agent's end of its "alive" pipe
+closes (each worker closes the copy the forkserver hands it), and each worker
+asks for SIGKILL on its parent's death
 (:func:`elastic_runner.lifecycle.die_with_parent`).
 """
 
@@ -64,6 +65,14 @@ def worker_main(*argv: str) -> None:
     # A child of the forkserver inherits its start method: every DataLoader iteration would start a
     # forkserver of its own (1.6 s, measured) instead of forking its workers as a plain worker does.
     multiprocessing.set_start_method("fork", force=True)
+    # The forkserver hands every child its "alive" pipe (for children that use the forkserver in
+    # turn) and exits only once every copy of it is closed. Kept, it would keep the zygote alive
+    # after its agent died, and the zygote is the parent whose death kills this worker: both would
+    # train on as orphans. Closed, the agent's death ends the zygote and the zygote's this worker.
+    alive = getattr(forkserver._forkserver, "_forkserver_alive_fd", None)
+    if alive is not None:
+        os.close(alive)
+        forkserver._forkserver._forkserver_alive_fd = None
     from elastic_runner import lifecycle
     from elastic_runner.train import main
 
