@@ -24,12 +24,9 @@ import logging
 import os
 import signal
 import sys
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Sequence
 
 from .lifecycle import EXIT_FINAL
-
-if TYPE_CHECKING:
-    from .events import EventLog
 
 log = logging.getLogger(__name__)
 
@@ -78,17 +75,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .agent import zygote
 
         zygote.start_warming()
-    _log_to_stderr()
+    from .agent.adopt import log_to_stderr
+
+    log_to_stderr()
     args = apply_defaults(argv)
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher import api as launcher_api
     from torch.distributed.run import config_from_args
 
-    from .agent import fast_rendezvous, zygote
-    from .agent.agent import ElasticRunnerAgent
-    from .agent.metrics import AgentMetrics, install_bridge
-    from .torch_patches import AGENT_CORRECTIONS, PROCESS_GROUP_ABORT, usable
+    from .agent.adopt import adopt
 
     # The same preamble as torch.distributed.run.run().
     import uuid
@@ -103,22 +99,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.master_port is None:
         args.master_port = 29500
     config, cmd, cmd_args = config_from_args(args)
-    entrypoint: Any = cmd
-    worker_args: list[Any] = list(cmd_args)
-    runs_our_worker = zygote.is_worker_command(args.module, args.training_script)
-    if zygote_wanted and runs_our_worker and not args.no_python:
-        entrypoint, worker_args = zygote.worker_main, list(args.training_script_args)
-        config.start_method = "forkserver"
-    fast_rendezvous.install()
-    agent_metrics = AgentMetrics(_agent_events(args) if runs_our_worker else None)
-    agent_metrics.serve()
-    install_bridge(agent_metrics)
-    if usable(AGENT_CORRECTIONS, log):
-        ElasticRunnerAgent.default_observers = [agent_metrics.observe]
-        # torch's launch_agent builds a LocalElasticAgent; ours adds the corrections
-        # documented in elastic_runner.agent.agent. Only this process is affected.
-        launcher_api.LocalElasticAgent = ElasticRunnerAgent
-    usable(PROCESS_GROUP_ABORT, log)
+    entrypoint, worker_args = adopt(launcher_api, config, cmd, cmd_args, zygote_wanted)
     try:
         launcher_api.elastic_launch(config=config, entrypoint=entrypoint)(*worker_args)
     except ChildFailedError as exc:
@@ -132,43 +113,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         log.warning("stopped by %s", signal.Signals(exc.sigval).name)
         return 128 + int(exc.sigval)
     return 0
-
-
-def _log_to_stderr() -> None:
-    """Our agent-side messages next to torchrun's (it only configures its own loggers)."""
-    logger = logging.getLogger("elastic_runner")
-    if not logger.handlers:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(asctime)s [agent] %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
-        logger.addHandler(handler)
-        logger.setLevel(os.environ.get("ELASTIC_RUNNER_AGENT_LOGLEVEL", "INFO"))
-        logger.propagate = False
-
-
-def _agent_events(args: Any) -> EventLog | None:
-    """The agent's own event log in the worker's run directory (if its config loads)."""
-    import socket
-
-    from .config import ConfigError, load_config
-    from .events import EventLog
-
-    rest = list(args.training_script_args)
-    config_path, overrides = None, []
-    for i, item in enumerate(rest):
-        if item in ("--config", "-c") and i + 1 < len(rest):
-            config_path = rest[i + 1]
-        elif item.startswith("--config="):
-            config_path = item.split("=", 1)[1]
-        elif item == "--set" and i + 1 < len(rest):
-            overrides.append(rest[i + 1])
-    if config_path is None:
-        return None
-    try:
-        cfg = load_config(config_path, overrides)
-        return EventLog(cfg.run.dir, f"agent-{socket.gethostname()}-{os.getpid()}", role="agent")
-    except (ConfigError, OSError) as exc:
-        log.debug("no agent event log: %s", exc)
-        return None
 
 
 def _flag_value(argv: list[str], name: str) -> str | None:

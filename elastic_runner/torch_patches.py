@@ -76,6 +76,8 @@ class Need:
             missing = [p for p in self.params if p not in accepted]
             if missing:
                 return f"{self.symbol} no longer takes {', '.join(missing)} (now {tuple(accepted)})"
+        # Judge torch's own function, not a wrapper of ours around it (elastic_runner.agent.torchrun_hook).
+        target = inspect.unwrap(target) if callable(target) else target
         if self.refers_to and self.refers_to not in getattr(getattr(target, "__code__", None), "co_names", ()):
             return f"{self.symbol} no longer looks up {self.refers_to} at call time"
         return None

@@ -30,6 +30,17 @@ def create_handler(params: "RendezvousParameters") -> "RendezvousHandler":
 def handler_factory() -> Callable[["RendezvousParameters"], "RendezvousHandler"]:
     """The ``torchrun.handlers`` entry point: returns the factory ``(RendezvousParameters) -> handler``.
 
-    Always the same function object, so registering it twice in one process is harmless.
+    Always the same function object, so registering it twice in one process is harmless. Also the
+    moment a plain torchrun agent that runs elastic_runner's worker is set up like ``elastic-runner
+    launch``'s (:mod:`elastic_runner.agent.torchrun_hook`; nothing changes for other programs).
     """
+    from ..agent import torchrun_hook
+
+    try:
+        torchrun_hook.install()
+    except Exception:  # noqa: BLE001 - torch would log this as a failed plugin: keep the handler
+        import logging
+
+        logging.getLogger(__name__).warning("elastic_runner could not set up this torchrun agent; it runs as "
+                                            "plain torchrun", exc_info=True)
     return create_handler

@@ -1,0 +1,98 @@
+"""Make a torchrun agent ours: the same set-up for ``elastic-runner launch`` and for a plain
+``torchrun -m elastic_runner.train``.
+
+Applied to the agent process just before torch's ``launch_agent`` builds its agent:
+
+- **Zygote workers** (:mod:`elastic_runner.agent.zygote`) when the program is ``-m elastic_runner.train``:
+  the entrypoint becomes a function forked from a pre-imported server instead of a new interpreter.
+- **Faster rounds** (:mod:`elastic_runner.agent.fast_rendezvous`) and **our agent**
+  (:class:`elastic_runner.agent.agent.ElasticRunnerAgent`), each only where its canary says the torch
+  internals it relies on are still there (:mod:`elastic_runner.torch_patches`).
+- **Agent metrics** on ``ELASTIC_RUNNER_AGENT_METRICS_PORT`` and the agent's event log.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import Any, Sequence
+
+log = logging.getLogger(__name__)
+
+WORKER_MODULE = "elastic_runner.train"
+
+
+def worker_program(entrypoint: Any, args: Sequence[Any]) -> list[str] | None:
+    """The worker's own arguments when torch would start ``python [-u] -m elastic_runner.train ARGS``."""
+    if entrypoint != sys.executable:
+        return None
+    items = [str(a) for a in args]
+    while items and items[0] == "-u":
+        items = items[1:]
+    if items[:2] == ["-m", WORKER_MODULE]:
+        return items[2:]
+    return None
+
+
+def log_to_stderr() -> None:
+    """Our agent-side messages next to torchrun's (it only configures its own loggers)."""
+    logger = logging.getLogger("elastic_runner")
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s [agent] %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
+        logger.addHandler(handler)
+        logger.setLevel(os.environ.get("ELASTIC_RUNNER_AGENT_LOGLEVEL", "INFO"))
+        logger.propagate = False
+
+
+def adopt(launcher_api: Any, config: Any, entrypoint: Any, args: Sequence[Any],
+          zygote_wanted: bool) -> tuple[Any, list[Any]]:
+    """Set up this agent process; returns the (entrypoint, args) to hand to torch's ``launch_agent``."""
+    from ..torch_patches import AGENT_CORRECTIONS, PROCESS_GROUP_ABORT, usable
+    from . import fast_rendezvous, zygote
+    from .agent import ElasticRunnerAgent
+    from .metrics import AgentMetrics, install_bridge
+
+    worker_args = worker_program(entrypoint, args)
+    if zygote_wanted and worker_args is not None:
+        zygote.start_warming()  # idempotent: launch starts it before importing torch
+        entrypoint, args = zygote.worker_main, worker_args
+        config.start_method = "forkserver"
+    fast_rendezvous.install()
+    agent_metrics = AgentMetrics(agent_events(worker_args) if worker_args is not None else None)
+    agent_metrics.serve()
+    install_bridge(agent_metrics)
+    if usable(AGENT_CORRECTIONS, log):
+        ElasticRunnerAgent.default_observers = [agent_metrics.observe]
+        # torch's launch_agent builds a LocalElasticAgent; ours adds the corrections
+        # documented in elastic_runner.agent.agent. Only this process is affected.
+        launcher_api.LocalElasticAgent = ElasticRunnerAgent
+    usable(PROCESS_GROUP_ABORT, log)
+    return entrypoint, list(args)
+
+
+def agent_events(worker_args: Sequence[str]) -> Any:
+    """The agent's own event log in the worker's run directory (if its config loads)."""
+    import socket
+
+    from ..config import ConfigError, load_config
+    from ..events import EventLog
+
+    rest = list(worker_args)
+    config_path, overrides = None, []
+    for i, item in enumerate(rest):
+        if item in ("--config", "-c") and i + 1 < len(rest):
+            config_path = rest[i + 1]
+        elif item.startswith("--config="):
+            config_path = item.split("=", 1)[1]
+        elif item == "--set" and i + 1 < len(rest):
+            overrides.append(rest[i + 1])
+    if config_path is None:
+        return None
+    try:
+        cfg = load_config(config_path, overrides)
+        return EventLog(cfg.run.dir, f"agent-{socket.gethostname()}-{os.getpid()}", role="agent")
+    except (ConfigError, OSError) as exc:
+        log.debug("no agent event log: %s", exc)
+        return None
