@@ -69,6 +69,8 @@ def prepare_run_dir(cfg: Config, env: WorkerEnv, dist: Dist) -> tuple[LocalStore
     outcome: tuple[str, Any, str] = ("ok", 0, "")
     if dist.rank == 0:
         try:
+            if os.path.exists(cfg.run.dir) and not os.path.isdir(cfg.run.dir):
+                raise NotADirectoryError(errno.ENOTDIR, "it exists and is not a directory")
             makedirs(cfg.run.dir)
             if not os.access(cfg.run.dir, os.W_OK | os.X_OK):
                 raise PermissionError(errno.EACCES, f"not writable by uid {os.getuid()}")
@@ -82,8 +84,9 @@ def prepare_run_dir(cfg: Config, env: WorkerEnv, dist: Dist) -> tuple[LocalStore
         except (OSError, SnapshotError) as exc:
             cause = exc if isinstance(exc, OSError) else exc.__cause__
             permanent = not isinstance(cause, OSError) or cause.errno in _PERMANENT_ERRNOS
-            message = (f"cannot prepare run.dir {cfg.run.dir!r}: {exc}" + ("; fix its permissions or choose "
-                       "another run.dir" if permanent else "; retrying with the next attempt"))
+            fix = ("; choose another run.dir (or remove that file)" if isinstance(cause, NotADirectoryError) else
+                   "; fix its permissions or choose another run.dir" if permanent else "; retrying with the next attempt")
+            message = f"cannot prepare run.dir {cfg.run.dir!r}: {exc}{fix}"
             outcome = ("usage" if permanent else "retry", message, "")
     status, value, run_uid = dist.broadcast_object(outcome)
     if status == "usage":

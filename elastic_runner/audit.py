@@ -116,6 +116,8 @@ class AuditReport:
     global_batches: list[int] = field(default_factory=list)
     torn_lines: int = 0
     steps_superseded: int = 0
+    #: False when the run kept no audit trail (audit.samples off): nothing to judge, not a violation.
+    audited: bool = True
 
     @property
     def ok(self) -> bool:
@@ -123,7 +125,7 @@ class AuditReport:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "ok": self.ok, "finished": self.finished, "final_step": self.final_step,
+            "ok": self.ok, "audited": self.audited, "finished": self.finished, "final_step": self.final_step,
             "generations": self.generations, "world_sizes": {str(k): v for k, v in self.world_sizes.items()},
             "global_batches": self.global_batches, "torn_lines": self.torn_lines,
             "steps_superseded": self.steps_superseded, "violations": self.violations,
@@ -136,6 +138,8 @@ class AuditReport:
         }
 
     def render(self) -> str:
+        if not self.audited:
+            return f"audit: NOT AUDITED — {self.violations[0]}"
         lines = [
             f"audit: {'CLEAN' if self.ok else 'VIOLATIONS FOUND'} — {'finished' if self.finished else 'not finished'} "
             f"at step {self.final_step}; generations {self.generations}; world sizes "
@@ -180,7 +184,10 @@ def check_audit(run_dir: str | os.PathLike[str]) -> AuditReport:
     directory = Path(run_dir) / AUDIT_DIR
     report = AuditReport()
     if not directory.is_dir():
-        report.violations.append(f"no audit trail in {directory} (run with audit.samples: true)")
+        report.audited = False
+        report.violations.append(f"no audit trail in {directory}: the run had audit.samples off (set audit.samples: "
+                                 "true to record which samples every step used)" if Path(run_dir).is_dir() else
+                                 f"{run_dir} is not a directory: give the run directory (run.dir)")
         return report
     lines = _Lines(directory)
     headers, ends = [], []

@@ -27,7 +27,7 @@ def _audit(args: argparse.Namespace) -> int:
 
     report = check_audit(args.run_dir)
     print(json.dumps(report.to_dict(), indent=2) if args.json else report.render())
-    return 0 if report.ok else 1
+    return 0 if report.ok else 1 if report.audited else 2
 
 
 def _config(args: argparse.Namespace) -> int:
@@ -78,6 +78,16 @@ def _add_snapshot_parser(sub: argparse._SubParsersAction) -> None:  # type: igno
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except BrokenPipeError:
+        # `elastic-runner report RUN | head`: the reader left; say nothing more (no traceback) and
+        # keep Python from failing again when it flushes stdout at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, as a shell reports it
+
+
+def _main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "train":
         # Hand over untouched: the worker has its own parser (and --local_rank).

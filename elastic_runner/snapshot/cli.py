@@ -42,6 +42,7 @@ def inspect(run_dir: str, verify: bool = False) -> dict[str, Any]:
         raise SnapshotError(f"no snapshot directory at {location}; is {run_dir!r} a run directory (run.dir)?")
     now = time.time()
     entries = []
+    damaged: list[str] = []  # marked complete but failing a check, or moved aside by a run (corrupt-*)
     for ref in store.complete():
         entry: dict[str, Any] = {"name": ref.name, "step": ref.step, "generation": ref.generation, "complete": True}
         try:
@@ -52,11 +53,17 @@ def inspect(run_dir: str, verify: bool = False) -> dict[str, Any]:
                 "size_bytes": meta.get("size_bytes"), "age_seconds": round(now - meta.get("written_at", now), 1),
                 "sha256": meta.get("sha256"),
             }
+            # Sizes always (a stat: a torn or replaced state.pt shows), checksums with --verify (reads it all).
+            size = (store.path(ref) / "state.pt").stat().st_size if (store.path(ref) / "state.pt").is_file() else None
+            if size != meta["size_bytes"]:
+                raise SnapshotError(f"state.pt has {size if size is not None else 'no'} bytes, the marker says "
+                                    f"{meta['size_bytes']} (torn or replaced)")
             if verify:
                 read_verified_bytes(store.path(ref), meta, True)
                 entry["verified"] = True
         except SnapshotError as exc:
             entry |= {"complete": False, "error": str(exc)}
+            damaged.append(ref.name)
         entries.append(entry)
     for name in store.incomplete():
         entries.append({"name": name, "complete": False, "error": "incomplete (no completion marker or still being written)"})
@@ -64,10 +71,12 @@ def inspect(run_dir: str, verify: bool = False) -> dict[str, Any]:
         reason_file = Path(location) / name / "REASON"
         entries.append({"name": name, "complete": False,
                         "error": reason_file.read_text().strip() if reason_file.is_file() else "moved aside as corrupt"})
+        damaged.append(name)
     good = [e for e in entries if e["complete"]]
     latest = max(good, key=lambda e: (e["generation"], e["step"])) if good else None
     return {
         "run_dir": run_dir, "snapshot_dir": location, "newest_generation": store.newest_generation(),
+        "damaged": damaged,
         "latest": latest["name"] if latest else None,
         "step": latest["step"] if latest else None, "epoch": latest.get("epoch") if latest else None,
         "consumed_samples": latest.get("consumed_samples") if latest else None,
@@ -122,7 +131,11 @@ def find_newest_readonly(store: LocalStore, map_location: Any = "cpu") -> tuple[
 def run(args: argparse.Namespace) -> int:
     try:
         if args.snapshot_cmd == "inspect":
-            print(json.dumps(inspect(args.run_dir, verify=args.verify), indent=2))
+            summary = inspect(args.run_dir, verify=args.verify)
+            print(json.dumps(summary, indent=2))
+            if summary["damaged"]:
+                print(f"elastic-runner: damaged snapshot(s): {', '.join(summary['damaged'])} (see 'error')", file=sys.stderr)
+                return 1
         else:
             print(json.dumps(export(args.run_dir, args.out, args.snapshot)))
     except SnapshotError as exc:

@@ -1,0 +1,68 @@
+"""What the operator commands say about a run they cannot vouch for: a torn snapshot, a run kept
+without an audit trail, a reader that leaves early, a run directory that is a file."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from elastic_runner.cli import main as cli_main
+from elastic_runner.snapshot import LocalStore, SnapshotRef
+
+from .test_snapshot import capture, require_ok, writer_for
+
+
+def test_snapshot_inspect_shows_a_torn_snapshot_as_damaged_without_verify_and_exits_1(
+        tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    store = LocalStore(tmp_path / "run" / "snapshots")
+    store.ensure()
+    w = writer_for(store)
+    for step in (10, 20):
+        require_ok(w.save(step, capture(step), sync=True))
+    state = store.path(SnapshotRef(1, 20)) / "state.pt"
+    state.write_bytes(state.read_bytes()[:100])  # torn: the marker still says complete
+    assert cli_main(["snapshot", "inspect", str(tmp_path / "run")]) == 1
+    out, err = capsys.readouterr()
+    assert '"complete": false' in out and "torn or replaced" in out
+    assert "step-000000020-gen-000001" in err
+    assert cli_main(["snapshot", "inspect", str(tmp_path / "run")]) == 1, "inspecting changes nothing"
+    capsys.readouterr()
+    state.unlink()
+    (store.root / "step-000000020-gen-000001").rename(store.root / "old")  # only the intact one left
+    assert cli_main(["snapshot", "inspect", str(tmp_path / "run")]) == 0
+
+
+def test_audit_of_a_run_without_an_audit_trail_says_so_and_exits_2(tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    (tmp_path / "run").mkdir()
+    assert cli_main(["audit", str(tmp_path / "run")]) == 2
+    out = capsys.readouterr().out
+    assert "NOT AUDITED" in out and "audit.samples" in out and "VIOLATIONS" not in out
+    assert cli_main(["audit", str(tmp_path / "nowhere")]) == 2
+    assert "is not a directory" in capsys.readouterr().out
+
+
+def test_a_reader_that_leaves_early_gets_no_traceback() -> None:
+    read_end, write_end = os.pipe()
+    fcntl.fcntl(write_end, getattr(fcntl, "F_SETPIPE_SZ", 1031), 4096)  # smaller than the output: it must block
+    proc = subprocess.Popen([sys.executable, "-m", "elastic_runner", "config", "--docs"], stdout=write_end,
+                            stderr=subprocess.PIPE)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as reader:
+        reader.readline()  # `| head -1`
+    assert proc.stderr is not None
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 141, err
+    assert "Traceback" not in err and "BrokenPipe" not in err, err
+
+
+def test_a_run_directory_that_is_a_file_is_named_as_such(tmp_path: Path) -> None:
+    not_a_dir = tmp_path / "run"
+    not_a_dir.write_text("x")
+    result = subprocess.run([sys.executable, "-m", "elastic_runner.train", "--config",
+                             str(Path(__file__).resolve().parents[2] / "configs" / "quickstart.yaml"),
+                             "--set", f"run.dir={not_a_dir}"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert "is not a directory" in result.stderr + result.stdout and "permissions" not in result.stderr + result.stdout
