@@ -1,4 +1,4 @@
-"""Shared benchmark machinery: the three variants, their logs, and the timing rules.
+"""Shared benchmark machinery: the variants, their logs, and the timing rules.
 
 Variants, all on the same model, data and batch, c10d rendezvous on loopback,
 ``--nnodes=1:4``, one worker per agent:
@@ -9,7 +9,10 @@ Variants, all on the same model, data and batch, c10d rendezvous on loopback,
   ``last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3``
   and ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``;
 - ``elastic-runner``: ``elastic-runner launch -m elastic_runner.train`` with
-  its defaults (snapshots every 50 steps like the baseline's checkpoints).
+  its defaults (snapshots every 50 steps like the baseline's checkpoints);
+- ``elastic-runner-torchrun``: plain ``torchrun -m elastic_runner.train`` with torch's
+  defaults and no variable set (the entry-point hook sets the agent up);
+- ``elastic-runner-torchrun-tuned``: the same under the tuned torchrun flags.
 
 "All ranks stepping" is the moment the last rank of the new attempt completed
 its first optimizer step, as each program records it (baseline: its timing
@@ -33,7 +36,12 @@ sys.path.insert(0, str(ROOT))
 from elastic_runner.events import EventFollower, read_events  # noqa: E402
 from elastic_runner.testing.localjob import LocalJob  # noqa: E402
 
-VARIANTS = ("torchrun-default", "torchrun-tuned", "elastic-runner")
+VARIANTS = ("torchrun-default", "torchrun-tuned", "elastic-runner", "elastic-runner-torchrun",
+            "elastic-runner-torchrun-tuned")
+#: The variants that run elastic_runner's worker (its events tell the timings).
+OURS = ("elastic-runner", "elastic-runner-torchrun", "elastic-runner-torchrun-tuned")
+#: Which torchrun baseline each of ours runs under the same torchrun settings.
+SAME_SETTINGS = {"elastic-runner-torchrun": "torchrun-default", "elastic-runner-torchrun-tuned": "torchrun-tuned"}
 TUNED_RDZV = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3"
 
 
@@ -131,6 +139,11 @@ def make_job(variant: str, workload: Workload, run_dir: Path, nnodes: str = "1:4
         config = workload.config(run_dir / "config.yaml", **({"train.max_steps": steps} | cfg_overrides))
         return LocalJob(config=str(config), run_dir=str(run_dir), nnodes=nnodes, nproc_per_node=nproc_per_node,
                         launcher="elastic-runner", rdzv_conf=None, max_restarts=100, env=env)
+    if variant in OURS:  # plain torchrun, nothing set: what the entry-point hook gives
+        config = workload.config(run_dir / "config.yaml", **({"train.max_steps": steps} | cfg_overrides))
+        return LocalJob(config=str(config), run_dir=str(run_dir), nnodes=nnodes, nproc_per_node=nproc_per_node,
+                        launcher="torchrun", rdzv_conf=TUNED_RDZV if variant.endswith("-tuned") else None,
+                        max_restarts=100, env=env, disable_shared_store=False)
     tuned = variant == "torchrun-tuned"
     return LocalJob(config="", run_dir=str(run_dir), nnodes=nnodes, nproc_per_node=nproc_per_node, launcher="torchrun",
                     rdzv_conf=TUNED_RDZV if tuned else None, max_restarts=100, env=env,
@@ -163,7 +176,7 @@ class Attempt:
 def attempts(variant: str, run_dir: Path, events: EventFollower | None = None) -> list[Attempt]:
     """Training attempts (one per restart) in time order (``events``: follow the run in a poll loop)."""
     found: list[Attempt] = []
-    if variant == "elastic-runner":
+    if variant in OURS:
         gens: dict[int, dict[str, Any]] = {}
         for e in (events.read() if events is not None else read_events(run_dir)):
             g = e.get("generation")
@@ -211,7 +224,7 @@ def attempts(variant: str, run_dir: Path, events: EventFollower | None = None) -
 
 
 def furthest_completed_step(variant: str, run_dir: Path, before: float) -> int:
-    if variant == "elastic-runner":
+    if variant in OURS:
         best = 0
         for e in read_events(run_dir):
             if e["time"] <= before + 1.0 and e["kind"] in ("progress", "failure", "kept_in_memory", "stop") \
@@ -237,7 +250,7 @@ def wait_stepping(variant: str, run_dir: Path, after: float, world: int, timeout
 
 def steady_rate(variant: str, run_dir: Path, skip_steps: int, global_batch: int) -> float | None:
     """Samples/s between the first logged step >= skip_steps and the last logged step (one attempt)."""
-    if variant == "elastic-runner":
+    if variant in OURS:
         points = [(e["step"], e["time"]) for e in read_events(run_dir) if e["kind"] == "progress" and e.get("rank") == 0]
     else:
         points = [(r["step"], r["time"]) for r in timing_lines(run_dir) if r["kind"] == "step" and r["rank"] == 0]

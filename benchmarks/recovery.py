@@ -1,4 +1,4 @@
-"""Recovery benchmark: worker kill, node loss, node join — baseline vs elastic_runner.
+"""Recovery benchmark: worker kill, node loss, node join — baseline vs elastic_runner (launch and plain torchrun).
 
 For each variant (see common.py) one job of two agents runs; then
 - ``--repeats`` times: SIGKILL the worker of the second agent, time until all
@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import VARIANTS, Workload, furthest_completed_step, make_job, median, wait_stepping, write_json
+from common import SAME_SETTINGS, VARIANTS, Workload, furthest_completed_step, make_job, median, wait_stepping, write_json
 
 
 def measure(variant: str, repeats: int, hang_after: float, workdir: Path, scenarios: list[str]) -> dict[str, Any]:
@@ -81,18 +81,27 @@ def summarize(raw: dict[str, dict[str, Any]], hang_after: float) -> dict[str, An
             "steps_lost_max": max(r["steps_lost"]) if r["steps_lost"] else None,
             "steps_lost_median": median([float(x) for x in r["steps_lost"]]),
         }
-    ours = out.get("elastic-runner", {})
     ratios: dict[str, Any] = {}
-    for base in ("torchrun-tuned", "torchrun-default"):
+
+    def ratio(name: str, ours: dict[str, Any], base: str) -> None:
         b = out.get(base)
         if not b or not ours:
-            continue
+            return
         for key in ("worker_kill_s", "node_loss_s", "node_join_s"):
             if isinstance(b.get(key), float) and isinstance(ours.get(key), float) and b[key] > 0:
-                ratios[f"{key[:-2]}_vs_{base}"] = round(ours[key] / b[key], 3)
+                ratios[f"{name}{key[:-2]}_vs_{base}"] = round(ours[key] / b[key], 3)
             elif b.get(key) == "hang" and isinstance(ours.get(key), float):
                 # An upper bound: the baseline took longer than hang_after (and maybe forever).
-                ratios[f"{key[:-2]}_vs_{base}"] = f"< {ours[key] / hang_after:.3f} (baseline hung > {hang_after:.0f} s)"
+                ratios[f"{name}{key[:-2]}_vs_{base}"] = f"< {ours[key] / hang_after:.3f} (baseline hung > {hang_after:.0f} s)"
+
+    # launch against both baselines (the keys the README has always shown) ...
+    for base in ("torchrun-tuned", "torchrun-default"):
+        ratio("", out.get("elastic-runner", {}), base)
+    # ... and elastic_runner under plain torchrun against the tutorial script under the same torchrun settings,
+    # and against torch's defaults.
+    for variant, same in SAME_SETTINGS.items():
+        for base in dict.fromkeys((same, "torchrun-default")):
+            ratio(f"{variant}:", out.get(variant, {}), base)
     return {"medians": out, "ratios": ratios, "hang_after_s": hang_after}
 
 

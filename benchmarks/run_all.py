@@ -41,8 +41,9 @@ def fmt(value: Any, unit: str = "", hang_after: float | None = None) -> str:
 
 
 def table(recovery: dict[str, Any] | None, throughput: dict[str, Any] | None, snapshots: dict[str, Any] | None) -> str:
-    lines = ["| measure | torchrun defaults | torchrun tuned | elastic_runner | ratio vs tuned | ratio vs defaults |",
+    lines = ["| measure | torchrun defaults | torchrun tuned | elastic_runner (launch) | ratio vs tuned | ratio vs defaults |",
              "|---|---|---|---|---|---|"]
+    plain: list[str] = []
     if recovery:
         med, ratios, hang = recovery["medians"], recovery["ratios"], recovery.get("hang_after_s")
         rows = [("worker SIGKILL -> all ranks stepping", "worker_kill_s", "worker_kill"),
@@ -56,6 +57,15 @@ def table(recovery: dict[str, Any] | None, throughput: dict[str, Any] | None, sn
         lines.append(f"| steps recomputed per failure (max) | {fmt(med.get('torchrun-default', {}).get('steps_lost_max'))} | "
                      f"{fmt(med.get('torchrun-tuned', {}).get('steps_lost_max'))} | "
                      f"{fmt(med.get('elastic-runner', {}).get('steps_lost_max'))} | | |")
+        if any(v in med for v in ("elastic-runner-torchrun", "elastic-runner-torchrun-tuned")):
+            plain = ["| plain `torchrun -m elastic_runner.train` | torchrun defaults: elastic_runner | ratio vs tutorial, "
+                     "same defaults | torchrun tuned: elastic_runner | ratio vs tutorial, same tuning |", "|---|---|---|---|---|"]
+            for label, key, rkey in rows:
+                d, tu = "elastic-runner-torchrun", "elastic-runner-torchrun-tuned"
+                plain.append(f"| {label} (s, median) | {fmt(med.get(d, {}).get(key), hang_after=hang)} | "
+                             f"{fmt(ratios.get(f'{d}:{rkey}_vs_torchrun-default'))} | "
+                             f"{fmt(med.get(tu, {}).get(key), hang_after=hang)} | "
+                             f"{fmt(ratios.get(f'{tu}:{rkey}_vs_torchrun-tuned'))} |")
     if throughput:
         r = throughput["ratios"]
         m = throughput["median_samples_per_s"]
@@ -69,7 +79,7 @@ def table(recovery: dict[str, Any] | None, throughput: dict[str, Any] | None, sn
             lines.append(f"| {model} model: save blocks the step (ms, median) / full write | | "
                          f"{fmt(b.get('save_blocking_ms_median'))} / {fmt(b.get('save_write_ms_median'))} | "
                          f"{fmt(o.get('save_blocking_ms_median'))} / {fmt(o.get('save_write_ms_median'))} | | |")
-    return "\n".join(lines)
+    return "\n".join(lines) + ("\n\n" + "\n".join(plain) if plain else "")
 
 
 def main() -> None:
