@@ -137,6 +137,7 @@ class Attempt:
         self.cfg, self.env, self.dist, self.stop, self.started_at = cfg, env, dist, stop, started_at
         self.make_workload = make_workload or (lambda: from_config(cfg))
         self.state = TrainState()
+        self.resume_info: dict[str, Any] | None = None  #: rank 0, once resumed: the ``resume`` event's fields
 
     def run(self) -> None:
         cfg, env, dist = self.cfg, self.env, self.dist
@@ -250,8 +251,9 @@ class Attempt:
             reached = furthest_step_reached(cfg.run.dir, self.generation)
             recomputed = max(0, reached - state.step)
             self.metrics.recomputed.set(recomputed)
-            self.events.emit("resume", step=state.step, furthest_step=reached, steps_recomputed=recomputed,
-                             snapshot=loaded.ref.name, tier=loaded.tier)
+            self.resume_info = {"step": state.step, "furthest_step": reached, "steps_recomputed": recomputed,
+                                "snapshot": loaded.ref.name, "tier": loaded.tier}
+            self.events.emit("resume", **self.resume_info)
         return loaded is not None
 
     # -- training ---------------------------------------------------------------------------------------------
@@ -289,6 +291,7 @@ class Attempt:
             test_size=len(w.test) if w.test is not None else 0,  # type: ignore[arg-type]
             total_steps=self.total_steps, checkpointer=ckpt, events=self.events, metrics=self.metrics, audit=audit,
             stop=self.stop, started_at=self.started_at, resumed=resumed, watchdog=self.watchdog,
+            resume_info=self.resume_info,
         ))
         try:
             return trainer.fit()

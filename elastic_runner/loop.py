@@ -34,6 +34,7 @@ from .logs import Progress, RankZero
 from .metrics import Metrics
 from .rng import seed_step, step_seed
 from .sampler import StepPlan
+from .story import failure_story
 from .tasks import Task
 
 if TYPE_CHECKING:
@@ -99,6 +100,8 @@ class Components:
     started_at: float  #: process start (wall clock), for the recovery duration
     resumed: bool
     watchdog: PeerWatchdog | None = None  #: told when the last collective is done
+    #: Rank 0 of a resumed attempt: what it resumed from (the ``resume`` event), for the failure story.
+    resume_info: dict[str, Any] | None = None
 
 
 class Trainer:
@@ -225,6 +228,17 @@ class Trainer:
 
     # ------------------------------------------------------------------ between steps
 
+    def tell_story(self, resume: dict[str, Any]) -> None:
+        """One line on the terminal: what ended the previous attempt and how this one recovered."""
+        try:
+            story = failure_story(self.cfg.run.dir, self.state.generation, self.c.dist.world_size, resume, time.time())
+        except (OSError, ValueError, KeyError, TypeError) as exc:  # the log is help, never a reason to stop
+            log.debug("no failure story: %s", exc)
+            return
+        if story:
+            log.warning("%s", story)
+            self.c.events.emit("story", line=story)
+
     def after_step(self, plan: StepPlan) -> None:
         c, step = self.c, self.state.step
         self.checkpointer.check_writer()
@@ -235,6 +249,8 @@ class Trainer:
                 c.metrics.recovery.set(since_start)
             # "All ranks stepping" for tools: the last rank's first_step of a generation.
             c.events.emit("first_step", step=step, since_process_start_s=since_start, resumed=c.resumed)
+            if c.resume_info is not None:
+                self.tell_story(c.resume_info)
         last = step >= c.total_steps
         if step % self.cfg.logging.every_steps == 0 or last:
             self.report_progress(plan)

@@ -120,7 +120,9 @@ class ElasticRunnerAgent(LocalElasticAgent):
         result = super()._monitor_workers(worker_group)
         if result.state == WorkerState.FAILED:
             codes = sorted({f.exitcode for f in result.failures.values()})
-            self._notify("worker_failed", exit_codes=codes, count=len(result.failures))
+            self._notify("worker_failed", exit_codes=codes, count=len(result.failures),
+                         failures=[{"rank": rank, "local_rank": f.local_rank, "pid": f.pid, "exitcode": f.exitcode}
+                                   for rank, f in sorted(result.failures.items())])
             final = sorted(set(codes) & EXIT_FINAL)
             if final and self._remaining_restarts > 0:
                 why = {EXIT_USAGE: "configuration or resume error", EXIT_DIVERGED: "the gradient became NaN or inf"}

@@ -5,6 +5,7 @@ a torchrun job that is not elastic_runner's is left exactly as torch runs it."""
 from __future__ import annotations
 
 import json
+import re
 import signal
 import sys
 from pathlib import Path
@@ -83,3 +84,25 @@ def test_a_torchrun_job_that_is_not_elastic_runners_is_left_as_torch_runs_it(tmp
     seen = json.loads(out.read_text())
     assert seen == {"share": None, "argv0": str(script), "ours": []}, seen
     assert "[agent]" not in result.stdout, "no elastic_runner agent messages"
+
+
+STORY = re.compile(r": rank 1 \(node \S+, pid (\d+)\) was killed by SIGKILL at step (\d+) → recovered in (\d+\.\d+) s "
+                   r"at world size 2, resumed step (\d+) from memory, (\d+) steps lost")
+
+
+@pytest.mark.parametrize("launcher", ["elastic-runner", "torchrun"])
+def test_a_worker_kill_is_told_in_one_line_cause_first_outcome_last(
+        resume_config: Path, local_job: Callable[..., LocalJob], launcher: str) -> None:
+    job = local_job(config=str(resume_config), nnodes="2:2", launcher=launcher)
+    job.start_agent()
+    job.start_agent()
+    workers, _ = stop_workers_at_step(job, 60, count=2, timeout=120)
+    victim = next(w for w in workers if w.rank == 1)
+    job.signal_worker(victim, signal.SIGKILL)
+    continue_workers(job, [w for w in workers if w is not victim])
+    assert job.wait(timeout=180) == [0, 0], job.logs_tail()
+    told = [m for a in job.agents for m in STORY.finditer(a.log_text())]
+    assert len(told) == 1, "told once, by rank 0 of the new attempt\n" + job.logs_tail()
+    pid, at_step, _, resumed, lost = (int(float(x)) for x in told[0].groups())
+    assert pid == victim.pid
+    assert int(resumed) + int(lost) == int(at_step)

@@ -1,0 +1,48 @@
+"""The failure story told from a run's event log: cause first, outcome last, effects left out."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from elastic_runner.events import EventLog
+from elastic_runner.story import failure_story
+
+RESUME = {"step": 40, "furthest_step": 41, "steps_recomputed": 1, "tier": "memory"}
+
+
+def previous_attempt(run_dir: Path, world: int) -> None:
+    for rank in range(world):
+        log = EventLog(run_dir, f"gen-000001-rank-{rank:05d}", generation=1, rank=rank)
+        log.emit("start", world_size=world)
+        log.close()
+
+
+def agent_saw(run_dir: Path, name: str, *failures: dict[str, int]) -> None:
+    log = EventLog(run_dir, f"agent-{name}", role="agent")
+    log.emit("agent_worker_failed", failures=list(failures))
+    log.close()
+
+
+def test_a_killed_rank_is_the_cause_and_the_peers_it_broke_are_not(tmp_path: Path) -> None:
+    previous_attempt(tmp_path, 3)
+    broken = EventLog(tmp_path, "gen-000001-rank-00000", generation=1, rank=0)
+    broken.emit("failure", error="RuntimeError: [gloo] Read error: Connection reset by peer")
+    agent_saw(tmp_path, "a", {"rank": 0, "pid": broken.context["pid"], "exitcode": 1})
+    agent_saw(tmp_path, "b", {"rank": 2, "pid": 4242, "exitcode": -9})
+    agent_saw(tmp_path, "c", {"rank": 1, "pid": 4243, "exitcode": 75})
+    story = failure_story(tmp_path, 2, 3, RESUME, now=__import__("time").time() + 0.5)
+    assert story is not None and story.startswith("rank 2 (node ") and "pid 4242) was killed by SIGKILL at step 41" in story
+    assert "rank 0" not in story and "rank 1" not in story
+    assert story.endswith("at world size 3, resumed step 40 from memory, 1 steps lost")
+
+
+def test_a_node_that_left_or_joined_is_told_as_such(tmp_path: Path) -> None:
+    previous_attempt(tmp_path, 2)
+    left = failure_story(tmp_path, 2, 1, RESUME, now=__import__("time").time())
+    assert left is not None and left.startswith("a node left (world size 2 → 1) at step 41 → recovered")
+    joined = failure_story(tmp_path, 2, 3, RESUME, now=__import__("time").time())
+    assert joined is not None and joined.startswith("a node joined (world size 2 → 3)") and "→ training at world size 3" in joined
+
+
+def test_a_first_start_has_no_story(tmp_path: Path) -> None:
+    assert failure_story(tmp_path, 1, 2, RESUME, now=0.0) is None
