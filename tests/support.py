@@ -154,6 +154,18 @@ def continue_workers(job: Any, workers: Sequence[Any]) -> None:
         job.signal_worker(w, signal.SIGCONT)
 
 
+def kill_worker_at_step(job: Any, step: int, rank: int = 1, count: int = 2, timeout: float = 120) -> Any:
+    """SIGKILL the worker of ``rank`` once the job's ``count`` workers reached ``step`` (the others go on);
+    returns the victim."""
+    import signal
+
+    workers, _ = stop_workers_at_step(job, step, count=count, timeout=timeout)
+    victim = next(w for w in workers if w.rank == rank)
+    job.signal_worker(victim, signal.SIGKILL)
+    continue_workers(job, [w for w in workers if w is not victim])
+    return victim
+
+
 def start_agent_while_paused(job: Any, at_step: int, count: int, timeout: float = 90) -> Any:
     """Once the c10d job has reached ``at_step``, start one more agent while its ``count`` workers
     are stopped, and let them go once the new agent waits to join. However fast this machine trains,

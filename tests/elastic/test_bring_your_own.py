@@ -17,7 +17,7 @@ from elastic_runner.testing.localjob import LocalJob
 from ..conftest import ROOT
 from ..support import (
     assert_bitwise_equal,
-    continue_workers,
+    kill_worker_at_step,
     end_events,
     events,
     exported_model,
@@ -63,10 +63,7 @@ def test_dict_batch_transformer_survives_a_worker_kill_and_ends_bitwise_identica
     job = local_job(config=str(hf_config), nnodes="2:2", launcher="elastic-runner", env=ENV)
     job.start_agent()
     job.start_agent()
-    workers, _ = stop_workers_at_step(job, 40, count=2, timeout=120)
-    victim = next(w for w in workers if w.rank == 1)
-    job.signal_worker(victim, signal.SIGKILL)
-    continue_workers(job, [w for w in workers if w is not victim])
+    kill_worker_at_step(job, 40)
     assert job.wait(timeout=180) == [0, 0], job.logs_tail()
     run_dir = Path(job.run_dir)
     resumes = [e for e in events(run_dir, "resume") if e["generation"] > 1]

@@ -10,7 +10,14 @@ import pytest
 
 from elastic_runner.audit import check_audit
 
-from ..support import assert_bitwise_equal, continue_workers, events, exported_model, stop_workers_at_step
+from ..support import (
+    assert_bitwise_equal,
+    continue_workers,
+    events,
+    exported_model,
+    kill_worker_at_step,
+    stop_workers_at_step,
+)
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
@@ -28,10 +35,7 @@ def test_worker_kill_resumes_from_a_survivors_memory_losing_no_step_and_ends_bit
     job.start_agent()
     job.start_agent()
     run_dir = Path(job.run_dir)
-    workers, _ = stop_workers_at_step(job, 130, count=2, timeout=120)
-    victim = next(w for w in workers if w.rank == 1)
-    job.signal_worker(victim, signal.SIGKILL)
-    continue_workers(job, [w for w in workers if w is not victim])
+    kill_worker_at_step(job, 130)
     assert job.wait(timeout=180) == [0, 0], job.logs_tail()
 
     resume = first_resume(run_dir)

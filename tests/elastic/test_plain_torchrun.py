@@ -16,7 +16,14 @@ import pytest
 from elastic_runner.audit import check_audit
 from elastic_runner.testing.localjob import LocalJob, free_port
 
-from ..support import continue_workers, events, run_bounded, start_agent_while_paused, stop_workers_at_step
+from ..support import (
+    continue_workers,
+    events,
+    kill_worker_at_step,
+    run_bounded,
+    start_agent_while_paused,
+    stop_workers_at_step,
+)
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
 
@@ -96,10 +103,7 @@ def test_a_worker_kill_is_told_in_one_line_cause_first_outcome_last(
     job = local_job(config=str(resume_config), nnodes="2:2", launcher=launcher)
     job.start_agent()
     job.start_agent()
-    workers, _ = stop_workers_at_step(job, 60, count=2, timeout=120)
-    victim = next(w for w in workers if w.rank == 1)
-    job.signal_worker(victim, signal.SIGKILL)
-    continue_workers(job, [w for w in workers if w is not victim])
+    victim = kill_worker_at_step(job, 60)
     assert job.wait(timeout=180) == [0, 0], job.logs_tail()
     told = [m for a in job.agents for m in STORY.finditer(a.log_text())]
     assert len(told) == 1, "told once, by rank 0 of the new attempt\n" + job.logs_tail()

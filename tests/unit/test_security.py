@@ -25,7 +25,7 @@ from elastic_runner import fsmode
 from elastic_runner.audit import AuditWriter, check_audit
 from elastic_runner.fsmode import UnsafeDirectoryError
 from elastic_runner.rendezvous.backend import CheckedStates, EtcdRendezvousBackend, decode_state, encode_state
-from elastic_runner.rendezvous.kv import Put
+
 from elastic_runner.rendezvous.options import parse_options
 from elastic_runner.rendezvous.seal import Sealer
 from elastic_runner.rendezvous.store import EtcdStore, EtcdStoreAuthError
