@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -191,3 +192,15 @@ def start_agent_until_waiting(job: Any, paused: Sequence[Any], waiting: Callable
         return agent
     finally:
         continue_workers(job, paused)
+
+
+STORY = re.compile(r": rank 1 \(node \S+, pid (\d+)\) was killed by SIGKILL at step (\d+) → recovered in (\d+\.\d+) s "
+                   r"at world size 2, resumed step (\d+) from memory, (\d+) steps lost")
+
+
+def assert_told_once(job: Any, victim_pid: int) -> None:
+    """The failure story, once, by rank 0 of the new attempt, on the terminal (the agents' output)."""
+    told = [m for a in job.agents for m in STORY.finditer(a.log_text())]
+    assert len(told) == 1, "the failure story, once\n" + job.logs_tail()
+    pid, at_step, _, resumed, lost = (int(float(x)) for x in told[0].groups())
+    assert pid == victim_pid and resumed + lost == at_step, told[0].group(0)

@@ -11,6 +11,7 @@ import pytest
 from elastic_runner.audit import check_audit
 
 from ..support import (
+    assert_told_once,
     assert_bitwise_equal,
     continue_workers,
     events,
@@ -35,8 +36,9 @@ def test_worker_kill_resumes_from_a_survivors_memory_losing_no_step_and_ends_bit
     job.start_agent()
     job.start_agent()
     run_dir = Path(job.run_dir)
-    kill_worker_at_step(job, 130)
+    victim = kill_worker_at_step(job, 130)
     assert job.wait(timeout=180) == [0, 0], job.logs_tail()
+    assert_told_once(job, victim.pid)
 
     resume = first_resume(run_dir)
     assert resume["tier"] == "memory", "a survivor kept the newest step"

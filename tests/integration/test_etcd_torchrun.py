@@ -168,6 +168,6 @@ def test_no_etcd_at_the_endpoint_is_a_clear_error_within_connect_timeout(small_c
     assert f"127.0.0.1:{port}" in result.stdout and "Check that etcd is running" in result.stdout, \
         result.stdout[-3000:]
     assert elapsed < 40, f"took {elapsed:.0f}s"
-    assert not (tmp_path / "run").exists(), "no worker started"
+    assert not list((tmp_path / "run").glob("events/gen-*")), "no worker started (the agent's own log may exist)"
 
 
