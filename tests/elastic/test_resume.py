@@ -145,9 +145,11 @@ def test_sigterm_saves_within_the_grace_period_exits_zero_and_resumes_without_lo
     agent = job.start_agent()
     run_dir = Path(job.run_dir)
     paused, _ = stop_workers_at_step(job, 60, count=2, timeout=120)
+    # Running again first: our agent (plain torchrun's too, through the entry-point hook) SIGKILLs workers that
+    # are stopped when it shuts the group down, since they cannot answer SIGTERM.
+    continue_workers(job, paused)
     sent = time.monotonic()
     agent.proc.send_signal(signal.SIGTERM)  # what Kubernetes sends on preemption
-    continue_workers(job, paused)
     job.wait(timeout=60)
     assert time.monotonic() - sent < 30
     assert not job.leftover_processes()
