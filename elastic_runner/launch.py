@@ -26,9 +26,27 @@ import signal
 import sys
 from typing import Sequence
 
-from .lifecycle import EXIT_FINAL
-
 log = logging.getLogger(__name__)
+
+HELP_PREAMBLE = """\
+torchrun with what an elastic job needs; every torchrun flag and PET_* variable works as in torchrun.
+
+With -m elastic_runner.train as the program, launch adds (plain torchrun gets the same through the
+package's torchrun hook, except the --rdzv-conf defaults):
+  - TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 unless set: with torch's shared store a node that joins
+    a running job takes it down.
+  - --rdzv-conf defaults for keys you did not set: last_call_timeout=1 (torch: 30 s),
+    keep_alive_interval=1, keep_alive_max_attempt=3 (a dead node is dropped after 3 s, not 15 s).
+  - Workers forked from a pre-imported zygote (restart in milliseconds, not a new interpreter),
+    early completion of a round once every node of the last one is back or dead, stopped workers
+    killed instead of waited for, config errors and NaN gradients not retried, no orphaned
+    processes when the agent dies, agent metrics on ELASTIC_RUNNER_AGENT_METRICS_PORT.
+  - Exit status: the worker's 2 (config/resume error) or 3 (diverged) as is; 128+N when stopped by
+    signal N; 1 for any other failure.
+
+Opt out per part: ELASTIC_RUNNER_ZYGOTE=0, TORCH_DISABLE_SHARE_RDZV_TCP_STORE=0, or set the
+--rdzv-conf keys yourself. torchrun's options follow.
+"""
 
 RDZV_DEFAULTS: dict[str, str] = {
     "last_call_timeout": "1",
@@ -49,13 +67,24 @@ def merge_rdzv_conf(given: str, defaults: dict[str, str] = RDZV_DEFAULTS) -> str
     return ",".join(items)
 
 
+def parser() -> "argparse.ArgumentParser":
+    """torchrun's own parser, introduced by what launch adds (``elastic-runner launch --help``)."""
+    import argparse
+
+    from torch.distributed.run import get_args_parser
+
+    p = get_args_parser()
+    p.prog = "elastic-runner launch"
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.description = HELP_PREAMBLE
+    return p
+
+
 def apply_defaults(argv: Sequence[str]) -> "object":
     """Parse torchrun's flags (and PET_* variables) and apply our defaults."""
     for key, value in ENV_DEFAULTS.items():
         os.environ.setdefault(key, value)
-    from torch.distributed.run import get_args_parser
-
-    args = get_args_parser().parse_args(list(argv))
+    args = parser().parse_args(list(argv))
     if args.rdzv_backend != "static" or args.standalone:
         args.rdzv_conf = merge_rdzv_conf(args.rdzv_conf)
     return args
@@ -75,7 +104,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .agent import zygote
 
         zygote.start_warming()
-    from .agent.adopt import log_to_stderr
+    from .agent.terminal import final_exit_code, log_to_stderr
 
     log_to_stderr()
     args = apply_defaults(argv)
@@ -103,10 +132,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         launcher_api.elastic_launch(config=config, entrypoint=entrypoint)(*worker_args)
     except ChildFailedError as exc:
-        # torchrun printed the failure table; only the exit status is left to choose.
-        codes = {f.exitcode for f in exc.failures.values()}
+        code = final_exit_code(exc)
+        if code is not None:
+            # The worker printed why in one line (a config error, a diverged gradient): no table.
+            return code
         log.error("%s", exc)
-        return codes.pop() if len(codes) == 1 and codes <= EXIT_FINAL else 1
+        return 1
     except SignalException as exc:
         # SIGTERM/SIGINT: workers were stopped (and saved a snapshot). Never exit 0 on a
         # signal: Kubernetes' Job success rule relies on 0 meaning "training complete".

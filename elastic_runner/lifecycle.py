@@ -71,9 +71,13 @@ class StopRequest:
     Ctrl-C again) aborts at once.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, agent_reason: Callable[[], str | None] | None = None) -> None:
         self.signal_name: str | None = None
+        #: Why the agent stopped this worker, when it announced it (a membership change, a failed
+        #: sibling, its own shutdown); None for a SIGTERM from anyone else.
+        self.agent_reason: str | None = None
         self.received_at: float | None = None
+        self._agent_reason = agent_reason
         self._previous: dict[int, object] = {}
 
     @property
@@ -99,7 +103,21 @@ class StopRequest:
             stop_signal = name
             self.signal_name = name
             self.received_at = time.monotonic()
-            log.warning("received %s: finishing the current step, saving a snapshot and stopping", name)
+            if signum == signal.SIGTERM and self._agent_reason is not None:
+                try:
+                    self.agent_reason = self._agent_reason()
+                except Exception:  # noqa: BLE001 - only the wording of one line depends on it
+                    self.agent_reason = None
+            if self.agent_reason:  # the worker's last line says it again, once the snapshot is kept
+                log.debug("stopped by the agent (%s): finishing the current step, saving a snapshot and stopping",
+                         self.agent_reason)
+            else:
+                log.warning("received %s: finishing the current step, saving a snapshot and stopping", name)
+
+    @property
+    def description(self) -> str:
+        """How this stop came about, for the worker's last line: "by the agent (...)" or "on SIGTERM"."""
+        return f"by the agent ({self.agent_reason})" if self.agent_reason else f"on {self.signal_name}"
 
 
 try:

@@ -236,7 +236,8 @@ class Trainer:
             log.debug("no failure story: %s", exc)
             return
         if story:
-            log.warning("%s", story)
+            # A failure is a warning; a node that joined is news.
+            log.log(logging.INFO if " → training at world size " in story else logging.WARNING, "%s", story)
             self.c.events.emit("story", line=story)
 
     def after_step(self, plan: StepPlan) -> None:

@@ -18,12 +18,11 @@ import signal
 from typing import Any
 
 from .events import read_events
+from .lifecycle import EXIT_PEER_LOST
 
 #: What a worker's own failure says when it is the peer that went away (gloo, NCCL, the store, our watchdog).
 _PEER_ERROR = re.compile(r"Connection (reset|closed|refused)|by peer|[Pp]eer|Broken pipe|timed out|Timeout|"
                          r"DistBackendError|NCCL|aborted", re.ASCII)
-from .lifecycle import EXIT_PEER_LOST
-
 
 def _exit_words(code: int) -> str:
     if code < 0:

@@ -18,6 +18,7 @@ import argparse
 import logging
 import os
 import sys
+import time
 from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
@@ -29,6 +30,7 @@ from .checkpoint import ResumeError, StopSnapshotFailed
 from .config import Config, ConfigError, load_config
 from .dist import Dist, DistError
 from .env import EnvError, WorkerEnv
+from .events import agent_stop_reason
 from .gradients import NonFiniteGradient
 from .lifecycle import (
     EXIT_DIVERGED,
@@ -68,7 +70,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg = load_config(args.config, args.overrides)
         env = WorkerEnv.from_environ(legacy_local_rank=args.local_rank)
     except (ConfigError, EnvError) as exc:
-        print(f"elastic_runner: config error: {exc}", file=sys.stderr)
+        # Every worker of the node read the same file: the node's terminal shows the error once.
+        if os.environ.get("LOCAL_RANK", "0") == "0":
+            print(f"elastic_runner: config error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     return run(cfg, env)
 
@@ -87,7 +91,8 @@ def run(cfg: Config, env: WorkerEnv, make_workload: Callable[[], Workload] | Non
     if threads.isdigit() and int(threads) > 0:
         # A worker forked from the zygote imported torch before the launcher chose this.
         torch.set_num_threads(int(threads))
-    stop = StopRequest().install()
+    started = time.time()
+    stop = StopRequest(lambda: agent_stop_reason(cfg.run.dir, os.getpid(), started)).install()
     if cfg.run.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
@@ -102,7 +107,7 @@ def run(cfg: Config, env: WorkerEnv, make_workload: Callable[[], Workload] | Non
         Attempt(cfg, env, dist, stop, started_at, make_workload).run()
         return EXIT_OK
     except GracefulStop:
-        log.info("stopped on %s after saving a snapshot", stop.signal_name)
+        log.info("stopped %s after saving a snapshot", stop.description)
         return EXIT_OK
     except (ConfigError, ResumeError, SetupError) as exc:
         print(f"elastic_runner: {exc}", file=sys.stderr)
@@ -118,7 +123,7 @@ def run(cfg: Config, env: WorkerEnv, make_workload: Callable[[], Workload] | Non
         if stop.requested:
             # Peers stopping at the same time broke our collective after we kept our
             # state: that is the stop we were asked for, not a failure.
-            log.info("stopped on %s (peers stopped first)", stop.signal_name)
+            log.info("stopped %s (peers stopped first)", stop.description)
             return EXIT_OK
         raise
     finally:

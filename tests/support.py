@@ -199,8 +199,21 @@ STORY = re.compile(r": rank 1 \(node \S+, pid (\d+)\) was killed by SIGKILL at s
 
 
 def assert_told_once(job: Any, victim_pid: int) -> None:
-    """The failure story, once, by rank 0 of the new attempt, on the terminal (the agents' output)."""
+    """The failure story, once, by rank 0 of the new attempt, on the terminal (the agents' output), and no
+    traceback of a failure that was handled."""
     told = [m for a in job.agents for m in STORY.finditer(a.log_text())]
     assert len(told) == 1, "the failure story, once\n" + job.logs_tail()
     pid, at_step, _, resumed, lost = (int(float(x)) for x in told[0].groups())
     assert pid == victim_pid and resumed + lost == at_step, told[0].group(0)
+    assert_no_tracebacks(job)
+
+
+def told(job: Any, pattern: str) -> list[re.Match[str]]:
+    """Every match of ``pattern`` on the job's terminals (the agents' output, workers included)."""
+    return [m for a in job.agents for m in re.finditer(pattern, a.log_text())]
+
+
+def assert_no_tracebacks(job: Any) -> None:
+    """A failure the job recovered from leaves no traceback on the terminal (torch's included)."""
+    for word in ("Traceback", "ProcessExitedException"):
+        assert not told(job, word), f"{word} on the terminal\n" + job.logs_tail()

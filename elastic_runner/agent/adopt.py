@@ -9,6 +9,8 @@ Applied to the agent process just before torch's ``launch_agent`` builds its age
   (:class:`elastic_runner.agent.agent.ElasticRunnerAgent`), each only where its canary says the torch
   internals it relies on are still there (:mod:`elastic_runner.torch_patches`).
 - **Agent metrics** on ``ELASTIC_RUNNER_AGENT_METRICS_PORT`` and the agent's event log.
+- **A quiet terminal** (:mod:`elastic_runner.agent.terminal`): torch's tracebacks of handled worker failures
+  go to DEBUG.
 """
 
 from __future__ import annotations
@@ -35,17 +37,6 @@ def worker_program(entrypoint: Any, args: Sequence[Any]) -> list[str] | None:
     return None
 
 
-def log_to_stderr() -> None:
-    """Our agent-side messages next to torchrun's (it only configures its own loggers)."""
-    logger = logging.getLogger("elastic_runner")
-    if not logger.handlers:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(asctime)s [agent] %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
-        logger.addHandler(handler)
-        logger.setLevel(os.environ.get("ELASTIC_RUNNER_AGENT_LOGLEVEL", "INFO"))
-        logger.propagate = False
-
-
 def adopt(launcher_api: Any, config: Any, entrypoint: Any, args: Sequence[Any],
           zygote_wanted: bool) -> tuple[Any, list[Any]]:
     """Set up this agent process; returns the (entrypoint, args) to hand to torch's ``launch_agent``."""
@@ -53,6 +44,7 @@ def adopt(launcher_api: Any, config: Any, entrypoint: Any, args: Sequence[Any],
     from . import fast_rendezvous, zygote
     from .agent import ElasticRunnerAgent
     from .metrics import AgentMetrics, install_bridge
+    from .terminal import quiet_handled_failures
 
     worker_args = worker_program(entrypoint, args)
     if zygote_wanted and worker_args is not None:
@@ -60,6 +52,7 @@ def adopt(launcher_api: Any, config: Any, entrypoint: Any, args: Sequence[Any],
         entrypoint, args = zygote.worker_main, worker_args
         config.start_method = "forkserver"
     fast_rendezvous.install()
+    quiet_handled_failures()
     agent_metrics = AgentMetrics(agent_events(worker_args) if worker_args is not None else None)
     agent_metrics.serve()
     install_bridge(agent_metrics)

@@ -69,6 +69,8 @@ class ElasticRunnerAgent(LocalElasticAgent):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.observers: list[Any] = list(type(self).default_observers)
+        self._restart_reason = "a new rendezvous round"
+        self._stopping_group = False
 
     def _notify(self, event: str, **fields: Any) -> None:
         for observer in self.observers:
@@ -88,6 +90,19 @@ class ElasticRunnerAgent(LocalElasticAgent):
 
     # -- stopping ------------------------------------------------------------------------------
 
+    def _live_worker_pids(self) -> list[int]:
+        pcontext = getattr(self, "_pcontext", None)
+        if pcontext is None:
+            return []
+        return [pid for pid in pcontext.pids().values() if proc_state(pid) not in ("", "Z", "X")]
+
+    def _announce_stop(self, reason: str) -> None:
+        """Say, before torch SIGTERMs them, which workers this agent stops and why: a worker reads it
+        (:func:`elastic_runner.lifecycle.StopRequest`) so that it does not report a person's SIGTERM."""
+        pids = self._live_worker_pids()
+        if pids:
+            self._notify("stopping_workers", pids=pids, reason=reason)
+
     def _kill_stopped_workers(self) -> None:
         pcontext = getattr(self, "_pcontext", None)
         if pcontext is None:
@@ -102,10 +117,17 @@ class ElasticRunnerAgent(LocalElasticAgent):
 
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
         self._kill_stopped_workers()
-        super()._stop_workers(worker_group)
+        self._announce_stop(self._restart_reason)
+        self._stopping_group = True  # torch's _stop_workers calls _shutdown: the reason is the one above
+        try:
+            super()._stop_workers(worker_group)
+        finally:
+            self._stopping_group = False
 
     def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
         self._kill_stopped_workers()
+        if not self._stopping_group:
+            self._announce_stop(f"the agent is shutting down on {death_sig.name}")
         super()._shutdown(death_sig, timeout)
 
     # -- monitoring -----------------------------------------------------------------------------
@@ -117,7 +139,11 @@ class ElasticRunnerAgent(LocalElasticAgent):
         pcontext = getattr(self, "_pcontext", None)
         if pcontext is not None and any(proc_state(pid) in ("", "Z", "X") for pid in pcontext.pids().values()):
             self._kill_stopped_workers()
+            self._announce_stop("a worker of the same node failed")
         result = super()._monitor_workers(worker_group)
+        # What the next _restart_workers is for: torch restarts after a failure, or when a node waits to join.
+        self._restart_reason = ("a worker failed" if result.state == WorkerState.FAILED
+                                else "a node is waiting to join")
         if result.state == WorkerState.FAILED:
             codes = sorted({f.exitcode for f in result.failures.values()})
             self._notify("worker_failed", exit_codes=codes, count=len(result.failures),
@@ -126,8 +152,9 @@ class ElasticRunnerAgent(LocalElasticAgent):
             final = sorted(set(codes) & EXIT_FINAL)
             if final and self._remaining_restarts > 0:
                 why = {EXIT_USAGE: "configuration or resume error", EXIT_DIVERGED: "the gradient became NaN or inf"}
-                log.error("a worker exited with status %d (%s, printed above); restarting would fail the same way, "
-                          "so the job stops. Fix the cause and start again.", final[0], why[final[0]])
+                # DEBUG: the worker printed the cause in one line; the exit status says the rest.
+                log.debug("a worker exited with status %d (%s); restarting would fail the same way, "
+                          "so the job stops", final[0], why[final[0]])
                 self._remaining_restarts = 0
         self._notify("state", state=result.state.name, remaining_restarts=self._remaining_restarts)
         return result

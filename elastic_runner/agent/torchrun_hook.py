@@ -72,12 +72,22 @@ def _wrap(api: ModuleType) -> None:
         return
 
     def launch_agent(config: Any, entrypoint: Any, args: list[Any], *more: Any, **options: Any) -> Any:
-        from .adopt import adopt, log_to_stderr
+        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+        from .adopt import adopt
+        from .terminal import final_exit_code, log_to_stderr
 
         log_to_stderr()
         zygote_wanted = os.environ.get("ELASTIC_RUNNER_ZYGOTE", "1") != "0"
         entrypoint, args = adopt(api, config, entrypoint, args, zygote_wanted)
-        return original(config, entrypoint, args, *more, **options)
+        try:
+            return original(config, entrypoint, args, *more, **options)
+        except ChildFailedError as exc:
+            code = final_exit_code(exc)
+            if code is None:
+                raise  # torchrun prints its failure table, as it always has
+            # The worker printed why in one line; torchrun's table and traceback would only bury it.
+            raise SystemExit(code) from None
 
     launch_agent.__elastic_runner__ = True  # type: ignore[attr-defined]
     launch_agent.__wrapped__ = original  # type: ignore[attr-defined]

@@ -156,7 +156,7 @@ def test_a_nonfinite_loss_stops_every_rank_with_one_line_naming_step_and_rank(tm
     step, rank = records[0]["step"], records[0]["rank"]
     lines = [line for line in result.stdout.splitlines() if "elastic_runner: step" in line]
     assert len(lines) == 1 and f"step {step}: the loss of rank {rank} was nan" in lines[0], result.stdout[-3000:]
-    assert "restarting would fail the same way" in result.stdout
+    assert "Traceback" not in result.stdout and "worker_main FAILED" not in result.stdout, result.stdout[-3000:]
     saved = [e["step"] for e in events(tmp_path / "run", "snapshot_saved")]
     assert saved and max(saved) < step, "no snapshot of the diverged state"
     assert len({e["generation"] for e in events(tmp_path / "run", "start")}) == 1, "not restarted"

@@ -77,14 +77,38 @@ def test_plain_script_entrypoints_still_work(tmp_path: Path) -> None:
     assert "rank 0 of 2" in result.stdout and "rank 1 of 2" in result.stdout
 
 
-def test_configuration_error_is_not_retried(quickstart: Path, tmp_path: Path) -> None:
+HANDLED_FAILURE_NOISE = ("Traceback", "ProcessExitedException", "worker_main FAILED", "Root Cause", "ChildFailedError")
+
+
+@pytest.mark.parametrize("launcher", ["launch", "torchrun"])
+def test_a_configuration_error_prints_its_one_line_and_is_not_retried(
+        launcher: str, quickstart: Path, tmp_path: Path) -> None:
     started = time.monotonic()
-    result = launch("--standalone", "--nproc_per_node=2", "--max_restarts=5", "-m", "elastic_runner.train",
-                    "--config", str(quickstart), "--set", f"run.dir={tmp_path}", "--set", "batch.global_size=-1")
+    args = ("--standalone", "--nproc_per_node=2", "--max_restarts=5", "-m", "elastic_runner.train",
+            "--config", str(quickstart), "--set", f"run.dir={tmp_path}", "--set", "batch.global_size=-1")
+    if launcher == "launch":
+        result = launch(*args)
+    else:
+        result = run_bounded([sys.executable, "-m", "torch.distributed.run", *args], 180,
+                             env=os.environ | {"PYTHONUNBUFFERED": "1"})
     assert result.returncode == 2, result.stdout[-3000:]
-    assert result.stdout.count("batch.global_size: got -1") == 2, "each worker ran exactly once"
-    assert "restarting would fail the same way" in result.stdout
+    # Once: one line for the node (not one per worker), and never again (not restarted 5 times).
+    errors = [line for line in result.stdout.splitlines() if "batch.global_size: got -1" in line]
+    assert len(errors) == 1 and errors[0].startswith("elastic_runner: config error: "), result.stdout[-3000:]
+    noise = [word for word in HANDLED_FAILURE_NOISE if word in result.stdout]
+    assert not noise, f"{noise} on the terminal:\n{result.stdout[-3000:]}"
     assert time.monotonic() - started < 120
+
+
+def test_launch_help_says_what_launch_adds_before_torchruns_options() -> None:
+    result = launch("--help", timeout=60)
+    assert result.returncode == 0, result.stdout[-3000:]
+    text = result.stdout
+    assert text.startswith("usage: elastic-runner launch ")
+    preamble = text.index("launch adds")
+    assert preamble < text.index("--nnodes NNODES", text.index("options:"))
+    for added in ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "last_call_timeout=1", "zygote", "ELASTIC_RUNNER_ZYGOTE=0"):
+        assert added in text[preamble:text.index("options:")], added
 
 
 def test_sigterm_ends_the_agent_with_128_plus_signal_and_no_traceback(small_config: Path, tmp_path: Path) -> None:
