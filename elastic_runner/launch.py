@@ -104,7 +104,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .agent import zygote
 
         zygote.start_warming()
-    from .agent.terminal import final_exit_code, log_to_stderr
+    from .agent.terminal import final_exit_code, log_to_stderr, startup_error_line
 
     log_to_stderr()
     args = apply_defaults(argv)
@@ -143,6 +143,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         # signal: Kubernetes' Job success rule relies on 0 meaning "training complete".
         log.warning("stopped by %s", signal.Signals(exc.sigval).name)
         return 128 + int(exc.sigval)
+    except Exception as exc:
+        line = startup_error_line(exc)
+        if line is None:
+            raise
+        print(line, file=sys.stderr)
+        return 1
     return 0
 
 

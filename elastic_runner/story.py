@@ -24,6 +24,7 @@ from .lifecycle import EXIT_PEER_LOST
 _PEER_ERROR = re.compile(r"Connection (reset|closed|refused)|by peer|[Pp]eer|Broken pipe|timed out|Timeout|"
                          r"DistBackendError|NCCL|aborted", re.ASCII)
 
+
 def _exit_words(code: int) -> str:
     if code < 0:
         try:

@@ -7,7 +7,8 @@ the failure and buries the story; it goes to DEBUG here (``ELASTIC_RUNNER_AGENT_
 shows it), the agent's event log keeps the rank, pid and exit status. A failure that ends the job
 for good because restarting cannot help (a config error, a diverged gradient) was already printed
 by the worker in one line: the agent adds no ``worker_main FAILED`` table and exits with the
-worker's status.
+worker's status. A rendezvous that cannot start (no etcd at the endpoint, a bad ``--rdzv-conf``) is one
+line that says what to check, with no chained tracebacks (they go to DEBUG).
 """
 
 from __future__ import annotations
@@ -66,3 +67,14 @@ def final_exit_code(exc: Any) -> int | None:
     codes = {f.exitcode for f in failures.values()}
     _, first = exc.get_first_failure()  # the root cause; its siblings may have been stopped for it
     return first.exitcode if first.exitcode in EXIT_FINAL and codes <= EXIT_FINAL | {-15, 143} else None
+
+
+def startup_error_line(exc: BaseException) -> str | None:
+    """One line for a start-up failure whose message already says what to fix; None for anything else
+    (torch's traceback is then the best help there is)."""
+    from ..rendezvous.backend import EtcdRendezvousStartError
+
+    if isinstance(exc, EtcdRendezvousStartError):
+        log.debug("rendezvous start-up failure", exc_info=exc)
+        return f"elastic-runner: {exc}"
+    return None

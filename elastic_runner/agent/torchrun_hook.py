@@ -75,7 +75,7 @@ def _wrap(api: ModuleType) -> None:
         from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
         from .adopt import adopt
-        from .terminal import final_exit_code, log_to_stderr
+        from .terminal import final_exit_code, log_to_stderr, startup_error_line
 
         log_to_stderr()
         zygote_wanted = os.environ.get("ELASTIC_RUNNER_ZYGOTE", "1") != "0"
@@ -88,6 +88,12 @@ def _wrap(api: ModuleType) -> None:
                 raise  # torchrun prints its failure table, as it always has
             # The worker printed why in one line; torchrun's table and traceback would only bury it.
             raise SystemExit(code) from None
+        except Exception as exc:
+            line = startup_error_line(exc)
+            if line is None:
+                raise
+            print(line, file=sys.stderr)
+            raise SystemExit(1) from None
 
     launch_agent.__elastic_runner__ = True  # type: ignore[attr-defined]
     launch_agent.__wrapped__ = original  # type: ignore[attr-defined]

@@ -225,6 +225,15 @@ class EtcdRendezvousBackend(RendezvousBackend):
         return decode_state(kv.value, self._key_text, self._sealer), kv.mod_revision, False
 
 
+class EtcdRendezvousStartError(RendezvousConnectionError):
+    """The etcd-v3 rendezvous cannot start (etcd unreachable or refusing us, or an option to fix); the
+    message says what to check, so the agent prints it as one line (:mod:`elastic_runner.agent.terminal`)."""
+
+
+class EtcdRendezvousOptionError(EtcdRendezvousStartError, ValueError):
+    """A ``--rdzv_endpoint``/``--rdzv_conf`` value to fix (also a ValueError, as torch's option errors are)."""
+
+
 def create_backend(params: RendezvousParameters) -> tuple[EtcdRendezvousBackend, "EtcdStore"]:
     """Backend and store for ``params`` (``--rdzv_endpoint``, ``--rdzv_id``, ``--rdzv_conf``).
 
@@ -233,7 +242,10 @@ def create_backend(params: RendezvousParameters) -> tuple[EtcdRendezvousBackend,
     """
     from .store import EtcdStore
 
-    options = parse_options(params)
+    try:
+        options = parse_options(params)
+    except ValueError as exc:
+        raise EtcdRendezvousOptionError(f"--rdzv_backend=etcd-v3: {exc}") from exc
     client = EtcdGatewayClient(options)
     leases = LeaseKeeper(client, options.ttl)
     sealer = Sealer(options.auth_key)
@@ -242,7 +254,7 @@ def create_backend(params: RendezvousParameters) -> tuple[EtcdRendezvousBackend,
         client.get(backend.key.encode(), budget=options.connect_timeout)
     except EtcdError as exc:
         client.close()
-        raise RendezvousConnectionError(
+        raise EtcdRendezvousStartError(
             f"The etcd-v3 rendezvous cannot start run '{params.run_id}': {exc}") from exc
     store = EtcdStore(client, run_prefix(options.key_prefix, params.run_id), leases=leases,
                       read_timeout=options.read_timeout, sealer=sealer)
