@@ -148,7 +148,7 @@ class Attempt:
                                         generation=generation, rank=env.rank)
         events.emit("start", world_size=env.world_size, local_rank=env.local_rank, restart_count=env.restart_count,
                     run_id=env.run_id, device=str(dist.device), backend=dist.backend, process_start=self.started_at,
-                    version=__version__, zygote="elastic_runner.agent.warm" in sys.modules)
+                    version=__version__, zygote="elastic_runner.agent.warm" in sys.modules, agent=env.agent_id)
         metrics = self.metrics = Metrics(env.rank, env.local_rank)
         self.checkpointer = Checkpointer(cfg, env, dist, store, generation=generation, run_uid=run_uid,
                                          state=self.state, events=events, metrics=metrics,
@@ -176,7 +176,7 @@ class Attempt:
             step = self.state.step
             if self.stop.requested and isinstance(exc, Exception) and not isinstance(exc, StopSnapshotFailed):
                 # Peers that stopped first broke our collective: this is the stop we were asked for.
-                events.emit("stop", step=step, signal=self.stop.signal_name,
+                events.emit("stop", step=step, signal=self.stop.signal_name, by_agent=self.stop.agent_reason,
                             note=f"peers stopped first ({type(exc).__name__})")
                 events.emit("end", status="stopped", step=step)
             else:

@@ -29,6 +29,10 @@ def _int(environ: Mapping[str, str], name: str, default: int) -> int:
         raise EnvError(f"environment variable {name}={raw!r} is not an integer; unset it or launch through torchrun") from exc
 
 
+#: Set by elastic_runner's agent (both paths) for its workers: ``HOST-PID-STARTTIME`` of the agent process.
+AGENT_ID_VAR = "ELASTIC_RUNNER_AGENT_ID"
+
+
 @dataclass(frozen=True)
 class WorkerEnv:
     rank: int = 0
@@ -43,6 +47,8 @@ class WorkerEnv:
     master_port: int | None = None
     under_torchrun: bool = False
     hostname: str = ""
+    #: The agent that started this worker (``launch`` or an adopted torchrun; None under torch's own agent).
+    agent_id: str | None = None
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None, legacy_local_rank: int | None = None) -> "WorkerEnv":
@@ -71,6 +77,7 @@ class WorkerEnv:
             master_port=int(port) if port and port.isdigit() else None,
             under_torchrun="TORCHELASTIC_RUN_ID" in env,
             hostname=socket.gethostname(),
+            agent_id=env.get(AGENT_ID_VAR) or None,
         )
 
     @property

@@ -97,6 +97,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     for key, value in ENV_DEFAULTS.items():
         os.environ.setdefault(key, value)
     os.environ["ELASTIC_RUNNER_RDZV_CONF"] = merge_rdzv_conf(_flag_value(argv, "rdzv_conf") or os.environ.get("PET_RDZV_CONF", ""))
+    from .agent.adopt import name_agent
+
+    name_agent()
     # Workers forked from the zygote see neither our command line nor torchrun's: tell them the node range.
     os.environ["ELASTIC_RUNNER_NNODES"] = _flag_value(argv, "nnodes") or os.environ.get("PET_NNODES", "1")
     if zygote_wanted:

@@ -262,7 +262,7 @@ class Trainer:
             self.evaluate()
         self.checkpointer.maybe_save(step, last)
         if c.stop.requested:
-            c.events.emit("stop", step=step, signal=c.stop.signal_name)
+            c.events.emit("stop", step=step, signal=c.stop.signal_name, by_agent=c.stop.agent_reason)
             self.checkpointer.save("stop", sync=True)
             raise GracefulStop(c.stop.signal_name)
 

@@ -31,6 +31,21 @@ class Gap:
 
 
 @dataclass
+class Session:
+    """One start of the job by hand (a ``torchrun``/``launch`` command, a Kubernetes Job): its
+    generations up to the next start by hand. Time between sessions is nobody's downtime."""
+
+    first_generation: int
+    start: float
+    end: float
+    reached_a_step: bool  #: or found the run already finished: not a failed start
+
+    @property
+    def seconds(self) -> float:
+        return max(0.0, self.end - self.start)
+
+
+@dataclass
 class RunSummary:
     run_dir: str
     t0: float
@@ -45,10 +60,19 @@ class RunSummary:
     snapshot_write_ms: float | None = None
     rejected: int = 0
     samples_lost: str = "unknown (run with audit.samples: true)"
+    sessions: list[Session] = field(default_factory=list)
 
     @property
     def wall(self) -> float:
+        """Training wall time: the sessions' time, not the hours between a stop and a resume by hand."""
+        if self.sessions:
+            return sum(s.seconds for s in self.sessions)
         return max(0.0, self.t_end - self.t0)
+
+    @property
+    def failed_starts(self) -> int:
+        """Sessions that never reached a training step (a bad config, a missing snapshot, ...)."""
+        return sum(1 for s in self.sessions if not s.reached_a_step)
 
     @property
     def downtime(self) -> float:
@@ -65,6 +89,9 @@ class RunSummary:
             f"after {self.wall:.1f} s of training wall time",
             f"generations: {self.generations}; world sizes: {' -> '.join(map(str, self.world_sizes)) or '?'}",
         ]
+        if len(self.sessions) > 1:
+            lines.append(f"sessions: {len(self.sessions)} (started or resumed by hand; the time between them is not "
+                         f"counted), {self.failed_starts} failed start(s)")
         if recoveries:
             lines.append(f"recoveries: {len(recoveries)}, {min(recoveries):.2f} / {statistics.median(recoveries):.2f} / "
                          f"{max(recoveries):.2f} s (min/median/max); downtime {self.downtime:.1f} s; "
@@ -97,9 +124,10 @@ def summarize(run_dir: str, events: list[dict[str, Any]] | None = None) -> RunSu
             info.setdefault("first_step", e["time"])
     first = min(by_gen)
     t0 = by_gen[first].get("first_step", by_gen[first].get("start", workers[0]["time"]))
+    begins = _session_starts(by_gen)
     gaps = []
     for g in sorted(by_gen):
-        if g == first:
+        if g in begins:
             continue
         prev = by_gen.get(g - 1) or by_gen[max(k for k in by_gen if k < g)]
         prev_end = max(e["time"] for e in prev["events"])
@@ -111,6 +139,15 @@ def summarize(run_dir: str, events: list[dict[str, Any]] | None = None) -> RunSu
         end = by_gen[g].get("first_step", by_gen[g].get("start", start))
         causes = sorted({e.get("error", e["kind"]).split(":")[0] for e in prev["events"] if e["kind"] in ("failure", "stop")})
         gaps.append(Gap(start=start, end=max(start, end), generation=g, cause=", ".join(causes) or "restart"))
+    sessions = []
+    for i, g in enumerate(sorted(begins)):
+        upto = sorted(begins)[i + 1] if i + 1 < len(begins) else None
+        gens = [k for k in sorted(by_gen) if k >= g and (upto is None or k < upto)]
+        stepped = [by_gen[k]["first_step"] for k in gens if "first_step" in by_gen[k]]
+        last = max(e["time"] for k in gens for e in by_gen[k]["events"])
+        done = any(e["kind"] == "end" and e.get("status") == "finished" for k in gens for e in by_gen[k]["events"])
+        sessions.append(Session(first_generation=g, start=min(stepped, default=last), end=last,
+                                reached_a_step=bool(stepped) or done))
     ends = [e for e in workers if e["kind"] == "end" and e.get("status") == "finished"]
     steps = [e.get("step") or 0 for e in workers if isinstance(e.get("step"), int)]
     saved = [e for e in workers if e["kind"] == "snapshot_saved"]
@@ -118,7 +155,7 @@ def summarize(run_dir: str, events: list[dict[str, Any]] | None = None) -> RunSu
         run_dir=str(run_dir), t0=t0, t_end=max(e["time"] for e in workers), finished=bool(ends),
         final_step=max(steps, default=0), generations=len(by_gen),
         world_sizes=_collapse([by_gen[g].get("world") for g in sorted(by_gen) if by_gen[g].get("world")]),
-        gaps=gaps, snapshots=len(saved), rejected=sum(1 for e in workers if e["kind"] == "snapshot_rejected"),
+        gaps=gaps, sessions=sessions, snapshots=len(saved), rejected=sum(1 for e in workers if e["kind"] == "snapshot_rejected"),
     )
     if saved:
         summary.snapshot_blocking_ms = 1000 * statistics.median(e["blocking_s"] for e in saved)
@@ -131,6 +168,33 @@ def summarize(run_dir: str, events: list[dict[str, Any]] | None = None) -> RunSu
         dup = sum(len(e.duplicates) for e in audit.epochs)
         summary.samples_lost = "0 (audit clean)" if audit.ok else f"{missing} missing, {dup} duplicated (audit FAILED)"
     return summary
+
+
+def _session_starts(by_gen: dict[int, dict[str, Any]]) -> set[int]:
+    """The generations that were started by hand rather than by a recovery.
+
+    A worker's ``start`` event names its agent (``agent``: host, pid and start time of the ``launch`` or
+    torchrun process; set by elastic_runner's agent on both paths). A generation whose agents are all new
+    to the run began a new session: every node's torchrun was started again. Without agent names (torch's
+    agent opted out, or ``elastic-runner train`` run directly) a generation after one that finished, or
+    one not under torchrun at all, begins a session."""
+    begins: set[int] = set()
+    seen: set[str] = set()
+    previous: dict[str, Any] | None = None
+    for g in sorted(by_gen):
+        starts = [e for e in by_gen[g]["events"] if e["kind"] == "start"]
+        agents = {e["agent"] for e in starts if e.get("agent")}
+        if previous is None:
+            begins.add(g)
+        elif starts and all(e.get("agent") for e in starts) and seen:
+            if agents.isdisjoint(seen):
+                begins.add(g)
+        elif any(e["kind"] == "end" and e.get("status") == "finished" for e in previous["events"]) or \
+                (starts and not any(e.get("run_id", "local") != "local" for e in starts)):
+            begins.add(g)
+        seen |= agents
+        previous = by_gen[g]
+    return begins
 
 
 def _collapse(values: list[Any]) -> list[Any]:

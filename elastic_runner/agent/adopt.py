@@ -37,6 +37,19 @@ def worker_program(entrypoint: Any, args: Sequence[Any]) -> list[str] | None:
     return None
 
 
+def name_agent(environ: Any = None) -> str:
+    """Give this agent process a name its workers inherit (they record it in their ``start`` event; ``report``
+    tells a job started again by hand from a recovery by it). Call before the zygote starts."""
+    import socket
+    import time
+
+    from ..env import AGENT_ID_VAR
+
+    environ = os.environ if environ is None else environ
+    environ[AGENT_ID_VAR] = f"{socket.gethostname()}-{os.getpid()}-{time.time():.0f}"
+    return environ[AGENT_ID_VAR]
+
+
 def adopt(launcher_api: Any, config: Any, entrypoint: Any, args: Sequence[Any],
           zygote_wanted: bool) -> tuple[Any, list[Any]]:
     """Set up this agent process; returns the (entrypoint, args) to hand to torch's ``launch_agent``."""

@@ -56,6 +56,9 @@ def install(argv: Sequence[str] | None = None, environ: dict[str, str] | Any = N
     _installed = True
     for key, value in ENV_DEFAULTS.items():
         environ.setdefault(key, value)
+    from .adopt import name_agent
+
+    name_agent(environ)
     # Zygote workers see neither torchrun's command line nor a fresh environment: what preflight reads.
     environ.setdefault("ELASTIC_RUNNER_RDZV_CONF", _flag_value(args, "rdzv_conf") or environ.get("PET_RDZV_CONF", ""))
     environ.setdefault("ELASTIC_RUNNER_NNODES", _flag_value(args, "nnodes") or environ.get("PET_NNODES", "1"))

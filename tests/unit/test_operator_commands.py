@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from elastic_runner.cli import main as cli_main
 from elastic_runner.snapshot import LocalStore, SnapshotRef
 
@@ -66,3 +68,50 @@ def test_a_run_directory_that_is_a_file_is_named_as_such(tmp_path: Path) -> None
                              "--set", f"run.dir={not_a_dir}"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert "is not a directory" in result.stderr + result.stdout and "permissions" not in result.stderr + result.stdout
+
+
+def _generation(g: int, t: float, agents: list[str | None], world: int, *, first_step: bool = True,
+                end: str | None = None, failure: str | None = None) -> list[dict]:
+    """The events of one generation: a start per rank (naming its agent), its first step, and how it ended."""
+    out: list[dict] = []
+    for rank, agent in enumerate(agents):
+        src = {"source": f"gen-{g:06d}-rank-{rank:05d}", "generation": g, "rank": rank, "pid": 1000 * g + rank}
+        out.append(src | {"time": t, "kind": "start", "world_size": world, "run_id": "job", "agent": agent})
+        if first_step:
+            out.append(src | {"time": t + 1, "kind": "first_step", "step": 1})
+            out.append(src | {"time": t + 10, "kind": "progress", "step": 50, "loss": 1.0, "samples_per_s": 1.0})
+        if failure:
+            out.append(src | {"time": t + 10.5, "kind": "failure", "error": failure, "step": 50})
+        if end:
+            out.append(src | {"time": t + 11, "kind": "end", "status": end, "step": 50})
+    return out
+
+
+def test_report_tells_a_job_resumed_by_hand_and_a_failed_start_from_recoveries(tmp_path: Path) -> None:
+    """Before: a run extended by hand a day later showed one 'recovery' of a day, 'uptime fraction 0.003'."""
+    from elastic_runner.report import summarize
+
+    day = 86_400.0
+    events = (
+        _generation(1, 0.0, ["a-1-0", "b-1-0"], 2, failure="DistBackendError: peer")   # a worker fails ...
+        + _generation(2, 12.0, ["a-1-0", "b-1-0"], 2, end="finished")                   # ... and is recovered
+        + _generation(3, day, ["a-7-1", "b-7-1"], 2, first_step=False, failure="ResumeError: no snapshot")
+        + _generation(4, 2 * day, ["a-9-2", "b-9-2"], 2, end="finished")               # resumed by hand, next day
+    )
+    summary = summarize(str(tmp_path), events)
+    assert [g.generation for g in summary.gaps] == [2], "one recovery, inside the first session"
+    assert summary.gaps[0].seconds == pytest.approx(3.0)  # last progress (10 s) to the next first step (13 s)
+    assert [s.first_generation for s in summary.sessions] == [1, 3, 4]
+    assert summary.failed_starts == 1
+    assert summary.wall == pytest.approx(22 + 0 + 10)   # the days between sessions are nobody's downtime
+    assert summary.uptime_fraction > 0.9
+    text = summary.text()
+    assert "sessions: 3" in text and "1 failed start(s)" in text and "recoveries: 1," in text
+
+
+def test_report_without_agent_names_splits_sessions_after_a_finished_run(tmp_path: Path) -> None:
+    from elastic_runner.report import summarize
+
+    events = (_generation(1, 0.0, [None], 1, end="finished") + _generation(2, 500.0, [None], 1, end="finished"))
+    summary = summarize(str(tmp_path), events)
+    assert not summary.gaps and len(summary.sessions) == 2
