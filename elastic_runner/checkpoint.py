@@ -36,7 +36,7 @@ from . import __version__
 from .config import Config, diff_configs, resume_free_keys
 from .rng import RNGState
 from .snapshot import Loaded, SnapshotError, SnapshotWriter, require_ok
-from .snapshot.memory import MemoryTier, memory_root
+from .snapshot.memory import MemoryTier, memory_root, sweep_abandoned_memory
 from .snapshot.selection import select_newest
 
 if TYPE_CHECKING:
@@ -235,6 +235,7 @@ class Checkpointer:
                             "directory or point ELASTIC_RUNNER_SHM_DIR at a directory of your own", exc)
         if self.memory is not None and env.is_local_leader:
             self.memory.sweep()
+            sweep_abandoned_memory()
         self.model: torch.nn.Module | None = None
         self.boundary: StepBoundary | None = None
         self.optimizer: torch.optim.Optimizer | None = None

@@ -75,6 +75,12 @@ def _add_snapshot_parser(sub: argparse._SubParsersAction) -> None:  # type: igno
     pe.add_argument("run_dir")
     pe.add_argument("--out", required=True, help="output file, loadable with torch.load(FILE, weights_only=True)")
     pe.add_argument("--snapshot", default=None, help="a specific snapshot name instead of the newest")
+    pg = ssub.add_parser("gc", help="remove this node's in-memory snapshots (/dev/shm) that no run needs")
+    pg.add_argument("--older-than", default="24h", metavar="AGE",
+                    help="also remove copies last written longer ago than AGE (30m, 24h, 7d; default 24h), even "
+                         "if newer than their run's durable snapshots")
+    pg.add_argument("--dry-run", action="store_true", help="say what would be removed, remove nothing")
+    pg.add_argument("--shm-dir", default=None, help="the node-memory base (default: ELASTIC_RUNNER_SHM_DIR or /dev/shm)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

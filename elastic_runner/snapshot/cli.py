@@ -1,4 +1,4 @@
-"""``elastic-runner snapshot inspect|export``: look into a run's snapshots."""
+"""``elastic-runner snapshot inspect|export|gc``: look into a run's snapshots; free node memory."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Any
 
 import yaml
 
-from ..fsmode import write_file_atomically
+from ..fsmode import UnsafeDirectoryError, write_file_atomically
 from .format import load_snapshot, read_meta, read_verified_bytes
 from .loader import find_newest
 from .store import LocalStore, SnapshotError, SnapshotRef, open_store
@@ -128,8 +128,37 @@ def find_newest_readonly(store: LocalStore, map_location: Any = "cpu") -> tuple[
     return None
 
 
+def parse_age(text: str) -> float:
+    """``30m``, ``24h``, ``7d``, ``90s`` or a number of seconds -> seconds."""
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86_400}
+    raw = text.strip().lower()
+    try:
+        value = float(raw[:-1]) * units[raw[-1]] if raw and raw[-1] in units else float(raw)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise SnapshotError(f"--older-than {text!r} is not an age; write e.g. 30m, 24h or 7d")
+    return value
+
+
+def gc(older_than: str, dry_run: bool, shm_dir: str | None) -> int:
+    from .memory import collect_garbage
+
+    decisions = collect_garbage(shm_dir, older_than_s=parse_age(older_than), dry_run=dry_run)
+    for d in decisions:
+        verb = ("would remove" if dry_run else "removed") if d.remove else "kept"
+        print(f"{verb} {d.path} ({d.size_bytes / 1e6:.1f} MB): {d.why}")
+    freed = sum(d.size_bytes for d in decisions if d.remove)
+    kept = [d for d in decisions if not d.remove]
+    print(f"{'would free' if dry_run else 'freed'} {freed / 1e6:.1f} MB in {len(decisions) - len(kept)} "
+          f"run director{'y' if len(decisions) - len(kept) == 1 else 'ies'}; kept {len(kept)}")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     try:
+        if args.snapshot_cmd == "gc":
+            return gc(args.older_than, args.dry_run, args.shm_dir)
         if args.snapshot_cmd == "inspect":
             summary = inspect(args.run_dir, verify=args.verify)
             print(json.dumps(summary, indent=2))
@@ -141,6 +170,9 @@ def run(args: argparse.Namespace) -> int:
     except SnapshotError as exc:
         print(f"elastic-runner: {exc}", file=sys.stderr)
         return 1
+    except UnsafeDirectoryError as exc:
+        print(f"elastic-runner: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

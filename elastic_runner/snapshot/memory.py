@@ -18,6 +18,7 @@ snapshot per run and node is kept.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -27,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from ..fsmode import private_dir
+from ..fsmode import private_dir, write_file_atomically
 from .format import read_meta, read_verified_bytes
 from .store import LocalStore, SnapshotError, SnapshotRef
 from .writer import SnapshotWriter, require_ok
@@ -37,17 +38,115 @@ log = logging.getLogger(__name__)
 SHM_ROOT = "/dev/shm"
 
 
-def memory_root(snapshot_location: str, base: str | None = None) -> Path:
-    """Node-local directory for one run (keyed by its snapshot location), inside this user's own
-    directory ``BASE/elastic-runner-<uid>`` (mode 0700, checked: not a symlink, not another user's,
-    closed to others), so that no other local user can read the copies, plant one, or swap the
-    run's directory for a link into real data. Raises ``fsmode.UnsafeDirectoryError`` otherwise."""
+#: In every run's node-memory directory: which run it belongs to (``snapshot gc`` reads it).
+OWNER_NOTE = "owner.json"
+
+
+def memory_base(base: str | None = None) -> Path:
+    """This user's node-memory directory ``BASE/elastic-runner-<uid>`` (mode 0700, checked: not a
+    symlink, not another user's, closed to others), so that no other local user can read the copies,
+    plant one, or swap a run's directory for a link into real data. Raises
+    ``fsmode.UnsafeDirectoryError`` otherwise."""
     base = base or os.environ.get("ELASTIC_RUNNER_SHM_DIR") or (SHM_ROOT if os.path.isdir(SHM_ROOT) else tempfile.gettempdir())
-    key = hashlib.sha256(os.path.abspath(snapshot_location).encode()).hexdigest()[:16]
     # A base named by ELASTIC_RUNNER_SHM_DIR may not exist yet; what is ours below it is checked.
     Path(base).mkdir(mode=0o700, parents=True, exist_ok=True)
-    mine = private_dir(Path(base) / f"elastic-runner-{os.getuid()}")
-    return private_dir(mine / key)
+    return private_dir(Path(base) / f"elastic-runner-{os.getuid()}")
+
+
+def memory_root(snapshot_location: str, base: str | None = None) -> Path:
+    """Node-local directory for one run (keyed by its snapshot location) in :func:`memory_base`."""
+    key = hashlib.sha256(os.path.abspath(snapshot_location).encode()).hexdigest()[:16]
+    root = private_dir(memory_base(base) / key)
+    note = root / OWNER_NOTE
+    if not note.is_file():
+        write_file_atomically(note, json.dumps({"snapshot_location": str(snapshot_location),
+                                                "created": time.time()}).encode())
+    return root
+
+
+@dataclass(frozen=True)
+class GcDecision:
+    path: Path
+    remove: bool
+    why: str
+    size_bytes: int
+
+
+def collect_garbage(base: str | None = None, older_than_s: float = 86_400.0, dry_run: bool = False,
+                    empty_after_s: float = 3600.0, read_locations: bool = True) -> list[GcDecision]:
+    """Remove node-memory copies nothing needs any more (``elastic-runner snapshot gc``), and say why for each.
+
+    A run's directory goes when no writer of it is alive and
+    - it holds no snapshot (a run that never kept one; older than ``empty_after_s``), or
+    - its run has a durable snapshot at the same step or later (the copy is redundant), or
+    - it was last written more than ``older_than_s`` ago (an abandoned run; its run directory may be gone).
+    A copy newer than its run's durable snapshots and younger than that is kept: it may be the only copy
+    of those steps (a node that lost its disk, a full volume), and the next start resumes from it.
+    ``read_locations=False`` never looks at a run's snapshot location (a start-up sweep must not wait on
+    another run's shared disk): only the first and last rule apply."""
+    from .store import open_store
+
+    decisions = []
+    now = time.time()
+    for root in sorted(p for p in memory_base(base).iterdir() if p.is_dir() and not p.is_symlink()):
+        size = sum(f.stat().st_size for f in root.rglob("*") if f.is_file() and not f.is_symlink())
+        age = now - max((f.stat().st_mtime for f in [root, *root.rglob("*")]), default=now)
+        tier = LocalStore(root)
+        newest = tier.complete()[-1] if tier.complete() else None
+        if any(not _stale(lock) for lock in root.glob(".writing-*")):
+            decisions.append(GcDecision(root, False, "a writer is alive", size))
+            continue
+        location = _owner_location(root)
+        if newest is None:
+            remove = age > empty_after_s
+            why = "holds no snapshot" if remove else "holds no snapshot yet (a run may be starting)"
+        elif age > older_than_s:
+            remove, why = True, f"abandoned: step {newest.step}, last written {age / 3600:.1f} h ago"
+        elif not read_locations:
+            remove, why = False, f"step {newest.step}; not compared with its run's durable snapshots"
+        elif location is None:
+            remove, why = False, (f"step {newest.step} of an unknown run (no {OWNER_NOTE}); removed once older "
+                                  f"than {older_than_s / 3600:.1f} h")
+        else:
+            try:
+                durable = [r.step for r in open_store(location).complete()]
+            except (OSError, SnapshotError):
+                durable = []
+            if durable and max(durable) >= newest.step:
+                remove, why = True, f"step {newest.step}; {location} has a durable snapshot at step {max(durable)}"
+            else:
+                remove, why = False, (f"step {newest.step} is newer than every durable snapshot in {location} "
+                                      f"(newest: {max(durable) if durable else 'none'}); the next start resumes from "
+                                      f"it. Removed once older than {older_than_s / 3600:.1f} h")
+        if remove and not dry_run:
+            shutil.rmtree(root, ignore_errors=True)
+        decisions.append(GcDecision(root, remove, why, size))
+    return decisions
+
+
+#: What a start-up sweep removes of other runs' node memory without asking: copies untouched for a week.
+ABANDONED_AFTER_S = 7 * 86_400.0
+
+
+def sweep_abandoned_memory() -> None:
+    """At a run's start (one rank per node): remove other runs' empty directories and copies untouched
+    for :data:`ABANDONED_AFTER_S`; ``elastic-runner snapshot gc`` does the rest on request."""
+    try:
+        removed = [d for d in collect_garbage(older_than_s=ABANDONED_AFTER_S, read_locations=False) if d.remove]
+    except OSError as exc:
+        log.debug("node-memory sweep skipped: %s", exc)
+        return
+    for d in removed:
+        log.info("removed node memory %s (%s, %.1f MB)", d.path, d.why, d.size_bytes / 1e6)
+
+
+def _owner_location(root: Path) -> str | None:
+    try:
+        note = json.loads((root / OWNER_NOTE).read_bytes()[:65536])
+    except (OSError, ValueError):
+        return None
+    location = note.get("snapshot_location") if isinstance(note, dict) else None
+    return location if isinstance(location, str) and location else None
 
 
 @dataclass(frozen=True)

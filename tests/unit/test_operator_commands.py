@@ -6,6 +6,7 @@ from __future__ import annotations
 import fcntl
 import os
 import subprocess
+import time
 import sys
 from pathlib import Path
 
@@ -115,3 +116,64 @@ def test_report_without_agent_names_splits_sessions_after_a_finished_run(tmp_pat
     events = (_generation(1, 0.0, [None], 1, end="finished") + _generation(2, 500.0, [None], 1, end="finished"))
     summary = summarize(str(tmp_path), events)
     assert not summary.gaps and len(summary.sessions) == 2
+
+
+def _node_memory(base: Path, location: Path, step: int) -> Path:
+    """A run's node-memory directory holding ``step`` (what a survivor leaves when an attempt ends)."""
+    from elastic_runner.snapshot.memory import MemoryTier, memory_root
+
+    root = memory_root(str(location), base=str(base))
+    assert MemoryTier(root, 1, "u").save(step, capture(step))
+    return root
+
+
+def _durable(location: Path, step: int) -> None:
+    store = LocalStore(location)
+    store.ensure()
+    require_ok(writer_for(store).save(step, capture(step), sync=True))
+
+
+def _age(root: Path, seconds: float) -> None:
+    old = time.time() - seconds
+    for path in [root, *root.rglob("*")]:
+        os.utime(path, (old, old), follow_symlinks=False)
+
+
+def test_snapshot_gc_removes_what_no_run_needs_and_keeps_the_only_copy_of_newer_steps(tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    base = tmp_path / "shm"
+    redundant = _node_memory(base, tmp_path / "a", 20)
+    _durable(tmp_path / "a", 20)                          # the disk has that step: the copy is redundant
+    only_copy = _node_memory(base, tmp_path / "b", 30)
+    _durable(tmp_path / "b", 20)                          # the disk lags: the copy is the only step 30
+    from elastic_runner.snapshot.memory import memory_root
+
+    empty_old = memory_root(str(tmp_path / "c"), base=str(base))
+    _age(empty_old, 2 * 3600)                             # a run that never kept anything, 2 h ago
+    starting = memory_root(str(tmp_path / "d"), base=str(base))  # a run starting now
+
+    assert cli_main(["snapshot", "gc", "--shm-dir", str(base), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert all(p.exists() for p in (redundant, only_copy, empty_old, starting)), "a dry run removes nothing"
+    assert f"would remove {redundant}" in out and f"would remove {empty_old}" in out and "would free" in out
+
+    assert cli_main(["snapshot", "gc", "--shm-dir", str(base)]) == 0
+    out = capsys.readouterr().out
+    assert not redundant.exists() and not empty_old.exists()
+    assert only_copy.exists() and starting.exists()
+    assert f"kept {only_copy}" in out and "step 30 is newer than every durable snapshot" in out
+
+    _age(only_copy, 3 * 3600)
+    assert cli_main(["snapshot", "gc", "--shm-dir", str(base), "--older-than", "2h"]) == 0
+    assert not only_copy.exists(), "abandoned for longer than --older-than"
+    assert "abandoned: step 30" in capsys.readouterr().out
+
+
+def test_snapshot_gc_never_touches_a_copy_being_written(tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    base = tmp_path / "shm"
+    root = _node_memory(base, tmp_path / "a", 20)
+    _durable(tmp_path / "a", 20)
+    (root / ".writing-g1-s21").write_text(str(os.getpid()))  # a live writer (this process)
+    assert cli_main(["snapshot", "gc", "--shm-dir", str(base), "--older-than", "0"]) == 0
+    assert root.exists() and "a writer is alive" in capsys.readouterr().out
+    assert cli_main(["snapshot", "gc", "--shm-dir", str(base), "--older-than", "soon"]) == 1
+    assert "--older-than 'soon' is not an age" in capsys.readouterr().err
