@@ -52,6 +52,7 @@ def fit(model: nn.Module, train_data: Any, *, loss: Callable[..., Any] | str = "
     """
     from .env import EnvError, WorkerEnv
     from .lifecycle import EXIT_USAGE
+    from .logs import say
     from .train import run
 
     try:
@@ -65,7 +66,7 @@ def fit(model: nn.Module, train_data: Any, *, loss: Callable[..., Any] | str = "
             cfg.eval.metrics = [m for m in metrics if isinstance(m, str)] or ["loss"]
             cfg.eval.validate()
     except (ConfigError, EnvError) as exc:
-        print(f"elastic_runner: config error: {exc}", file=sys.stderr)
+        say(f"elastic_runner: config error: {exc}")
         return EXIT_USAGE
     cfg.data.name = f"(script) {type(train_data).__qualname__}"
     cfg.model.name = f"(script) {type(model).__qualname__}"

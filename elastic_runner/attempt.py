@@ -40,6 +40,7 @@ from .events import EventLog, furthest_step_reached
 from .fsmode import makedirs
 from .imports import resolve
 from .lifecycle import EXIT_PEER_LOST, StopRequest, exit_now
+from .logs import say
 from .preflight import largest_world_size, parent_cmdline
 from .loop import Components, GracefulStop, Trainer, TrainState, planned_total_steps, refresh_schedule, rescale_lr
 from .metrics import Metrics
@@ -333,5 +334,5 @@ class Attempt:
                      if k.startswith("eval_") and k != "eval_samples" and isinstance(v, float)}
             log.info("finished at step %d%s; snapshots in %s", step,
                      "".join(f", test {k} {v:.4g}" for k, v in shown.items()), self.checkpointer.store.location)
-            print(f"elastic_runner: finished step={step}" + "".join(f" test_{k}={v:.4f}" for k, v in shown.items()),
-                  flush=True)
+            say(f"elastic_runner: finished step={step}" + "".join(f" test_{k}={v:.4f}" for k, v in shown.items()),
+                sys.stdout)

@@ -2,7 +2,9 @@
 
 All ranks log warnings and errors (prefixed with their rank); progress lines,
 the progress bar and other chatter come from rank 0 only, through
-:class:`RankZero`, so that N workers do not print N copies.
+:class:`RankZero`, so that N workers do not print N copies. Every line goes
+out in one write (:func:`say`, logging's handler, :class:`Progress`), so the
+lines of ranks that share a terminal never interleave mid-line.
 """
 
 from __future__ import annotations
@@ -14,6 +16,16 @@ import time
 from typing import Any, Callable, TextIO, TypeVar
 
 T = TypeVar("T")
+
+
+def say(text: str, stream: TextIO | None = None) -> None:
+    """One line to the terminal in one write: the workers of a node share its stdout and stderr, and
+    ``print`` writes the text and its newline separately (unbuffered, under ``PYTHONUNBUFFERED`` or
+    torchrun's ``-u``), so another rank's line could land between them. A write of up to PIPE_BUF (4 KiB)
+    bytes to a pipe is atomic."""
+    stream = sys.stderr if stream is None else stream
+    stream.write(text + "\n")
+    stream.flush()
 
 
 def setup_logging(level: str, rank: int, world_size: int) -> None:

@@ -42,7 +42,7 @@ from .lifecycle import (
     name_process,
     process_start_time,
 )
-from .logs import setup_logging
+from .logs import say, setup_logging
 from .loop import GracefulStop
 from .preflight import warn_known_bad_setups
 from .snapshot import StaleWriterError
@@ -72,7 +72,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, EnvError) as exc:
         # Every worker of the node read the same file: the node's terminal shows the error once.
         if os.environ.get("LOCAL_RANK", "0") == "0":
-            print(f"elastic_runner: config error: {exc}", file=sys.stderr)
+            say(f"elastic_runner: config error: {exc}")
         return EXIT_USAGE
     return run(cfg, env)
 
@@ -101,7 +101,7 @@ def run(cfg: Config, env: WorkerEnv, make_workload: Callable[[], Workload] | Non
         dist = Dist.up(env, backend=cfg.dist.backend, device=cfg.dist.device,
                        timeout_seconds=cfg.dist.timeout_seconds, init_timeout_seconds=cfg.dist.init_timeout_seconds)
     except DistError as exc:
-        print(f"elastic_runner: {exc}", file=sys.stderr)
+        say(f"elastic_runner: {exc}")
         return EXIT_USAGE
     try:
         Attempt(cfg, env, dist, stop, started_at, make_workload).run()
@@ -110,14 +110,14 @@ def run(cfg: Config, env: WorkerEnv, make_workload: Callable[[], Workload] | Non
         log.info("stopped %s after saving a snapshot", stop.description)
         return EXIT_OK
     except (ConfigError, ResumeError, SetupError) as exc:
-        print(f"elastic_runner: {exc}", file=sys.stderr)
+        say(f"elastic_runner: {exc}")
         return EXIT_USAGE
     except NonFiniteGradient as exc:
         if env.rank == 0:  # every rank saw it; one line is enough
-            print(f"elastic_runner: {exc}", file=sys.stderr)
+            say(f"elastic_runner: {exc}")
         return EXIT_DIVERGED
     except (StaleWriterError, StopSnapshotFailed, RetryableSetupError) as exc:
-        print(f"elastic_runner: {exc}", file=sys.stderr)
+        say(f"elastic_runner: {exc}")
         return EXIT_FAILED
     except Exception:
         if stop.requested:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -30,3 +31,33 @@ def test_exit_statuses_are_defined_in_one_module() -> None:
     defining = sorted(str(p.relative_to(ROOT)) for p in PACKAGE.rglob("*.py")
                       if any(line.startswith("EXIT_") and "=" in line for line in p.read_text().splitlines()))
     assert defining == [str(Path("elastic_runner") / "lifecycle.py")]
+
+
+def test_the_worker_prints_nothing_that_could_interleave_with_another_ranks_line() -> None:
+    """The ranks of a node share its terminal; ``print`` writes a line's text and its newline apart (unbuffered,
+    under torchrun's ``-u``), so two ranks' lines could splice. Worker output goes through logging or
+    ``logs.say`` (one write per line)."""
+    worker_side = [p for p in PACKAGE.rglob("*.py")
+                   if not any(part in p.parts for part in ("chaos", "testing", "agent", "rendezvous"))
+                   and p.name not in ("cli.py", "report.py", "audit.py", "__main__.py", "launch.py")]
+    printing = sorted(str(p.relative_to(ROOT)) for p in worker_side if re.search(r"(?<![\w.])print\(", p.read_text()))
+    assert not printing, f"use logs.say or logging: {printing}"
+
+
+def test_a_line_is_one_write() -> None:
+    from elastic_runner.logs import say
+
+    class Pipe:
+        def __init__(self) -> None:
+            self.writes: list[str] = []
+
+        def write(self, text: str) -> int:
+            self.writes.append(text)
+            return len(text)
+
+        def flush(self) -> None:
+            pass
+
+    pipe = Pipe()
+    say("elastic_runner: config error: x", pipe)  # type: ignore[arg-type]
+    assert pipe.writes == ["elastic_runner: config error: x\n"]
