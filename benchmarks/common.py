@@ -226,9 +226,13 @@ def attempts(variant: str, run_dir: Path, events: EventFollower | None = None) -
 def furthest_completed_step(variant: str, run_dir: Path, before: float) -> int:
     if variant in OURS:
         best = 0
-        for e in read_events(run_dir):
-            if e["time"] <= before + 1.0 and e["kind"] in ("progress", "failure", "kept_in_memory", "stop") \
-                    and isinstance(e.get("step"), int):
+        events = read_events(run_dir)
+        # Only the attempts running at the fault: a recovery faster than the 1 s of slack below would
+        # otherwise count the next attempt's first steps as lost.
+        running = {e.get("generation") for e in events if e["kind"] == "start" and e["time"] <= before}
+        for e in events:
+            if e.get("generation") in running and e["time"] <= before + 1.0 \
+                    and e["kind"] in ("progress", "failure", "kept_in_memory", "stop") and isinstance(e.get("step"), int):
                 best = max(best, e["step"])
         # progress is logged every N steps; survivors report their exact step on failure
         return best

@@ -10,6 +10,8 @@ A wait longer than ``--hang-after`` seconds is recorded as a hang (the shared
 rendezvous store of torch's defaults makes joins hang) and ends that variant.
 
     .venv/bin/python benchmarks/recovery.py --repeats 3 --out results/recovery.json
+    .venv/bin/python benchmarks/recovery.py --variants elastic-runner,elastic-runner-torchrun-tuned \
+        --scenarios worker_kill --loader-workers 0,2          # recovery with DataLoader workers vs without
 """
 
 from __future__ import annotations
@@ -24,9 +26,10 @@ from typing import Any
 from common import SAME_SETTINGS, VARIANTS, Workload, furthest_completed_step, make_job, median, wait_stepping, write_json
 
 
-def measure(variant: str, repeats: int, hang_after: float, workdir: Path, scenarios: list[str]) -> dict[str, Any]:
-    run_dir = workdir / variant
-    job = make_job(variant, Workload(), run_dir)
+def measure(variant: str, repeats: int, hang_after: float, workdir: Path, scenarios: list[str],
+            loader_workers: int = 0) -> dict[str, Any]:
+    run_dir = workdir / (variant + (f"@loader{loader_workers}" if loader_workers else ""))
+    job = make_job(variant, Workload(workers=loader_workers), run_dir)
     result: dict[str, Any] = {"worker_kill": [], "node_loss": [], "node_join": [], "steps_lost": [], "hangs": []}
     try:
         job.start_agent()
@@ -113,18 +116,32 @@ def main() -> None:
                    help="repeats for torchrun-default (default: --repeats); its recoveries take 30-60 s each")
     p.add_argument("--hang-after", type=float, default=120.0, help="seconds without recovery that count as a hang")
     p.add_argument("--scenarios", default="worker_kill,node", help="worker_kill and/or node (loss + join)")
+    p.add_argument("--loader-workers", default="0",
+                   help="data.num_workers (DataLoader processes per rank), comma-separated: each variant runs once "
+                        "per value, e.g. 0,2 to compare recovery with and without loader workers in one run")
     p.add_argument("--workdir", default=None)
     p.add_argument("--out", default=None, help="write the JSON result here too")
     args = p.parse_args()
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="er-bench-recovery-"))
     raw = {}
+    loader_counts = [int(n) for n in args.loader_workers.split(",") if n.strip()]
     for variant in [v.strip() for v in args.variants.split(",") if v.strip()]:
-        started = time.monotonic()
-        repeats = args.default_repeats if variant == "torchrun-default" and args.default_repeats else args.repeats
-        raw[variant] = measure(variant, repeats, args.hang_after, workdir, args.scenarios.split(","))
-        raw[variant]["wall_s"] = round(time.monotonic() - started, 1)
-        print(f"{variant}: {raw[variant]}", flush=True)
-    write_json(args.out, {"benchmark": "recovery", "repeats": args.repeats, "workdir": str(workdir), "raw": raw} | summarize(raw, args.hang_after))
+        for workers in loader_counts:
+            key = variant + (f"@loader{workers}" if workers else "")
+            started = time.monotonic()
+            repeats = args.default_repeats if variant == "torchrun-default" and args.default_repeats else args.repeats
+            raw[key] = measure(variant, repeats, args.hang_after, workdir, args.scenarios.split(","), workers)
+            raw[key]["wall_s"] = round(time.monotonic() - started, 1)
+            print(f"{key}: {raw[key]}", flush=True)
+    result = summarize(raw, args.hang_after)
+    # Loader processes must not slow recovery: each variant with loader workers against itself without them.
+    for key, medians in result["medians"].items():
+        variant, _, loader = key.partition("@")
+        base = result["medians"].get(variant, {})
+        for scenario in ("worker_kill_s", "node_loss_s", "node_join_s"):
+            if loader and isinstance(medians.get(scenario), float) and isinstance(base.get(scenario), float):
+                result["ratios"][f"{key}:{scenario[:-2]}_vs_{variant}"] = round(medians[scenario] / base[scenario], 3)
+    write_json(args.out, {"benchmark": "recovery", "repeats": args.repeats, "workdir": str(workdir), "raw": raw} | result)
 
 
 if __name__ == "__main__":
