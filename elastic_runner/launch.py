@@ -102,11 +102,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     name_agent()
     # Workers forked from the zygote see neither our command line nor torchrun's: tell them the node range.
     os.environ["ELASTIC_RUNNER_NNODES"] = _flag_value(argv, "nnodes") or os.environ.get("PET_NNODES", "1")
-    if zygote_wanted:
-        # Before anything imports torch here: the zygote warms up in parallel.
-        from .agent import zygote
-
-        zygote.start_warming()
     from .agent.terminal import final_exit_code, log_to_stderr, startup_error_line
 
     log_to_stderr()

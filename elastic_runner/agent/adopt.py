@@ -61,7 +61,7 @@ def adopt(launcher_api: Any, config: Any, entrypoint: Any, args: Sequence[Any],
 
     worker_args = worker_program(entrypoint, args)
     if zygote_wanted and worker_args is not None:
-        zygote.start_warming()  # idempotent: launch starts it before importing torch
+        zygote.start_warming()  # forked from this agent, which has imported torch by now
         entrypoint, args = zygote.worker_main, worker_args
         config.start_method = "forkserver"
     fast_rendezvous.install()

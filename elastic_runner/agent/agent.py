@@ -31,12 +31,15 @@ from typing import Any
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
-from ..lifecycle import EXIT_DIVERGED, EXIT_FINAL, EXIT_USAGE, proc_state
+from ..lifecycle import EXIT_DIVERGED, EXIT_FINAL, EXIT_USAGE, proc_state, process_start_time
 from . import fast_rendezvous
 
 log = logging.getLogger(__name__)
 
+_PROCESS_START = process_start_time()
 _warmed = False
+#: Seconds after the first round before torch._dynamo is imported in the background.
+WARM_DELAY_S = 10.0
 
 
 def _warm_exception_logging() -> None:
@@ -45,7 +48,9 @@ def _warm_exception_logging() -> None:
     torch's log formatter imports ``torch._dynamo`` the first time it formats an
     exception (torch/_logging/_internal.py), and the agent logs one exactly
     when a worker fails: ~2.5 s of imports on the recovery path. Paid here
-    instead, once, while the agent is idle.
+    instead, once, while the agent is idle (:data:`WARM_DELAY_S` after the first
+    round, not while its workers start). Worker failures no longer reach torch's
+    formatter (:mod:`elastic_runner.agent.terminal`); other exceptions torch logs do.
     """
     global _warmed
     if _warmed:
@@ -58,7 +63,11 @@ def _warm_exception_logging() -> None:
         except Exception:  # noqa: BLE001 - an optimisation only
             log.debug("warming torch._dynamo failed", exc_info=True)
 
-    threading.Thread(target=warm, name="warm-exception-logging", daemon=True).start()
+    # Not at once: on a node that joins a running job the first round is exactly when its workers start,
+    # and 1-2 s of imports beside them would delay the whole job's first step.
+    timer = threading.Timer(WARM_DELAY_S, warm)
+    timer.name, timer.daemon = "warm-exception-logging", True
+    timer.start()
 
 
 class ElasticRunnerAgent(LocalElasticAgent):
@@ -70,6 +79,7 @@ class ElasticRunnerAgent(LocalElasticAgent):
         super().__init__(*args, **kwargs)
         self.observers: list[Any] = list(type(self).default_observers)
         self._restart_reason = "a new rendezvous round"
+        self._rounds = 0
         self._stopping_group = False
 
     def _notify(self, event: str, **fields: Any) -> None:
@@ -83,9 +93,14 @@ class ElasticRunnerAgent(LocalElasticAgent):
 
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
         started = time.monotonic()
+        began = time.time()
         super()._rendezvous(worker_group)
+        # The first round's start, from the agent process's start: the agent's own start-up, which a
+        # node that joins a running job pays in full.
+        startup = {"startup_s": round(began - _PROCESS_START, 3)} if not self._rounds else {}
+        self._rounds += 1
         self._notify("rendezvous", seconds=time.monotonic() - started, world_size=worker_group.group_world_size,
-                     group_rank=worker_group.group_rank, completed_early=fast_rendezvous.completed_early)
+                     group_rank=worker_group.group_rank, completed_early=fast_rendezvous.completed_early, **startup)
         _warm_exception_logging()
 
     # -- stopping ------------------------------------------------------------------------------

@@ -157,3 +157,26 @@ def test_a_torch_patch_that_no_longer_fits_is_skipped_with_one_warning(small_con
     assert "LocalElasticAgent._renamed_in_a_future_torch does not exist" in warnings[0]
     assert "running with torch's behaviour instead: torch's LocalElasticAgent" in warnings[0]
     assert not [e for e in events(run_dir) if e["kind"] == "agent_rendezvous"], "torch's own agent ran the job"
+
+
+ZYGOTE_PROBE = """
+import multiprocessing.forkserver as fs, os, sys, threading, time
+import torch
+if sys.argv[1] == "busy":  # a thread of the agent's own: forking would copy a process mid-work
+    threading.Thread(target=time.sleep, args=(30,), daemon=True).start()
+from elastic_runner.agent import zygote
+zygote.start_warming()
+while fs._forkserver._forkserver_pid is None:
+    time.sleep(0.05)
+pid = fs._forkserver._forkserver_pid
+print(open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\\0", b" ").decode())
+"""
+
+
+@pytest.mark.parametrize("agent, started_as", [("idle", "a fork of the agent"), ("busy", "a new interpreter")])
+def test_the_zygote_is_forked_from_an_agent_that_imported_torch_unless_it_runs_threads(agent: str,
+                                                                                      started_as: str) -> None:
+    result = run_bounded([sys.executable, "-c", ZYGOTE_PROBE, agent], 120)
+    assert result.returncode == 0, result.stdout[-3000:]
+    forked = "multiprocessing.forkserver import main" not in result.stdout
+    assert forked == (started_as == "a fork of the agent"), result.stdout[-3000:]
