@@ -91,17 +91,17 @@ def apply_defaults(argv: Sequence[str]) -> "object":
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from .agent.adopt import flag_value, name_agent, names_our_worker
+
     argv = list(sys.argv[1:] if argv is None else argv)
-    zygote_wanted = os.environ.get("ELASTIC_RUNNER_ZYGOTE", "1") != "0" and _names_our_worker(argv)
+    zygote_wanted = os.environ.get("ELASTIC_RUNNER_ZYGOTE", "1") != "0" and names_our_worker(argv)
     # Set before the zygote starts: forked workers inherit the zygote's environment.
     for key, value in ENV_DEFAULTS.items():
         os.environ.setdefault(key, value)
-    os.environ["ELASTIC_RUNNER_RDZV_CONF"] = merge_rdzv_conf(_flag_value(argv, "rdzv_conf") or os.environ.get("PET_RDZV_CONF", ""))
-    from .agent.adopt import name_agent
-
+    os.environ["ELASTIC_RUNNER_RDZV_CONF"] = merge_rdzv_conf(flag_value(argv, "rdzv_conf") or os.environ.get("PET_RDZV_CONF", ""))
     name_agent()
     # Workers forked from the zygote see neither our command line nor torchrun's: tell them the node range.
-    os.environ["ELASTIC_RUNNER_NNODES"] = _flag_value(argv, "nnodes") or os.environ.get("PET_NNODES", "1")
+    os.environ["ELASTIC_RUNNER_NNODES"] = flag_value(argv, "nnodes") or os.environ.get("PET_NNODES", "1")
     from .agent.terminal import final_exit_code, log_to_stderr, startup_error_line
 
     log_to_stderr()
@@ -148,28 +148,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(line, file=sys.stderr)
         return 1
     return 0
-
-
-def _flag_value(argv: list[str], name: str) -> str | None:
-    """Value of --name/--name-with-dashes in argv (before the training script), if given."""
-    spellings = {f"--{name}", f"--{name.replace('_', '-')}"}
-    for i, arg in enumerate(argv):
-        if arg in ("-m", "--module"):
-            break
-        key, sep, value = arg.partition("=")
-        if key in spellings:
-            return value if sep else (argv[i + 1] if i + 1 < len(argv) else None)
-    return None
-
-
-def _names_our_worker(argv: list[str]) -> bool:
-    """Cheap pre-parse (before torch is imported): is the program ``-m elastic_runner.train``?"""
-    for i, arg in enumerate(argv):
-        if arg in ("-m", "--module") and i + 1 < len(argv):
-            return argv[i + 1] == "elastic_runner.train"
-        if not arg.startswith("-") and (i == 0 or not argv[i - 1].startswith("--") or "=" in argv[i - 1]):
-            return False
-    return False
 
 
 if __name__ == "__main__":

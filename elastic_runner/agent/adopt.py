@@ -37,6 +37,28 @@ def worker_program(entrypoint: Any, args: Sequence[Any]) -> list[str] | None:
     return None
 
 
+def flag_value(argv: list[str], name: str) -> str | None:
+    """Value of --name/--name-with-dashes in argv (before the training script), if given."""
+    spellings = {f"--{name}", f"--{name.replace('_', '-')}"}
+    for i, arg in enumerate(argv):
+        if arg in ("-m", "--module"):
+            break
+        key, sep, value = arg.partition("=")
+        if key in spellings:
+            return value if sep else (argv[i + 1] if i + 1 < len(argv) else None)
+    return None
+
+
+def names_our_worker(argv: list[str]) -> bool:
+    """Cheap pre-parse (before torch is imported): is the program ``-m elastic_runner.train``?"""
+    for i, arg in enumerate(argv):
+        if arg in ("-m", "--module") and i + 1 < len(argv):
+            return argv[i + 1] == "elastic_runner.train"
+        if not arg.startswith("-") and (i == 0 or not argv[i - 1].startswith("--") or "=" in argv[i - 1]):
+            return False
+    return False
+
+
 def name_agent(environ: Any = None) -> str:
     """Give this agent process a name its workers inherit (they record it in their ``start`` event; ``report``
     tells a job started again by hand from a recovery by it). Call before the zygote starts."""

@@ -48,10 +48,11 @@ def install(argv: Sequence[str] | None = None, environ: dict[str, str] | Any = N
         return True
     if environ.get(OPT_OUT, "1") == "0" or not is_torchrun_process(sys.argv[0], sys.modules.get("__main__")):
         return False
-    from ..launch import ENV_DEFAULTS, _flag_value, _names_our_worker
+    from ..launch import ENV_DEFAULTS
+    from .adopt import flag_value, names_our_worker
 
     args = list(sys.argv[1:] if argv is None else argv)
-    if not _names_our_worker(args):
+    if not names_our_worker(args):
         return False
     _installed = True
     for key, value in ENV_DEFAULTS.items():
@@ -60,8 +61,8 @@ def install(argv: Sequence[str] | None = None, environ: dict[str, str] | Any = N
 
     name_agent(environ)
     # Zygote workers see neither torchrun's command line nor a fresh environment: what preflight reads.
-    environ.setdefault("ELASTIC_RUNNER_RDZV_CONF", _flag_value(args, "rdzv_conf") or environ.get("PET_RDZV_CONF", ""))
-    environ.setdefault("ELASTIC_RUNNER_NNODES", _flag_value(args, "nnodes") or environ.get("PET_NNODES", "1"))
+    environ.setdefault("ELASTIC_RUNNER_RDZV_CONF", flag_value(args, "rdzv_conf") or environ.get("PET_RDZV_CONF", ""))
+    environ.setdefault("ELASTIC_RUNNER_NNODES", flag_value(args, "nnodes") or environ.get("PET_NNODES", "1"))
     if TARGET in sys.modules:
         _wrap(sys.modules[TARGET])
     else:
