@@ -30,7 +30,7 @@ import torch
 from . import __version__
 from .audit import AuditWriter
 from .batching import layout_for
-from .checkpoint import Checkpointer, StopSnapshotFailed
+from .checkpoint import Checkpointer, FinalSnapshotFailed, StopSnapshotFailed
 from .config import Config, ConfigError, write_effective_config
 from .batches import BatchSource, LoaderSource, TensorSource
 from .data import TensorPairDataset
@@ -173,6 +173,9 @@ class Attempt:
         except GracefulStop:
             events.emit("end", status="stopped", step=self.state.step)
             raise
+        except FinalSnapshotFailed as exc:
+            events.emit("end", status="finished_not_durable", step=self.state.step, error=str(exc)[:500])
+            raise
         except BaseException as exc:
             step = self.state.step
             if self.stop.requested and isinstance(exc, Exception) and not isinstance(exc, StopSnapshotFailed):
@@ -296,8 +299,8 @@ class Attempt:
         ))
         try:
             return trainer.fit()
-        except GracefulStop:
-            raise
+        except (GracefulStop, FinalSnapshotFailed):
+            raise  # FinalSnapshotFailed: every step is done and the state kept; nothing failed for the peers
         except BaseException:
             self._on_failure()
             raise

@@ -38,6 +38,7 @@ from .rng import RNGState
 from .snapshot import Loaded, SnapshotError, SnapshotWriter, require_ok
 from .snapshot.memory import MemoryTier, memory_root, sweep_abandoned_memory
 from .snapshot.selection import select_newest
+from .snapshot.space import room_warning, space_note, state_bytes
 
 if TYPE_CHECKING:
     from .dist import Dist
@@ -58,6 +59,11 @@ class ResumeError(RuntimeError):
 
 class StopSnapshotFailed(SnapshotError):
     """A stop was requested but its snapshot could not be written: not a clean stop."""
+
+
+class FinalSnapshotFailed(SnapshotError):
+    """Training finished but its final snapshot could not be written; the message says where the state is
+    kept and how to write it out (the worker exits with :data:`~elastic_runner.lifecycle.EXIT_NOT_DURABLE`)."""
 
 
 # -- does a snapshot fit this configuration ----------------------------------------------------------
@@ -365,7 +371,18 @@ class Checkpointer:
             snap = self.cfg.snapshot
             self.writer = SnapshotWriter(self.store, generation=self.generation, keep_last=snap.keep_last,
                                          async_write=snap.async_write, observer=self)
+            if self.dist.rank == 0:
+                self.check_space()
         self._last_save = time.monotonic()
+
+    def check_space(self) -> bool:
+        """Warn once, at the start, when the snapshot volume cannot hold ``keep_last + 1`` snapshots."""
+        low = room_warning(self.store, self.cfg.snapshot.keep_last,
+                           state_bytes(self.state_dict()) if self.model is not None else 0)
+        if low is not None:
+            log.warning("%s", low[0])
+            self.events.emit("snapshot_space_low", free_bytes=low[1], needed_bytes=low[2])
+        return low is None
 
     def maybe_save(self, step: int, last: bool) -> None:
         """After every step: a periodic snapshot when ``snapshot.every_steps``/``every_seconds`` say so."""
@@ -378,7 +395,8 @@ class Checkpointer:
 
     def save(self, reason: str, sync: bool) -> None:
         """Durable snapshot of the current step (``reason``: periodic, final or stop). On a stop the
-        state is also kept in node memory, so a preempted node leaves its state behind."""
+        state is also kept in node memory, so a preempted node leaves its state behind; so is a final
+        state that cannot be written (:class:`FinalSnapshotFailed`)."""
         if reason == "stop":
             self.ending.set()
         try:
@@ -386,6 +404,8 @@ class Checkpointer:
         except SnapshotError as exc:
             if reason == "stop":
                 raise StopSnapshotFailed(f"stop requested but its snapshot failed: {exc}") from exc
+            if reason == "final":
+                raise self._final_failed(exc) from exc
             raise
         finally:
             if reason == "stop":
@@ -403,6 +423,20 @@ class Checkpointer:
         self.metrics.snapshot_blocking.observe(result.blocking_s)
         if sync:
             require_ok(result)
+
+    def _final_failed(self, exc: SnapshotError) -> FinalSnapshotFailed:
+        step = self.state.step
+        self.ending.set()
+        kept = self.keep("final") or (self.memory is not None and any(r.step == step for r in self.memory.store.complete()))
+        where = (f"the state is kept in node memory on {self.env.hostname} ({self.memory.root}); once there is "
+                 f"space, `elastic-runner snapshot persist {self.cfg.run.dir}` on that node writes it out, and a "
+                 f"restart resumes from it" if kept and self.memory is not None else
+                 "no copy of it is kept (snapshot.in_memory is off); the newest durable snapshot is the one to resume from")
+        size = self.writer.last.size_estimate if self.writer is not None and self.writer.last is not None else 0
+        space = space_note(self.store.root, size)
+        return FinalSnapshotFailed(
+            f"training finished at step {step}, but its final snapshot could not be written to {self.store.location}: "
+            f"{exc}{f' ({space})' if space else ''}; {where}")
 
     def check_writer(self) -> None:
         """Raise if the writer learned that a newer generation owns the run (split brain)."""
@@ -439,5 +473,5 @@ class Checkpointer:
             self.memory.drop()
 
 
-__all__ = ["Checkpointer", "Compatibility", "Keeper", "ResumeError", "StateGuard", "StepBoundary", "StopSnapshotFailed",
+__all__ = ["Checkpointer", "Compatibility", "FinalSnapshotFailed", "Keeper", "ResumeError", "StateGuard", "StepBoundary", "StopSnapshotFailed",
            "check_compatible", "compatibility"]

@@ -4,6 +4,8 @@
     elastic-runner launch [torchrun flags] -m elastic_runner.train ...   torchrun with elastic defaults
     elastic-runner snapshot inspect RUN_DIR               JSON summary of the snapshots
     elastic-runner snapshot export RUN_DIR --out FILE     plain model state_dict
+    elastic-runner snapshot persist RUN_DIR               write this node's in-memory state to disk
+    elastic-runner snapshot gc [--older-than 24h]         free node memory no run needs
     elastic-runner audit RUN_DIR                          exactly-once check of the audit trail
     elastic-runner config [FILE] [--set ...] [--docs]     validate / print the effective config
     elastic-runner data prepare-text IN.txt --out DIR     token files (character vocabulary) for data.name: tokens
@@ -75,6 +77,10 @@ def _add_snapshot_parser(sub: argparse._SubParsersAction) -> None:  # type: igno
     pe.add_argument("run_dir")
     pe.add_argument("--out", required=True, help="output file, loadable with torch.load(FILE, weights_only=True)")
     pe.add_argument("--snapshot", default=None, help="a specific snapshot name instead of the newest")
+    pp = ssub.add_parser("persist", help="write this node's in-memory copy of RUN_DIR's newest state to its "
+                                         "snapshot directory (after a final snapshot failed for lack of space)")
+    pp.add_argument("run_dir")
+    pp.add_argument("--shm-dir", default=None, help="the node-memory base (default: ELASTIC_RUNNER_SHM_DIR or /dev/shm)")
     pg = ssub.add_parser("gc", help="remove this node's in-memory snapshots (/dev/shm) that no run needs")
     pg.add_argument("--older-than", default="24h", metavar="AGE",
                     help="also remove copies last written longer ago than AGE (30m, 24h, 7d; default 24h), even "

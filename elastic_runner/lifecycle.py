@@ -27,8 +27,11 @@ EXIT_FAILED = 1
 EXIT_USAGE = 2
 #: The gradient became NaN or inf (train.on_nonfinite: stop): a restart would diverge the same way.
 EXIT_DIVERGED = 3
+#: Training finished, but its final snapshot could not be written (a full volume): the state is kept in
+#: node memory and the worker said how to write it out. A restart would only fail to write it again.
+EXIT_NOT_DURABLE = 4
 #: Statuses our agent does not restart: every attempt would end the same way.
-EXIT_FINAL = frozenset({EXIT_USAGE, EXIT_DIVERGED})
+EXIT_FINAL = frozenset({EXIT_USAGE, EXIT_DIVERGED, EXIT_NOT_DURABLE})
 #: Peers did not arrive within ``dist.init_timeout_seconds`` (process group or first collective).
 EXIT_PEER_TIMEOUT = 75
 #: The attempt ended because a peer died or hung; the state was kept for the next attempt.

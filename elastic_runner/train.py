@@ -8,7 +8,8 @@ group up and down, and the exit status. One training attempt is
 
 Exit status (:mod:`elastic_runner.lifecycle`): 0 finished or stopped gracefully
 (SIGTERM/SIGINT), 2 a configuration or resume problem (the message says what
-to fix), 3 the gradient became NaN or inf, 75 peers did not arrive in time,
+to fix), 3 the gradient became NaN or inf, 4 finished but the final snapshot
+could not be written (the state is kept in node memory), 75 peers did not arrive in time,
 76 a peer was lost, 1 anything else.
 """
 
@@ -26,7 +27,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from . import fsmode
 from .attempt import Attempt, RetryableSetupError, SetupError
-from .checkpoint import ResumeError, StopSnapshotFailed
+from .checkpoint import FinalSnapshotFailed, ResumeError, StopSnapshotFailed
 from .config import Config, ConfigError, load_config
 from .dist import Dist, DistError
 from .env import EnvError, WorkerEnv
@@ -35,6 +36,7 @@ from .gradients import NonFiniteGradient
 from .lifecycle import (
     EXIT_DIVERGED,
     EXIT_FAILED,
+    EXIT_NOT_DURABLE,
     EXIT_OK,
     EXIT_USAGE,
     StopRequest,
@@ -116,6 +118,9 @@ def run(cfg: Config, env: WorkerEnv, make_workload: Callable[[], Workload] | Non
         if env.rank == 0:  # every rank saw it; one line is enough
             say(f"elastic_runner: {exc}")
         return EXIT_DIVERGED
+    except FinalSnapshotFailed as exc:
+        say(f"elastic_runner: {exc}")
+        return EXIT_NOT_DURABLE
     except (StaleWriterError, StopSnapshotFailed, RetryableSetupError) as exc:
         say(f"elastic_runner: {exc}")
         return EXIT_FAILED

@@ -31,7 +31,7 @@ from typing import Any
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
-from ..lifecycle import EXIT_DIVERGED, EXIT_FINAL, EXIT_USAGE, proc_state, process_start_time
+from ..lifecycle import EXIT_DIVERGED, EXIT_FINAL, EXIT_NOT_DURABLE, EXIT_USAGE, proc_state, process_start_time
 from . import fast_rendezvous
 
 log = logging.getLogger(__name__)
@@ -166,7 +166,8 @@ class ElasticRunnerAgent(LocalElasticAgent):
                                    for rank, f in sorted(result.failures.items())])
             final = sorted(set(codes) & EXIT_FINAL)
             if final and self._remaining_restarts > 0:
-                why = {EXIT_USAGE: "configuration or resume error", EXIT_DIVERGED: "the gradient became NaN or inf"}
+                why = {EXIT_USAGE: "configuration or resume error", EXIT_DIVERGED: "the gradient became NaN or inf",
+                       EXIT_NOT_DURABLE: "the final snapshot could not be written"}
                 # DEBUG: the worker printed the cause in one line; the exit status says the rest.
                 log.debug("a worker exited with status %d (%s); restarting would fail the same way, "
                           "so the job stops", final[0], why[final[0]])

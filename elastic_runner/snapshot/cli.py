@@ -12,7 +12,7 @@ from typing import Any
 
 import yaml
 
-from ..fsmode import UnsafeDirectoryError, write_file_atomically
+from ..fsmode import UnsafeDirectoryError, open_file, write_file_atomically
 from .format import load_snapshot, read_meta, read_verified_bytes
 from .loader import find_newest
 from .store import LocalStore, SnapshotError, SnapshotRef, open_store
@@ -128,6 +128,55 @@ def find_newest_readonly(store: LocalStore, map_location: Any = "cpu") -> tuple[
     return None
 
 
+def persist(run_dir: str, shm_dir: str | None = None) -> dict[str, Any]:
+    """Write this node's in-memory copy of the run's newest state into its snapshot directory, when it is
+    newer than every durable snapshot there (a final snapshot that could not be written, a volume that
+    was full). Checked before (checksum, and that it belongs to this run) and after the copy."""
+    import os
+    import shutil
+
+    from .memory import memory_base, memory_key
+    from .space import space_note
+
+    location = snapshot_dir_of(run_dir)
+    store = open_store(location)
+    root = memory_base(shm_dir) / memory_key(location)
+    tier = LocalStore(root)
+    if not tier.complete():
+        raise SnapshotError(f"this node holds no in-memory copy of the run whose snapshots are in {location} "
+                            f"(looked in {root}); run it on the node the message named")
+    ref = tier.complete()[-1]
+    meta = read_meta(tier.path(ref))
+    read_verified_bytes(tier.path(ref), meta, True)
+    run_id = Path(location) / "run-id"
+    if run_id.is_file() and meta.get("run_uid") and run_id.read_text().strip() != meta["run_uid"]:
+        raise SnapshotError(f"the in-memory copy {ref.name} belongs to another run that used {location}; "
+                            "nothing was written")
+    durable = store.complete()
+    if durable and max(durable) >= ref:
+        return {"snapshot": ref.name, "step": ref.step, "written": False,
+                "why": f"{location} already has {max(durable).name}, as new or newer"}
+    store.ensure()
+    staging = store.staging(ref)
+    try:
+        for item in sorted(tier.path(ref).iterdir()):
+            with open(item, "rb") as src, open_file(staging / item.name, "wb", exclusive=True) as dst:
+                shutil.copyfileobj(src, dst, 1 << 20)
+                dst.flush()
+                os.fsync(dst.fileno())
+        store.publish(staging, ref)
+        staging = None
+    except OSError as exc:
+        note = space_note(location, int(meta.get("size_bytes", 0)))
+        raise SnapshotError(f"could not write {ref.name} to {location}: {exc}{f' ({note})' if note else ''}; "
+                            "the in-memory copy is untouched") from exc
+    finally:
+        if staging is not None:
+            store.discard(staging)
+    read_verified_bytes(store.path(ref), read_meta(store.path(ref)), True)
+    return {"snapshot": ref.name, "step": ref.step, "written": True, "to": location}
+
+
 def parse_age(text: str) -> float:
     """``30m``, ``24h``, ``7d``, ``90s`` or a number of seconds -> seconds."""
     units = {"s": 1, "m": 60, "h": 3600, "d": 86_400}
@@ -159,6 +208,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.snapshot_cmd == "gc":
             return gc(args.older_than, args.dry_run, args.shm_dir)
+        if args.snapshot_cmd == "persist":
+            print(json.dumps(persist(args.run_dir, args.shm_dir)))
+            return 0
         if args.snapshot_cmd == "inspect":
             summary = inspect(args.run_dir, verify=args.verify)
             print(json.dumps(summary, indent=2))

@@ -53,10 +53,14 @@ def memory_base(base: str | None = None) -> Path:
     return private_dir(Path(base) / f"elastic-runner-{os.getuid()}")
 
 
+def memory_key(snapshot_location: str) -> str:
+    """The name of a run's directory in :func:`memory_base`: a digest of its snapshot location."""
+    return hashlib.sha256(os.path.abspath(snapshot_location).encode()).hexdigest()[:16]
+
+
 def memory_root(snapshot_location: str, base: str | None = None) -> Path:
     """Node-local directory for one run (keyed by its snapshot location) in :func:`memory_base`."""
-    key = hashlib.sha256(os.path.abspath(snapshot_location).encode()).hexdigest()[:16]
-    root = private_dir(memory_base(base) / key)
+    root = private_dir(memory_base(base) / memory_key(snapshot_location))
     note = root / OWNER_NOTE
     if not note.is_file():
         write_file_atomically(note, json.dumps({"snapshot_location": str(snapshot_location),
@@ -236,7 +240,8 @@ class MemoryTier:
             os.close(fd)
             if self.has(step):
                 return True  # written by the rank that held the lock just before us
-            writer = SnapshotWriter(self.store, generation=self.generation, keep_last=1, async_write=False)
+            writer = SnapshotWriter(self.store, generation=self.generation, keep_last=1, async_write=False,
+                                    durable=False)
             require_ok(writer.save(step, capture, sync=True))
         except SnapshotError as exc:
             log.warning("could not keep the state of step %d in memory (%s); the disk snapshot remains", step, exc)

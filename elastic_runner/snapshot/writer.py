@@ -20,6 +20,7 @@ from typing import Any, Callable, Protocol
 import torch
 
 from .format import write_snapshot_files
+from .space import is_disk_full, space_note, state_bytes
 from .store import AlreadyCommittedError, LocalStore, SnapshotError, SnapshotRef, StaleWriterError
 
 log = logging.getLogger(__name__)
@@ -50,21 +51,31 @@ class SaveResult:
     write_s: float = 0.0
     meta: dict[str, Any] = field(default_factory=dict)
     error: BaseException | None = None
+    size_estimate: int = 0  #: tensor bytes of the state (the file is about this size)
     done: threading.Event = field(default_factory=threading.Event)
+
+
+#: After the first failed write, at most one line per this many seconds while writes keep failing.
+FAILURE_REPORT_EVERY_S = 60.0
 
 
 class SnapshotWriter:
     def __init__(self, store: LocalStore, *, generation: int, keep_last: int, async_write: bool = True,
-                 observer: SnapshotObserver | None = None) -> None:
+                 observer: SnapshotObserver | None = None, durable: bool = True) -> None:
         self.store = store
         self.generation = generation
         self.keep_last = keep_last
         self.async_write = async_write
         self.observer = observer
+        #: False for the node-memory copy: its lines never say "saved" as if the state were on disk.
+        self.durable = durable
         self.failures = 0
         self.last: SaveResult | None = None
+        self.last_saved: SnapshotRef | None = None
         self._thread: threading.Thread | None = None
         self._fatal: BaseException | None = None
+        self._failing_since: SnapshotRef | None = None
+        self._last_report = 0.0
 
     # -- public API -------------------------------------------------------------------
 
@@ -76,6 +87,7 @@ class SnapshotWriter:
         state, meta = capture()
         host_state = to_host(state)
         result = SaveResult(ref=ref, blocking_s=time.perf_counter() - started)
+        result.size_estimate = state_bytes(host_state)
         meta = dict(meta) | {"step": step, "generation": self.generation, "name": ref.name}
         if self.async_write and not sync:
             self._thread = threading.Thread(
@@ -125,11 +137,21 @@ class SnapshotWriter:
                 log.info("snapshot %s was already published by another rank", ref.name)
             self._prune(ref)
             result.write_s = time.perf_counter() - started
-            log.info("snapshot %s saved (%.1f MB, blocked %.3fs, written in %.3fs)", ref.name,
-                     result.meta.get("size_bytes", 0) / 1e6, result.blocking_s, result.write_s)
+            self.last_saved = ref
+            if self._failing_since is not None:
+                log.warning("snapshot %s saved: durable snapshots work again after %d failure(s) since %s", ref.name,
+                            self.failures, self._failing_since.name)
+                self._failing_since = None
+            log.log(logging.INFO if self.durable else logging.DEBUG,
+                    "snapshot %s saved (%.1f MB, blocked %.3fs, written in %.3fs)" if self.durable else
+                    "snapshot %s copied into node memory (%.1f MB, blocked %.3fs, written in %.3fs)", ref.name,
+                    result.meta.get("size_bytes", 0) / 1e6, result.blocking_s, result.write_s)
             if self.observer is not None:
                 self.observer.snapshot_saved(ref, result.meta, result.blocking_s, result.write_s)
         except Exception as exc:  # noqa: BLE001 - report every failure, keep training
+            if staging is not None:  # first: the space it took is part of what the report measures
+                self.store.discard(staging)
+                staging = None
             exc = self._stale_instead(exc)
             result.error = exc
             result.write_s = time.perf_counter() - started
@@ -138,8 +160,7 @@ class SnapshotWriter:
                 self._fatal = exc
                 log.error("snapshot %s refused: %s", ref.name, exc)
             else:
-                log.error("SNAPSHOT WRITE FAILED for %s: %s; the previous snapshots are intact, the next save will retry "
-                          "(%d failure(s) so far)", ref.name, exc, self.failures)
+                self._report_failure(result, exc)
             if self.observer is not None:
                 self.observer.snapshot_failed(ref, exc)
         except BaseException as exc:  # Ctrl-C during a synchronous save: clean up, then abort
@@ -149,6 +170,23 @@ class SnapshotWriter:
             if staging is not None:
                 self.store.discard(staging)
             result.done.set()
+
+    def _report_failure(self, result: SaveResult, exc: Exception) -> None:
+        """The first failed write in full; while writes keep failing, one line a minute (a full disk fails
+        every save: a line per save would bury everything else)."""
+        now = time.monotonic()
+        first = self._failing_since is None
+        if first:
+            self._failing_since = result.ref
+        elif now - self._last_report < FAILURE_REPORT_EVERY_S:
+            log.debug("snapshot %s failed: %s", result.ref.name, exc)
+            return
+        self._last_report = now
+        newest = self.last_saved.name if self.last_saved is not None else "none written by this attempt"
+        space = space_note(self.store.root, result.size_estimate) if is_disk_full(exc) else ""
+        log.error("SNAPSHOT WRITE FAILED for %s: %s%s; training goes on, the previous snapshots are intact (newest "
+                  "durable: %s), the next save retries (%d failure(s) since %s)", result.ref.name, exc,
+                  f" ({space})" if space else "", newest, self.failures, self._failing_since.name)
 
     def _stale_instead(self, exc: Exception) -> Exception:
         """A write that failed because a newer round started meanwhile (its start sweeps older
