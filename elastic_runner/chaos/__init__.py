@@ -1,7 +1,7 @@
 """``elastic-runner chaos``: break a live local job on purpose and prove nothing was lost.
 
     elastic-runner chaos --config configs/quickstart.yaml --run-dir runs/chaos1 \\
-        --faults kill-worker,kill-agent,join,hang,preempt,corrupt-snapshot --every 6:10 --seed 1 --duration 60
+        --faults kill-worker,kill-agent,kill-node,join,hang,preempt,corrupt-snapshot --every 6:10 --seed 1 --duration 60
     elastic-runner chaos --scenario scenario.yaml
 
 Exit status 0 when every invariant held, 1 when one was violated, 2 for a

@@ -61,6 +61,14 @@ def kill_worker(ctx: FaultContext) -> str:
 
 
 def kill_agent(ctx: FaultContext) -> str:
+    """The agent process alone, as the OOM killer or a crash ends it: its zygote, workers and their
+    loader processes must follow it by themselves (the run's "no orphan processes" check)."""
+    agent = ctx.rng.choice(_removable_agents(ctx))
+    below = ctx.job.kill_agent(agent, signal.SIGKILL, with_workers=False)
+    return f"SIGKILL agent {agent.index} (pid {agent.pid}) alone; its {len(below)} process(es) must follow it"
+
+
+def kill_node(ctx: FaultContext) -> str:
     agent = ctx.rng.choice(_removable_agents(ctx))
     killed = ctx.job.kill_agent(agent, signal.SIGKILL, with_workers=True)
     return f"node loss: SIGKILL agent {agent.index} (pid {agent.pid}) and its {len(killed)} process(es)"
@@ -122,6 +130,7 @@ def corrupt_snapshot(ctx: FaultContext) -> str:
 FAULTS: dict[str, Callable[[FaultContext], str]] = {
     "kill-worker": kill_worker,
     "kill-agent": kill_agent,
+    "kill-node": kill_node,
     "join": join,
     "hang": hang,
     "preempt": preempt,

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import yaml
 
-FAULT_TYPES = ("kill-worker", "kill-agent", "join", "hang", "preempt", "restart-etcd", "corrupt-snapshot")
+FAULT_TYPES = ("kill-worker", "kill-agent", "kill-node", "join", "hang", "preempt", "restart-etcd", "corrupt-snapshot")
 
 
 class ScenarioError(ValueError):

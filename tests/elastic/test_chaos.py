@@ -32,6 +32,7 @@ FAULT_RUNS = {
     "kill-worker": "2:kill-worker",
     "hang": "2:hang",
     "kill-agent": "2:kill-agent",
+    "kill-node": "2:kill-node",
     "join": "2:join",
     "preempt": "2:preempt",
     "corrupt-snapshot": "3:corrupt-snapshot",
@@ -69,13 +70,13 @@ def test_on_etcd_v3_the_job_rides_out_an_etcd_restart_and_loses_any_node(
     # With etcd-v3 no agent hosts the rendezvous: the first agent (c10d's host) may go too, and seed 1
     # picks it.
     result = chaos("--config", str(chaos_config), "--run-dir", str(run_dir), "--agents", "2", "--nnodes", "1:2",
-                   "--rdzv-backend", "etcd-v3", "--at", "2:restart-etcd,5:kill-agent", "--seed", "1",
+                   "--rdzv-backend", "etcd-v3", "--at", "2:restart-etcd,5:kill-node", "--seed", "1",
                    "--set", "train.epochs=40")
     assert result.returncode == 0, result.stdout[-4000:]
     assert "etcd started on 127.0.0.1:" in result.stdout
     report = json.loads((run_dir / "chaos" / "report.json").read_text())
     restart, loss = report["faults"]
-    assert restart["type"] == "restart-etcd" and loss["type"] == "kill-agent"
+    assert restart["type"] == "restart-etcd" and loss["type"] == "kill-node"
     assert restart["interrupted"] is False, "training goes on while etcd restarts"
     assert "SIGKILL agent 0 " in loss["description"], loss["description"]
     assert loss["recovery_s"] is not None and loss["world_size"] == 1
