@@ -53,7 +53,7 @@ class ChaosRun:
             finally:
                 job.close()
         events = read_events(self.run_dir)
-        attribute_recoveries(self.faults, events)
+        attribute_recoveries(self.faults, events, self.s.hang_seconds)
         audit = check_audit(self.run_dir)
         comparison = self._compare(reference, events) if reference is not None else None
         verdict = verify(audit=audit, events=events, faults=self.faults, leftover=leftover, finished=finished,
@@ -113,8 +113,8 @@ class ChaosRun:
                 self._announce_recoveries(announced)
                 if not job.running_agents():
                     break
-                waiting = self.faults and self.faults[-1].interrupted and self.faults[-1].generation is None \
-                    and time.time() - self.faults[-1].at < 120
+                # Wait for the last fault's outcome before the next (a recovery, or its absorption).
+                waiting = self.faults and self.faults[-1].outcome is None and time.time() - self.faults[-1].at < 120
                 if time.time() - self.t0 >= spec.at and not waiting:
                     break
                 if time.monotonic() > deadline:
@@ -166,11 +166,15 @@ class ChaosRun:
     def _announce_recoveries(self, announced: set[int]) -> None:
         if not self.faults:
             return
-        attribute_recoveries(self.faults, self.live.read())
+        attribute_recoveries(self.faults, self.live.read(), self.s.hang_seconds)
         for i, f in enumerate(self.faults):
-            if i in announced or f.generation is None:
+            if i in announced or f.outcome is None:
                 continue
             announced.add(i)
+            if f.outcome != "recovered":
+                self.log(f"{f.outcome} {f.type}: " + ("training went on in the same attempt" if f.outcome == "absorbed"
+                                                      else "it landed as the job finished"))
+                continue
             tier = f"from {f.resumed_tier} " if f.resumed_tier else ""
             lost = f", {f.steps_recomputed} step(s) recomputed" if f.steps_recomputed is not None else ""
             self.log(f"recovered from {f.type} in {f.recovery_s:.2f}s: generation {f.generation}, world size "
@@ -226,6 +230,8 @@ class ChaosRun:
                 "faults": [vars(f) for f in self.s.faults]},
             "faults": as_dicts(self.faults),
             "recovery": stats,
+            "outcomes": {o: sum(1 for f in self.faults if f.outcome == o) for o in ("recovered", "absorbed", "job ended")}
+            | {"undecided": sum(1 for f in self.faults if f.outcome is None)},
             "steps_recomputed": [f.steps_recomputed for f in self.faults if f.steps_recomputed is not None],
             "uptime_fraction": round(uptime, 4) if uptime is not None else None,
             "wall_seconds": round(total, 2),
@@ -262,9 +268,9 @@ def render_markdown(report: dict[str, Any]) -> str:
               f"{report['uptime_fraction']}.", ""]
     if r.get("count"):
         lines.append(f"Recovery: min {r['min_s']} s, median {r['median_s']} s, max {r['max_s']} s over {r['count']} fault(s).")
-    lines += ["", "| t (s) | fault | what | recovery (s) | resumed step | from | steps recomputed | world size |",
-              "|---|---|---|---|---|---|---|---|"]
+    lines += ["", "| t (s) | fault | what | outcome | recovery (s) | resumed step | from | steps recomputed | world size |",
+              "|---|---|---|---|---|---|---|---|---|"]
     for f in report["faults"]:
-        lines.append(f"| {f['offset']} | {f['type']} | {f['description']} | {f['recovery_s']} | {f['resumed_step']} | "
-                     f"{f['resumed_tier']} | {f['steps_recomputed']} | {f['world_size']} |")
+        lines.append(f"| {f['offset']} | {f['type']} | {f['description']} | {f.get('outcome')} | {f['recovery_s']} | "
+                     f"{f['resumed_step']} | {f['resumed_tier']} | {f['steps_recomputed']} | {f['world_size']} |")
     return "\n".join(lines) + "\n"

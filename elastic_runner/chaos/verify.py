@@ -26,6 +26,10 @@ class Injected:
     resumed_tier: str | None = None
     steps_recomputed: int | None = None
     interrupted: bool = True
+    #: "recovered" (a new attempt stepped), "absorbed" (training went on in the same attempt: a hang shorter
+    #: than the heartbeat, a hang with no peer to notice, an etcd restart) or "job ended" (it landed as the
+    #: job finished); None while undecided.
+    outcome: str | None = None
 
 
 @dataclass
@@ -59,8 +63,23 @@ def generations(events: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
     return out
 
 
-def attribute_recoveries(faults: list[Injected], events: list[dict[str, Any]]) -> None:
-    """Fill in, for every fault, the generation that recovered from it and how long it took."""
+#: Seconds after a fault (after a hang: after it ends) from which a step of the same attempt proves it absorbed.
+ABSORB_AFTER_S = 2.0
+
+
+def _stepped_on(events: list[dict[str, Any]], generation: int | None, after: float) -> bool:
+    return generation is not None and any(
+        e.get("generation") == generation and e["kind"] in ("progress", "snapshot_saved", "eval", "end")
+        and e["time"] > after for e in events)
+
+
+def _finished_after(events: list[dict[str, Any]], t: float) -> bool:
+    return any(e["kind"] == "end" and e.get("status") == "finished" and e["time"] >= t - 1.0 for e in events)
+
+
+def attribute_recoveries(faults: list[Injected], events: list[dict[str, Any]], hang_seconds: float = 0.0) -> None:
+    """Fill in, for every fault, the generation that recovered from it and how long it took, or that the
+    job absorbed it or ended under it (see :attr:`Injected.outcome`)."""
     gens = generations(events)
     starts = sorted((info["start"], g) for g, info in gens.items() if "start" in info)
     for i, fault in enumerate(faults):
@@ -68,6 +87,13 @@ def attribute_recoveries(faults: list[Injected], events: list[dict[str, Any]]) -
         nxt = faults[i + 1].at if i + 1 < len(faults) else float("inf")
         before = [g for t, g in starts if t <= fault.at]
         size_before = gens[before[-1]].get("world_size") if before else None
+        settle = fault.at + ABSORB_AFTER_S + (hang_seconds if fault.type == "hang" else 0.0)
+        # The attempt it hit stepped on well after it: not interrupted, whatever a later attempt
+        # (started for the next fault) looks like. A join always starts a new attempt.
+        if fault.type != "join" and _stepped_on(events, before[-1] if before else None, settle):
+            fault.interrupted, fault.recovery_s, fault.outcome = False, 0.0, "absorbed"
+            fault.generation = None
+            continue
         chosen = None
         for g in later:
             info = gens[g]
@@ -79,15 +105,17 @@ def attribute_recoveries(faults: list[Injected], events: list[dict[str, Any]]) -
             break
         if chosen is None or gens[chosen]["start"] > nxt + 60:
             if fault.type == "restart-etcd":
-                fault.interrupted, fault.recovery_s = False, 0.0
+                fault.interrupted, fault.recovery_s, fault.outcome = False, 0.0, "absorbed"
+            elif _finished_after(events, fault.at) and not later:
+                fault.interrupted, fault.outcome = False, "job ended"
             continue
         info = gens[chosen]
         # Workers never talk to etcd: a restart interrupts training only if a new attempt starts
         # soon after it and before the next fault (which would otherwise get the credit).
         if fault.type == "restart-etcd" and (info["start"] > fault.at + 30 or info["start"] > nxt):
-            fault.interrupted, fault.recovery_s = False, 0.0
+            fault.interrupted, fault.recovery_s, fault.outcome = False, 0.0, "absorbed"
             continue
-        fault.generation = chosen
+        fault.generation, fault.outcome = chosen, "recovered"
         fault.recovery_s = round(info["first_step"] - fault.at, 3)
         fault.world_size = info.get("world_size")
         resume = info.get("resume") or {}

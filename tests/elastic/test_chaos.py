@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -113,3 +114,19 @@ def test_bad_scenarios_are_refused_with_what_to_change(chaos_config: Path, tmp_p
     assert result.returncode == 2 and "unknown fault 'explode'" in result.stdout
     result = chaos("--config", str(chaos_config), "--run-dir", str(tmp_path / "r"), "--at", "2:restart-etcd", timeout=60)
     assert result.returncode == 2 and "restart-etcd needs --rdzv-backend etcd-v3" in result.stdout
+
+
+def test_a_hang_with_no_peer_to_notice_is_absorbed_not_waited_for(chaos_config: Path, tmp_path: Path) -> None:
+    """Before: the scheduler waited ~120 s for a recovery that never came and reported it as one."""
+    run_dir = tmp_path / "run"
+    started = time.monotonic()
+    result = chaos("--config", str(chaos_config), "--run-dir", str(run_dir), "--agents", "1", "--nnodes", "1:1",
+                   "--at", "2:hang,6:kill-worker", "--hang-seconds", "1", "--set", "train.epochs=5",
+                   "--set", "data.sampler=tests.broken_components:PacedSampler")
+    assert result.returncode == 0, result.stdout[-4000:]
+    report = json.loads((run_dir / "chaos" / "report.json").read_text())
+    hang, kill = report["faults"]
+    assert hang["outcome"] == "absorbed" and kill["outcome"] == "recovered", report["faults"]
+    assert "absorbed hang: training went on in the same attempt" in result.stdout
+    assert report["recovery"]["count"] == 1, "an absorbed fault is not a recovery"
+    assert time.monotonic() - started < 100
