@@ -178,6 +178,27 @@ class _Lines:
                         self.torn += 1
 
 
+def latest_step(run_dir: str | os.PathLike[str]) -> int:
+    """The highest step any rank has started, from the tails of the audit trail (cheap to poll)."""
+    best = 0
+    for path in (Path(run_dir) / AUDIT_DIR).glob("*.jsonl"):
+        try:
+            with open(path, "rb") as fh:
+                fh.seek(max(0, path.stat().st_size - 4096))
+                tail = fh.read().decode(errors="replace").splitlines()
+        except OSError:
+            continue
+        for line in reversed(tail):
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record, dict) and record.get("type") == "step" and isinstance(record.get("step"), int):
+                best = max(best, record["step"])
+                break
+    return best
+
+
 def check_audit(run_dir: str | os.PathLike[str]) -> AuditReport:
     """Replay the audit trail in two streaming passes: memory grows with the number of steps and with
     one byte per sample and epoch, not with the size of the trail."""

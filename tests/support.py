@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import subprocess
@@ -13,6 +12,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from elastic_runner.audit import latest_step
 from elastic_runner.events import read_events
 from elastic_runner.testing.localjob import free_port
 
@@ -53,23 +53,7 @@ def events(run_dir: Path, kind: str | None = None) -> list[dict[str, Any]]:
 
 def audited_step(run_dir: Path) -> int:
     """Highest step any rank has started, from the audit trail (cheap to poll)."""
-    best = 0
-    for path in (Path(run_dir) / "audit").glob("*.jsonl"):
-        try:
-            with open(path, "rb") as fh:
-                fh.seek(max(0, path.stat().st_size - 4096))
-                tail = fh.read().decode(errors="replace").splitlines()
-        except OSError:
-            continue
-        for line in reversed(tail):
-            try:
-                record = json.loads(line)
-            except ValueError:
-                continue
-            if record.get("type") == "step":
-                best = max(best, record["step"])
-                break
-    return best
+    return latest_step(run_dir)
 
 
 def wait_for_step(run_dir: Path, step: int, timeout: float, job: Any = None) -> int:

@@ -30,9 +30,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--rdzv-backend", choices=["c10d", "etcd-v3"], default=None)
     p.add_argument("--etcd-endpoint", default=None, help="use this etcd instead of starting one")
     p.add_argument("--launcher", choices=["elastic-runner", "torchrun"], default=None)
-    p.add_argument("--at", default=None, metavar="T:TYPE,...", help="faults at fixed times (seconds after all agents train together), e.g. 10:kill-worker,25:join")
+    p.add_argument("--at", default=None, metavar="T:TYPE,...",
+                   help="faults at fixed times (seconds after all agents train together), e.g. 10:kill-worker,25:join, "
+                        "or at steps (the same experiment on any machine): step:200:kill-worker,step:450:join")
     p.add_argument("--faults", default=None, help=f"fault types drawn at random intervals: {', '.join(FAULT_TYPES)}")
     p.add_argument("--every", default=None, metavar="MIN:MAX", help="random interval between faults in seconds (default 8:15)")
+    p.add_argument("--every-steps", default=None, metavar="MIN:MAX", help="random interval between faults in steps "
+                   "instead of seconds (needs --count)")
+    p.add_argument("--count", type=int, default=None, help="inject exactly this many random faults (a skipped one is "
+                   "drawn again) instead of until --duration")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--duration", type=float, default=None, help="no new faults after this many seconds (default 60)")
     p.add_argument("--hang-seconds", type=float, default=None, help="how long a hung worker stays stopped (default 4)")
@@ -64,7 +70,17 @@ def build_scenario(args: argparse.Namespace) -> Scenario:
         scenario.random_types = [f.strip() for f in args.faults.split(",") if f.strip()]
     if args.every:
         lo, _, hi = args.every.partition(":")
-        scenario.every = (float(lo), float(hi or lo))
+        try:
+            scenario.every = (float(lo), float(hi or lo))
+        except ValueError as exc:
+            raise ScenarioError(f"--every {args.every!r}: write MIN:MAX seconds, e.g. 8:15") from exc
+    if args.every_steps:
+        lo, _, hi = args.every_steps.partition(":")
+        if not lo.isdigit() or not (hi or lo).isdigit():
+            raise ScenarioError(f"--every-steps {args.every_steps!r}: write MIN:MAX steps, e.g. 100:300")
+        scenario.every_steps = (int(lo), int(hi or lo))
+    if args.count is not None:
+        scenario.count = args.count
     if args.reference:
         scenario.reference = True
     if not scenario.faults and not scenario.random_types:

@@ -10,6 +10,7 @@ timeline picture) are written to ``RUN_DIR/chaos/``.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import random
@@ -17,11 +18,11 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from ..audit import check_audit
+from ..audit import check_audit, latest_step
 from ..events import EventFollower, read_events
 from ..testing.localjob import LocalJob
 from .faults import FAULTS, FaultContext, Skip
-from .scenario import Scenario, ScenarioError
+from .scenario import FaultSpec, Scenario, ScenarioError
 from .verify import Injected, Verdict, as_dicts, attribute_recoveries, generations, recovery_stats, verify
 
 
@@ -108,17 +109,21 @@ class ChaosRun:
         self.log(f"job stepping with {len(job.running_agents())} agent(s); injecting {len(s.schedule())} fault(s)")
         deadline = time.monotonic() + s.timeout
         announced: set[int] = set()
-        for spec in s.schedule():
+        pending = collections.deque(s.schedule())
+        redraw = random.Random(s.seed + 1)  # replacements for skipped random faults (--count)
+        while pending:
+            spec = pending.popleft()
             while True:
                 self._announce_recoveries(announced)
                 if not job.running_agents():
                     break
                 # Wait for the last fault's outcome before the next (a recovery, or its absorption).
                 waiting = self.faults and self.faults[-1].outcome is None and time.time() - self.faults[-1].at < 120
-                if time.time() - self.t0 >= spec.at and not waiting:
+                if self._due(spec) and not waiting:
                     break
                 if time.monotonic() > deadline:
-                    raise ScenarioError(f"timed out after {s.timeout:.0f}s while waiting to inject {spec.type}")
+                    raise ScenarioError(f"timed out after {s.timeout:.0f}s while waiting to inject {spec.type} "
+                                        f"at {spec.when}")
                 time.sleep(0.1)
             if not job.running_agents():
                 self.log("the job ended before all faults were injected")
@@ -130,6 +135,9 @@ class ChaosRun:
                 description = FAULTS[spec.type](ctx)
             except Skip as why:
                 self.log(f"skip   {spec.type}: {why}")
+                if spec.drawn and s.count is not None:  # exactly --count faults: draw another one
+                    last = max((p for p in pending if p.drawn), key=lambda p: p.at, default=spec)
+                    pending.append(s.draw(redraw, last))
                 continue
             self.faults.append(Injected(type=spec.type, at=at, offset=round(at - self.t0, 2), description=description))
             self.log(f"fault  {spec.type}: {description}")
@@ -144,6 +152,11 @@ class ChaosRun:
             self.log(f"job ended; agent exit codes {[a.proc.returncode for a in job.agents]}")
         time.sleep(0.5)  # let orphans (if any) show up before we look
         return finished, job.leftover_processes()
+
+    def _due(self, spec: FaultSpec) -> bool:
+        if spec.step is not None:
+            return latest_step(self.run_dir) >= spec.step
+        return time.time() - self.t0 >= spec.at
 
     def _wait_stepping(self, job: LocalJob) -> None:
         """Wait until every started agent trains in one world. An agent that starts a moment late

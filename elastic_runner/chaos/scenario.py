@@ -17,8 +17,14 @@ class ScenarioError(ValueError):
 
 @dataclass
 class FaultSpec:
-    at: float  #: seconds after all started agents train in one world
+    at: float  #: seconds after all started agents train in one world (when ``step`` is None)
     type: str
+    step: int | None = None  #: or: once the job has started this step (the same experiment on any machine)
+    drawn: bool = False  #: drawn at random (``--faults``): a skipped one is replaced when ``count`` is set
+
+    @property
+    def when(self) -> str:
+        return f"step {self.step}" if self.step is not None else f"{self.at:g} s"
 
 
 @dataclass
@@ -35,6 +41,10 @@ class Scenario:
     faults: list[FaultSpec] = field(default_factory=list)
     random_types: list[str] = field(default_factory=list)
     every: tuple[float, float] = (8.0, 15.0)
+    #: Random faults every MIN:MAX steps instead of seconds (``every`` is then unused).
+    every_steps: tuple[int, int] | None = None
+    #: Exactly this many random faults (a skipped one is drawn again), instead of until ``duration``.
+    count: int | None = None
     seed: int = 0
     duration: float = 60.0  #: no new faults after this many seconds of stepping
     hang_seconds: float = 4.0
@@ -74,26 +84,56 @@ class Scenario:
             raise ScenarioError(f"rdzv backend {self.rdzv_backend!r}: use c10d or etcd-v3")
         if self.every[0] <= 0 or self.every[1] < self.every[0]:
             raise ScenarioError(f"every={self.every}: need 0 < MIN <= MAX seconds")
+        if self.every_steps is not None and not 0 < self.every_steps[0] <= self.every_steps[1]:
+            raise ScenarioError(f"every_steps={self.every_steps}: need 0 < MIN <= MAX steps")
+        if self.count is not None and (self.count < 1 or not self.random_types):
+            raise ScenarioError(f"count={self.count}: give a positive number of faults and the types to draw (--faults)")
+        if self.every_steps is not None and self.count is None:
+            raise ScenarioError("random faults by step (--every-steps) need --count N: a step has no end like --duration")
+        by_step = {f.step is not None for f in self.faults} | ({self.every_steps is not None} if self.random_types else set())
+        if len(by_step) > 1:
+            raise ScenarioError("faults are placed either by time (T:TYPE, --every) or by step (step:N:TYPE, "
+                                "--every-steps), not both in one scenario")
 
     def schedule(self) -> list[FaultSpec]:
-        """The fixed faults plus random ones (seeded) until ``duration``, in time order."""
+        """The fixed faults plus random ones (seeded): ``count`` of them, or until ``duration`` seconds; by
+        time or by step, in order."""
         planned = list(self.faults)
         if self.random_types:
             rng = random.Random(self.seed)
-            t = rng.uniform(*self.every)
-            while t < self.duration:
-                planned.append(FaultSpec(at=round(t, 2), type=rng.choice(self.random_types)))
-                t += rng.uniform(*self.every)
+            last: FaultSpec | None = None
+            while self.count is None or sum(f.drawn for f in planned) < self.count:
+                spec = self.draw(rng, last)
+                if self.count is None and spec.at >= self.duration:
+                    break
+                planned.append(spec)
+                last = spec
         return sorted(planned, key=lambda f: f.at)
+
+    def draw(self, rng: random.Random, after: FaultSpec | None) -> FaultSpec:
+        """The next random fault, one interval after ``after`` (or after the start)."""
+        kind = rng.choice(self.random_types)
+        if self.every_steps is not None:
+            step = (after.step or 0 if after is not None else 0) + rng.randint(*self.every_steps)
+            return FaultSpec(at=float(step), type=kind, step=step, drawn=True)  # ``at``: the order only
+        return FaultSpec(at=round((after.at if after is not None else 0.0) + rng.uniform(*self.every), 2), type=kind,
+                         drawn=True)
 
 
 def parse_fault_list(text: str) -> list[FaultSpec]:
-    """``"10:kill-worker,25:join"`` -> faults at 10 s and 25 s."""
+    """``"10:kill-worker,25:join"`` -> faults at 10 s and 25 s; ``"step:200:kill-worker"`` -> once the job
+    has started step 200."""
     faults = []
     for item in filter(None, (p.strip() for p in text.split(","))):
+        if item.startswith("step:"):
+            _, n, kind = (item.split(":", 2) + ["", ""])[:3]
+            if not n.isdigit() or not kind:
+                raise ScenarioError(f"fault {item!r}: write step:STEP:TYPE, e.g. step:200:kill-worker")
+            faults.append(FaultSpec(at=float(n), type=kind.strip(), step=int(n)))
+            continue
         at, sep, kind = item.partition(":")
         if not sep:
-            raise ScenarioError(f"fault {item!r}: write SECONDS:TYPE, e.g. 10:kill-worker")
+            raise ScenarioError(f"fault {item!r}: write SECONDS:TYPE or step:STEP:TYPE, e.g. 10:kill-worker")
         try:
             faults.append(FaultSpec(at=float(at), type=kind.strip()))
         except ValueError as exc:
@@ -108,9 +148,10 @@ def load_scenario_file(path: str) -> Scenario:
         raise ScenarioError(f"cannot read scenario {path!r}: {exc}") from exc
     if not isinstance(data, dict):
         raise ScenarioError(f"scenario {path!r} must be a mapping of options")
-    faults = [FaultSpec(at=float(f["at"]), type=str(f["type"])) for f in data.pop("faults", []) or []]
+    faults = [FaultSpec(at=float(f.get("at", f.get("step", 0))), type=str(f["type"]),
+                        step=int(f["step"]) if "step" in f else None) for f in data.pop("faults", []) or []]
     rand = data.pop("random", None) or {}
-    known = set(Scenario.__dataclass_fields__) - {"faults", "random_types", "every", "seed"}
+    known = set(Scenario.__dataclass_fields__) - {"faults", "random_types", "every", "seed", "every_steps", "count"}
     unknown = set(data) - known
     if unknown:
         raise ScenarioError(f"scenario {path!r}: unknown option(s) {sorted(unknown)}; valid: {sorted(known | {'faults', 'random'})}")
@@ -118,5 +159,7 @@ def load_scenario_file(path: str) -> Scenario:
     if rand:
         scenario.random_types = list(rand.get("types", []))
         scenario.every = tuple(rand.get("every", scenario.every))  # type: ignore[assignment]
+        scenario.every_steps = tuple(rand["every_steps"]) if "every_steps" in rand else None  # type: ignore[assignment]
+        scenario.count = int(rand["count"]) if "count" in rand else None
         scenario.seed = int(rand.get("seed", 0))
     return scenario

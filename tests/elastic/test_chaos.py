@@ -30,7 +30,7 @@ def chaos(*args: str, timeout: float = 400) -> subprocess.CompletedProcess[str]:
 
 
 FAULT_RUNS = {
-    "kill-worker": "2:kill-worker",
+    "kill-worker": "step:60:kill-worker",  # by step: the same experiment on any machine
     "hang": "2:hang",
     "kill-agent": "2:kill-agent",
     "kill-node": "2:kill-node",
@@ -58,7 +58,9 @@ def test_each_fault_type_leaves_the_job_whole(fault: str, chaos_config: Path, tm
     report = json.loads((run_dir / "chaos" / "report.json").read_text())
     assert report["ok"] and all(check["ok"] for check in report["checks"].values())
     (injected,) = report["faults"]
-    assert injected["type"] == fault and injected["recovery_s"] is not None
+    assert injected["type"] == fault and injected["recovery_s"] is not None and injected["outcome"] == "recovered"
+    if fault == "kill-worker":
+        assert injected["resumed_step"] >= 60, "placed by step: injected once the job had started step 60"
     if fault == "corrupt-snapshot":
         assert injected["resumed_tier"] == "disk"
     assert (run_dir / "chaos" / "report.md").read_text().startswith("# Chaos report: PASSED")

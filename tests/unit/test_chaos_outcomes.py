@@ -46,3 +46,40 @@ def test_a_fault_that_lands_as_the_job_finishes_is_recorded_as_such() -> None:
     faults = [fault("kill-worker", 19.9)]
     attribute_recoveries(faults, attempt(1, 0.0, 2, 20.0, finished=True))
     assert faults[0].outcome == "job ended" and faults[0].recovery_s is None
+
+
+def scenario(tmp_path, **options: Any):  # noqa: ANN001, ANN201
+    from elastic_runner.chaos.scenario import Scenario
+
+    config = tmp_path / "c.yaml"
+    config.write_text("{}\n")
+    return Scenario(config=str(config), run_dir=str(tmp_path / "run"), **options)
+
+
+def test_faults_can_be_placed_by_step_so_a_scenario_is_the_same_experiment_on_any_machine(tmp_path) -> None:  # noqa: ANN001
+    import pytest
+
+    from elastic_runner.chaos.scenario import ScenarioError, parse_fault_list
+
+    fixed = parse_fault_list("step:200:kill-worker,step:450:join")
+    assert [(f.step, f.type) for f in fixed] == [(200, "kill-worker"), (450, "join")]
+    with pytest.raises(ScenarioError, match="write step:STEP:TYPE"):
+        parse_fault_list("step:soon:kill-worker")
+    with pytest.raises(ScenarioError, match="either by time .* or by step"):
+        scenario(tmp_path, faults=fixed + parse_fault_list("10:hang")).validate()
+
+    drawn = scenario(tmp_path, random_types=["kill-worker", "hang"], every_steps=(100, 300), count=5, seed=3)
+    drawn.validate()
+    plan = drawn.schedule()
+    assert len(plan) == 5 and all(f.step is not None and f.drawn for f in plan)
+    gaps = [b.step - a.step for a, b in zip([None, *plan][1:], plan[1:])]  # type: ignore[operator]
+    assert plan[0].step >= 100 and all(100 <= g <= 300 for g in gaps)
+    assert plan == drawn.schedule(), "seeded: the same plan every time"
+    with pytest.raises(ScenarioError, match="need --count"):
+        scenario(tmp_path, random_types=["hang"], every_steps=(100, 300)).validate()
+
+
+def test_count_asks_for_exactly_n_random_faults_whatever_the_duration(tmp_path) -> None:  # noqa: ANN001
+    timed = scenario(tmp_path, random_types=["kill-worker"], every=(5.0, 5.0), count=30, duration=10.0)
+    timed.validate()
+    assert len(timed.schedule()) == 30
