@@ -121,6 +121,9 @@ FAST_RENDEZVOUS = TorchPatch(
         Need(DR, "_RendezvousState.wait_list", init_attr=True),
         Need(DR, "_RendezvousState.last_heartbeats", init_attr=True),
         Need(DR, "_RendezvousState.complete", init_attr=True),
+        Need(DR, "DynamicRendezvousHandler._start_heartbeats"),
+        Need(DR, "DynamicRendezvousHandler._keep_alive_timer", init_attr=True),
+        Need("torch.distributed.elastic.rendezvous.utils", "_PeriodicTimer._ctx", init_attr=True),
     ),
 )
 

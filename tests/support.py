@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -165,14 +166,24 @@ def start_agent_while_paused(job: Any, at_step: int, count: int, timeout: float 
 
 
 def start_agent_until_waiting(job: Any, paused: Sequence[Any], waiting: Callable[[], bool], timeout: float = 90) -> Any:
-    """Start one more agent while ``paused`` workers are stopped; let them go once ``waiting()`` says
-    the new agent is in the rendezvous' wait list (or the wait failed)."""
+    """Start one more agent while ``paused`` workers are stopped; let them go once the new agent is about to
+    join: its event log appears (our agent writes it just before it creates its rendezvous handler) or it is
+    in the rendezvous' wait list. Not later: the running agent sees a waiting node within 0.2 s and stops its
+    group for the join, and it SIGKILLs workers that are stopped (SIGSTOP) instead of letting them save."""
     try:
         agent = job.start_agent()
+        log = Path(job.run_dir) / "events" / f"agent-{socket.gethostname()}-{agent.pid}.jsonl"
         deadline = time.monotonic() + timeout
-        while not waiting():
+        asked = 0.0
+        while not log.exists():
+            # The store only every 0.2 s: each look is a new connection to the rank-0 agent's store, and
+            # dozens a second starved its heartbeats for seconds (a joining node then saw it dead).
+            if time.monotonic() - asked >= 0.2:
+                asked = time.monotonic()
+                if waiting():
+                    break
             assert time.monotonic() < deadline, f"the new agent never joined the wait list\n{job.logs_tail()}"
-            time.sleep(0.2)
+            time.sleep(0.02)
         return agent
     finally:
         continue_workers(job, paused)

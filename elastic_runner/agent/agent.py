@@ -9,9 +9,11 @@
   snapshot) or 3 (the gradient became NaN or inf) would fail identically on
   every restart; the agent stops instead of burning ``--max-restarts`` restarts.
 - **No lazy imports on the recovery path.** torch's log formatter imports
-  ``torch._dynamo`` (~2.5 s) the first time it formats an exception, which
-  the agent does when a worker fails; it is imported in the background
-  after the first rendezvous instead.
+  ``torch._dynamo`` (~2.5 s) the first time it formats an exception, and
+  torch logs one exactly when a worker fails; that record goes to our DEBUG
+  log unformatted (:mod:`elastic_runner.agent.terminal`), so the import never
+  happens there. (It used to be paid up front in a background thread after
+  the first round, which on a joining node competed with its first workers.)
 
 Observers (agent metrics and events, :mod:`elastic_runner.agent.metrics`) hear of every
 rendezvous round, failed worker group and restart. The private methods overridden here are
@@ -24,7 +26,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import threading
 import time
 from typing import Any
 
@@ -37,37 +38,6 @@ from . import fast_rendezvous
 log = logging.getLogger(__name__)
 
 _PROCESS_START = process_start_time()
-_warmed = False
-#: Seconds after the first round before torch._dynamo is imported in the background.
-WARM_DELAY_S = 10.0
-
-
-def _warm_exception_logging() -> None:
-    """Import torch._dynamo in the background while the workers train.
-
-    torch's log formatter imports ``torch._dynamo`` the first time it formats an
-    exception (torch/_logging/_internal.py), and the agent logs one exactly
-    when a worker fails: ~2.5 s of imports on the recovery path. Paid here
-    instead, once, while the agent is idle (:data:`WARM_DELAY_S` after the first
-    round, not while its workers start). Worker failures no longer reach torch's
-    formatter (:mod:`elastic_runner.agent.terminal`); other exceptions torch logs do.
-    """
-    global _warmed
-    if _warmed:
-        return
-    _warmed = True
-
-    def warm() -> None:
-        try:
-            import torch._dynamo  # noqa: F401
-        except Exception:  # noqa: BLE001 - an optimisation only
-            log.debug("warming torch._dynamo failed", exc_info=True)
-
-    # Not at once: on a node that joins a running job the first round is exactly when its workers start,
-    # and 1-2 s of imports beside them would delay the whole job's first step.
-    timer = threading.Timer(WARM_DELAY_S, warm)
-    timer.name, timer.daemon = "warm-exception-logging", True
-    timer.start()
 
 
 class ElasticRunnerAgent(LocalElasticAgent):
@@ -101,7 +71,6 @@ class ElasticRunnerAgent(LocalElasticAgent):
         self._rounds += 1
         self._notify("rendezvous", seconds=time.monotonic() - started, world_size=worker_group.group_world_size,
                      group_rank=worker_group.group_rank, completed_early=fast_rendezvous.completed_early, **startup)
-        _warm_exception_logging()
 
     # -- stopping ------------------------------------------------------------------------------
 

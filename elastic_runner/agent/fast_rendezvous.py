@@ -6,7 +6,7 @@ every waiting node re-reads the shared state once per second. After a worker
 failure every node of the previous round rejoins within milliseconds, yet the
 round still waits out the last call and the polling.
 
-Three changes, applied only inside the ``elastic-runner launch`` agent process:
+Four changes, applied only inside the ``elastic-runner launch`` agent process:
 
 - **Complete when the previous round is accounted for.** A node that
   rejoins knows the participants of the round it was part of and their last
@@ -27,6 +27,11 @@ Three changes, applied only inside the ``elastic-runner launch`` agent process:
 - **See a joining node sooner.** While training, the agent asks every monitor interval whether a
   node waits to join, and torch answers from a state read up to 1 s old: ``training_cache``
   (0.2 s for jobs under 20 nodes, growing to torch's 1 s at 100).
+- **Heartbeats that keep to the window.** torch's keep-alive timer fires every ``keep_alive_interval``
+  but sends only when the last heartbeat is at least that old, so two can be nearly two intervals
+  apart; with a window of three, a second of scheduling delay on a loaded machine is enough for a
+  joining node to declare a live node dead and start a round of its own. The timer checks twice an
+  interval: at most 1.5 intervals between heartbeats.
 - **Poll faster.** The 1 s state re-read becomes ``ELASTIC_RUNNER_RDZV_POLL``
   seconds (default 0.1), and while a round forms torch's state cache (reads
   younger than 1 s are served from memory) is cut to the same interval:
@@ -166,8 +171,21 @@ def install() -> bool:
                 participants = getattr(getattr(holder, "state", None), "participants", {}) or {}
                 holder._cache_duration = training_cache(saved, len(participants))
 
+    original_start_heartbeats = handler_cls._start_heartbeats
+
+    def start_heartbeats(self: Any) -> None:
+        # torch's timer fires every keep_alive_interval and sends a heartbeat only when the last one is at
+        # least that old: up to two intervals apart, plus any delay of a loaded machine, against a dead-node
+        # window of three. Checking twice an interval keeps them at most 1.5 intervals apart.
+        original_start_heartbeats(self)
+        timer = getattr(self, "_keep_alive_timer", None)
+        ctx = getattr(timer, "_ctx", None)
+        if ctx is not None and getattr(ctx, "interval", 0) > 0:
+            ctx.interval = ctx.interval / 2
+
     dr._RendezvousJoinOp = FastJoinOp
     dr._delay = fast_delay
     handler_cls.next_rendezvous = next_rendezvous
+    handler_cls._start_heartbeats = start_heartbeats
     _installed = True
     return True

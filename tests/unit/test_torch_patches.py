@@ -53,13 +53,14 @@ def test_a_patch_that_no_longer_fits_gives_one_warning_naming_the_symbol(caplog:
 @pytest.fixture
 def fast_rendezvous_installed() -> Iterator[None]:
     """fr.install() patches torch's module for the process: undo it after the test."""
-    saved = (dr._RendezvousJoinOp, dr._delay, dr.DynamicRendezvousHandler.next_rendezvous, fr._installed)
+    handler = dr.DynamicRendezvousHandler
+    saved = (dr._RendezvousJoinOp, dr._delay, handler.next_rendezvous, handler._start_heartbeats, fr._installed)
     fr._installed = False
     assert fr.install(), "fast_rendezvous.install() refused this torch"
     try:
         yield
     finally:
-        dr._RendezvousJoinOp, dr._delay, dr.DynamicRendezvousHandler.next_rendezvous, fr._installed = saved
+        dr._RendezvousJoinOp, dr._delay, handler.next_rendezvous, handler._start_heartbeats, fr._installed = saved
         fr.set_previous_participants([])
 
 
@@ -83,6 +84,9 @@ def test_a_round_of_the_previous_members_completes_without_torchs_last_call(
     started = time.monotonic()
     try:
         infos = rendezvous_together(handlers, timeout=20)
+        # While training: heartbeats checked twice an interval, a waiting node seen within 0.2 s.
+        timers = [h._keep_alive_timer._ctx.interval for h in handlers]
+        caches = [h._state_holder._cache_duration for h in handlers]
     except AssertionError as exc:
         pytest.fail(f"no round within 20 s ({exc}): torch's last call (30 s) was waited out, so "
                     f"{torch_patches.DR}._RendezvousJoinOp no longer lets elastic_runner.agent.fast_rendezvous "
@@ -90,6 +94,8 @@ def test_a_round_of_the_previous_members_completes_without_torchs_last_call(
     finally:
         for h in handlers:
             h.shutdown()
+    assert timers == [0.5, 0.5], f"{torch_patches.DR}.DynamicRendezvousHandler._start_heartbeats: timer {timers}"
+    assert caches == [0.2, 0.2], f"the state cache while training is {caches}"
     assert sorted(i.rank for i in infos) == [0, 1] and time.monotonic() - started < 20
     assert fr.completed_early, f"the round completed, but not through the patched {torch_patches.DR}._RendezvousJoinOp"
     assert polls, (f"{torch_patches.DR}._DistributedRendezvousOpExecutor.run no longer waits through _delay(seconds=1) "
