@@ -3,7 +3,8 @@
 Everything comes from the run's event log (``RUN_DIR/events``) and, when
 present, its audit trail. The picture (matplotlib, the ``report`` extra)
 shows loss and throughput over wall time, the world size as steps, restarts
-and snapshots as marks, and the gaps in which the job was recovering shaded.
+and snapshots as marks, and the gaps in which the job was recovering shaded. The summary includes the run's goodput and where
+the lost time went (:mod:`elastic_runner.goodput`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from .events import read_events
+from .goodput import Goodput
+from .goodput import measure as measure_goodput
 
 
 @dataclass
@@ -61,6 +64,7 @@ class RunSummary:
     rejected: int = 0
     samples_lost: str = "unknown (run with audit.samples: true)"
     sessions: list[Session] = field(default_factory=list)
+    goodput: Goodput | None = None
 
     @property
     def wall(self) -> float:
@@ -101,6 +105,8 @@ class RunSummary:
         if self.snapshots:
             lines.append(f"snapshots: {self.snapshots} saved (median blocking {self.snapshot_blocking_ms:.1f} ms, "
                          f"median write {self.snapshot_write_ms:.1f} ms), {self.rejected} rejected as damaged")
+        if self.goodput is not None:
+            lines.append(self.goodput.text())
         lines.append(f"samples lost: {self.samples_lost}")
         return "\n".join(lines)
 
@@ -157,6 +163,7 @@ def summarize(run_dir: str, events: list[dict[str, Any]] | None = None) -> RunSu
         world_sizes=_collapse([by_gen[g].get("world") for g in sorted(by_gen) if by_gen[g].get("world")]),
         gaps=gaps, sessions=sessions, snapshots=len(saved), rejected=sum(1 for e in workers if e["kind"] == "snapshot_rejected"),
     )
+    summary.goodput = measure_goodput(events, gaps, summary.wall, {gap.generation for gap in gaps})
     if saved:
         summary.snapshot_blocking_ms = 1000 * statistics.median(e["blocking_s"] for e in saved)
         summary.snapshot_write_ms = 1000 * statistics.median(e["write_s"] for e in saved)

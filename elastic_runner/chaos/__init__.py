@@ -42,6 +42,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--duration", type=float, default=None, help="no new faults after this many seconds (default 60)")
     p.add_argument("--hang-seconds", type=float, default=None, help="how long a hung worker stays stopped (default 4)")
+    p.add_argument("--supervise", type=float, default=None, metavar="SECONDS",
+                   help="keep --agents agents running: replace a killed or preempted agent after SECONDS, as a "
+                        "Kubernetes Job restarts a lost pod (default: lost agents stay lost)")
     p.add_argument("--reference", action="store_true", help="first run the config without faults and compare the final models")
     p.add_argument("--loss-tolerance", type=float, default=None, help="relative final-loss tolerance when the world size changed (default 0.1)")
     p.add_argument("--timeout", type=float, default=None, help="give up after this many seconds (default 600)")
@@ -52,7 +55,7 @@ def build_scenario(args: argparse.Namespace) -> Scenario:
         "config": args.config, "run_dir": args.run_dir, "nnodes": args.nnodes, "agents": args.agents,
         "nproc_per_node": args.nproc_per_node, "rdzv_backend": args.rdzv_backend, "etcd_endpoint": args.etcd_endpoint,
         "launcher": args.launcher, "seed": args.seed, "duration": args.duration, "hang_seconds": args.hang_seconds,
-        "loss_tolerance": args.loss_tolerance, "timeout": args.timeout,
+        "loss_tolerance": args.loss_tolerance, "timeout": args.timeout, "supervise": args.supervise,
     }
     given = {k: v for k, v in given.items() if v is not None}
     if args.scenario:

@@ -34,6 +34,8 @@ class ChaosRun:
         self.live = EventFollower(self.run_dir)  #: the job's events while it runs
         self.faults: list[Injected] = []
         self.t0 = 0.0
+        self.replacements = 0  #: agents the supervisor started in place of lost ones
+        self._short_since: float | None = None
 
     def log(self, text: str) -> None:
         elapsed = time.time() - self.t0 if self.t0 else 0.0
@@ -115,6 +117,7 @@ class ChaosRun:
             spec = pending.popleft()
             while True:
                 self._announce_recoveries(announced)
+                self._supervise(job)
                 if not job.running_agents():
                     break
                 # Wait for the last fault's outcome before the next (a recovery, or its absorption).
@@ -143,6 +146,7 @@ class ChaosRun:
             self.log(f"fault  {spec.type}: {description}")
         while job.running_agents() and time.monotonic() < deadline:
             self._announce_recoveries(announced)
+            self._supervise(job)
             time.sleep(0.2)
         self._announce_recoveries(announced)
         finished = not job.running_agents() and any(a.proc.returncode == 0 for a in job.agents)
@@ -152,6 +156,29 @@ class ChaosRun:
             self.log(f"job ended; agent exit codes {[a.proc.returncode for a in job.agents]}")
         time.sleep(0.5)  # let orphans (if any) show up before we look
         return finished, job.leftover_processes()
+
+    def _goodput(self, events: list[dict[str, Any]]) -> dict[str, Any] | None:
+        return _goodput_of(self.run_dir, events)
+
+    def _supervise(self, job: LocalJob) -> None:
+        """Keep ``--agents`` agents running, as a Kubernetes Job or PyTorchJob restarts a lost pod: an agent
+        that was killed or preempted is replaced ``--supervise`` seconds after the job first ran short. Not
+        once any agent has exited 0 (the job is finishing); joins above the target stay possible."""
+        if self.s.supervise is None:
+            return
+        running = len(job.running_agents())
+        if running >= self.s.agents or not running or any(a.proc.poll() == 0 for a in job.agents):
+            self._short_since = None
+            return
+        now = time.monotonic()
+        if self._short_since is None:
+            self._short_since = now
+        if now - self._short_since >= self.s.supervise:
+            agent = job.start_agent()
+            self.replacements += 1
+            self._short_since = None
+            self.log(f"supervisor: {running} of {self.s.agents} agents running; started agent {agent.index} "
+                     f"(pid {agent.pid})")
 
     def _due(self, spec: FaultSpec) -> bool:
         if spec.step is not None:
@@ -243,6 +270,8 @@ class ChaosRun:
                 "faults": [vars(f) for f in self.s.faults]},
             "faults": as_dicts(self.faults),
             "recovery": stats,
+            "replacements": self.replacements,
+            "goodput": self._goodput(events),
             "outcomes": {o: sum(1 for f in self.faults if f.outcome == o) for o in ("recovered", "absorbed", "job ended")}
             | {"undecided": sum(1 for f in self.faults if f.outcome is None)},
             "steps_recomputed": [f.steps_recomputed for f in self.faults if f.steps_recomputed is not None],
@@ -263,6 +292,16 @@ class ChaosRun:
         return report
 
 
+def _goodput_of(run_dir: Path, events: list[dict[str, Any]]) -> dict[str, Any] | None:
+    from ..report import summarize
+
+    try:
+        summary = summarize(str(run_dir), events)
+    except (ValueError, KeyError) as exc:  # a run that never stepped has no goodput
+        return {"error": str(exc)}
+    return summary.goodput.to_dict() if summary.goodput is not None else None
+
+
 def _final_loss(events: list[dict[str, Any]]) -> float | None:
     progress = [e for e in events if e["kind"] == "progress"]
     if not progress:
@@ -277,8 +316,11 @@ def render_markdown(report: dict[str, Any]) -> str:
     for name, check in report["checks"].items():
         lines.append(f"| {name} | {'ok' if check['ok'] else '**violated**'} | {check['detail']} |")
     r = report["recovery"]
+    good = report.get("goodput") or {}
+    lost = ", ".join(f"{cause} {seconds} s" for cause, seconds in (good.get("lost_s") or {}).items() if seconds)
     lines += ["", f"Wall time {report['wall_seconds']} s, {report['generations']} generation(s), uptime fraction "
-              f"{report['uptime_fraction']}.", ""]
+              f"{report['uptime_fraction']}, goodput {good.get('goodput')}" + (f" (lost: {lost})" if lost else "") + ".",
+              ""]
     if r.get("count"):
         lines.append(f"Recovery: min {r['min_s']} s, median {r['median_s']} s, max {r['max_s']} s over {r['count']} fault(s).")
     lines += ["", "| t (s) | fault | what | outcome | recovery (s) | resumed step | from | steps recomputed | world size |",

@@ -48,6 +48,8 @@ class Scenario:
     seed: int = 0
     duration: float = 60.0  #: no new faults after this many seconds of stepping
     hang_seconds: float = 4.0
+    #: Replace a killed or preempted agent after this many seconds, keeping ``agents`` running (None: never).
+    supervise: float | None = None
     settle_seconds: float = 1.0  #: after a recovery, before the next fault
     reference: bool = False
     loss_tolerance: float = 0.1
@@ -88,6 +90,8 @@ class Scenario:
             raise ScenarioError(f"every_steps={self.every_steps}: need 0 < MIN <= MAX steps")
         if self.count is not None and (self.count < 1 or not self.random_types):
             raise ScenarioError(f"count={self.count}: give a positive number of faults and the types to draw (--faults)")
+        if self.supervise is not None and self.supervise < 0:
+            raise ScenarioError(f"supervise={self.supervise}: give the seconds before a lost agent is replaced (>= 0)")
         if self.every_steps is not None and self.count is None:
             raise ScenarioError("random faults by step (--every-steps) need --count N: a step has no end like --duration")
         by_step = {f.step is not None for f in self.faults} | ({self.every_steps is not None} if self.random_types else set())

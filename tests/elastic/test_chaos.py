@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from elastic_runner.events import read_events
+
 from ..conftest import write_config
 from ..support import run_bounded
 
@@ -132,3 +134,20 @@ def test_a_hang_with_no_peer_to_notice_is_absorbed_not_waited_for(chaos_config: 
     assert "absorbed hang: training went on in the same attempt" in result.stdout
     assert report["recovery"]["count"] == 1, "an absorbed fault is not a recovery"
     assert time.monotonic() - started < 100
+
+
+def test_a_supervised_job_gets_its_lost_agent_back_and_trains_at_full_size_again(
+        chaos_config: Path, tmp_path: Path) -> None:
+    """Before: after the first kill-agent the job ran on one agent for the rest of the run."""
+    run_dir = tmp_path / "run"
+    result = chaos("--config", str(chaos_config), "--run-dir", str(run_dir), "--agents", "2", "--nnodes", "1:2",
+                   "--at", "2:kill-node", "--supervise", "1", "--set", "train.epochs=8",
+                   "--set", "data.sampler=tests.broken_components:PacedSampler")
+    assert result.returncode == 0, result.stdout[-4000:]
+    assert "supervisor: 1 of 2 agents running; started agent 2" in result.stdout
+    report = json.loads((run_dir / "chaos" / "report.json").read_text())
+    assert report["replacements"] == 1 and report["ok"]
+    killed_at = report["faults"][0]["at"]
+    worlds = [e for e in read_events(run_dir) if e["kind"] == "world" and e["time"] > killed_at]
+    assert [e["world_size"] for e in worlds][:1] == [1] and worlds[-1]["world_size"] == 2, \
+        "down to one after the loss, back to two once the replacement joined"

@@ -177,3 +177,28 @@ def test_snapshot_gc_never_touches_a_copy_being_written(tmp_path: Path, capsys) 
     assert root.exists() and "a writer is alive" in capsys.readouterr().out
     assert cli_main(["snapshot", "gc", "--shm-dir", str(base), "--older-than", "soon"]) == 1
     assert "--older-than 'soon' is not an age" in capsys.readouterr().err
+
+
+def test_goodput_breaks_the_lost_time_down_by_cause(tmp_path: Path) -> None:
+    from elastic_runner.report import summarize
+
+    events = (_generation(1, 0.0, ["a-1-0", "b-1-0"], 2, failure="DistBackendError: peer")
+              + _generation(2, 12.0, ["a-1-0", "b-1-0"], 2, end="finished"))
+    agent = {"role": "agent", "source": "agent-a-1"}
+    events += [agent | {"time": 10.3, "kind": "agent_worker_failed"},        # noticed 0.3 s after the last step
+               agent | {"time": 11.5, "kind": "agent_rendezvous", "seconds": 1.0, "world_size": 2}]
+    for e in events:
+        if e["kind"] == "start" and e["generation"] == 2:
+            e["process_start"] = 12.2                                          # 0.8 s to the first step at 13.0
+        if e["kind"] == "progress":
+            e["samples_per_s"] = 320.0                                         # 32 samples a step: 0.1 s a step
+    events += [{"time": 12.1, "kind": "resume", "generation": 2, "rank": 0, "steps_recomputed": 5},
+               {"time": 1.0, "kind": "world", "generation": 1, "rank": 0, "world_size": 2, "global_batch": 32},
+               {"time": 5.0, "kind": "snapshot_saved", "generation": 1, "rank": 0, "blocking_s": 0.25, "write_s": 0.1}]
+    good = summarize(str(tmp_path), events).goodput
+    assert good is not None
+    lost = good.to_dict()["lost_s"]
+    assert lost == {"detection": 0.3, "rendezvous": 1.0, "worker start and restore": 0.8, "other": 0.9,
+                    "recomputed steps": 0.5, "snapshot blocking": 0.25}
+    assert good.fraction == pytest.approx((22 - 3.75) / 22)
+    assert "goodput 0.830" in good.text()

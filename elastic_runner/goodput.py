@@ -1,0 +1,89 @@
+"""Goodput: the share of a job's wall time spent on steps that count, and where the rest went.
+
+    goodput = (wall time - recovery gaps - recomputed steps - snapshot blocking) / wall time
+
+Wall time is the sessions' (a job stopped and resumed by hand is two sessions, not a failure: see
+:mod:`elastic_runner.report`). Each recovery gap — from the last step before a failure to the first step
+after it — is broken down from the run's event log:
+
+- *detection*: until an agent reported the failed worker or stopped its group (``agent_worker_failed``,
+  ``agent_stopping_workers``, ``agent_restart``);
+- *rendezvous*: the longest round any agent completed inside the gap (``agent_rendezvous``);
+- *worker start and restore*: from the new workers' process start to their first step (imports,
+  process group, loading the snapshot);
+- *other*: what remains (stopping the old workers, waiting for a slow node, ...).
+
+*Recomputed steps* are the steps a resume redid (``steps_recomputed`` x the median step time) and
+*snapshot blocking* the time snapshots held the step (rank 0's ``blocking_s``; the other ranks wait for
+it at the next collective).
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+CAUSES = ("detection", "rendezvous", "worker start and restore", "other", "recomputed steps", "snapshot blocking")
+
+
+@dataclass
+class Goodput:
+    wall_s: float
+    lost_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(CAUSES, 0.0))
+
+    @property
+    def fraction(self) -> float | None:
+        if self.wall_s <= 0:
+            return None
+        return max(0.0, self.wall_s - sum(self.lost_s.values())) / self.wall_s
+
+    def text(self) -> str:
+        if self.fraction is None:
+            return "goodput: unknown (no training time)"
+        parts = ", ".join(f"{cause} {seconds:.1f}" for cause, seconds in self.lost_s.items() if seconds >= 0.05)
+        return (f"goodput {self.fraction:.3f}: {sum(self.lost_s.values()):.1f} s of {self.wall_s:.1f} s lost"
+                + (f" ({parts})" if parts else ""))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"goodput": round(self.fraction, 4) if self.fraction is not None else None, "wall_s": round(self.wall_s, 3),
+                "lost_s": {cause: round(seconds, 3) for cause, seconds in self.lost_s.items()}}
+
+
+def _in(events: Iterable[dict[str, Any]], kinds: tuple[str, ...], start: float, end: float) -> list[dict[str, Any]]:
+    return [e for e in events if e.get("kind") in kinds and start <= e.get("time", -1.0) <= end]
+
+
+def measure(events: list[dict[str, Any]], gaps: Iterable[Any], wall_s: float,
+            recovered_generations: set[int]) -> Goodput:
+    """The goodput of a run from its events, its recovery gaps (objects with ``start``, ``end`` and
+    ``generation``) and its wall time; ``recovered_generations``: the generations that began in a gap."""
+    result = Goodput(wall_s=wall_s)
+    lost = result.lost_s
+    agents = [e for e in events if e.get("role") == "agent"]
+    workers = [e for e in events if e.get("role") != "agent"]
+    for gap in gaps:
+        total = max(0.0, gap.end - gap.start)
+        noticed = _in(agents, ("agent_worker_failed", "agent_stopping_workers", "agent_restart"), gap.start, gap.end)
+        detection = min(e["time"] for e in noticed) - gap.start if noticed else 0.0
+        rounds = _in(agents, ("agent_rendezvous",), gap.start, gap.end)
+        rendezvous = max((float(e.get("seconds", 0.0)) for e in rounds), default=0.0)
+        starts = [float(e["process_start"]) for e in workers if e.get("kind") == "start"
+                  and e.get("generation") == gap.generation and isinstance(e.get("process_start"), (int, float))]
+        start_restore = max(0.0, gap.end - max(min(starts), gap.start)) if starts else 0.0
+        parts = [detection, rendezvous, start_restore]
+        scale = min(1.0, total / sum(parts)) if sum(parts) > 0 else 1.0  # overlapping parts never exceed the gap
+        for cause, seconds in zip(CAUSES, parts):
+            lost[cause] += seconds * scale
+        lost["other"] += max(0.0, total - sum(parts) * scale)
+    rates = [(e["samples_per_s"], e.get("generation")) for e in workers
+             if e.get("kind") == "progress" and isinstance(e.get("samples_per_s"), (int, float)) and e["samples_per_s"] > 0]
+    batches = [e["global_batch"] for e in workers if e.get("kind") == "world" and isinstance(e.get("global_batch"), int)]
+    if rates and batches:
+        step_s = statistics.median(batches) / statistics.median(r for r, _ in rates)
+        redone = sum(int(e.get("steps_recomputed") or 0) for e in workers if e.get("kind") == "resume"
+                     and e.get("rank", 0) == 0 and e.get("generation") in recovered_generations)
+        lost["recomputed steps"] = redone * step_s
+    lost["snapshot blocking"] = sum(float(e.get("blocking_s") or 0.0) for e in workers
+                                    if e.get("kind") == "snapshot_saved" and e.get("rank", 0) == 0)
+    return result
