@@ -31,6 +31,12 @@ def chaos(*args: str, timeout: float = 400) -> subprocess.CompletedProcess[str]:
     return run_bounded([sys.executable, "-m", "elastic_runner", "chaos", *args], timeout=timeout)
 
 
+def paced_chaos(config: Path, run_dir: Path, *args: str, epochs: int = 5) -> subprocess.CompletedProcess[str]:
+    """A chaos run of a job paced to >= 40 ms a step: a fault at 2-3 s always lands in a running job."""
+    return chaos("--config", str(config), "--run-dir", str(run_dir), *args, "--set", f"train.epochs={epochs}",
+                 "--set", "data.sampler=tests.broken_components:PacedSampler")
+
+
 FAULT_RUNS = {
     "kill-worker": "step:60:kill-worker",  # by step: the same experiment on any machine
     "hang": "2:hang",
@@ -124,9 +130,8 @@ def test_a_hang_with_no_peer_to_notice_is_absorbed_not_waited_for(chaos_config: 
     """Before: the scheduler waited ~120 s for a recovery that never came and reported it as one."""
     run_dir = tmp_path / "run"
     started = time.monotonic()
-    result = chaos("--config", str(chaos_config), "--run-dir", str(run_dir), "--agents", "1", "--nnodes", "1:1",
-                   "--at", "2:hang,6:kill-worker", "--hang-seconds", "1", "--set", "train.epochs=5",
-                   "--set", "data.sampler=tests.broken_components:PacedSampler")
+    result = paced_chaos(chaos_config, run_dir, "--agents", "1", "--nnodes", "1:1", "--at", "2:hang,6:kill-worker",
+                         "--hang-seconds", "1")
     assert result.returncode == 0, result.stdout[-4000:]
     report = json.loads((run_dir / "chaos" / "report.json").read_text())
     hang, kill = report["faults"]
@@ -140,9 +145,8 @@ def test_a_supervised_job_gets_its_lost_agent_back_and_trains_at_full_size_again
         chaos_config: Path, tmp_path: Path) -> None:
     """Before: after the first kill-agent the job ran on one agent for the rest of the run."""
     run_dir = tmp_path / "run"
-    result = chaos("--config", str(chaos_config), "--run-dir", str(run_dir), "--agents", "2", "--nnodes", "1:2",
-                   "--at", "2:kill-node", "--supervise", "1", "--set", "train.epochs=8",
-                   "--set", "data.sampler=tests.broken_components:PacedSampler")
+    result = paced_chaos(chaos_config, run_dir, "--agents", "2", "--nnodes", "1:2", "--at", "2:kill-node",
+                         "--supervise", "1", epochs=8)
     assert result.returncode == 0, result.stdout[-4000:]
     assert "supervisor: 1 of 2 agents running; started agent 2" in result.stdout
     report = json.loads((run_dir / "chaos" / "report.json").read_text())
