@@ -34,8 +34,10 @@ import torch
 
 from . import __version__
 from .config import Config, diff_configs, resume_free_keys
+from .events import read_events
 from .rng import RNGState
 from .snapshot import Loaded, SnapshotError, SnapshotWriter, require_ok
+from .snapshot.interval import AutoSchedule
 from .snapshot.memory import MemoryTier, memory_root, sweep_abandoned_memory
 from .snapshot.selection import select_newest
 from .snapshot.space import room_warning, space_note, state_bytes
@@ -249,6 +251,8 @@ class Checkpointer:
         self.scaler: Any = None
         self.sampler: Any = None
         self.writer: SnapshotWriter | None = None
+        #: ``snapshot.every_steps: auto`` on rank 0 (:mod:`elastic_runner.snapshot.interval`).
+        self.auto: AutoSchedule | None = None
         #: Steps whose durable snapshot is known to be complete (filled on success only).
         self.saved_steps: set[int] = set()
         #: Set once the main thread takes the last state of this attempt (a stop or a failure it
@@ -373,6 +377,9 @@ class Checkpointer:
                                          async_write=snap.async_write, observer=self)
             if self.dist.rank == 0:
                 self.check_space()
+                if snap.every_steps == "auto":
+                    self.auto = AutoSchedule(snap.mtbf_hours, read_events(self.cfg.run.dir), self.state.step,
+                                             self.metrics.snapshot_interval.set)
         self._last_save = time.monotonic()
 
     def check_space(self) -> bool:
@@ -387,9 +394,14 @@ class Checkpointer:
     def maybe_save(self, step: int, last: bool) -> None:
         """After every step: a periodic snapshot when ``snapshot.every_steps``/``every_seconds`` say so."""
         snap = self.cfg.snapshot
-        due_steps = snap.every_steps and step % snap.every_steps == 0
+        if snap.every_steps == "auto":
+            due_steps = self.auto is not None and self.auto.due(step)
+        else:
+            due_steps = bool(snap.every_steps) and step % snap.every_steps == 0
         due_time = snap.every_seconds and time.monotonic() - self._last_save >= snap.every_seconds
         if (due_steps or due_time) and not last:
+            if self.auto is not None:
+                self.auto.saving(step)
             self.save("periodic", sync=False)
             self._last_save = time.monotonic()
 
@@ -454,6 +466,8 @@ class Checkpointer:
         self.metrics.snapshot_write.observe(write_s)
         self.metrics.snapshot_size.set(meta.get("size_bytes", 0))
         self.metrics.snapshot_last.set(time.time())
+        if self.auto is not None:
+            self.auto.saved(blocking_s, write_s)
         self.events.emit("snapshot_saved", snapshot=ref.name, step=ref.step, size_bytes=meta.get("size_bytes"),
                          blocking_s=blocking_s, write_s=write_s)
 

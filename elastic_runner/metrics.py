@@ -98,6 +98,8 @@ class Metrics:
         self.snapshot_size = gauge("snapshot_size_bytes", "Size of the newest snapshot.")
         self.snapshot_last = gauge("last_snapshot_timestamp_seconds", "Unix time of the newest published snapshot.")
         self.snapshot_failures = counter("snapshot_failures", "Snapshot writes that failed.")
+        self.snapshot_interval = gauge("snapshot_interval_steps", "Steps between periodic snapshots chosen by "
+                                       "snapshot.every_steps: auto.")
         self.recovery = gauge("recovery_duration_seconds", "Process start to first completed step, for a resumed attempt.")
         self.recomputed = gauge("steps_recomputed", "Steps redone after the last failure (progress lost).")
         self.eval_loss = gauge("eval_loss", "Test loss at the last evaluation (reduced over ranks).")

@@ -13,9 +13,16 @@ from .base import ConfigError, _help
 
 @dataclass
 class SnapshotConfig:
-    every_steps: int = _help("Write a durable snapshot every N steps (0: off).", default=50)
+    every_steps: int | Literal["auto"] = _help(
+        "Write a durable snapshot every N steps (0: off), or 'auto': the interval that minimises snapshot cost plus "
+        "expected redone work (Young/Daly), from the measured cost of a snapshot and the mean time between losses "
+        "of the whole job (snapshot.mtbf_hours, learned as the run goes); recomputed after every snapshot and logged.",
+        default=50)
     every_seconds: float = _help("Also write one when this many seconds passed since the last (0: off).", default=0.0)
     keep_last: int = _help("Complete snapshots to keep; older ones are deleted once a newer one is complete.", default=3)
+    mtbf_hours: float = _help(
+        "For every_steps: auto, the prior mean time between losses of the whole job (every node at once, or a "
+        "failure without snapshot.in_memory: what only the disk snapshot survives).", default=24.0)
     dir: str | None = _help("Where snapshots live (default: RUN_DIR/snapshots).", default=None)
     async_write: bool = _help(
         "Serialise and write in a background thread; the step only waits for the copy "
@@ -43,8 +50,12 @@ class SnapshotConfig:
     )
 
     def validate(self) -> None:
-        if self.every_steps < 0:
-            raise ConfigError("snapshot.every_steps", f"got {self.every_steps}, must be >= 0", "Set it to e.g. 50, or 0 to disable")
+        if self.every_steps != "auto" and self.every_steps < 0:
+            raise ConfigError("snapshot.every_steps", f"got {self.every_steps}, must be >= 0",
+                              "Set it to e.g. 50, 0 to disable, or auto")
+        if not self.mtbf_hours > 0:
+            raise ConfigError("snapshot.mtbf_hours", f"got {self.mtbf_hours}, must be > 0",
+                              "Set it to the hours you expect between losses of the whole job, e.g. 24")
         if self.every_seconds < 0:
             raise ConfigError("snapshot.every_seconds", f"got {self.every_seconds}, must be >= 0", "Set it to e.g. 300, or 0 to disable")
         if self.keep_last < 1:
