@@ -153,5 +153,6 @@ def test_a_supervised_job_gets_its_lost_agent_back_and_trains_at_full_size_again
     assert report["replacements"] == 1 and report["ok"]
     killed_at = report["faults"][0]["at"]
     worlds = [e for e in read_events(run_dir) if e["kind"] == "world" and e["time"] > killed_at]
-    assert [e["world_size"] for e in worlds][:1] == [1] and worlds[-1]["world_size"] == 2, \
-        "down to one after the loss, back to two once the replacement joined"
+    # Back at two after the loss: the replacement joined the recovery round itself (it arrives within the
+    # dead node's 3 s window) or the round after it.
+    assert worlds and worlds[-1]["world_size"] == 2, [e["world_size"] for e in worlds]
