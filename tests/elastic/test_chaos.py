@@ -115,8 +115,12 @@ def test_a_scenario_file_and_random_faults(chaos_config: Path, tmp_path: Path) -
     result = chaos("--scenario", str(scenario))
     assert result.returncode == 0, result.stdout[-4000:]
     report = json.loads((tmp_path / "run" / "chaos" / "report.json").read_text())
-    assert len(report["faults"]) >= 2 and report["recovery"]["count"] == len(report["faults"])
-    assert 0 < report["uptime_fraction"] <= 1
+    assert len(report["faults"]) >= 2, report["faults"]
+    # Every fault has an outcome. A hang of rank 0 (the host of the workers' store) can end before its peers'
+    # store calls time out twice: then the job rides it out (absorbed), which is no recovery.
+    assert all(f["outcome"] in ("recovered", "absorbed") for f in report["faults"]), report["faults"]
+    assert report["recovery"]["count"] == report["outcomes"]["recovered"] >= 1
+    assert 0 < report["uptime_fraction"] <= 1 and 0 < report["goodput"]["goodput"] <= 1
 
 
 def test_bad_scenarios_are_refused_with_what_to_change(chaos_config: Path, tmp_path: Path) -> None:
