@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 import signal
+import time
 from pathlib import Path
 from typing import Iterator
 
@@ -70,6 +71,13 @@ def test_resnet18_with_batchnorm_resumes_every_buffer_bitwise(
     job = local_job(config=str(resnet_config), nnodes="2:2", launcher="elastic-runner")
     job.start_agent()
     job.start_agent()
+    if not survivor:
+        # Losing every worker resumes from disk: the first durable snapshot (resnet18, written in the background)
+        # must be complete before the loss, or there is nothing to resume and the run starts over.
+        deadline = time.monotonic() + 180
+        while not events(Path(job.run_dir), "snapshot_saved"):
+            assert time.monotonic() < deadline, job.logs_tail()
+            time.sleep(0.05)
     workers, reached = stop_workers_at_step(job, step, count=2, timeout=180)
     victims = [w for w in workers if w.rank == 1] if survivor else workers
     for w in victims:
