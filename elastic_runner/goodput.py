@@ -76,11 +76,11 @@ def measure(events: list[dict[str, Any]], gaps: Iterable[Any], wall_s: float,
         for cause, seconds in zip(CAUSES, parts):
             lost[cause] += seconds * scale
         lost["other"] += max(0.0, total - sum(parts) * scale)
-    rates = [(e["samples_per_s"], e.get("generation")) for e in workers
+    rates = [e["samples_per_s"] for e in workers
              if e.get("kind") == "progress" and isinstance(e.get("samples_per_s"), (int, float)) and e["samples_per_s"] > 0]
     batches = [e["global_batch"] for e in workers if e.get("kind") == "world" and isinstance(e.get("global_batch"), int)]
     if rates and batches:
-        step_s = statistics.median(batches) / statistics.median(r for r, _ in rates)
+        step_s = statistics.median(batches) / statistics.median(rates)
         redone = sum(int(e.get("steps_recomputed") or 0) for e in workers if e.get("kind") == "resume"
                      and e.get("rank", 0) == 0 and e.get("generation") in recovered_generations)
         lost["recomputed steps"] = redone * step_s

@@ -157,9 +157,6 @@ class ChaosRun:
         time.sleep(0.5)  # let orphans (if any) show up before we look
         return finished, job.leftover_processes()
 
-    def _goodput(self, events: list[dict[str, Any]]) -> dict[str, Any] | None:
-        return _goodput_of(self.run_dir, events)
-
     def _supervise(self, job: LocalJob) -> None:
         """Keep ``--agents`` agents running, as a Kubernetes Job or PyTorchJob restarts a lost pod: an agent
         that was killed or preempted is replaced ``--supervise`` seconds after the job first ran short. Not
@@ -271,7 +268,7 @@ class ChaosRun:
             "faults": as_dicts(self.faults),
             "recovery": stats,
             "replacements": self.replacements,
-            "goodput": self._goodput(events),
+            "goodput": _goodput_of(self.run_dir, events),
             "outcomes": {o: sum(1 for f in self.faults if f.outcome == o) for o in ("recovered", "absorbed", "job ended")}
             | {"undecided": sum(1 for f in self.faults if f.outcome is None)},
             "steps_recomputed": [f.steps_recomputed for f in self.faults if f.steps_recomputed is not None],

@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import shutil
+import stat
 import tempfile
 import time
 from dataclasses import dataclass
@@ -93,10 +94,11 @@ def collect_garbage(base: str | None = None, older_than_s: float = 86_400.0, dry
     decisions = []
     now = time.time()
     for root in sorted(p for p in memory_base(base).iterdir() if p.is_dir() and not p.is_symlink()):
-        size = sum(f.stat().st_size for f in root.rglob("*") if f.is_file() and not f.is_symlink())
-        age = now - max((f.stat().st_mtime for f in [root, *root.rglob("*")]), default=now)
-        tier = LocalStore(root)
-        newest = tier.complete()[-1] if tier.complete() else None
+        stats = [(f, f.lstat()) for f in [root, *root.rglob("*")]]  # one walk for size and age
+        size = sum(st.st_size for f, st in stats if stat.S_ISREG(st.st_mode))
+        age = now - max(st.st_mtime for _, st in stats)
+        complete = LocalStore(root).complete()
+        newest = complete[-1] if complete else None
         if any(not _stale(lock) for lock in root.glob(".writing-*")):
             decisions.append(GcDecision(root, False, "a writer is alive", size))
             continue
