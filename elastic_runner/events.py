@@ -67,6 +67,17 @@ class EventFollower:
         self._events: list[dict[str, Any]] = []
 
     def read(self) -> list[dict[str, Any]]:
+        self.read_new()
+        return self._events
+
+    @property
+    def events(self) -> list[dict[str, Any]]:
+        """The events read so far, in time order (no new read)."""
+        return self._events
+
+    def read_new(self) -> list[dict[str, Any]]:
+        """Only the events appended since the last call (in time order among themselves); :meth:`read`
+        still returns them all."""
         new: list[dict[str, Any]] = []
         for path in sorted(self.dir.glob("*.jsonl")):
             try:
@@ -83,9 +94,12 @@ class EventFollower:
                 except ValueError:
                     continue  # a torn line from a killed writer
         if new:
+            new.sort(key=lambda e: e.get("time", 0))
+            in_order = not self._events or new[0].get("time", 0) >= self._events[-1].get("time", 0)
             self._events.extend(new)
-            self._events.sort(key=lambda e: e.get("time", 0))
-        return self._events
+            if not in_order:
+                self._events.sort(key=lambda e: e.get("time", 0))
+        return new
 
 
 def agent_stop_reason(run_dir: str | os.PathLike[str], pid: int, since: float, tail_bytes: int = 65536) -> str | None:

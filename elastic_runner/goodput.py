@@ -20,6 +20,7 @@ it at the next collective).
 
 from __future__ import annotations
 
+import bisect
 import statistics
 from dataclasses import dataclass, field
 from typing import Any, Iterable
@@ -50,8 +51,16 @@ class Goodput:
                 "lost_s": {cause: round(seconds, 3) for cause, seconds in self.lost_s.items()}}
 
 
-def _in(events: Iterable[dict[str, Any]], kinds: tuple[str, ...], start: float, end: float) -> list[dict[str, Any]]:
-    return [e for e in events if e.get("kind") in kinds and start <= e.get("time", -1.0) <= end]
+class _Window:
+    """Events of some kinds, in time order, to take the ones inside a gap (a soak has thousands of gaps)."""
+
+    def __init__(self, events: Iterable[dict[str, Any]], kinds: tuple[str, ...]) -> None:
+        self.events = sorted((e for e in events if e.get("kind") in kinds and isinstance(e.get("time"), (int, float))),
+                             key=lambda e: e["time"])
+        self.times = [e["time"] for e in self.events]
+
+    def between(self, start: float, end: float) -> list[dict[str, Any]]:
+        return self.events[bisect.bisect_left(self.times, start):bisect.bisect_right(self.times, end)]
 
 
 def measure(events: list[dict[str, Any]], gaps: Iterable[Any], wall_s: float,
@@ -62,14 +71,18 @@ def measure(events: list[dict[str, Any]], gaps: Iterable[Any], wall_s: float,
     lost = result.lost_s
     agents = [e for e in events if e.get("role") == "agent"]
     workers = [e for e in events if e.get("role") != "agent"]
+    noticed = _Window(agents, ("agent_worker_failed", "agent_stopping_workers", "agent_restart"))
+    rounds = _Window(agents, ("agent_rendezvous",))
+    process_starts: dict[int, list[float]] = {}
+    for e in workers:
+        if e.get("kind") == "start" and isinstance(e.get("process_start"), (int, float)):
+            process_starts.setdefault(e.get("generation"), []).append(float(e["process_start"]))
     for gap in gaps:
         total = max(0.0, gap.end - gap.start)
-        noticed = _in(agents, ("agent_worker_failed", "agent_stopping_workers", "agent_restart"), gap.start, gap.end)
-        detection = min(e["time"] for e in noticed) - gap.start if noticed else 0.0
-        rounds = _in(agents, ("agent_rendezvous",), gap.start, gap.end)
-        rendezvous = max((float(e.get("seconds", 0.0)) for e in rounds), default=0.0)
-        starts = [float(e["process_start"]) for e in workers if e.get("kind") == "start"
-                  and e.get("generation") == gap.generation and isinstance(e.get("process_start"), (int, float))]
+        first_notice = noticed.between(gap.start, gap.end)
+        detection = first_notice[0]["time"] - gap.start if first_notice else 0.0
+        rendezvous = max((float(e.get("seconds", 0.0)) for e in rounds.between(gap.start, gap.end)), default=0.0)
+        starts = process_starts.get(gap.generation, [])
         start_restore = max(0.0, gap.end - max(min(starts), gap.start)) if starts else 0.0
         parts = [detection, rendezvous, start_restore]
         scale = min(1.0, total / sum(parts)) if sum(parts) > 0 else 1.0  # overlapping parts never exceed the gap

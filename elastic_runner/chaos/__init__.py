@@ -35,8 +35,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                         "or at steps (the same experiment on any machine): step:200:kill-worker,step:450:join")
     p.add_argument("--faults", default=None, help=f"fault types drawn at random intervals: {', '.join(FAULT_TYPES)}")
     p.add_argument("--every", default=None, metavar="MIN:MAX", help="random interval between faults in seconds (default 8:15)")
-    p.add_argument("--every-steps", default=None, metavar="MIN:MAX", help="random interval between faults in steps "
-                   "instead of seconds (needs --count)")
+    p.add_argument("--every-steps", default=None, metavar="MIN:MAX", help="random faults by steps instead of seconds: "
+                   "each one MIN-MAX steps after the previous one was injected (needs --count)")
     p.add_argument("--count", type=int, default=None, help="inject exactly this many random faults (a skipped one is "
                    "drawn again) instead of until --duration")
     p.add_argument("--seed", type=int, default=None)

@@ -23,7 +23,7 @@ from ..events import EventFollower, read_events
 from ..testing.localjob import LocalJob
 from .faults import FAULTS, FaultContext, Skip
 from .scenario import FaultSpec, Scenario, ScenarioError
-from .verify import Injected, Verdict, as_dicts, attribute_recoveries, generations, recovery_stats, verify
+from .verify import History, Injected, Verdict, as_dicts, attribute_recoveries, generations, recovery_stats, verify
 
 
 class ChaosRun:
@@ -32,9 +32,11 @@ class ChaosRun:
         self.out = out
         self.run_dir = Path(scenario.run_dir)
         self.live = EventFollower(self.run_dir)  #: the job's events while it runs
+        self.history = History()  #: what judging a fault needs from them, kept up to date
         self.faults: list[Injected] = []
         self.t0 = 0.0
         self.replacements = 0  #: agents the supervisor started in place of lost ones
+        self._injected_step = 0  #: the step the job had reached when the last fault was injected
         self._short_since: float | None = None
 
     def log(self, text: str) -> None:
@@ -91,7 +93,7 @@ class ChaosRun:
         self.out(f"reference run (no faults) in {ref_dir}")
         job = self._job(etcd, ref_dir)
         try:
-            for _ in range(self.s.agents):
+            for _ in range(self.s.reference_agents or self.s.agents):
                 job.start_agent()
             codes = job.wait(timeout=self.s.timeout)
         finally:
@@ -134,6 +136,7 @@ class ChaosRun:
             if self.faults and self.faults[-1].generation is not None:
                 time.sleep(s.settle_seconds)
             at = time.time()
+            reached = latest_step(self.run_dir)
             try:
                 description = FAULTS[spec.type](ctx)
             except Skip as why:
@@ -142,6 +145,7 @@ class ChaosRun:
                     last = max((p for p in pending if p.drawn), key=lambda p: p.at, default=spec)
                     pending.append(s.draw(redraw, last))
                 continue
+            self._injected_step = reached
             self.faults.append(Injected(type=spec.type, at=at, offset=round(at - self.t0, 2), description=description))
             self.log(f"fault  {spec.type}: {description}")
         while job.running_agents() and time.monotonic() < deadline:
@@ -178,6 +182,8 @@ class ChaosRun:
                      f"(pid {agent.pid})")
 
     def _due(self, spec: FaultSpec) -> bool:
+        if spec.after_steps is not None:
+            return latest_step(self.run_dir) >= self._injected_step + spec.after_steps
         if spec.step is not None:
             return latest_step(self.run_dir) >= spec.step
         return time.time() - self.t0 >= spec.at
@@ -189,7 +195,7 @@ class ChaosRun:
         expected = self.s.agents * self.s.nproc_per_node
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
-            events = self.live.read()
+            events = self._follow()
             full = {e["generation"] for e in events if e["kind"] == "world" and e["world_size"] == expected}
             if any(e["kind"] in ("first_step", "progress") and e.get("generation") in full for e in events):
                 return
@@ -201,10 +207,11 @@ class ChaosRun:
                             f"{self.s.nproc_per_node}) within 300 s:\n{job.logs_tail()}")
 
     def _announce_recoveries(self, announced: set[int]) -> None:
-        if not self.faults:
-            return
-        attribute_recoveries(self.faults, self.live.read(), self.s.hang_seconds)
-        for i, f in enumerate(self.faults):
+        self._follow()
+        # Only the faults from the first undecided one on: the others were judged (and announced) already.
+        first = next((i for i, f in enumerate(self.faults) if f.outcome is None), len(self.faults))
+        attribute_recoveries(self.faults[first:], self.history, self.s.hang_seconds)
+        for i, f in enumerate(self.faults[first:], start=first):
             if i in announced or f.outcome is None:
                 continue
             announced.add(i)
@@ -216,6 +223,11 @@ class ChaosRun:
             lost = f", {f.steps_recomputed} step(s) recomputed" if f.steps_recomputed is not None else ""
             self.log(f"recovered from {f.type} in {f.recovery_s:.2f}s: generation {f.generation}, world size "
                      f"{f.world_size}, resumed step {f.resumed_step} {tier}{lost}".replace("  ", " "))
+
+    def _follow(self) -> list[dict[str, Any]]:
+        """The job's events so far; the new ones also go into :attr:`history`."""
+        self.history.add(self.live.read_new())
+        return self.live.events
 
     def _snapshot_dir(self) -> Path:
         from ..config import ConfigError, load_config
@@ -245,12 +257,13 @@ class ChaosRun:
             same = a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
             return {"ok": same, "mode": "bitwise", "detail": "final model bitwise identical to the reference"
                     if same else "final model differs from the reference although the world size never changed"}
-        ours, ref = _final_loss(events), _final_loss(reference["events"])
+        (ours, what), (ref, _) = _final_loss(events), _final_loss(reference["events"])
         if ours is None or ref is None:
             return {"ok": False, "mode": "loss", "detail": "no final loss recorded"}
         ok = abs(ours - ref) <= self.s.loss_tolerance * abs(ref) + 1e-3
-        return {"ok": ok, "mode": "loss", "detail": f"final training loss {ours:.4f} vs reference {ref:.4f} "
-                f"(tolerance {self.s.loss_tolerance:.0%}; world sizes {sorted(sizes)})"}
+        return {"ok": ok, "mode": "loss", "loss": ours, "reference_loss": ref,
+                "detail": f"final {what} loss {ours:.4f} vs reference {ref:.4f} (tolerance {self.s.loss_tolerance:.0%}; "
+                          f"world sizes {sorted(sizes)})"}
 
     def _report(self, verdict: Verdict, events: list[dict[str, Any]], audit: dict[str, Any],
                 comparison: dict[str, Any] | None) -> dict[str, Any]:
@@ -299,12 +312,16 @@ def _goodput_of(run_dir: Path, events: list[dict[str, Any]]) -> dict[str, Any] |
     return summary.goodput.to_dict() if summary.goodput is not None else None
 
 
-def _final_loss(events: list[dict[str, Any]]) -> float | None:
+def _final_loss(events: list[dict[str, Any]]) -> tuple[float | None, str]:
+    """The run's final test loss (its last evaluation), else the loss of its last progress line (one batch's)."""
+    evals = [e for e in events if e["kind"] == "eval" and isinstance(e.get("eval_loss"), (int, float))]
+    if evals:
+        return float(max(evals, key=lambda e: (e["step"], e["time"]))["eval_loss"]), "test"
     progress = [e for e in events if e["kind"] == "progress"]
     if not progress:
-        return None
+        return None, "training"
     last = max(progress, key=lambda e: (e["step"], e["generation"]))
-    return float(last["loss"])
+    return float(last["loss"]), "training"
 
 
 def render_markdown(report: dict[str, Any]) -> str:

@@ -20,10 +20,16 @@ class FaultSpec:
     at: float  #: seconds after all started agents train in one world (when ``step`` is None)
     type: str
     step: int | None = None  #: or: once the job has started this step (the same experiment on any machine)
+    #: or (random by step): once the job has run this many steps since the previous fault was injected.
+    #: Relative, not a fixed plan: the steps run while a fault is judged (an absorbed one needs seconds of
+    #: training to tell) would otherwise let the job run ahead of the plan and end before its last fault.
+    after_steps: int | None = None
     drawn: bool = False  #: drawn at random (``--faults``): a skipped one is replaced when ``count`` is set
 
     @property
     def when(self) -> str:
+        if self.after_steps is not None:
+            return f"{self.after_steps} steps after the previous fault"
         return f"step {self.step}" if self.step is not None else f"{self.at:g} s"
 
 
@@ -52,6 +58,9 @@ class Scenario:
     supervise: float | None = None
     settle_seconds: float = 1.0  #: after a recovery, before the next fault
     reference: bool = False
+    #: Agents of the fault-free reference run (default: ``agents``); the final losses are compared unless
+    #: both runs kept one world size.
+    reference_agents: int | None = None
     loss_tolerance: float = 0.1
     timeout: float = 600.0
 
@@ -74,6 +83,8 @@ class Scenario:
             raise ScenarioError(f"nnodes {self.nnodes!r}: need 1 <= MIN <= MAX")
         if not lo <= self.agents <= hi:
             raise ScenarioError(f"agents={self.agents} must lie within nnodes {self.nnodes}")
+        if self.reference_agents is not None and not lo <= self.reference_agents <= hi:
+            raise ScenarioError(f"reference_agents={self.reference_agents} must lie within nnodes {self.nnodes}")
         wanted = [f.type for f in self.faults] + list(self.random_types)
         for t in wanted:
             if t not in FAULT_TYPES:
@@ -118,8 +129,9 @@ class Scenario:
         """The next random fault, one interval after ``after`` (or after the start)."""
         kind = rng.choice(self.random_types)
         if self.every_steps is not None:
-            step = (after.step or 0 if after is not None else 0) + rng.randint(*self.every_steps)
-            return FaultSpec(at=float(step), type=kind, step=step, drawn=True)  # ``at``: the order only
+            steps = rng.randint(*self.every_steps)
+            return FaultSpec(at=(after.at if after is not None else 0.0) + steps, type=kind, after_steps=steps,
+                             drawn=True)  # ``at``: the order only
         return FaultSpec(at=round((after.at if after is not None else 0.0) + rng.uniform(*self.every), 2), type=kind,
                          drawn=True)
 

@@ -6,6 +6,7 @@ the audit trail), so the same checks apply to any run directory.
 
 from __future__ import annotations
 
+import bisect
 import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -42,55 +43,67 @@ class Verdict:
         self.ok = self.ok and ok
 
 
+@dataclass
+class History:
+    """What judging a fault needs from the event log, kept up to date from the new events only (a soak
+    writes ~10^5 events and is watched every 0.1 s)."""
+
+    #: Per generation: start time, world size, first step time, resume details (rank 0's view).
+    gens: dict[int, dict[str, Any]] = field(default_factory=dict)
+    #: Per generation, the time of its last sign of training (a step, a snapshot, an evaluation, the end).
+    stepped: dict[int, float] = field(default_factory=dict)
+    finished: list[float] = field(default_factory=list)  #: times of "finished" end events
+
+    def add(self, events: list[dict[str, Any]]) -> History:
+        for e in events:
+            g = e.get("generation")
+            kind = e["kind"]
+            if kind == "end" and e.get("status") == "finished":
+                self.finished.append(e["time"])
+            if g is None or e.get("role") == "agent":
+                continue
+            if kind in ("progress", "snapshot_saved", "eval", "end"):
+                self.stepped[g] = max(self.stepped.get(g, e["time"]), e["time"])
+            info = self.gens.setdefault(g, {})
+            if kind == "start":
+                info["start"] = min(info.get("start", e["time"]), e["time"])
+                info["world_size"] = e["world_size"]
+            elif kind == "first_step":
+                info["first_step"] = max(info.get("first_step", 0.0), e["time"])  # all ranks stepping
+            elif kind == "resume":
+                info["resume"] = e
+            elif kind == "world":
+                info["world_size"] = e["world_size"]
+        return self
+
+
 def generations(events: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
     """Per generation: start time, world size, first step time, resume details (rank 0's view)."""
-    out: dict[int, dict[str, Any]] = {}
-    for e in events:
-        g = e.get("generation")
-        if g is None or e.get("role") == "agent":
-            continue
-        info = out.setdefault(g, {})
-        kind = e["kind"]
-        if kind == "start":
-            info["start"] = min(info.get("start", e["time"]), e["time"])
-            info["world_size"] = e["world_size"]
-        elif kind == "first_step":
-            info["first_step"] = max(info.get("first_step", 0.0), e["time"])  # all ranks stepping
-        elif kind == "resume":
-            info["resume"] = e
-        elif kind == "world":
-            info["world_size"] = e["world_size"]
-    return out
+    return History().add(events).gens
 
 
 #: Seconds after a fault (after a hang: after it ends) from which a step of the same attempt proves it absorbed.
 ABSORB_AFTER_S = 2.0
 
 
-def _stepped_on(events: list[dict[str, Any]], generation: int | None, after: float) -> bool:
-    return generation is not None and any(
-        e.get("generation") == generation and e["kind"] in ("progress", "snapshot_saved", "eval", "end")
-        and e["time"] > after for e in events)
-
-
-def _finished_after(events: list[dict[str, Any]], t: float) -> bool:
-    return any(e["kind"] == "end" and e.get("status") == "finished" and e["time"] >= t - 1.0 for e in events)
-
-
-def attribute_recoveries(faults: list[Injected], events: list[dict[str, Any]], hang_seconds: float = 0.0) -> None:
+def attribute_recoveries(faults: list[Injected], events: list[dict[str, Any]] | History,
+                         hang_seconds: float = 0.0) -> None:
     """Fill in, for every fault, the generation that recovered from it and how long it took, or that the
-    job absorbed it or ended under it (see :attr:`Injected.outcome`)."""
-    gens = generations(events)
+    job absorbed it or ended under it (see :attr:`Injected.outcome`). Pass a :class:`History` to judge
+    a live run over and over without re-reading its events."""
+    history = events if isinstance(events, History) else History().add(events)
+    gens, stepped, finished = history.gens, history.stepped, history.finished
     starts = sorted((info["start"], g) for g, info in gens.items() if "start" in info)
+    start_times = [t for t, _ in starts]
     for i, fault in enumerate(faults):
-        later = [g for t, g in starts if t > fault.at]
+        cut = bisect.bisect_right(start_times, fault.at)
+        before, later = [g for _, g in starts[:cut]], [g for _, g in starts[cut:]]
         nxt = faults[i + 1].at if i + 1 < len(faults) else float("inf")
-        before = [g for t, g in starts if t <= fault.at]
         size_before = gens[before[-1]].get("world_size") if before else None
         settle = fault.at + ABSORB_AFTER_S + (hang_seconds if fault.type == "hang" else 0.0)
         # The attempt it hit stepped on well after it: not interrupted, whatever a later attempt
         # (started for the next fault) looks like. A join always starts a new attempt.
-        if fault.type != "join" and _stepped_on(events, before[-1] if before else None, settle):
+        if fault.type != "join" and before and stepped.get(before[-1], -1.0) > settle:
             fault.interrupted, fault.recovery_s, fault.outcome = False, 0.0, "absorbed"
             fault.generation = None
             continue
@@ -106,7 +119,7 @@ def attribute_recoveries(faults: list[Injected], events: list[dict[str, Any]], h
         if chosen is None or gens[chosen]["start"] > nxt + 60:
             if fault.type == "restart-etcd":
                 fault.interrupted, fault.recovery_s, fault.outcome = False, 0.0, "absorbed"
-            elif _finished_after(events, fault.at) and not later:
+            elif not later and any(t >= fault.at - 1.0 for t in finished):
                 fault.interrupted, fault.outcome = False, "job ended"
             continue
         info = gens[chosen]
@@ -125,26 +138,37 @@ def attribute_recoveries(faults: list[Injected], events: list[dict[str, Any]], h
 
 
 def newest_snapshot_violations(events: list[dict[str, Any]]) -> list[str]:
-    """Every resume must use the newest state that existed (by generation, then step)."""
+    """Every resume must use the newest state that existed (by generation, then step) before its
+    generation started: a disk snapshot of any earlier generation that was not rejected, or what the
+    survivors of the generation just before kept in memory (an older memory copy was taken over by that
+    generation and, when it died without survivors, went with it). One pass over the states in time
+    order: a soak has thousands of resumes."""
     rejected = {e["snapshot"] for e in events if e["kind"] == "snapshot_rejected"}
+    states = sorted(
+        (e["time"], e["kind"] == "kept_in_memory", e["generation"], e["step"],
+         e["snapshot"] if e["kind"] == "snapshot_saved" else f"memory step {e['step']}")
+        for e in events if e.get("generation") is not None and (
+            (e["kind"] == "snapshot_saved" and e["snapshot"] not in rejected) or e["kind"] == "kept_in_memory"))
+    newest_on_disk: dict[int, tuple[int, int, str]] = {}  #: generation -> its newest durable snapshot so far
+    kept: dict[int, tuple[int, int, str]] = {}  #: generation -> the newest state its survivors kept
     problems = []
+    seen = 0
     gens = generations(events)
-    for g, info in sorted(gens.items()):
-        resume = info.get("resume")
-        if resume is None:
-            continue
-        cutoff = info["start"]
-        candidates = []
-        for e in events:
-            if e["time"] >= cutoff or e.get("generation", g) >= g:
-                continue
-            if e["kind"] == "snapshot_saved" and e["snapshot"] not in rejected:
-                candidates.append((e["generation"], e["step"], e["snapshot"]))
-            elif e["kind"] == "kept_in_memory":
-                candidates.append((e["generation"], e["step"], f"memory step {e['step']}"))
+    previous_of = dict(zip(sorted(gens)[1:], sorted(gens)))
+    for start, g in sorted((info["start"], g) for g, info in gens.items() if info.get("resume") and "start" in info):
+        while seen < len(states) and states[seen][0] < start:
+            _, in_memory, sg, step, name = states[seen]
+            table = kept if in_memory else newest_on_disk
+            table[sg] = max(table.get(sg, (sg, step, name)), (sg, step, name))
+            seen += 1
+        previous = previous_of.get(g)
+        candidates = [state for sg, state in newest_on_disk.items() if sg < g]
+        if previous is not None and previous in kept:
+            candidates.append(kept[previous])
         if not candidates:
             continue
         newest = max(candidates)
+        resume = gens[g]["resume"]
         if (resume.get("step") or 0) < newest[1]:
             problems.append(f"generation {g} resumed at step {resume.get('step')} but {newest[2]} "
                             f"(generation {newest[0]}, step {newest[1]}) was available")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from elastic_runner.chaos.verify import Injected, attribute_recoveries
+from elastic_runner.chaos.verify import History, Injected, attribute_recoveries, newest_snapshot_violations
 
 
 def attempt(generation: int, start: float, world: int, steps_until: float, *, finished: bool = False) -> list[dict[str, Any]]:
@@ -48,6 +48,43 @@ def test_a_fault_that_lands_as_the_job_finishes_is_recorded_as_such() -> None:
     assert faults[0].outcome == "job ended" and faults[0].recovery_s is None
 
 
+def test_a_live_run_is_judged_from_its_new_events_only_with_the_same_outcome() -> None:
+    events = attempt(1, 0.0, 2, 10.0) + attempt(2, 10.6, 2, 30.0, finished=True)
+    history = History()
+    for i in range(0, len(events), 3):  # as a watcher reads them: a few at a time
+        history.add(events[i:i + 3])
+    live, once = [fault("kill-worker", 10.0)], [fault("kill-worker", 10.0)]
+    attribute_recoveries(live, history)
+    attribute_recoveries(once, events)
+    assert live == once and live[0].outcome == "recovered"
+
+
+def state(kind: str, generation: int, step: int, t: float, name: str = "") -> dict[str, Any]:
+    return {"time": t, "kind": kind, "generation": generation, "rank": 0, "step": step, "snapshot": name or f"s{step}"}
+
+
+def resumed(generation: int, t: float, step: int) -> list[dict[str, Any]]:
+    return [{"time": t, "kind": "start", "generation": generation, "rank": 0, "world_size": 2},
+            {"time": t + 0.1, "kind": "resume", "generation": generation, "rank": 0, "step": step}]
+
+
+def test_a_resume_older_than_a_snapshot_that_existed_is_a_violation() -> None:
+    events = [state("snapshot_saved", 1, 200, 1.0), state("snapshot_saved", 1, 250, 2.0), *resumed(2, 3.0, 200)]
+    (problem,) = newest_snapshot_violations(events)
+    assert "generation 2 resumed at step 200 but s250" in problem
+    rejected = events + [{"time": 2.5, "kind": "snapshot_rejected", "snapshot": "s250", "generation": 1, "rank": 0}]
+    assert newest_snapshot_violations(rejected) == [], "a damaged snapshot the loader rejected is no candidate"
+
+
+def test_survivors_memory_counts_for_the_next_attempt_only() -> None:
+    kept = [state("snapshot_saved", 1, 200, 1.0), state("kept_in_memory", 1, 257, 2.0)]
+    # The next attempt must take the survivors' newer state...
+    assert newest_snapshot_violations(kept + resumed(2, 3.0, 200))
+    # ...and once it has (and then died with every copy, as corrupt-snapshot makes it), the disk is all there is.
+    later = kept + resumed(2, 3.0, 257) + resumed(3, 9.0, 200)
+    assert newest_snapshot_violations(later) == []
+
+
 def scenario(tmp_path, **options: Any):  # noqa: ANN001, ANN201
     from elastic_runner.chaos.scenario import Scenario
 
@@ -71,9 +108,10 @@ def test_faults_can_be_placed_by_step_so_a_scenario_is_the_same_experiment_on_an
     drawn = scenario(tmp_path, random_types=["kill-worker", "hang"], every_steps=(100, 300), count=5, seed=3)
     drawn.validate()
     plan = drawn.schedule()
-    assert len(plan) == 5 and all(f.step is not None and f.drawn for f in plan)
-    gaps = [b.step - a.step for a, b in zip([None, *plan][1:], plan[1:])]  # type: ignore[operator]
-    assert plan[0].step >= 100 and all(100 <= g <= 300 for g in gaps)
+    # Each one so many steps after the previous injection (not a fixed plan the job could run ahead of).
+    assert len(plan) == 5 and all(f.step is None and f.drawn for f in plan)
+    assert all(100 <= f.after_steps <= 300 for f in plan)  # type: ignore[operator]
+    assert plan[2].when == f"{plan[2].after_steps} steps after the previous fault"
     assert plan == drawn.schedule(), "seeded: the same plan every time"
     with pytest.raises(ScenarioError, match="need --count"):
         scenario(tmp_path, random_types=["hang"], every_steps=(100, 300)).validate()
@@ -83,3 +121,32 @@ def test_count_asks_for_exactly_n_random_faults_whatever_the_duration(tmp_path) 
     timed = scenario(tmp_path, random_types=["kill-worker"], every=(5.0, 5.0), count=30, duration=10.0)
     timed.validate()
     assert len(timed.schedule()) == 30
+
+
+def test_a_scenario_file_sets_the_job_and_its_faults_and_the_command_line_overrides_it(tmp_path) -> None:  # noqa: ANN001
+    import argparse
+
+    import pytest
+
+    from elastic_runner.chaos import add_parser, build_scenario
+    from elastic_runner.chaos.scenario import ScenarioError
+
+    config = tmp_path / "c.yaml"
+    config.write_text("{}\n")
+    path = tmp_path / "scenario.yaml"
+    path.write_text(f"config: {config}\nrun_dir: {tmp_path / 'a'}\nnnodes: '1:2'\nagents: 2\nduration: 8\n"
+                    "faults: [{at: 2, type: kill-node}]\n"
+                    "random: {types: [kill-worker, hang], every: [3, 4], seed: 7}\noverrides: ['train.epochs=40']\n")
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["chaos", "--scenario", str(path), "--run-dir", str(tmp_path / "b"), "--set", "x.y=1"])
+    s = build_scenario(args)
+    s.validate()
+    assert s.run_dir == str(tmp_path / "b") and s.nnodes == "1:2" and s.overrides == ["train.epochs=40", "x.y=1"]
+    assert s.random_types == ["kill-worker", "hang"] and s.every == (3, 4) and s.seed == 7
+    plan = s.schedule()
+    assert plan[0].type == "kill-node" or plan[0].at <= 2, plan
+    assert "kill-node" in [f.type for f in plan] and all(f.at < 8 for f in plan if f.drawn)
+    path.write_text(f"config: {config}\nrun_dir: x\nfaults_at: 3\n")
+    with pytest.raises(ScenarioError, match=r"unknown option\(s\) \['faults_at'\]"):
+        build_scenario(parser.parse_args(["chaos", "--scenario", str(path)]))

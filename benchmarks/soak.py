@@ -1,0 +1,165 @@
+"""A thousand faults in one job: a supervised soak on etcd-v3, judged against a fault-free run.
+
+One job of ``configs/soak.yaml`` (the digits CNN, stable for tens of thousands of steps) on a
+self-started etcd with 3 agents (``--nnodes 1:4``, one worker each), under ``elastic-runner launch``.
+``elastic-runner chaos`` injects exactly ``--faults`` faults of every type, placed by step (one every
+``--every-steps`` steps once the previous fault has an outcome), and keeps 3 agents running as a
+Kubernetes Job would (a lost agent is replaced after ``--supervise`` seconds). A fault-free reference
+run of the same config (at world size 1 unless ``--reference-agents``: the same global batch, and the soak
+visits world sizes 1-4 anyway) comes first. The chaos tool's invariants (no sample lost or repeated, constant
+global batch, every resume from the newest state, no orphan process, the job finishes, final loss
+within tolerance of the reference) decide the exit status.
+
+    .venv/bin/python benchmarks/soak.py --faults 1000 --out results/soak-1000     # ~1.5 h on 2 cores
+    .venv/bin/python benchmarks/soak.py --faults 20 --out /tmp/soak-20            # ~3 min
+
+Writes ``OUT/soak.json`` (the figures), ``OUT/timeline.png`` and the chaos tool's reports under
+``OUT/run/chaos/``. Needs etcd on the PATH (``apt-get install etcd-server``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from common import ROOT, write_json
+
+from elastic_runner.chaos.runner import ChaosRun
+from elastic_runner.chaos.scenario import FAULT_TYPES, Scenario, ScenarioError
+
+#: Steps of training planned per fault: the mean interval, plus what runs while a fault is judged (an absorbed
+#: one needs ~2 s of training to tell), with a margin: skipped faults are drawn again, and the job must
+#: outlast the last one.
+JUDGING_STEPS = 50
+STEP_MARGIN = 1.25
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """The ``q``-th percentile (nearest rank) of ``values``; None when there are none."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
+
+
+def soak_figures(report: dict[str, Any], wanted: int, seconds: float) -> dict[str, Any]:
+    """The soak's figures from the chaos tool's report."""
+    faults = report["faults"]
+    recovered = [f for f in faults if f.get("outcome") == "recovered"]
+    times = [float(f["recovery_s"]) for f in recovered if f.get("recovery_s") is not None]
+    audit = report["audit"]
+    comparison = report.get("reference") or {}
+    goodput = report.get("goodput") or {}
+    by_type: dict[str, dict[str, int]] = {}
+    for f in faults:
+        counts = by_type.setdefault(f["type"], {"injected": 0, "recovered": 0, "absorbed": 0, "job ended": 0})
+        counts["injected"] += 1
+        if f.get("outcome") in counts:
+            counts[f["outcome"]] += 1
+    return {
+        "ok": bool(report["ok"]) and len(faults) == wanted,
+        "faults_wanted": wanted,
+        "faults_injected": len(faults),
+        "recoveries": len(recovered),
+        "absorbed": sum(1 for f in faults if f.get("outcome") == "absorbed"),
+        "job_ended": sum(1 for f in faults if f.get("outcome") == "job ended"),
+        "undecided": sum(1 for f in faults if f.get("outcome") is None),
+        "by_type": by_type,
+        "replacements": report.get("replacements", 0),
+        "samples_lost": sum(e["missing"] for e in audit.get("epochs", [])),
+        "samples_repeated": sum(e["duplicates"] for e in audit.get("epochs", [])),
+        "epochs_audited": len(audit.get("epochs", [])),
+        "recovery_p50_s": round(statistics.median(times), 3) if times else None,
+        "recovery_p99_s": percentile(times, 99),
+        "recovery_max_s": max(times, default=None),
+        "recovery_by_type_p50_s": {t: round(statistics.median(v), 3) for t in FAULT_TYPES
+                                   if (v := [float(f["recovery_s"]) for f in recovered
+                                             if f["type"] == t and f.get("recovery_s") is not None])},
+        "steps_recomputed_total": sum(int(f.get("steps_recomputed") or 0) for f in recovered),
+        "goodput": goodput.get("goodput"),
+        "goodput_lost_s": goodput.get("lost_s"),
+        "final_step": audit.get("final_step"),
+        "final_loss": comparison.get("loss"),
+        "reference_final_loss": comparison.get("reference_loss"),
+        "reference_check": comparison.get("detail"),
+        "finished": bool(report["checks"]["job finished"]["ok"]),
+        "checks": report["checks"],
+        "generations": report.get("generations"),
+        "job_wall_s": report.get("wall_seconds"),
+        "soak_wall_s": round(seconds, 1),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--faults", type=int, default=1000, help="faults to inject (default 1000)")
+    ap.add_argument("--out", required=True, help="new directory for the run, soak.json and timeline.png")
+    ap.add_argument("--config", default=str(ROOT / "configs" / "soak.yaml"))
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="config override for both runs (e.g. data.sampler=... to prove the checks can fail)")
+    ap.add_argument("--types", default=",".join(FAULT_TYPES), help="fault types to draw (default: all)")
+    ap.add_argument("--every-steps", default="40:80", metavar="MIN:MAX", help="steps between faults (default 40:80)")
+    ap.add_argument("--agents", type=int, default=3)
+    ap.add_argument("--nnodes", default="1:4")
+    ap.add_argument("--supervise", type=float, default=2.0, help="seconds before a lost agent is replaced")
+    ap.add_argument("--hang-seconds", type=float, default=5.0)
+    ap.add_argument("--reference-agents", type=int, default=1,
+                    help="agents of the fault-free reference run (default 1: the same global batch, 3x faster here)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--loss-tolerance", type=float, default=0.25,
+                    help="final loss within this fraction of the reference's (the world size changes)")
+    ap.add_argument("--timeout", type=float, default=None, help="give up after this many seconds (default: 30 s a fault + 10 min)")
+    args = ap.parse_args(argv)
+
+    out = Path(args.out)
+    if out.exists() and any(out.iterdir()):
+        ap.error(f"--out {out} is not empty: a soak starts from scratch")
+    lo, _, hi = args.every_steps.partition(":")
+    if not lo.isdigit() or not (hi or lo).isdigit() or not 0 < int(lo) <= int(hi or lo):
+        ap.error(f"--every-steps {args.every_steps!r}: write MIN:MAX steps, e.g. 40:80")
+    every = (int(lo), int(hi or lo))
+    if args.faults < 1:
+        ap.error("--faults must be at least 1")
+    steps = int(args.faults * ((every[0] + every[1]) / 2 + JUDGING_STEPS) * STEP_MARGIN) + 300
+    scenario = Scenario(
+        config=args.config, run_dir=str(out / "run"),
+        overrides=[f"train.max_steps={steps}", *args.overrides],
+        nnodes=args.nnodes, agents=args.agents, rdzv_backend="etcd-v3", launcher="elastic-runner",
+        random_types=[t.strip() for t in args.types.split(",") if t.strip()], every_steps=every,
+        count=args.faults, seed=args.seed, hang_seconds=args.hang_seconds, supervise=args.supervise,
+        reference=True, reference_agents=args.reference_agents, loss_tolerance=args.loss_tolerance,
+        settle_seconds=0.5,
+        timeout=args.timeout if args.timeout is not None else 30.0 * args.faults + 600.0,
+    )
+    out.mkdir(parents=True, exist_ok=True)
+    print(f"soak: {args.faults} fault(s) of {', '.join(scenario.random_types)} every {every[0]}-{every[1]} steps, "
+          f"{steps} steps, {args.agents} agents supervised ({args.supervise:g} s), etcd-v3", flush=True)
+    started = time.monotonic()
+    try:
+        verdict, report = ChaosRun(scenario, out=lambda line: print(line, flush=True)).run()
+    except ScenarioError as exc:
+        print(f"soak: {exc}", file=sys.stderr)
+        return 2
+    figures = soak_figures(report, args.faults, time.monotonic() - started)
+    figures["command"] = " ".join(["benchmarks/soak.py", *(argv if argv is not None else sys.argv[1:])])
+    figures["steps_planned"] = steps
+    timeline = Path(scenario.run_dir) / "chaos" / "timeline.png"
+    if timeline.is_file():
+        shutil.copyfile(timeline, out / "timeline.png")
+        figures["timeline"] = str(out / "timeline.png")
+    write_json(str(out / "soak.json"), figures)
+    for name, (ok, detail) in verdict.checks.items():
+        print(f"{'PASS' if ok else 'FAIL'}  {name}: {detail}")
+    if len(report["faults"]) != args.faults:
+        print(f"FAIL  {len(report['faults'])} of {args.faults} faults injected (the job ended first?)")
+    return 0 if figures["ok"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,53 @@
+"""benchmarks/soak.py, short: every fault type in one supervised job on etcd-v3, and a soak that can fail.
+
+The README's figures come from the same script with ``--faults 1000`` (an hour; not in CI).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from elastic_runner.chaos.scenario import FAULT_TYPES
+
+from ..support import run_bounded
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.timeout(420)]
+
+SOAK = Path(__file__).resolve().parents[2] / "benchmarks" / "soak.py"
+
+
+def soak(out: Path, *args: str) -> tuple[int, str, dict]:  # type: ignore[type-arg]
+    result = run_bounded([sys.executable, str(SOAK), "--out", str(out), *args], timeout=400)
+    figures = json.loads((out / "soak.json").read_text()) if (out / "soak.json").is_file() else {}
+    return result.returncode, result.stdout, figures
+
+
+def test_a_short_soak_breaks_the_job_every_way_and_it_loses_nothing(tmp_path: Path, etcd_binary: str) -> None:
+    # Seed 0 draws all eight fault types within the first twelve faults.
+    code, out, figures = soak(tmp_path / "soak", "--faults", "12", "--seed", "0")
+    assert code == 0, out[-5000:]
+    assert figures["faults_injected"] == 12 and figures["undecided"] == 0
+    assert set(figures["by_type"]) == set(FAULT_TYPES), figures["by_type"]
+    assert figures["recoveries"] + figures["absorbed"] == 12, "every fault recovered from or ridden out"
+    # etcd restarting is ridden out (workers never talk to etcd); the agent hosting c10d's store can go.
+    assert figures["by_type"]["restart-etcd"]["absorbed"] == figures["by_type"]["restart-etcd"]["injected"]
+    assert figures["samples_lost"] == 0 and figures["samples_repeated"] == 0 and figures["finished"]
+    assert figures["replacements"] >= 1, "a lost agent was replaced, as a Kubernetes Job would"
+    assert 0 < figures["recovery_p50_s"] <= figures["recovery_p99_s"]
+    assert 0 < figures["goodput"] < 1 and set(figures["goodput_lost_s"]) >= {"detection", "rendezvous"}
+    assert figures["reference_final_loss"] > 0 and figures["final_loss"] > 0
+    assert abs(figures["final_loss"] - figures["reference_final_loss"]) <= 0.25 * figures["reference_final_loss"] + 1e-3
+    assert (tmp_path / "soak" / "timeline.png").stat().st_size > 10_000
+
+
+def test_a_soak_whose_sampler_repeats_a_sample_fails(tmp_path: Path, etcd_binary: str) -> None:
+    code, out, figures = soak(tmp_path / "soak", "--faults", "2", "--types", "kill-worker",
+                              "--set", "data.sampler=tests.broken_components:RepeatingSampler")
+    assert code == 1, out[-5000:]
+    assert "FAIL  no sample lost or duplicated" in out
+    assert figures["samples_repeated"] > 0 and not figures["ok"]
+    assert figures["finished"], "the job itself ran to the end; only the data was wrong"
