@@ -20,13 +20,15 @@ Writes ``OUT/soak.json`` (the figures), ``OUT/timeline.png`` and the chaos tool'
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import shutil
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from common import ROOT, write_json
 
@@ -96,6 +98,20 @@ def soak_figures(report: dict[str, Any], wanted: int, seconds: float) -> dict[st
     }
 
 
+@contextlib.contextmanager
+def snapshot_volume(path: Path, megabytes: int) -> Iterator[bool]:
+    """A small tmpfs for the job's snapshots, so that fill-disk fills a volume and not this machine's disk.
+    Yields False where it cannot be mounted (mounting needs root)."""
+    path.mkdir(parents=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={megabytes}m,mode=0700", "tmpfs", str(path)],
+                             capture_output=True, text=True)
+    try:
+        yield mounted.returncode == 0
+    finally:
+        if mounted.returncode == 0:
+            subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--faults", type=int, default=1000, help="faults to inject (default 1000)")
@@ -109,6 +125,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--nnodes", default="1:4")
     ap.add_argument("--supervise", type=float, default=2.0, help="seconds before a lost agent is replaced")
     ap.add_argument("--hang-seconds", type=float, default=5.0)
+    ap.add_argument("--fill-seconds", type=float, default=4.0, help="how long fill-disk keeps the volume full")
+    ap.add_argument("--snapshot-volume-mb", type=int, default=64,
+                    help="size of the tmpfs the job's snapshots live on (for fill-disk; needs root, else fill-disk "
+                         "is left out)")
     ap.add_argument("--reference-agents", type=int, default=1,
                     help="agents of the fault-free reference run (default 1: the same global batch, 3x faster here)")
     ap.add_argument("--seed", type=int, default=0)
@@ -127,25 +147,32 @@ def main(argv: list[str] | None = None) -> int:
     if args.faults < 1:
         ap.error("--faults must be at least 1")
     steps = int(args.faults * ((every[0] + every[1]) / 2 + JUDGING_STEPS) * STEP_MARGIN) + 300
-    scenario = Scenario(
-        config=args.config, run_dir=str(out / "run"),
-        overrides=[f"train.max_steps={steps}", *args.overrides],
-        nnodes=args.nnodes, agents=args.agents, rdzv_backend="etcd-v3", launcher="elastic-runner",
-        random_types=[t.strip() for t in args.types.split(",") if t.strip()], every_steps=every,
-        count=args.faults, seed=args.seed, hang_seconds=args.hang_seconds, supervise=args.supervise,
-        reference=True, reference_agents=args.reference_agents, loss_tolerance=args.loss_tolerance,
-        settle_seconds=0.5,
-        timeout=args.timeout if args.timeout is not None else 30.0 * args.faults + 600.0,
-    )
+    types = [t.strip() for t in args.types.split(",") if t.strip()]
     out.mkdir(parents=True, exist_ok=True)
-    print(f"soak: {args.faults} fault(s) of {', '.join(scenario.random_types)} every {every[0]}-{every[1]} steps, "
-          f"{steps} steps, {args.agents} agents supervised ({args.supervise:g} s), etcd-v3", flush=True)
-    started = time.monotonic()
-    try:
-        verdict, report = ChaosRun(scenario, out=lambda line: print(line, flush=True)).run()
-    except ScenarioError as exc:
-        print(f"soak: {exc}", file=sys.stderr)
-        return 2
+    volume = out / "snapshot-volume"
+    with snapshot_volume(volume, args.snapshot_volume_mb) if "fill-disk" in types else contextlib.nullcontext(False) \
+            as mounted:
+        extra = [f"snapshot.dir={volume / 'snapshots'}"] if mounted else []
+        if "fill-disk" in types and not mounted:
+            types.remove("fill-disk")
+            print("soak: fill-disk left out: a small volume for the snapshots cannot be mounted here (needs root)")
+        scenario = Scenario(
+            config=args.config, run_dir=str(out / "run"),
+            overrides=[f"train.max_steps={steps}", *extra, *args.overrides],
+            nnodes=args.nnodes, agents=args.agents, rdzv_backend="etcd-v3", launcher="elastic-runner",
+            random_types=types, every_steps=every, count=args.faults, seed=args.seed, hang_seconds=args.hang_seconds,
+            fill_seconds=args.fill_seconds, supervise=args.supervise, reference=True,
+            reference_agents=args.reference_agents, loss_tolerance=args.loss_tolerance, settle_seconds=0.5,
+            timeout=args.timeout if args.timeout is not None else 30.0 * args.faults + 600.0,
+        )
+        print(f"soak: {args.faults} fault(s) of {', '.join(types)} every {every[0]}-{every[1]} steps, {steps} steps, "
+              f"{args.agents} agents supervised ({args.supervise:g} s), etcd-v3", flush=True)
+        started = time.monotonic()
+        try:
+            verdict, report = ChaosRun(scenario, out=lambda line: print(line, flush=True)).run()
+        except ScenarioError as exc:
+            print(f"soak: {exc}", file=sys.stderr)
+            return 2
     figures = soak_figures(report, args.faults, time.monotonic() - started)
     figures["command"] = " ".join(["benchmarks/soak.py", *(argv if argv is not None else sys.argv[1:])])
     figures["steps_planned"] = steps

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from pathlib import Path
 from typing import Iterator
@@ -19,6 +20,19 @@ QUICKSTART = ROOT / "configs" / "quickstart.yaml"
 # Workers of the multi-process tests must import the package from this checkout.
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
 become_subreaper()
+
+
+def mount_small_volume(path: Path, size: str) -> None:
+    """A small tmpfs at ``path`` (a real ENOSPC when it is full); skips the test where mounting needs root."""
+    path.mkdir(parents=True, exist_ok=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(path)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"a small tmpfs cannot be mounted here (needs root): {mounted.stderr.strip()}")
+
+
+def unmount(path: Path) -> None:
+    subprocess.run(["umount", "-l", str(path)], capture_output=True)
 
 
 def write_config(path: Path, **sections: dict) -> Path:

@@ -2,6 +2,8 @@
 
     elastic-runner chaos --config configs/quickstart.yaml --run-dir runs/chaos1 \\
         --faults kill-worker,kill-agent,kill-node,join,hang,preempt,corrupt-snapshot --every 6:10 --seed 1 --duration 60
+    elastic-runner chaos --config configs/quickstart.yaml --run-dir runs/chaos2 --set snapshot.dir=/mnt/small \\
+        --at step:200:fill-disk --fill-seconds 10
     elastic-runner chaos --scenario scenario.yaml
 
 Exit status 0 when every invariant held, 1 when one was violated, 2 for a
@@ -42,6 +44,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--duration", type=float, default=None, help="no new faults after this many seconds (default 60)")
     p.add_argument("--hang-seconds", type=float, default=None, help="how long a hung worker stays stopped (default 4)")
+    p.add_argument("--fill-seconds", type=float, default=None,
+                   help="how long fill-disk keeps the snapshot volume full (default 8; the volume must be small, "
+                        "at most 2 GiB free: put snapshot.dir on a tmpfs)")
     p.add_argument("--supervise", type=float, default=None, metavar="SECONDS",
                    help="keep --agents agents running: replace a killed or preempted agent after SECONDS, as a "
                         "Kubernetes Job restarts a lost pod (default: lost agents stay lost)")
@@ -55,6 +60,7 @@ def build_scenario(args: argparse.Namespace) -> Scenario:
         "config": args.config, "run_dir": args.run_dir, "nnodes": args.nnodes, "agents": args.agents,
         "nproc_per_node": args.nproc_per_node, "rdzv_backend": args.rdzv_backend, "etcd_endpoint": args.etcd_endpoint,
         "launcher": args.launcher, "seed": args.seed, "duration": args.duration, "hang_seconds": args.hang_seconds,
+        "fill_seconds": args.fill_seconds,
         "loss_tolerance": args.loss_tolerance, "timeout": args.timeout, "supervise": args.supervise,
     }
     given = {k: v for k, v in given.items() if v is not None}

@@ -7,12 +7,14 @@ may be removed without dropping below the minimum), so the run goes on.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import random
 import shutil
 import signal
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -34,6 +36,20 @@ class FaultContext:
     hang_seconds: float
     snapshot_dir: Path
     etcd: Any = None  #: elastic_runner.testing.etcd_server.EtcdServer when self-started
+    fill_seconds: float = 8.0
+    #: Undo what a fault left behind (a filler file) when the run ends early; each runs once.
+    cleanups: list[Callable[[], None]] = field(default_factory=list)
+
+    def close(self) -> None:
+        while self.cleanups:
+            self.cleanups.pop()()
+
+
+#: fill-disk refuses a volume with more free space than this: it would fill the machine's disk, not a test volume.
+FILL_MAX_FREE_BYTES = 2 << 30
+#: What fill-disk leaves free: less than any snapshot, more than the filesystem needs to stay usable.
+FILL_LEAVE_BYTES = 16 << 10
+FILLER_NAME = ".chaos-fill"
 
 
 def _removable_agents(ctx: FaultContext) -> list[Agent]:
@@ -127,6 +143,38 @@ def corrupt_snapshot(ctx: FaultContext) -> str:
             f"all {len(workers)} workers")
 
 
+def fill_disk(ctx: FaultContext) -> str:
+    """The snapshot volume runs full for ``fill_seconds`` (another tenant's files, a log that grew): every
+    durable write in that time fails, training must go on, and snapshots must resume once space is back."""
+    volume = ctx.snapshot_dir
+    if not volume.is_dir():
+        raise Skip(f"no snapshot directory yet ({volume})")
+    free = shutil.disk_usage(volume).free
+    if free > FILL_MAX_FREE_BYTES:
+        raise Skip(f"the snapshot volume has {free / 2**30:.1f} GiB free: filling it would fill this machine's "
+                   "disk; put snapshot.dir on a small volume (e.g. a tmpfs) to inject fill-disk")
+    filler = volume / FILLER_NAME
+    size = max(0, free - FILL_LEAVE_BYTES)
+    fd = os.open(filler, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError:
+        pass  # whatever it got is allocated; the volume is as full as it gets
+    finally:
+        os.close(fd)
+    done = threading.Event()
+
+    def release() -> None:
+        if not done.is_set():
+            done.set()
+            with contextlib.suppress(FileNotFoundError):
+                filler.unlink()
+
+    ctx.cleanups.append(release)
+    threading.Timer(ctx.fill_seconds, release).start()
+    return f"filled the snapshot volume ({size / 2**20:.1f} MB) for {ctx.fill_seconds:g}s"
+
+
 FAULTS: dict[str, Callable[[FaultContext], str]] = {
     "kill-worker": kill_worker,
     "kill-agent": kill_agent,
@@ -136,6 +184,7 @@ FAULTS: dict[str, Callable[[FaultContext], str]] = {
     "preempt": preempt,
     "restart-etcd": restart_etcd,
     "corrupt-snapshot": corrupt_snapshot,
+    "fill-disk": fill_disk,
 }
 # scenario.py validates names without importing the fault machinery; keep the two lists one.
 assert tuple(FAULTS) == FAULT_TYPES, "elastic_runner.chaos.scenario.FAULT_TYPES must list FAULTS"

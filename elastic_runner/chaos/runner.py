@@ -81,17 +81,19 @@ class ChaosRun:
         finally:
             server.stop()
 
-    def _job(self, etcd: Any, run_dir: Path) -> LocalJob:
+    def _job(self, etcd: Any, run_dir: Path, *extra: str) -> LocalJob:
         s = self.s
         endpoint = s.etcd_endpoint or (etcd.endpoint if etcd is not None else None)
-        return LocalJob(config=s.config, run_dir=str(run_dir), overrides=list(s.overrides) + ["audit.samples=true"],
+        return LocalJob(config=s.config, run_dir=str(run_dir), overrides=[*s.overrides, "audit.samples=true", *extra],
                         nnodes=s.nnodes, nproc_per_node=s.nproc_per_node, rdzv_backend=s.rdzv_backend,
                         rdzv_endpoint=endpoint, launcher=s.launcher, max_restarts=1000)
 
     def _reference(self, etcd: Any) -> dict[str, Any]:
         ref_dir = self.run_dir.with_name(self.run_dir.name + "-reference")
         self.out(f"reference run (no faults) in {ref_dir}")
-        job = self._job(etcd, ref_dir)
+        # Its own snapshots, also when the scenario sets snapshot.dir: sharing them, the job under test
+        # would start from the reference's final state.
+        job = self._job(etcd, ref_dir, f"snapshot.dir={ref_dir / 'snapshots'}")
         try:
             for _ in range(self.s.reference_agents or self.s.agents):
                 job.start_agent()
@@ -105,7 +107,15 @@ class ChaosRun:
     def _drive(self, job: LocalJob, etcd: Any) -> tuple[bool, list[int]]:
         s = self.s
         ctx = FaultContext(job=job, rng=random.Random(s.seed), min_agents=s.min_agents, max_agents=s.max_agents,
-                           hang_seconds=s.hang_seconds, snapshot_dir=self._snapshot_dir(), etcd=etcd)
+                           hang_seconds=s.hang_seconds, snapshot_dir=self._snapshot_dir(), etcd=etcd,
+                           fill_seconds=s.fill_seconds)
+        try:
+            return self._inject(job, ctx)
+        finally:
+            ctx.close()  # a full volume is never left behind
+
+    def _inject(self, job: LocalJob, ctx: FaultContext) -> tuple[bool, list[int]]:
+        s = self.s
         for _ in range(s.agents):
             job.start_agent()
         self._wait_stepping(job)
@@ -146,7 +156,9 @@ class ChaosRun:
                     pending.append(s.draw(redraw, last))
                 continue
             self._injected_step = reached
-            self.faults.append(Injected(type=spec.type, at=at, offset=round(at - self.t0, 2), description=description))
+            lasts = {"hang": s.hang_seconds, "fill-disk": s.fill_seconds}.get(spec.type, 0.0)
+            self.faults.append(Injected(type=spec.type, at=at, offset=round(at - self.t0, 2), description=description,
+                                        lasts_s=lasts))
             self.log(f"fault  {spec.type}: {description}")
         while job.running_agents() and time.monotonic() < deadline:
             self._announce_recoveries(announced)

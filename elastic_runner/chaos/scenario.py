@@ -8,7 +8,8 @@ from pathlib import Path
 
 import yaml
 
-FAULT_TYPES = ("kill-worker", "kill-agent", "kill-node", "join", "hang", "preempt", "restart-etcd", "corrupt-snapshot")
+FAULT_TYPES = ("kill-worker", "kill-agent", "kill-node", "join", "hang", "preempt", "restart-etcd", "corrupt-snapshot",
+               "fill-disk")
 
 
 class ScenarioError(ValueError):
@@ -54,6 +55,7 @@ class Scenario:
     seed: int = 0
     duration: float = 60.0  #: no new faults after this many seconds of stepping
     hang_seconds: float = 4.0
+    fill_seconds: float = 8.0  #: how long fill-disk keeps the snapshot volume full
     #: Replace a killed or preempted agent after this many seconds, keeping ``agents`` running (None: never).
     supervise: float | None = None
     settle_seconds: float = 1.0  #: after a recovery, before the next fault
@@ -101,6 +103,8 @@ class Scenario:
             raise ScenarioError(f"every_steps={self.every_steps}: need 0 < MIN <= MAX steps")
         if self.count is not None and (self.count < 1 or not self.random_types):
             raise ScenarioError(f"count={self.count}: give a positive number of faults and the types to draw (--faults)")
+        if self.fill_seconds <= 0:
+            raise ScenarioError(f"fill_seconds={self.fill_seconds}: give the seconds the volume stays full (> 0)")
         if self.supervise is not None and self.supervise < 0:
             raise ScenarioError(f"supervise={self.supervise}: give the seconds before a lost agent is replaced (>= 0)")
         if self.every_steps is not None and self.count is None:

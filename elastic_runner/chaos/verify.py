@@ -27,6 +27,7 @@ class Injected:
     resumed_tier: str | None = None
     steps_recomputed: int | None = None
     interrupted: bool = True
+    lasts_s: float = 0.0  #: how long the fault goes on after its injection (a hang, a full volume)
     #: "recovered" (a new attempt stepped), "absorbed" (training went on in the same attempt: a hang shorter
     #: than the heartbeat, a hang with no peer to notice, an etcd restart) or "job ended" (it landed as the
     #: job finished); None while undecided.
@@ -100,7 +101,7 @@ def attribute_recoveries(faults: list[Injected], events: list[dict[str, Any]] | 
         before, later = [g for _, g in starts[:cut]], [g for _, g in starts[cut:]]
         nxt = faults[i + 1].at if i + 1 < len(faults) else float("inf")
         size_before = gens[before[-1]].get("world_size") if before else None
-        settle = fault.at + ABSORB_AFTER_S + (hang_seconds if fault.type == "hang" else 0.0)
+        settle = fault.at + ABSORB_AFTER_S + max(fault.lasts_s, hang_seconds if fault.type == "hang" else 0.0)
         # The attempt it hit stepped on well after it: not interrupted, whatever a later attempt
         # (started for the next fault) looks like. A join always starts a new attempt.
         if fault.type != "join" and before and stepped.get(before[-1], -1.0) > settle:
@@ -204,6 +205,16 @@ def verify(*, audit: AuditReport, events: list[dict[str, Any]], faults: list[Inj
     stale = newest_snapshot_violations(events)
     verdict.add("recoveries resumed from the newest snapshot", not stale, "; ".join(stale) or
                 f"{sum(1 for f in faults if f.generation)} recoveries checked")
+    fills = [f for f in faults if f.type == "fill-disk"]
+    if fills:
+        saved = sorted(e["time"] for e in events if e["kind"] == "snapshot_saved")
+        failed = [e["time"] for e in events if e["kind"] == "snapshot_failed"]
+        not_back = [f for f in fills if not any(t > f.at + f.lasts_s for t in saved)]
+        during = sum(1 for t in failed if any(f.at <= t <= f.at + f.lasts_s + 5.0 for f in fills))
+        verdict.add("snapshots durable again after a full volume", not not_back,
+                    f"{during} durable write(s) failed while the volume was full ({len(fills)} time(s)); "
+                    + ("a snapshot was saved after each" if not not_back else
+                       f"none saved after the fill at {not_back[0].offset} s"))
     verdict.add("no orphan processes", not leftover, f"left running: {leftover}" if leftover else "none left")
     if reference is not None:
         verdict.add("matches the reference run", reference["ok"], reference["detail"])

@@ -13,7 +13,7 @@ import pytest
 
 from elastic_runner.events import read_events
 
-from ..conftest import write_config
+from ..conftest import mount_small_volume, unmount, write_config
 from ..support import run_bounded
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(420)]
@@ -112,3 +112,24 @@ def test_a_supervised_job_gets_its_lost_agent_back_and_trains_at_full_size_again
     # Back at two after the loss: the replacement joined the recovery round itself (it arrives within the
     # dead node's 3 s window) or the round after it.
     assert worlds and worlds[-1]["world_size"] == 2, [e["world_size"] for e in worlds]
+
+
+def test_a_full_snapshot_volume_is_ridden_out_and_snapshots_resume_once_space_is_back(
+        chaos_config: Path, tmp_path: Path) -> None:
+    volume = tmp_path / "volume"
+    mount_small_volume(volume, "4m")  # room for keep_last + 1 snapshots of the small CNN (0.3 MB each)
+    try:
+        run_dir = tmp_path / "run"
+        result = paced_chaos(chaos_config, run_dir, "--agents", "2", "--nnodes", "1:2", "--at", "2:fill-disk",
+                             "--fill-seconds", "4", "--set", f"snapshot.dir={volume / 'snapshots'}", epochs=8)
+        assert result.returncode == 0, result.stdout[-4000:]
+        assert not (volume / "snapshots" / ".chaos-fill").exists(), "the filler is gone with the fault"
+    finally:
+        unmount(volume)
+    report = json.loads((run_dir / "chaos" / "report.json").read_text())
+    (fill,) = report["faults"]
+    assert fill["type"] == "fill-disk" and fill["outcome"] == "absorbed", "training went on through it"
+    check = report["checks"]["snapshots durable again after a full volume"]
+    assert check["ok"] and not check["detail"].startswith("0 "), check["detail"]
+    failed = [e for e in read_events(run_dir) if e["kind"] == "snapshot_failed"]
+    assert failed and all("No space left" in e["error"] or "disk full" in e["error"] for e in failed), failed[:2]

@@ -14,6 +14,7 @@ import pytest
 
 from elastic_runner.lifecycle import EXIT_NOT_DURABLE
 
+from ..conftest import mount_small_volume, unmount
 from ..support import events, run_bounded
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
@@ -23,15 +24,11 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
 def small_volume(tmp_path: Path) -> Iterator[Path]:
     """A 256 KiB tmpfs: smaller than one snapshot of the quickstart model (0.3 MB)."""
     volume = tmp_path / "volume"
-    volume.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k,mode=0700", "tmpfs", str(volume)],
-                             capture_output=True, text=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"a small tmpfs cannot be mounted here (needs root): {mounted.stderr.strip()}")
+    mount_small_volume(volume, "256k")
     try:
         yield volume
     finally:
-        subprocess.run(["umount", "-l", str(volume)], capture_output=True)
+        unmount(volume)
 
 
 def test_a_full_volume_keeps_the_finished_state_in_memory_and_says_how_to_write_it_out(
