@@ -23,6 +23,7 @@ import errno
 import logging
 import os
 import sys
+import time
 from typing import Any, Callable
 
 import torch
@@ -250,6 +251,8 @@ class Attempt:
             state.lr_scale = self.layout.lr_scale
         ckpt.sampler.reshard(env.rank, env.world_size)
         state.enter_generation(self.generation, env.world_size, loaded is not None)
+        agents = [a for a in self.dist.all_gather_object(env.agent_id) if a]
+        state.start_clock(time.time(), agents, resumed=loaded is not None, by_hand=not env.under_torchrun)
         self.metrics.restore({"membership_changes": state.membership_changes, "recoveries": state.recoveries})
         if loaded is not None and self.dist.rank == 0:
             reached = furthest_step_reached(cfg.run.dir, self.generation)

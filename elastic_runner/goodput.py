@@ -1,5 +1,14 @@
 """Goodput: the share of a job's wall time spent on steps that count, and where the rest went.
 
+Live: every worker carries a clock in the training state (``TrainState.productive_s`` and the session
+times, see :mod:`elastic_runner.loop`): the time of each step is added when the step is done, minus what a
+snapshot held it; a resume restores the clock with the steps, so time spent on steps that are later
+recomputed never counts. Workers export ``elastic_runner_goodput`` and local rank 0 leaves the clock in a
+file for its agent (:func:`publish_goodput`), whose ``elastic_runner_agent_goodput`` goes on falling while
+no worker trains (:func:`agent_goodput`) — when the workers' own metrics are gone.
+
+After the fact (``elastic-runner report``, the chaos report), from the run's event log:
+
     goodput = (wall time - recovery gaps - recomputed steps - snapshot blocking) / wall time
 
 Wall time is the sessions' (a job stopped and resumed by hand is two sessions, not a failure: see
@@ -21,9 +30,13 @@ it at the next collective).
 from __future__ import annotations
 
 import bisect
+import json
+import os
 import statistics
 from dataclasses import dataclass, field
 from typing import Any, Iterable
+
+from .env import GOODPUT_FILE_VAR
 
 CAUSES = ("detection", "rendezvous", "worker start and restore", "other", "recomputed steps", "snapshot blocking")
 
@@ -100,3 +113,37 @@ def measure(events: list[dict[str, Any]], gaps: Iterable[Any], wall_s: float,
     lost["snapshot blocking"] = sum(float(e.get("blocking_s") or 0.0) for e in workers
                                     if e.get("kind") == "snapshot_saved" and e.get("rank", 0) == 0)
     return result
+
+
+def publish_goodput(productive_s: float, wall_s: float, path: str | None = None) -> None:
+    """Leave the live clock for this node's agent (a no-op when no agent of ours asked for it). Atomic and
+    private: a reader never sees half a file. A failure never disturbs training."""
+    path = path or os.environ.get(GOODPUT_FILE_VAR)
+    if not path:
+        return
+    import time
+
+    staging = f"{path}.{os.getpid()}.tmp"
+    try:
+        fd = os.open(staging, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            json.dump({"productive_s": productive_s, "wall_s": wall_s, "time": time.time()}, fh)
+        os.replace(staging, path)
+    except OSError:
+        pass
+
+
+def agent_goodput(path: str, now: float, training: bool) -> float | None:
+    """The job's goodput now, as the agent sees it: the clock its workers left, moved on to ``now`` (the
+    productive time too while its workers train, the wall time alone while they do not)."""
+    try:
+        with open(path) as fh:
+            clock = json.load(fh)
+        productive, wall, at = float(clock["productive_s"]), float(clock["wall_s"]), float(clock["time"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    elapsed = max(0.0, now - at)
+    wall += elapsed
+    if training:
+        productive += elapsed
+    return min(1.0, productive / wall) if wall > 0 else None

@@ -28,6 +28,7 @@ from .batching import BatchLayout, split_even
 from .config import Config
 from .dist import EMPTY, Dist
 from .events import EventLog
+from .goodput import publish_goodput
 from .gradients import StepGradients
 from .lifecycle import StopRequest
 from .logs import Progress, RankZero
@@ -59,6 +60,13 @@ class TrainState:
     recoveries: int = 0
     lr_scale: float = 1.0  #: the learning-rate factor the optimizer state was built with
     world_history: list[dict[str, Any]] = field(default_factory=list)
+    # The live goodput clock (elastic_runner.goodput). Kept in the state, so a resume rolls it back with the
+    # steps: time spent on steps that are later recomputed, or lost with a process, never counts.
+    productive_s: float = 0.0  #: seconds of training that count (snapshot blocking and restarts excluded)
+    closed_sessions_s: float = 0.0  #: wall time of the job's earlier sessions, each up to its last saved state
+    session_started: float = 0.0  #: wall clock at which this session's first attempt began (0: not yet)
+    state_time: float = 0.0  #: wall clock of this state
+    session_agents: list[str] = field(default_factory=list)  #: agents seen in this session (newest 64)
 
     def state_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -76,6 +84,31 @@ class TrainState:
             self.recoveries += 1
         self.generation = generation
         self.world_history.append({"generation": generation, "step": self.step, "world_size": world_size, "time": time.time()})
+
+    def start_clock(self, now: float, agents: list[str], resumed: bool, by_hand: bool) -> bool:
+        """Count this attempt into the job's wall time; True when it begins a new session. A resume is a
+        recovery (its gap is lost time) unless every agent of the attempt is new to the session (every
+        node was started again by hand) or, without agent names, the worker was started by hand
+        (``by_hand``): then the pause between the two sessions is nobody's loss."""
+        seen = set(self.session_agents)
+        new_session = not resumed or not self.session_started or (
+            bool(agents) and bool(seen) and seen.isdisjoint(agents)) or (not agents and by_hand)
+        if new_session:
+            if resumed and self.session_started:
+                self.closed_sessions_s += max(0.0, self.state_time - self.session_started)
+            self.session_started, seen = now, set()
+        self.session_agents = sorted(seen | set(agents))[-64:]
+        self.state_time = now
+        return new_session
+
+    def goodput_wall_s(self, now: float) -> float:
+        """The job's wall time so far: its earlier sessions and this one."""
+        return self.closed_sessions_s + (now - self.session_started) if self.session_started else 0.0
+
+    def goodput(self, now: float) -> float | None:
+        """Productive time over the job's wall time so far (None before the clock started)."""
+        wall = self.goodput_wall_s(now)
+        return min(1.0, self.productive_s / wall) if wall > 0 else None
 
 
 @dataclass
@@ -122,6 +155,7 @@ class Trainer:
         self._window_started = time.monotonic()
         self._window_samples = 0
         self._window_first_step = self.state.step
+        self._productive_mark = time.monotonic()  #: end of the time already counted as productive
         self._first_step_done = False
         self._training = False
         self.last_eval: dict[str, float] = {}
@@ -131,6 +165,7 @@ class Trainer:
     def fit(self) -> dict[str, Any]:
         c, state, sampler = self.c, self.state, self.sampler
         epochs = self.cfg.train.epochs
+        self._productive_mark = time.monotonic()  # start-up and restore are no training
         while state.step < c.total_steps:
             if sampler.epoch_done():
                 with self.checkpointer.mutating():
@@ -212,6 +247,10 @@ class Trainer:
             self.sampler.advance(plan)
             self.state.step = step
             self.state.samples_total += plan.global_count
+            now = time.monotonic()
+            self.state.productive_s += now - self._productive_mark
+            self.state.state_time = time.time()
+            self._productive_mark = now
         if not apply:
             c.metrics.nonfinite.inc()
             self.rank0(c.events.emit, "nonfinite_skipped", step=step)
@@ -260,7 +299,9 @@ class Trainer:
         every = self.cfg.train.eval_every_steps
         if every and step % every == 0 and not last:
             self.evaluate()
+        before_save = time.monotonic()
         self.checkpointer.maybe_save(step, last)
+        self._productive_mark += time.monotonic() - before_save  # the time a snapshot held the step is lost
         if c.stop.requested:
             c.events.emit("stop", step=step, signal=c.stop.signal_name, by_agent=c.stop.agent_reason)
             self.checkpointer.save("stop", sync=True)
@@ -281,10 +322,15 @@ class Trainer:
         c.metrics.lr.set(lr)
         c.metrics.step.set(step)
         c.metrics.epoch.set(plan.epoch)
+        goodput = self.state.goodput(time.time())
+        if goodput is not None:
+            c.metrics.goodput.set(goodput)
+            if c.dist.env.local_rank == 0:
+                publish_goodput(self.state.productive_s, self.state.goodput_wall_s(time.time()))
         fields = {
             "step": step, "epoch": plan.epoch, "loss": loss, "samples_per_s": round(rate, 1),
             "world_size": c.dist.world_size, "lr": lr,
-        }
+        } | ({"goodput": round(goodput, 4)} if goodput is not None else {})
         if self.rank0.active:
             # window_steps: how many steps the loss averages (fewer right after a restart)
             c.events.emit("progress", window_steps=window_steps, **fields)

@@ -102,6 +102,8 @@ class Metrics:
                                        "snapshot.every_steps: auto.")
         self.recovery = gauge("recovery_duration_seconds", "Process start to first completed step, for a resumed attempt.")
         self.recomputed = gauge("steps_recomputed", "Steps redone after the last failure (progress lost).")
+        self.goodput = gauge("goodput_ratio", "Share of the job's wall time spent on steps that count (not recomputed, "
+                             "not restarting or waiting for rendezvous, not blocked by snapshots), at the last logged step.")
         self.eval_loss = gauge("eval_loss", "Test loss at the last evaluation (reduced over ranks).")
         self.eval_accuracy = gauge("eval_accuracy_ratio", "Test accuracy at the last evaluation (0..1).")
         self.eval_metric = Gauge(PREFIX + "eval_metric", "Every metric of the last evaluation (eval.metrics).",

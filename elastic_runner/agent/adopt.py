@@ -62,13 +62,21 @@ def names_our_worker(argv: list[str]) -> bool:
 def name_agent(environ: Any = None) -> str:
     """Give this agent process a name its workers inherit (they record it in their ``start`` event; ``report``
     tells a job started again by hand from a recovery by it). Call before the zygote starts."""
+    import atexit
+    import shutil
     import socket
+    import tempfile
     import time
 
-    from ..env import AGENT_ID_VAR
+    from ..env import AGENT_ID_VAR, GOODPUT_FILE_VAR
 
     environ = os.environ if environ is None else environ
     environ[AGENT_ID_VAR] = f"{socket.gethostname()}-{os.getpid()}-{time.time():.0f}"
+    # Where local rank 0 leaves the live goodput clock for this agent's metric: a directory of its own
+    # (mode 0700), removed when the agent exits.
+    private = tempfile.mkdtemp(prefix="elastic-runner-agent-")
+    atexit.register(shutil.rmtree, private, True)
+    environ[GOODPUT_FILE_VAR] = os.path.join(private, "goodput.json")
     return environ[AGENT_ID_VAR]
 
 

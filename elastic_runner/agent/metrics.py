@@ -18,14 +18,17 @@ all interfaces inside Kubernetes and to 127.0.0.1 elsewhere
 from __future__ import annotations
 
 import logging
+import math
 import os
 import platform
 import re
+import time
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, disable_created_metrics
 
 from .. import __version__
+from ..env import GOODPUT_FILE_VAR
 from ..events import EventLog
 
 log = logging.getLogger(__name__)
@@ -43,6 +46,7 @@ class AgentMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.events = events
+        self.current_state = "INIT"
         self.remaining_restarts = Gauge(PREFIX + "remaining_restarts", "Restarts this agent may still make (of --max-restarts).", registry=r)
         self.state = Gauge(PREFIX + "worker_group_state", "1 for the worker group's current state, 0 for the others.", ["state"], registry=r)
         self.set_state("INIT")
@@ -52,6 +56,10 @@ class AgentMetrics:
         self.rendezvous_duration = Histogram(PREFIX + "rendezvous_duration_seconds", "Time from joining to a complete rendezvous round.",
                                              buckets=DURATION_BUCKETS, registry=r)
         self.nodes = Gauge(PREFIX + "nodes", "Nodes (agents) in the current rendezvous round.", registry=r)
+        self.goodput = Gauge(PREFIX + "goodput_ratio", "Share of the job's wall time spent on steps that count, now: "
+                             "the clock this node's workers keep, moved on while they train and while they do not "
+                             "(a restart, a rendezvous). NaN until a worker has logged a step.", registry=r)
+        self.goodput.set_function(self._goodput)
         self.operation_duration = Histogram(PREFIX + "operation_duration_seconds",
                                             "Duration of torch agent operations (torch.distributed.elastic.metrics @prof).",
                                             ["operation"], buckets=DURATION_BUCKETS, registry=r)
@@ -79,7 +87,15 @@ class AgentMetrics:
         if self.events is not None:
             self.events.emit(f"agent_{event}", **fields)
 
+    def _goodput(self) -> float:
+        from ..goodput import agent_goodput
+
+        path = os.environ.get(GOODPUT_FILE_VAR)
+        value = agent_goodput(path, time.time(), training=self.current_state == "HEALTHY") if path else None
+        return math.nan if value is None else value
+
     def set_state(self, state: str) -> None:
+        self.current_state = state
         for s in STATES:
             self.state.labels(s).set(1 if s == state else 0)
 

@@ -100,6 +100,7 @@ def test_every_worker_serves_its_metrics_and_they_move(live_run: tuple[int, int,
         "elastic_runner_snapshot_write_seconds": "histogram", "elastic_runner_snapshot_size_bytes": "gauge",
         "elastic_runner_last_snapshot_timestamp_seconds": "gauge", "elastic_runner_recovery_duration_seconds": "gauge",
         "elastic_runner_steps_recomputed": "gauge", "elastic_runner_build_info": "gauge",
+        "elastic_runner_goodput_ratio": "gauge",
     }
     for rank in (0, 1):
         m = second[rank]
@@ -113,6 +114,7 @@ def test_every_worker_serves_its_metrics_and_they_move(live_run: tuple[int, int,
             first[rank], "elastic_runner_steps", "elastic_runner_steps_total"), "steps move"
         assert value(m, "elastic_runner_step_duration_seconds", "elastic_runner_step_duration_seconds_count") > 0
         assert not [n for n in m if n.endswith("_created")], "no _created series: one series per instrument"
+        assert 0 < value(m, "elastic_runner_goodput_ratio") <= 1
     assert value(second[0], "elastic_runner_snapshot_size_bytes") > 0, "rank 0 writes snapshots"
     agent = scrape(agent_port)
     assert agent["elastic_runner_agent_rendezvous"][0] == "counter"
@@ -120,6 +122,8 @@ def test_every_worker_serves_its_metrics_and_they_move(live_run: tuple[int, int,
     states = {dict(k)["state"]: v for k, v in agent["elastic_runner_agent_worker_group_state"][1].items()}
     assert states["HEALTHY"] == 1 and sum(states.values()) == 1
     assert value(agent, "elastic_runner_agent_remaining_restarts") >= 0
+    # The agent's goodput from the clock its workers keep (moved on to the scrape): the job trains steadily.
+    assert 0.3 < value(agent, "elastic_runner_agent_goodput_ratio") <= 1
 
 
 def prometheus_binary() -> str:
