@@ -10,6 +10,8 @@ the lost time went (:mod:`elastic_runner.goodput`).
 from __future__ import annotations
 
 import argparse
+import bisect
+import math
 import statistics
 import sys
 from dataclasses import dataclass, field
@@ -143,8 +145,7 @@ def summarize(run_dir: str, events: list[dict[str, Any]] | None = None) -> RunSu
         progress = [e["time"] for e in prev["events"] if e["kind"] == "progress" and e["time"] <= start]
         start = min(start, max(progress, default=start) + 0.0)
         end = by_gen[g].get("first_step", by_gen[g].get("start", start))
-        causes = sorted({e.get("error", e["kind"]).split(":")[0] for e in prev["events"] if e["kind"] in ("failure", "stop")})
-        gaps.append(Gap(start=start, end=max(start, end), generation=g, cause=", ".join(causes) or "restart"))
+        gaps.append(Gap(start=start, end=max(start, end), generation=g, cause=gap_cause(prev["events"])))
     sessions = []
     for i, g in enumerate(sorted(begins)):
         upto = sorted(begins)[i + 1] if i + 1 < len(begins) else None
@@ -175,6 +176,29 @@ def summarize(run_dir: str, events: list[dict[str, Any]] | None = None) -> RunSu
         dup = sum(len(e.duplicates) for e in audit.epochs)
         summary.samples_lost = "0 (audit clean)" if audit.ok else f"{missing} missing, {dup} duplicated (audit FAILED)"
     return summary
+
+
+def gap_cause(events: list[dict[str, Any]]) -> str:
+    """What ended an attempt, in a few words, from what its workers recorded (most telling first)."""
+    stops = [e for e in events if e["kind"] == "stop"]
+    failures = [str(e.get("error") or "") for e in events if e["kind"] == "failure"]
+    for e in stops:
+        reason = str(e.get("by_agent") or "")
+        if "waiting to join" in reason:
+            return "node joined"
+        if "shutting down" in reason:
+            return f"node stopped ({e.get('signal') or 'signal'})"
+    hung = next((f for f in failures if "stopped heartbeating" in f and not f.startswith("peer lost: another")), None)
+    if hung is not None:
+        rank = hung.split("rank ", 1)[1].split(" ", 1)[0] if "rank " in hung else "?"
+        return f"rank {rank} hung or died"
+    if stops:
+        return f"stopped ({stops[0].get('signal') or 'by request'})"
+    if any("closed by peer" in f or "Read error" in f or "Connection reset" in f for f in failures):
+        return "peer lost (connection closed)"
+    if failures:
+        return failures[0].split(":")[0][:40]
+    return "workers killed" if events else "restart"
 
 
 def _session_starts(by_gen: dict[int, dict[str, Any]]) -> set[int]:
@@ -212,7 +236,50 @@ def _collapse(values: list[Any]) -> list[Any]:
     return out
 
 
-def render_timeline(run_dir: str, out: str, events: list[dict[str, Any]] | None = None) -> RunSummary:
+#: Above this many recoveries the picture names none of them (the labels would cover the curves).
+MAX_NAMED_GAPS = 40
+
+
+def _broken(points: list[tuple[float, float]], gaps: list[tuple[float, float]]) -> tuple[list[float], list[float]]:
+    """x and y of a line that stops at every gap (a NaN between two points with a gap start between them)
+    instead of drawing straight across a pause."""
+    starts = sorted(a for a, _ in gaps)
+    xs: list[float] = []
+    ys: list[float] = []
+    for x, y in points:
+        if xs:
+            i = bisect.bisect_left(starts, xs[-1])
+            if i < len(starts) and starts[i] < x:
+                xs.append(math.nan)
+                ys.append(math.nan)
+        xs.append(x)
+        ys.append(y)
+    return xs, ys
+
+
+def _main_metric(evals: list[dict[str, Any]]) -> str | None:
+    """The evaluation's main metric besides the loss: accuracy if there is one, else the first other."""
+    keys = [k for k in (evals[-1] if evals else {}) if k.startswith("eval_") and k not in ("eval_loss", "eval_samples")
+            and isinstance(evals[-1][k], (int, float))]
+    return "eval_accuracy" if "eval_accuracy" in keys else (keys[0] if keys else None)
+
+
+def render_timeline(run_dir: str, out: str, events: list[dict[str, Any]] | None = None,
+                    x_axis: str = "time") -> RunSummary:
+    """Draw the run's picture (:func:`timeline_figure`) into the PNG file ``out``."""
+    import matplotlib.pyplot as plt
+
+    fig, summary = timeline_figure(run_dir, events, x_axis)
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return summary
+
+
+def timeline_figure(run_dir: str, events: list[dict[str, Any]] | None = None, x_axis: str = "time") -> tuple[Any, RunSummary]:
+    """The run as a picture: loss (and the test metric), throughput and world size (a panel only when it
+    changed) over wall time (``x_axis="time"``) or over steps (``"steps"``), every recovery shaded and
+    named, lines broken at gaps, snapshots as a rug."""
     try:
         import matplotlib
 
@@ -220,63 +287,122 @@ def render_timeline(run_dir: str, out: str, events: list[dict[str, Any]] | None 
         import matplotlib.pyplot as plt
     except ImportError as exc:
         raise RuntimeError("the picture needs matplotlib: pip install 'elastic-runner[report]'") from exc
+    if x_axis not in ("time", "steps"):
+        raise ValueError(f"x axis {x_axis!r}: use time or steps")
     events = read_events(run_dir) if events is None else events
     summary = summarize(run_dir, events)
     t0 = summary.t0
     rank0 = [e for e in events if e.get("rank") == 0 and e.get("role") != "agent"]
     progress = sorted((e for e in rank0 if e["kind"] == "progress"), key=lambda e: e["time"])
-    evals = [e for e in rank0 if e["kind"] == "eval"]
+    evals = sorted((e for e in rank0 if e["kind"] == "eval"), key=lambda e: e["time"])
     worlds = sorted((e for e in rank0 if e["kind"] == "world"), key=lambda e: e["time"])
+    saved = [e for e in rank0 if e["kind"] == "snapshot_saved"]
+    failed = [e for e in rank0 if e["kind"] == "snapshot_failed"]
+    resumes = {e["generation"]: e for e in rank0 if e["kind"] == "resume"}
+    by_steps = x_axis == "steps"
+    if by_steps:  # a step redone after a recovery is drawn once, as it was finally taken
+        progress = sorted({e["step"]: e for e in progress}.values(), key=lambda e: e["step"])
 
-    fig, axes = plt.subplots(3, 1, figsize=(11, 7.5), sharex=True, gridspec_kw={"height_ratios": [3, 2, 1.2]})
-    ax_loss, ax_rate, ax_world = axes
-    ax_loss.plot([e["time"] - t0 for e in progress], [e["loss"] for e in progress], color="#1f77b4", lw=1.4, label="training loss")
+    def x(e: dict[str, Any]) -> float:
+        return float(e.get("step") or 0) if by_steps else e["time"] - t0
+
+    # Where each recovery sits on the x axis: in time, from the failure to all ranks stepping again; in
+    # steps, from the step training went back to, to the furthest step reached before (the steps redone).
+    spans: list[tuple[float, float, str]] = []
+    for gap in summary.gaps:
+        if by_steps:
+            resume = resumes.get(gap.generation) or {}
+            back = float(resume.get("step") or 0)
+            spans.append((back, back + float(resume.get("steps_recomputed") or 0), gap.cause))
+        else:
+            spans.append((gap.start - t0, gap.end - t0, gap.cause))
+    breaks = [] if by_steps else [(a, b) for a, b, _ in spans]  # training is continuous in steps
+    sizes = {w["world_size"] for w in worlds}
+    panels = 3 if len(sizes) > 1 else 2
+    fig, axes = plt.subplots(panels, 1, figsize=(11, 7.5 if panels == 3 else 6), sharex=True,
+                             gridspec_kw={"height_ratios": [3, 2, 1.2][:panels]})
+    ax_loss, ax_rate = axes[0], axes[1]
+    ax_world = axes[2] if panels == 3 else None
+    ax_loss.plot(*_broken([(x(e), e["loss"]) for e in progress], breaks), color="#1f77b4", lw=1.4, label="training loss")
     if evals:
-        ax_loss.plot([e["time"] - t0 for e in evals], [e["eval_loss"] for e in evals], "o", color="#ff7f0e", ms=4, label="test loss")
+        ax_loss.plot([x(e) for e in evals], [e["eval_loss"] for e in evals], "o", color="#ff7f0e", ms=4, label="test loss")
     ax_loss.set_ylabel("loss")
     ax_loss.set_yscale("log")
-    ax_rate.plot([e["time"] - t0 for e in progress], [e["samples_per_s"] for e in progress], color="#2ca02c", lw=1.2)
+    metric = _main_metric(evals)
+    if metric is not None:
+        ax_metric = ax_loss.twinx()
+        name = "test " + metric.removeprefix("eval_").replace("_", " ")
+        ax_metric.plot([x(e) for e in evals if metric in e], [e[metric] for e in evals if metric in e], "s--",
+                       color="#2ca02c", ms=4, lw=0.8, label=name)
+        ax_metric.set_ylabel(name, color="#2ca02c")
+        ax_metric.tick_params(axis="y", colors="#2ca02c")
+    ax_rate.plot(*_broken([(x(e), e["samples_per_s"]) for e in progress], breaks), color="#555555", lw=1.2)
     ax_rate.set_ylabel("samples / s")
-    if worlds:
-        xs = [w["time"] - t0 for w in worlds] + [summary.t_end - t0]
+    if ax_world is not None and worlds:
+        end = max((x(e) for e in progress), default=0.0) if by_steps else summary.t_end - t0
+        xs = [x(w) for w in worlds] + [end]
         ys = [w["world_size"] for w in worlds] + [worlds[-1]["world_size"]]
         ax_world.step(xs, ys, where="post", color="#9467bd", lw=2)
         ax_world.set_ylim(0, max(ys) + 1)
-    ax_world.set_ylabel("world size")
-    ax_world.set_xlabel("wall time since the first step (s)")
+        ax_world.set_ylabel("world size")
+    bottom = axes[-1]
+    bottom.set_xlabel("optimizer step" if by_steps else "wall time since the first step (s)")
+    named = len(spans) <= MAX_NAMED_GAPS
     for ax in axes:
-        for i, gap in enumerate(summary.gaps):
-            ax.axvspan(gap.start - t0, gap.end - t0, color="#d62728", alpha=0.15, lw=0,
-                       label="recovering" if (ax is ax_loss and i == 0) else None)
-            ax.axvline(gap.start - t0, color="#d62728", lw=0.8, ls="--")
+        for i, (a, b, _) in enumerate(spans):
+            ax.axvspan(a, b, color="#d62728", alpha=0.15, lw=0,
+                       label=("steps redone" if by_steps else "recovering") if (ax is ax_loss and i == 0) else None)
+            ax.axvline(a, color="#d62728", lw=0.8, ls="--")
         ax.grid(alpha=0.3)
-    for e in rank0:
-        if e["kind"] == "snapshot_saved":
-            ax_world.plot(e["time"] - t0, 0.25, marker="|", color="#7f7f7f", ms=10)
-    ax_loss.legend(loc="upper right", fontsize=8)
+    if named:
+        for a, _, cause in spans:
+            ax_loss.annotate(cause[:40], (a, 1.0), xycoords=("data", "axes fraction"), xytext=(2, -4),
+                             textcoords="offset points", rotation=90, va="top", fontsize=7, color="#d62728")
+    # Snapshots: a rug along the bottom of the throughput panel (failed writes in red), legible at any count.
+    rug = ax_rate.get_xaxis_transform()
+    if saved:
+        ax_rate.vlines([x(e) for e in saved], 0, 0.08, transform=rug, color="#7f7f7f", lw=0.8,
+                       alpha=1.0 if len(saved) < 200 else 0.4, label=f"snapshot ({len(saved)})")
+    if failed:
+        ax_rate.vlines([x(e) for e in failed], 0, 0.14, transform=rug, color="#d62728", lw=1.2,
+                       label=f"snapshot write failed ({len(failed)})")
+    if saved or failed:
+        ax_rate.legend(loc="upper right", fontsize=8)
+    handles, labels = ax_loss.get_legend_handles_labels()
+    if metric is not None:
+        more = ax_metric.get_legend_handles_labels()
+        handles, labels = handles + more[0], labels + more[1]
+    (ax_metric if metric is not None else ax_loss).legend(handles, labels, loc="upper right", fontsize=8)
     upt = summary.uptime_fraction
-    fig.suptitle(f"{Path(run_dir).name}: {summary.generations} generation(s), {len(summary.gaps)} recovery(ies), "
-                 f"uptime {upt:.1%}, samples lost: {summary.samples_lost.split(' (')[0]}" if upt is not None else Path(run_dir).name,
-                 fontsize=11)
-    ax_world.text(0.0, -0.55, "| snapshot   shaded: recovering (failure detected to all ranks stepping again)",
-                  transform=ax_world.transAxes, fontsize=8, color="#555555")
+    good = summary.goodput.fraction if summary.goodput is not None else None
+    world = f", world size {next(iter(sizes))} throughout" if len(sizes) == 1 else ""
+    title = Path(run_dir).name
+    if upt is not None:
+        title += (f": {summary.generations} generation(s), {len(summary.gaps)} recovery(ies), uptime {upt:.1%}"
+                  + (f", goodput {good:.1%}" if good is not None else "")
+                  + f", samples lost: {summary.samples_lost.split(' (')[0]}{world}")
+    fig.suptitle(title, fontsize=11)
+    note = ("shaded: steps redone after a recovery" if by_steps else
+            "shaded: recovering (failure detected to all ranks stepping again)")
+    if spans and not named:
+        note += f"; {len(spans)} recoveries, too many to name (see elastic-runner report)"
+    bottom.text(0.0, -0.32 if panels == 3 else -0.25, note, transform=bottom.transAxes, fontsize=8, color="#555555")
     fig.tight_layout()
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return summary
+    return fig, summary
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("report", help="summarize a run and draw its timeline picture")
     p.add_argument("run_dir")
     p.add_argument("--out", default=None, help="PNG file for the timeline (needs the report extra: matplotlib)")
+    p.add_argument("--x", dest="x_axis", choices=["time", "steps"], default="time",
+                   help="the picture's x axis: wall time (default) or optimizer steps")
 
 
 def run(args: argparse.Namespace) -> int:
     try:
         if args.out:
-            summary = render_timeline(args.run_dir, args.out)
+            summary = render_timeline(args.run_dir, args.out, x_axis=args.x_axis)
             print(summary.text())
             print(f"picture: {args.out}")
         else:
