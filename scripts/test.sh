@@ -7,7 +7,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh vision-test || exit 1
-.venv-vision/bin/python -m pytest -ra "$@"
+.venv-vision/bin/python -m pytest -ra --durations=25 "$@"
 full=$?
 scripts/setup.sh test || exit 1
 echo "==> the short run on torch 2.13.0"

@@ -72,9 +72,18 @@ def final_exit_code(exc: Any) -> int | None:
 def startup_error_line(exc: BaseException) -> str | None:
     """One line for a start-up failure whose message already says what to fix; None for anything else
     (torch's traceback is then the best help there is)."""
+    from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
+
     from ..rendezvous.backend import EtcdRendezvousStartError
 
     if isinstance(exc, EtcdRendezvousStartError):
         log.debug("rendezvous start-up failure", exc_info=exc)
         return f"elastic-runner: {exc}"
+    if isinstance(exc, RendezvousClosedError):
+        # A node that arrives after the job's agents closed the rendezvous (a replacement pod started as the
+        # job finished, or an old --rdzv-id). Not 0: it cannot tell a finished job from a failed one, and a
+        # Job's success rule counts a pod that exits 0 as a finished run.
+        log.debug("rendezvous closed", exc_info=exc)
+        return ("elastic-runner: the job's rendezvous is closed: its agents have ended it (the run finished, failed "
+                "or was shut down), so this node has nothing to join. To start a new run, use a new --rdzv-id.")
     return None

@@ -38,14 +38,12 @@ def paced_chaos(config: Path, run_dir: Path, *args: str, epochs: int = 5) -> sub
                  "--set", "data.sampler=tests.broken_components:PacedSampler")
 
 
+# On c10d, the faults that change who is in the job (the agent hosting the store stays). Every fault type,
+# on etcd-v3, in one supervised job: tests/elastic/test_soak.py.
 FAULT_RUNS = {
-    "kill-worker": "step:60:kill-worker",  # by step: the same experiment on any machine
-    "hang": "2:hang",
     "kill-agent": "2:kill-agent",
     "kill-node": "2:kill-node",
     "join": "2:join",
-    "preempt": "2:preempt",
-    "corrupt-snapshot": "3:corrupt-snapshot",
 }
 
 
@@ -68,10 +66,6 @@ def test_each_fault_type_leaves_the_job_whole(fault: str, chaos_config: Path, tm
     assert report["ok"] and all(check["ok"] for check in report["checks"].values())
     (injected,) = report["faults"]
     assert injected["type"] == fault and injected["recovery_s"] is not None and injected["outcome"] == "recovered"
-    if fault == "kill-worker":
-        assert injected["resumed_step"] >= 60, "placed by step: injected once the job had started step 60"
-    if fault == "corrupt-snapshot":
-        assert injected["resumed_tier"] == "disk"
     assert (run_dir / "chaos" / "report.md").read_text().startswith("# Chaos report: PASSED")
 
 
@@ -95,23 +89,6 @@ def test_a_hang_with_no_peer_to_notice_is_absorbed_not_waited_for(chaos_config: 
     assert "absorbed hang: training went on in the same attempt" in result.stdout
     assert report["recovery"]["count"] == 1, "an absorbed fault is not a recovery"
     assert time.monotonic() - started < 100
-
-
-def test_a_supervised_job_gets_its_lost_agent_back_and_trains_at_full_size_again(
-        chaos_config: Path, tmp_path: Path) -> None:
-    """Before: after the first kill-agent the job ran on one agent for the rest of the run."""
-    run_dir = tmp_path / "run"
-    result = paced_chaos(chaos_config, run_dir, "--agents", "2", "--nnodes", "1:2", "--at", "2:kill-node",
-                         "--supervise", "1", epochs=8)
-    assert result.returncode == 0, result.stdout[-4000:]
-    assert "supervisor: 1 of 2 agents running; started agent 2" in result.stdout
-    report = json.loads((run_dir / "chaos" / "report.json").read_text())
-    assert report["replacements"] == 1 and report["ok"]
-    killed_at = report["faults"][0]["at"]
-    worlds = [e for e in read_events(run_dir) if e["kind"] == "world" and e["time"] > killed_at]
-    # Back at two after the loss: the replacement joined the recovery round itself (it arrives within the
-    # dead node's 3 s window) or the round after it.
-    assert worlds and worlds[-1]["world_size"] == 2, [e["world_size"] for e in worlds]
 
 
 def test_a_full_snapshot_volume_is_ridden_out_and_snapshots_resume_once_space_is_back(

@@ -45,6 +45,9 @@ def test_a_short_soak_breaks_the_job_every_way_and_it_loses_nothing(tmp_path: Pa
     assert figures["reference_final_loss"] > 0 and figures["final_loss"] > 0
     assert abs(figures["final_loss"] - figures["reference_final_loss"]) <= 0.25 * figures["reference_final_loss"] + 1e-3
     assert (tmp_path / "soak" / "timeline.png").stat().st_size > 10_000
+    faults = json.loads((tmp_path / "soak" / "run" / "chaos" / "report.json").read_text())["faults"]
+    assert all(f["resumed_tier"] == "disk" for f in faults if f["type"] == "corrupt-snapshot"), \
+        "a damaged newest snapshot and no memory copy left: the previous snapshot on disk"
 
 
 def test_a_soak_whose_sampler_repeats_a_sample_fails(tmp_path: Path, etcd_binary: str) -> None:

@@ -174,3 +174,20 @@ def test_no_etcd_at_the_endpoint_is_a_clear_error_within_connect_timeout(small_c
     assert not list((tmp_path / "run").glob("events/gen-*")), "no worker started (the agent's own log may exist)"
 
 
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "elastic-runner"])
+def test_a_node_that_arrives_after_the_job_ended_says_so_in_one_line(
+        launcher: str, small_config: Path, tmp_path: Path, etcd_server: EtcdServer) -> None:
+    """Before: a replacement pod started as the job finished died on RendezvousClosedError's traceback."""
+    run_id = f"closed-{launcher}"
+    runner = ["-m", "torch.distributed.run"] if launcher == "torchrun" else ["-m", "elastic_runner", "launch"]
+    cmd = [sys.executable, *runner, "--nnodes=1:2", "--nproc_per_node=1", "--rdzv_backend=etcd-v3",
+           f"--rdzv_endpoint={etcd_server.endpoint}", f"--rdzv_id={run_id}", "--rdzv_conf=last_call_timeout=1",
+           "-m", "elastic_runner.train", "--config", str(small_config), "--set", f"run.dir={tmp_path / 'run'}",
+           "--set", "train.max_steps=5"]
+    assert run_bounded(cmd, timeout=120).returncode == 0
+    late = run_bounded(cmd, timeout=60)
+    assert late.returncode == 1, late.stdout[-3000:]
+    (line,) = [line for line in late.stdout.splitlines() if "rendezvous is closed" in line]
+    assert "nothing to join" in line and "new --rdzv-id" in line and "Traceback" not in late.stdout, late.stdout[-3000:]
