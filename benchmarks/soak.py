@@ -2,9 +2,9 @@
 
 One job of ``configs/soak.yaml`` (the digits CNN, stable for tens of thousands of steps) on a
 self-started etcd with 3 agents (``--nnodes 1:4``, one worker each), under ``elastic-runner launch``.
-``elastic-runner chaos`` injects exactly ``--faults`` faults of every type, placed by step (one every
-``--every-steps`` steps once the previous fault has an outcome), and keeps 3 agents running as a
-Kubernetes Job would (a lost agent is replaced after ``--supervise`` seconds). A fault-free reference
+``elastic-runner chaos`` injects exactly ``--faults`` faults of every type, placed by step (each one
+``--every-steps`` steps after the previous injection, and not before the previous fault has an outcome),
+and keeps 3 agents running as a Kubernetes Job would (a lost agent is replaced after ``--supervise`` seconds). A fault-free reference
 run of the same config (at world size 1 unless ``--reference-agents``: the same global batch, and the soak
 visits world sizes 1-4 anyway) comes first. The chaos tool's invariants (no sample lost or repeated, constant
 global batch, every resume from the newest state, no orphan process, the job finishes, final loss
@@ -14,7 +14,8 @@ within tolerance of the reference) decide the exit status.
     .venv/bin/python benchmarks/soak.py --faults 20 --out /tmp/soak-20            # ~3 min
 
 Writes ``OUT/soak.json`` (the figures), ``OUT/timeline.png`` and the chaos tool's reports under
-``OUT/run/chaos/``. Needs etcd on the PATH (``apt-get install etcd-server``).
+``OUT/run/chaos/``. Needs etcd on the PATH (``apt-get install etcd-server``), and root for ``fill-disk``
+(the job's snapshots go on a small tmpfs, gone with the soak; without root that fault is left out).
 """
 
 from __future__ import annotations
@@ -103,12 +104,15 @@ def snapshot_volume(path: Path, megabytes: int) -> Iterator[bool]:
     """A small tmpfs for the job's snapshots, so that fill-disk fills a volume and not this machine's disk.
     Yields False where it cannot be mounted (mounting needs root)."""
     path.mkdir(parents=True)
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={megabytes}m,mode=0700", "tmpfs", str(path)],
-                             capture_output=True, text=True)
     try:
-        yield mounted.returncode == 0
+        ok = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={megabytes}m,mode=0700", "tmpfs", str(path)],
+                            capture_output=True, text=True).returncode == 0
+    except OSError:  # no mount command
+        ok = False
+    try:
+        yield ok
     finally:
-        if mounted.returncode == 0:
+        if ok:
             subprocess.run(["umount", "-l", str(path)], capture_output=True)
 
 

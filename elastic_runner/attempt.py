@@ -38,6 +38,7 @@ from .data import TensorPairDataset
 from .dist import Dist
 from .env import WorkerEnv
 from .events import EventLog, furthest_step_reached
+from .goodput import publish_goodput
 from .fsmode import makedirs
 from .imports import resolve
 from .lifecycle import EXIT_PEER_LOST, StopRequest, exit_now
@@ -253,6 +254,8 @@ class Attempt:
         state.enter_generation(self.generation, env.world_size, loaded is not None)
         agents = [a for a in self.dist.all_gather_object(env.agent_id) if a]
         state.start_clock(time.time(), agents, resumed=loaded is not None, by_hand=not env.under_torchrun)
+        if env.local_rank == 0:  # the agent's clock, rolled back with the state, not training yet
+            publish_goodput(state.productive_s, state.goodput_wall_s(time.time()), training=False)
         self.metrics.restore({"membership_changes": state.membership_changes, "recoveries": state.recoveries})
         if loaded is not None and self.dist.rank == 0:
             reached = furthest_step_reached(cfg.run.dir, self.generation)

@@ -179,9 +179,13 @@ class _Lines:
 
 
 def latest_step(run_dir: str | os.PathLike[str]) -> int:
-    """The highest step any rank has started, from the tails of the audit trail (cheap to poll)."""
+    """The highest step the ranks of the two newest attempts have started, from the tails of their audit
+    trails (cheap to poll, also after thousands of attempts: an attempt's file is named after its generation,
+    ``gen-GGGGGG-rank-RRRRR.jsonl``, and the newest may not have stepped yet)."""
     best = 0
-    for path in (Path(run_dir) / AUDIT_DIR).glob("*.jsonl"):
+    paths = sorted((Path(run_dir) / AUDIT_DIR).glob("*.jsonl"))
+    generations = sorted({p.name.split("-rank-")[0] for p in paths})[-2:]
+    for path in (p for p in paths if p.name.split("-rank-")[0] in generations):
         try:
             with open(path, "rb") as fh:
                 fh.seek(max(0, path.stat().st_size - 4096))

@@ -81,6 +81,8 @@ class EventFollower:
         new: list[dict[str, Any]] = []
         for path in sorted(self.dir.glob("*.jsonl")):
             try:
+                if path.stat().st_size <= self._offsets.get(path, 0):
+                    continue  # nothing appended (most files: the attempts that ended)
                 with open(path, "rb") as fh:
                     fh.seek(self._offsets.get(path, 0))
                     data = fh.read()

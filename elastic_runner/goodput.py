@@ -115,9 +115,16 @@ def measure(events: list[dict[str, Any]], gaps: Iterable[Any], wall_s: float,
     return result
 
 
-def publish_goodput(productive_s: float, wall_s: float, path: str | None = None) -> None:
-    """Leave the live clock for this node's agent (a no-op when no agent of ours asked for it). Atomic and
-    private: a reader never sees half a file. A failure never disturbs training."""
+#: The agent moves the productive time on by at most this many publishing intervals: workers that stopped
+#: publishing (hung, killed, restarting) are not training.
+PUBLISH_SLACK = 2.0
+
+
+def publish_goodput(productive_s: float, wall_s: float, path: str | None = None, *, training: bool = True,
+                    every_s: float | None = None) -> None:
+    """Leave the live clock for this node's agent (a no-op when no agent of ours asked for it): ``training``
+    False for an attempt that has not stepped yet, ``every_s`` the time since the previous publication.
+    Atomic and private: a reader never sees half a file. A failure never disturbs training."""
     path = path or os.environ.get(GOODPUT_FILE_VAR)
     if not path:
         return
@@ -127,23 +134,28 @@ def publish_goodput(productive_s: float, wall_s: float, path: str | None = None)
     try:
         fd = os.open(staging, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as fh:
-            json.dump({"productive_s": productive_s, "wall_s": wall_s, "time": time.time()}, fh)
+            json.dump({"productive_s": productive_s, "wall_s": wall_s, "time": time.time(), "training": training,
+                       "every_s": every_s}, fh)
         os.replace(staging, path)
     except OSError:
         pass
 
 
 def agent_goodput(path: str, now: float, training: bool) -> float | None:
-    """The job's goodput now, as the agent sees it: the clock its workers left, moved on to ``now`` (the
-    productive time too while its workers train, the wall time alone while they do not)."""
+    """The job's goodput now, as the agent sees it: the clock its workers left, moved on to ``now`` — the
+    wall time always; the productive time only while the agent's workers are healthy, the clock says they
+    were training, and for at most :data:`PUBLISH_SLACK` publishing intervals (a hung or restarting worker
+    stops publishing)."""
     try:
         with open(path) as fh:
             clock = json.load(fh)
         productive, wall, at = float(clock["productive_s"]), float(clock["wall_s"]), float(clock["time"])
+        every = clock.get("every_s")
+        every = float(every) if isinstance(every, (int, float)) and every > 0 else None
     except (OSError, ValueError, KeyError, TypeError):
         return None
     elapsed = max(0.0, now - at)
     wall += elapsed
-    if training:
-        productive += elapsed
+    if training and clock.get("training", True) and every is not None:
+        productive += min(elapsed, PUBLISH_SLACK * every)
     return min(1.0, productive / wall) if wall > 0 else None

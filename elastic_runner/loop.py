@@ -93,11 +93,12 @@ class TrainState:
         seen = set(self.session_agents)
         new_session = not resumed or not self.session_started or (
             bool(agents) and bool(seen) and seen.isdisjoint(agents)) or (not agents and by_hand)
+        known = list(self.session_agents)
         if new_session:
             if resumed and self.session_started:
                 self.closed_sessions_s += max(0.0, self.state_time - self.session_started)
-            self.session_started, seen = now, set()
-        self.session_agents = sorted(seen | set(agents))[-64:]
+            self.session_started, known = now, []
+        self.session_agents = (known + [a for a in dict.fromkeys(agents) if a not in known])[-64:]
         self.state_time = now
         return new_session
 
@@ -156,6 +157,7 @@ class Trainer:
         self._window_samples = 0
         self._window_first_step = self.state.step
         self._productive_mark = time.monotonic()  #: end of the time already counted as productive
+        self._published_at: float | None = None  #: when local rank 0 last left the clock for its agent
         self._first_step_done = False
         self._training = False
         self.last_eval: dict[str, float] = {}
@@ -326,7 +328,10 @@ class Trainer:
         if goodput is not None:
             c.metrics.goodput.set(goodput)
             if c.dist.env.local_rank == 0:
-                publish_goodput(self.state.productive_s, self.state.goodput_wall_s(time.time()))
+                now = time.monotonic()
+                every = now - self._published_at if self._published_at is not None else None
+                publish_goodput(self.state.productive_s, self.state.goodput_wall_s(time.time()), every_s=every)
+                self._published_at = now
         fields = {
             "step": step, "epoch": plan.epoch, "loss": loss, "samples_per_s": round(rate, 1),
             "world_size": c.dist.world_size, "lr": lr,

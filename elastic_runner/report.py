@@ -267,9 +267,9 @@ def _main_metric(evals: list[dict[str, Any]]) -> str | None:
 def render_timeline(run_dir: str, out: str, events: list[dict[str, Any]] | None = None,
                     x_axis: str = "time") -> RunSummary:
     """Draw the run's picture (:func:`timeline_figure`) into the PNG file ``out``."""
-    import matplotlib.pyplot as plt
-
     fig, summary = timeline_figure(run_dir, events, x_axis)
+    import matplotlib.pyplot as plt  # importable: timeline_figure checked
+
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
     plt.close(fig)

@@ -73,11 +73,36 @@ def name_agent(environ: Any = None) -> str:
     environ = os.environ if environ is None else environ
     environ[AGENT_ID_VAR] = f"{socket.gethostname()}-{os.getpid()}-{time.time():.0f}"
     # Where local rank 0 leaves the live goodput clock for this agent's metric: a directory of its own
-    # (mode 0700), removed when the agent exits.
-    private = tempfile.mkdtemp(prefix="elastic-runner-agent-")
+    # (mode 0700), removed when the agent exits; those of agents that were killed, at the next start.
+    sweep_private_dirs()
+    private = tempfile.mkdtemp(prefix=f"{PRIVATE_PREFIX}{os.getpid()}-")
     atexit.register(shutil.rmtree, private, True)
     environ[GOODPUT_FILE_VAR] = os.path.join(private, "goodput.json")
     return environ[AGENT_ID_VAR]
+
+
+PRIVATE_PREFIX = "elastic-runner-agent-"
+
+
+def sweep_private_dirs(base: str | None = None) -> list[str]:
+    """Remove the private directories of this user's agents that are gone (SIGKILLed: no atexit ran)."""
+    import glob
+    import shutil
+    import tempfile
+
+    removed = []
+    for path in glob.glob(os.path.join(base or tempfile.gettempdir(), PRIVATE_PREFIX + "*-*")):
+        pid = os.path.basename(path)[len(PRIVATE_PREFIX):].split("-", 1)[0]
+        try:
+            if not pid.isdigit() or os.stat(path).st_uid != os.getuid():
+                continue
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+        except OSError:
+            continue  # alive under another user, or not ours to judge
+    return removed
 
 
 def adopt(launcher_api: Any, config: Any, entrypoint: Any, args: Sequence[Any],

@@ -7,7 +7,6 @@ may be removed without dropping below the minimum), so the run goes on.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import random
 import shutil
@@ -49,7 +48,7 @@ class FaultContext:
 FILL_MAX_FREE_BYTES = 2 << 30
 #: What fill-disk leaves free: less than any snapshot, more than the filesystem needs to stay usable.
 FILL_LEAVE_BYTES = 16 << 10
-FILLER_NAME = ".chaos-fill"
+FILLER_NAME = ".chaos-fill"  #: + "-<ns>": one file per injection
 
 
 def _removable_agents(ctx: FaultContext) -> list[Agent]:
@@ -149,30 +148,44 @@ def fill_disk(ctx: FaultContext) -> str:
     volume = ctx.snapshot_dir
     if not volume.is_dir():
         raise Skip(f"no snapshot directory yet ({volume})")
+    if any(volume.glob(FILLER_NAME + "-*")):
+        raise Skip("the snapshot volume is still full from the previous fill-disk")
     free = shutil.disk_usage(volume).free
     if free > FILL_MAX_FREE_BYTES:
         raise Skip(f"the snapshot volume has {free / 2**30:.1f} GiB free: filling it would fill this machine's "
                    "disk; put snapshot.dir on a small volume (e.g. a tmpfs) to inject fill-disk")
-    filler = volume / FILLER_NAME
-    size = max(0, free - FILL_LEAVE_BYTES)
-    fd = os.open(filler, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600)
+    filler = volume / f"{FILLER_NAME}-{time.time_ns()}"
+    fd = os.open(filler, os.O_CREAT | os.O_WRONLY | os.O_EXCL, 0o600)
     try:
-        os.posix_fallocate(fd, 0, size)
-    except OSError:
-        pass  # whatever it got is allocated; the volume is as full as it gets
+        # In steps: a snapshot written meanwhile takes space, and one failed allocation would undo it all.
+        chunk = 1 << 20
+        while (room := shutil.disk_usage(volume).free - FILL_LEAVE_BYTES) > 0:
+            try:
+                os.posix_fallocate(fd, os.fstat(fd).st_size, min(chunk, room))
+            except OSError:
+                if chunk <= 64 << 10:
+                    break
+                chunk //= 4
     finally:
         os.close(fd)
+    left = shutil.disk_usage(volume).free
+    if left > 1 << 20:
+        filler.unlink(missing_ok=True)
+        raise Skip(f"could not fill the snapshot volume ({left / 2**20:.1f} MB still free)")
     done = threading.Event()
 
     def release() -> None:
         if not done.is_set():
             done.set()
-            with contextlib.suppress(FileNotFoundError):
-                filler.unlink()
+            timer.cancel()
+            filler.unlink(missing_ok=True)
 
+    timer = threading.Timer(ctx.fill_seconds, release)
+    timer.daemon = True
     ctx.cleanups.append(release)
-    threading.Timer(ctx.fill_seconds, release).start()
-    return f"filled the snapshot volume ({size / 2**20:.1f} MB) for {ctx.fill_seconds:g}s"
+    timer.start()
+    size = filler.stat().st_size
+    return f"filled the snapshot volume ({size / 2**20:.1f} MB, {left // 1024} KB left) for {ctx.fill_seconds:g}s"
 
 
 FAULTS: dict[str, Callable[[FaultContext], str]] = {

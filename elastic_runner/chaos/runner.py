@@ -37,6 +37,7 @@ class ChaosRun:
         self.t0 = 0.0
         self.replacements = 0  #: agents the supervisor started in place of lost ones
         self._injected_step = 0  #: the step the job had reached when the last fault was injected
+        self._reaped_at = 0.0  #: when dead orphans were last collected
         self._short_since: float | None = None
 
     def log(self, text: str) -> None:
@@ -130,6 +131,7 @@ class ChaosRun:
             while True:
                 self._announce_recoveries(announced)
                 self._supervise(job)
+                self._reap(job)
                 if not job.running_agents():
                     break
                 # Wait for the last fault's outcome before the next (a recovery, or its absorption).
@@ -163,6 +165,7 @@ class ChaosRun:
         while job.running_agents() and time.monotonic() < deadline:
             self._announce_recoveries(announced)
             self._supervise(job)
+            self._reap(job)
             time.sleep(0.2)
         self._announce_recoveries(announced)
         finished = not job.running_agents() and any(a.proc.returncode == 0 for a in job.agents)
@@ -172,6 +175,13 @@ class ChaosRun:
             self.log(f"job ended; agent exit codes {[a.proc.returncode for a in job.agents]}")
         time.sleep(0.5)  # let orphans (if any) show up before we look
         return finished, job.leftover_processes()
+
+    def _reap(self, job: LocalJob) -> None:
+        """Every 2 s, collect the dead processes of killed agents (zombies of ours, as their subreaper)."""
+        now = time.monotonic()
+        if now - self._reaped_at > 2.0:
+            job.reap_orphans()
+            self._reaped_at = now
 
     def _supervise(self, job: LocalJob) -> None:
         """Keep ``--agents`` agents running, as a Kubernetes Job or PyTorchJob restarts a lost pod: an agent

@@ -142,7 +142,7 @@ def newest_snapshot_violations(events: list[dict[str, Any]]) -> list[str]:
     """Every resume must use the newest state that existed (by generation, then step) before its
     generation started: a disk snapshot of any earlier generation that was not rejected, or what the
     survivors of the generation just before kept in memory (an older memory copy was taken over by that
-    generation and, when it died without survivors, went with it). One pass over the states in time
+    generation and, when that one stepped and died without survivors, went with it). One pass over the states in time
     order: a soak has thousands of resumes."""
     rejected = {e["snapshot"] for e in events if e["kind"] == "snapshot_rejected"}
     states = sorted(
@@ -162,10 +162,16 @@ def newest_snapshot_violations(events: list[dict[str, Any]]) -> list[str]:
             table = kept if in_memory else newest_on_disk
             table[sg] = max(table.get(sg, (sg, step, name)), (sg, step, name))
             seen += 1
-        previous = previous_of.get(g)
         candidates = [state for sg, state in newest_on_disk.items() if sg < g]
-        if previous is not None and previous in kept:
-            candidates.append(kept[previous])
+        # What survivors kept is taken over by the next attempt; one that died before its first step kept
+        # nothing newer (and says nothing), so the copy before it still counts.
+        previous = previous_of.get(g)
+        while previous is not None:
+            if previous in kept:
+                candidates.append(kept[previous])
+            if "first_step" in gens[previous]:
+                break
+            previous = previous_of.get(previous)
         if not candidates:
             continue
         newest = max(candidates)

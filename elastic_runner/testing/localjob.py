@@ -312,6 +312,15 @@ class LocalJob:
         pids.update(p for p in _children(os.getpid()) if alive(p) and worker_identity(p) is not None)
         return sorted(p for p in pids if alive(p))
 
+    def reap_orphans(self) -> int:
+        """Collect the exit statuses of dead orphans re-parented to us (we are their subreaper); the
+        agents' own statuses stay with their Popen. A long chaos run kills hundreds of process trees:
+        unreaped, each would stay a zombie until the end. Returns how many were collected."""
+        ours = {a.pid for a in self.agents}
+        dead = [pid for pid in _children(os.getpid()) if pid not in ours and proc_state(pid) == "Z"]
+        _reap(set(dead), block=False)
+        return len(dead)
+
     def close(self) -> None:
         for a in self.agents:
             if a.running():

@@ -81,8 +81,11 @@ def test_survivors_memory_counts_for_the_next_attempt_only() -> None:
     # The next attempt must take the survivors' newer state...
     assert newest_snapshot_violations(kept + resumed(2, 3.0, 200))
     # ...and once it has (and then died with every copy, as corrupt-snapshot makes it), the disk is all there is.
-    later = kept + resumed(2, 3.0, 257) + resumed(3, 9.0, 200)
+    stepped = [{"time": 3.5, "kind": "first_step", "generation": 2, "rank": 0, "step": 258}]
+    later = kept + resumed(2, 3.0, 257) + stepped + resumed(3, 9.0, 200)
     assert newest_snapshot_violations(later) == []
+    # An attempt that died before its first step took nothing over: the survivors' copy still counts.
+    assert newest_snapshot_violations(kept + resumed(2, 3.0, 257) + resumed(3, 9.0, 200))
 
 
 def scenario(tmp_path, **options: Any):  # noqa: ANN001, ANN201

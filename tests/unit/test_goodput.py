@@ -3,6 +3,7 @@ and moved on by the agent while its workers are down."""
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 from pathlib import Path
@@ -40,14 +41,32 @@ def test_a_job_started_again_by_hand_is_a_new_session_and_the_pause_is_nobodys_l
 def test_the_agent_moves_the_clock_on_and_it_falls_while_nobody_trains(tmp_path: Path) -> None:
     path = tmp_path / "goodput.json"
     assert agent_goodput(str(path), 0.0, training=True) is None, "nothing published yet"
-    publish_goodput(80.0, 100.0, str(path))
+    publish_goodput(80.0, 100.0, str(path), every_s=10.0)
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600, "private, like every file we write"
-    published = float(path.read_text().split('"time": ')[1].rstrip("}"))
+    published = json.loads(path.read_text())["time"]
     assert agent_goodput(str(path), published + 20.0, training=True) == 100.0 / 120.0
     assert agent_goodput(str(path), published + 20.0, training=False) == 80.0 / 120.0, "a restart: only wall time"
+    # Workers that stopped publishing (hung, or killed before the agent noticed) are not training.
+    assert agent_goodput(str(path), published + 100.0, training=True) == (80.0 + 20.0) / 200.0
     assert list(tmp_path.iterdir()) == [path], "written atomically, no staging file left"
+    # A new attempt publishes its restored clock before its first step: the gap counts as lost at once.
+    publish_goodput(70.0, 130.0, str(path), training=False)
+    published = json.loads(path.read_text())["time"]
+    assert agent_goodput(str(path), published + 10.0, training=True) == 70.0 / 140.0
 
 
 def test_publishing_never_disturbs_training(tmp_path: Path) -> None:
     publish_goodput(1.0, 2.0, str(tmp_path / "missing-dir" / "goodput.json"))  # no error
     publish_goodput(1.0, 2.0, None)  # no agent of ours: nothing to do
+
+
+def test_the_private_directories_of_killed_agents_are_swept_at_the_next_start(tmp_path: Path) -> None:
+    from elastic_runner.agent.adopt import PRIVATE_PREFIX, sweep_private_dirs
+
+    live = tmp_path / f"{PRIVATE_PREFIX}{os.getpid()}-abc"
+    dead = tmp_path / f"{PRIVATE_PREFIX}{2**22 + 12345}-def"  # above any pid_max: no such process
+    other = tmp_path / "elastic-runner-something-else"
+    for d in (live, dead, other):
+        d.mkdir()
+    assert sweep_private_dirs(str(tmp_path)) == [str(dead)]
+    assert live.is_dir() and other.is_dir() and not dead.exists()
