@@ -1,7 +1,7 @@
 """Save snapshots without stalling training.
 
-The step waits only while tensors are copied into host memory (a ``clone``
-on CPU, a device-to-host copy on GPU). Serialisation, checksum, fsync,
+The step waits only while tensors are copied into host memory (into buffers
+kept from the previous snapshot: :class:`HostStaging`). Serialisation, checksum, fsync,
 publish and pruning run in one background thread; at most one write is in
 flight, so a new save first waits for the previous one. A failed background
 write is logged as an error, counted, and leaves the published snapshots as
@@ -39,6 +39,44 @@ def to_host(obj: Any) -> Any:
     return obj
 
 
+class HostStaging:
+    """Host copies of a state in buffers kept from one snapshot to the next: after the first, a snapshot's
+    blocking part is a copy into memory that is already allocated and touched (a fresh 16 MB buffer costs
+    about as much again in page faults as the copy itself). Pinned when the source is on a GPU. Safe to
+    reuse because a writer has at most one write in flight and waits for it before the next copy; the price
+    is one host copy of the state kept between snapshots."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[Any, ...], torch.Tensor] = {}
+
+    def copy(self, obj: Any) -> Any:
+        seen: set[tuple[Any, ...]] = set()
+        out = self._copy(obj, (), seen)
+        for path in set(self._buffers) - seen:  # parts the state no longer has
+            del self._buffers[path]
+        return out
+
+    def _copy(self, obj: Any, path: tuple[Any, ...], seen: set[tuple[Any, ...]]) -> Any:
+        if isinstance(obj, torch.Tensor):
+            src = obj.detach()
+            if src.layout != torch.strided or src.is_quantized:  # rare: a fresh copy, as before
+                return src.to("cpu", copy=True)
+            buf = self._buffers.get(path)
+            if buf is None or buf.shape != src.shape or buf.dtype != src.dtype or buf.stride() != src.stride():
+                buf = torch.empty_like(src, device="cpu", pin_memory=src.is_cuda and torch.cuda.is_available())
+                self._buffers[path] = buf
+            buf.copy_(src)
+            seen.add(path)
+            return buf
+        if isinstance(obj, dict):
+            return {k: self._copy(v, (*path, k), seen) for k, v in obj.items()}
+        if isinstance(obj, list):
+            return [self._copy(v, (*path, i), seen) for i, v in enumerate(obj)]
+        if isinstance(obj, tuple):
+            return tuple(self._copy(v, (*path, i), seen) for i, v in enumerate(obj))
+        return obj
+
+
 class SnapshotObserver(Protocol):
     def snapshot_saved(self, ref: SnapshotRef, meta: dict[str, Any], blocking_s: float, write_s: float) -> None: ...
     def snapshot_failed(self, ref: SnapshotRef, error: BaseException) -> None: ...
@@ -73,6 +111,7 @@ class SnapshotWriter:
         self.last: SaveResult | None = None
         self.last_saved: SnapshotRef | None = None
         self._thread: threading.Thread | None = None
+        self._staging = HostStaging()
         self._fatal: BaseException | None = None
         self._failing_since: SnapshotRef | None = None
         self._last_report = 0.0
@@ -85,7 +124,7 @@ class SnapshotWriter:
         self.wait()
         ref = SnapshotRef(generation=self.generation, step=step)
         state, meta = capture()
-        host_state = to_host(state)
+        host_state = self._staging.copy(state)  # the previous write is done (wait above): its buffers are free
         result = SaveResult(ref=ref, blocking_s=time.perf_counter() - started)
         result.size_estimate = state_bytes(host_state)
         meta = dict(meta) | {"step": step, "generation": self.generation, "name": ref.name}

@@ -69,6 +69,34 @@ def test_async_save_blocks_only_for_the_copy_and_at_most_one_write_is_in_flight(
     assert result.error is None and result.blocking_s <= result.blocking_s + result.write_s
 
 
+def test_host_buffers_are_reused_and_never_overwritten_while_a_write_is_in_flight(store: LocalStore) -> None:
+    from elastic_runner.snapshot.writer import HostStaging
+
+    staging = HostStaging()
+    live = {"model": {"w": torch.zeros(1000), "b": torch.ones(3)}, "step": 1}
+    first = staging.copy(live)
+    live["model"]["w"] += 1
+    second = staging.copy(live)
+    assert second["model"]["w"].data_ptr() == first["model"]["w"].data_ptr(), "the same buffer, already touched"
+    assert torch.equal(second["model"]["w"], torch.ones(1000)) and second["step"] == 1
+    del live["model"]["b"]
+    live["model"]["w"] = torch.zeros(10)  # the state changed shape: a new buffer, the vanished part let go
+    third = staging.copy(live)
+    assert third["model"]["w"].shape == (10,) and list(staging._buffers) == [("model", "w")]
+
+    # Through the writer: back-to-back async saves each keep their own values (the second copy waits for the
+    # first write, whose buffers it reuses).
+    w = writer_for(store)
+    tensor = torch.zeros(100_000)
+    for step in (1, 2, 3):
+        tensor.fill_(float(step))
+        w.save(step, lambda: ({"model": {"w": tensor}}, {}))
+    w.close()
+    for step in (1, 2, 3):
+        _, state = load_snapshot(store.path(SnapshotRef(1, step)))
+        assert torch.equal(state["model"]["w"], torch.full((100_000,), float(step))), step
+
+
 def test_keeps_the_last_k_and_deletes_older_only_after_a_newer_is_complete(store: LocalStore) -> None:
     w = writer_for(store, keep_last=2)
     for step in (10, 20, 30, 40):
