@@ -39,7 +39,7 @@ from elastic_runner.chaos.scenario import FAULT_TYPES, Scenario, ScenarioError
 #: Steps of training planned per fault: the mean interval, plus what runs while a fault is judged and settles
 #: (an absorbed one needs ~2 s of training to tell; a resume from disk redoes steps), with a margin: skipped
 #: faults are drawn again, and the job must outlast the last one. Measured: 146 steps a fault at 40:80 on the
-#: 2-core VM (the first 1,000-fault run planned 110 and ran out of steps after ~900 faults).
+#: 2-core VM (the first 1,000-fault run planned 110 and ran out of steps after 919 faults).
 JUDGING_STEPS = 100
 STEP_MARGIN = 1.3
 

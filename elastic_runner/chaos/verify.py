@@ -9,7 +9,7 @@ from __future__ import annotations
 import bisect
 import statistics
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 from ..audit import AuditReport
 
@@ -138,11 +138,17 @@ def attribute_recoveries(faults: list[Injected], events: list[dict[str, Any]] | 
         fault.steps_recomputed = resume.get("steps_recomputed")
 
 
-def newest_snapshot_violations(events: list[dict[str, Any]]) -> list[str]:
+#: Seconds after a memory wipe's injection within which the dying workers' last "kept in memory" records count
+#: as wiped (the fault kills every worker first: none can keep anything after it).
+WIPE_WINDOW_S = 1.0
+
+
+def newest_snapshot_violations(events: list[dict[str, Any]], wiped_at: Sequence[float] = ()) -> list[str]:
     """Every resume must use the newest state that existed (by generation, then step) before its
     generation started: a disk snapshot of any earlier generation that was not rejected, or what the
     survivors of the generation just before kept in memory (an older memory copy was taken over by that
-    generation and, when that one stepped and died without survivors, went with it). One pass over the states in time
+    generation and, when that one stepped and died without survivors, went with it), unless a fault wiped every
+    node's memory at one of ``wiped_at`` (corrupt-snapshot) before the resume. One pass over the states in time
     order: a soak has thousands of resumes."""
     rejected = {e["snapshot"] for e in events if e["kind"] == "snapshot_rejected"}
     states = sorted(
@@ -150,6 +156,7 @@ def newest_snapshot_violations(events: list[dict[str, Any]]) -> list[str]:
          e["snapshot"] if e["kind"] == "snapshot_saved" else f"memory step {e['step']}")
         for e in events if e.get("generation") is not None and (
             (e["kind"] == "snapshot_saved" and e["snapshot"] not in rejected) or e["kind"] == "kept_in_memory"))
+    wipes = sorted(wiped_at)
     newest_on_disk: dict[int, tuple[int, int, str]] = {}  #: generation -> its newest durable snapshot so far
     kept: dict[int, tuple[int, int, str]] = {}  #: generation -> the newest state its survivors kept
     problems = []
@@ -158,10 +165,12 @@ def newest_snapshot_violations(events: list[dict[str, Any]]) -> list[str]:
     previous_of = dict(zip(sorted(gens)[1:], sorted(gens)))
     for start, g in sorted((info["start"], g) for g, info in gens.items() if info.get("resume") and "start" in info):
         while seen < len(states) and states[seen][0] < start:
-            _, in_memory, sg, step, name = states[seen]
+            t, in_memory, sg, step, name = states[seen]
+            seen += 1
+            if in_memory and any(t <= w + WIPE_WINDOW_S and w < start for w in wipes):
+                continue  # gone with the wipe
             table = kept if in_memory else newest_on_disk
             table[sg] = max(table.get(sg, (sg, step, name)), (sg, step, name))
-            seen += 1
         candidates = [state for sg, state in newest_on_disk.items() if sg < g]
         # What survivors kept is taken over by the next attempt; one that died before its first step kept
         # nothing newer (and says nothing), so the copy before it still counts.
@@ -208,7 +217,7 @@ def verify(*, audit: AuditReport, events: list[dict[str, Any]], faults: list[Inj
     verdict.add("global batch constant", constant,
                 f"global batch {sorted(batches)} at world sizes {sorted({e['world_size'] for e in worlds})} "
                 f"(micro x accumulation x world: {sorted(products)})")
-    stale = newest_snapshot_violations(events)
+    stale = newest_snapshot_violations(events, wiped_at=[f.at for f in faults if f.type == "corrupt-snapshot"])
     verdict.add("recoveries resumed from the newest snapshot", not stale, "; ".join(stale) or
                 f"{sum(1 for f in faults if f.generation)} recoveries checked")
     fills = [f for f in faults if f.type == "fill-disk"]

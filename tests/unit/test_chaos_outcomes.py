@@ -88,6 +88,15 @@ def test_survivors_memory_counts_for_the_next_attempt_only() -> None:
     assert newest_snapshot_violations(kept + resumed(2, 3.0, 257) + resumed(3, 9.0, 200))
 
 
+def test_memory_a_fault_wiped_is_no_candidate() -> None:
+    """corrupt-snapshot SIGKILLs every worker, then deletes every node's memory: a worker that kept its state in
+    the moment between the kills left a record, not a copy (the 1,000-fault soak's 11 false alarms)."""
+    events = [state("snapshot_saved", 1, 200, 1.0), state("kept_in_memory", 1, 257, 5.02), *resumed(2, 7.0, 200)]
+    assert newest_snapshot_violations(events), "without the wipe: the kept step was there"
+    assert newest_snapshot_violations(events, wiped_at=[5.0]) == []
+    assert newest_snapshot_violations(events, wiped_at=[8.0]), "a wipe after the resume changes nothing"
+
+
 def scenario(tmp_path, **options: Any):  # noqa: ANN001, ANN201
     from elastic_runner.chaos.scenario import Scenario
 
