@@ -350,9 +350,10 @@ def timeline_figure(run_dir: str, events: list[dict[str, Any]] | None = None, x_
     named = len(spans) <= MAX_NAMED_GAPS
     for ax in axes:
         for i, (a, b, _) in enumerate(spans):
-            ax.axvspan(a, b, color="#d62728", alpha=0.15, lw=0,
+            ax.axvspan(a, b, color="#d62728", alpha=0.15 if named else 0.08, lw=0,
                        label=("steps redone" if by_steps else "recovering") if (ax is ax_loss and i == 0) else None)
-            ax.axvline(a, color="#d62728", lw=0.8, ls="--")
+            if named:  # hundreds of lines would hide the curves
+                ax.axvline(a, color="#d62728", lw=0.8, ls="--")
         ax.grid(alpha=0.3)
     if named:
         for a, _, cause in spans:
@@ -386,8 +387,8 @@ def timeline_figure(run_dir: str, events: list[dict[str, Any]] | None = None, x_
             "shaded: recovering (failure detected to all ranks stepping again)")
     if spans and not named:
         note += f"; {len(spans)} recoveries, too many to name (see elastic-runner report)"
-    bottom.text(0.0, -0.32 if panels == 3 else -0.25, note, transform=bottom.transAxes, fontsize=8, color="#555555")
-    fig.tight_layout()
+    fig.text(0.01, 0.006, note, fontsize=8, color="#555555")
+    fig.tight_layout(rect=(0.0, 0.025, 1.0, 1.0))
     return fig, summary
 
 
