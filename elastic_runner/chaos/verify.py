@@ -125,8 +125,10 @@ def attribute_recoveries(faults: list[Injected], events: list[dict[str, Any]] | 
             continue
         info = gens[chosen]
         # Workers never talk to etcd: a restart interrupts training only if a new attempt starts
-        # soon after it and before the next fault (which would otherwise get the credit).
-        if fault.type == "restart-etcd" and (info["start"] > fault.at + 30 or info["start"] > nxt):
+        # soon after it and before the next fault (which would otherwise get the credit), and not at a larger
+        # world (a node joining meanwhile, e.g. a supervisor's replacement, starts that one).
+        grew = size_before is not None and info.get("world_size", 0) > size_before
+        if fault.type == "restart-etcd" and (info["start"] > fault.at + 30 or info["start"] > nxt or grew):
             fault.interrupted, fault.recovery_s, fault.outcome = False, 0.0, "absorbed"
             continue
         fault.generation, fault.outcome = chosen, "recovered"

@@ -48,6 +48,16 @@ def test_a_fault_that_lands_as_the_job_finishes_is_recorded_as_such() -> None:
     assert faults[0].outcome == "job ended" and faults[0].recovery_s is None
 
 
+def test_an_etcd_restart_is_not_credited_with_a_join_that_followed_it() -> None:
+    faults = [fault("restart-etcd", 10.0)]
+    # Training stopped at 10.5 and a larger world started at 11: a node joined (the etcd restart did not stop anyone).
+    attribute_recoveries(faults, attempt(1, 0.0, 2, 10.5) + attempt(2, 11.0, 3, 30.0, finished=True))
+    assert faults[0].outcome == "absorbed" and not faults[0].interrupted
+    same_size = [fault("restart-etcd", 10.0)]
+    attribute_recoveries(same_size, attempt(1, 0.0, 2, 10.5) + attempt(2, 11.0, 2, 30.0, finished=True))
+    assert same_size[0].outcome == "recovered", "a restart at the same size after it: the restart's doing"
+
+
 def test_a_live_run_is_judged_from_its_new_events_only_with_the_same_outcome() -> None:
     events = attempt(1, 0.0, 2, 10.0) + attempt(2, 10.6, 2, 30.0, finished=True)
     history = History()
