@@ -6,11 +6,13 @@ importing the trainer (or torch).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
 import signal
 import sys
+import threading
 import time
 from typing import Callable
 from types import FrameType
@@ -75,6 +77,10 @@ class StopRequest:
     """
 
     def __init__(self, agent_reason: Callable[[], str | None] | None = None) -> None:
+        #: False until the training loop starts: a stop before then has nothing to save and ends the
+        #: process at once, also while the main thread is stuck in native code (a process group waiting for
+        #: a peer that is gone), where no Python signal handler can run.
+        self.training = False
         self.signal_name: str | None = None
         #: Why the agent stopped this worker, when it announced it (a membership change, a failed
         #: sibling, its own shutdown); None for a SIGTERM from anyone else.
@@ -82,6 +88,8 @@ class StopRequest:
         self.received_at: float | None = None
         self._agent_reason = agent_reason
         self._previous: dict[int, object] = {}
+        self._previous_wakeup = -1
+        self._pipe: tuple[int, int] | None = None
 
     @property
     def requested(self) -> bool:
@@ -90,12 +98,41 @@ class StopRequest:
     def install(self) -> "StopRequest":
         for sig in (signal.SIGTERM, signal.SIGINT):
             self._previous[sig] = signal.signal(sig, self._handle)
+        # The interpreter's C-level handler writes each signal's number to this pipe at once, whatever the main
+        # thread is doing; a thread of ours reads it (the Python handler above runs only between bytecodes).
+        read_fd, write_fd = os.pipe()
+        os.set_blocking(write_fd, False)
+        try:
+            self._previous_wakeup = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+        except ValueError:  # not the main thread: the Python handler alone
+            os.close(read_fd)
+            os.close(write_fd)
+            return self
+        self._pipe = (read_fd, write_fd)
+        threading.Thread(target=self._watch_early, args=(read_fd,), name="elastic-runner-stop", daemon=True).start()
         return self
 
     def uninstall(self) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)  # type: ignore[arg-type]
         self._previous.clear()
+        if self._pipe is not None:
+            signal.set_wakeup_fd(self._previous_wakeup)
+            os.close(self._pipe[1])  # the watcher reads EOF and ends
+            self._pipe = None
+
+    def _watch_early(self, read_fd: int) -> None:
+        try:
+            while data := os.read(read_fd, 64):
+                stops = [n for n in data if n in (signal.SIGTERM, signal.SIGINT)]
+                if stops and not self.training:
+                    name = signal.Signals(stops[0]).name
+                    exit_now(EXIT_OK, f"received {name} before training started: nothing to save, stopping now")
+        except OSError:
+            pass
+        finally:
+            with contextlib.suppress(OSError):
+                os.close(read_fd)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         name = signal.Signals(signum).name

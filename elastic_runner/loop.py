@@ -168,6 +168,7 @@ class Trainer:
         c, state, sampler = self.c, self.state, self.sampler
         epochs = self.cfg.train.epochs
         self._productive_mark = time.monotonic()  # start-up and restore are no training
+        c.stop.training = True  # from here a stop saves a snapshot at the next step boundary
         while state.step < c.total_steps:
             if sampler.epoch_done():
                 with self.checkpointer.mutating():

@@ -119,3 +119,45 @@ def test_no_gloo_thread_outlives_the_worker_so_its_exit_status_is_the_real_one(s
 
     assert "exit 0 gloo threads []" in worker()
     assert "exit 2 gloo threads []" in worker("model.params.hidden=8"), "a usage error (snapshot of another model)"
+
+
+def test_a_stop_before_training_ends_the_worker_at_once_even_while_it_waits_for_a_peer(
+        small_config: Path, tmp_path: Path) -> None:
+    """Before: a worker stopped while its process group waited for a peer that was gone (the agent stops the group
+    for a membership change just as a fault kills the new rank 2) sat in native code until the 30 s start-up
+    deadline, and the agent with it: the soak's seven ~31 s recoveries."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from elastic_runner.lifecycle import EXIT_OK
+    from elastic_runner.testing.localjob import free_port
+
+    port = free_port()
+    env = os.environ | {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": "0",
+                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "PYTHONUNBUFFERED": "1"}
+
+    def store_listening() -> bool:  # rank 0 hosts the process group's store: it now waits for rank 1
+        lines = []
+        for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+            with open(table) as fh:
+                lines += fh.readlines()[1:]
+        return any(line.split()[1].endswith(f":{port:04X}") and line.split()[3] == "0A" for line in lines)
+
+    worker = subprocess.Popen([sys.executable, "-m", "elastic_runner.train", "--config", str(small_config),
+                               "--set", f"run.dir={tmp_path / 'run'}"], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not store_listening() and time.monotonic() < deadline:
+            time.sleep(0.1)  # the worker has started and is now waiting for rank 1, who never comes
+        time.sleep(1.0)
+        worker.send_signal(signal.SIGTERM)
+        out, _ = worker.communicate(timeout=25)  # well before the 30 s start-up deadline
+    finally:
+        if worker.poll() is None:
+            os.killpg(worker.pid, signal.SIGKILL)
+            worker.wait()
+    assert worker.returncode == EXIT_OK, out[-3000:]
+    assert "received SIGTERM before training started: nothing to save, stopping now" in out
