@@ -33,6 +33,7 @@ import bisect
 import json
 import os
 import statistics
+import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
@@ -128,8 +129,6 @@ def publish_goodput(productive_s: float, wall_s: float, path: str | None = None,
     path = path or os.environ.get(GOODPUT_FILE_VAR)
     if not path:
         return
-    import time
-
     staging = f"{path}.{os.getpid()}.tmp"
     try:
         fd = os.open(staging, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)

@@ -65,11 +65,12 @@ class TrainState:
     productive_s: float = 0.0  #: seconds of training that count (snapshot blocking and restarts excluded)
     closed_sessions_s: float = 0.0  #: wall time of the job's earlier sessions, each up to its last saved state
     session_started: float = 0.0  #: wall clock at which this session's first attempt began (0: not yet)
-    state_time: float = 0.0  #: wall clock of this state
+    state_time: float = 0.0  #: wall clock of this state (set when it is captured: state_dict)
     session_agents: list[str] = field(default_factory=list)  #: agents seen in this session (newest 64)
 
     def state_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        # The state's wall-clock time is when it is captured (a snapshot), not kept up to date every step.
+        return asdict(self) | {"state_time": time.time()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for key, value in state.items():
@@ -252,7 +253,6 @@ class Trainer:
             self.state.samples_total += plan.global_count
             now = time.monotonic()
             self.state.productive_s += now - self._productive_mark
-            self.state.state_time = time.time()
             self._productive_mark = now
         if not apply:
             c.metrics.nonfinite.inc()

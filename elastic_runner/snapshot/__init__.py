@@ -12,10 +12,10 @@ from .store import (
     StaleWriterError,
     open_store,
 )
-from .writer import SaveResult, SnapshotWriter, require_ok, to_host
+from .writer import SaveResult, SnapshotWriter, require_ok
 
 __all__ = [
     "AlreadyCommittedError", "CorruptSnapshotError", "SnapshotUnavailableError", "Loaded", "LocalStore", "SaveResult", "SnapshotError", "SnapshotRef",
     "SnapshotWriter", "StaleWriterError", "find_newest", "load_exact", "load_snapshot", "open_store",
-    "read_meta", "require_ok", "to_host",
+    "read_meta", "require_ok",
 ]

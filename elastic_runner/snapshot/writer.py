@@ -26,19 +26,6 @@ from .store import AlreadyCommittedError, LocalStore, SnapshotError, SnapshotRef
 log = logging.getLogger(__name__)
 
 
-def to_host(obj: Any) -> Any:
-    """A deep copy with every tensor detached and copied to CPU memory."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return {k: to_host(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [to_host(v) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(to_host(v) for v in obj)
-    return obj
-
-
 class HostStaging:
     """Host copies of a state in buffers kept from one snapshot to the next: after the first, a snapshot's
     blocking part is a copy into memory that is already allocated and touched (a fresh 16 MB buffer costs
