@@ -69,8 +69,10 @@ class ElasticRunnerAgent(LocalElasticAgent):
         # node that joins a running job pays in full.
         startup = {"startup_s": round(began - _PROCESS_START, 3)} if not self._rounds else {}
         self._rounds += 1
+        # The etcd-v3 lease protocol says so itself; torch's handler through our patch of it.
+        early = getattr(worker_group.spec.rdzv_handler, "completed_early", fast_rendezvous.completed_early)
         self._notify("rendezvous", seconds=time.monotonic() - started, world_size=worker_group.group_world_size,
-                     group_rank=worker_group.group_rank, completed_early=fast_rendezvous.completed_early, **startup)
+                     group_rank=worker_group.group_rank, completed_early=bool(early), **startup)
 
     # -- stopping ------------------------------------------------------------------------------
 

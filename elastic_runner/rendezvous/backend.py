@@ -42,6 +42,9 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBa
 from .gateway import EtcdGatewayClient
 from .kv import Compare, EtcdError, Get, KVClient, LeaseKeeper, Put
 from .options import DEFAULT_KEY_PREFIX, DEFAULTS, parse_options
+
+if TYPE_CHECKING:
+    from .options import EtcdOptions
 from .seal import Sealer, StateContentError, check_state_pickle, inflate
 
 if TYPE_CHECKING:
@@ -177,6 +180,19 @@ class EtcdRendezvousBackend(RendezvousBackend):
     def client(self) -> KVClient:
         return self._client
 
+    @property
+    def leases(self) -> LeaseKeeper:
+        return self._leases
+
+    @property
+    def sealer(self) -> Sealer:
+        return self._sealer
+
+    @property
+    def run_prefix(self) -> str:
+        """``{key_prefix}/{run_id}``: every key of the run is under it."""
+        return self._key_text[:-len("/state")]
+
     def _connection_error(self, action: str, exc: EtcdError) -> RendezvousConnectionError:
         return RendezvousConnectionError(
             f"The etcd-v3 rendezvous backend could not {action} the state of run '{self._run_id}' (key "
@@ -225,6 +241,14 @@ class EtcdRendezvousBackend(RendezvousBackend):
         return decode_state(kv.value, self._key_text, self._sealer), kv.mod_revision, False
 
 
+def parse(params: RendezvousParameters) -> "EtcdOptions":
+    """The etcd-v3 options of ``params``, or an :class:`EtcdRendezvousOptionError` that says what to fix."""
+    try:
+        return parse_options(params)
+    except ValueError as exc:
+        raise EtcdRendezvousOptionError(f"--rdzv_backend=etcd-v3: {exc}") from exc
+
+
 class EtcdRendezvousStartError(RendezvousConnectionError):
     """The etcd-v3 rendezvous cannot start (etcd unreachable or refusing us, or an option to fix); the
     message says what to check, so the agent prints it as one line (:mod:`elastic_runner.agent.terminal`)."""
@@ -234,7 +258,8 @@ class EtcdRendezvousOptionError(EtcdRendezvousStartError, ValueError):
     """A ``--rdzv_endpoint``/``--rdzv_conf`` value to fix (also a ValueError, as torch's option errors are)."""
 
 
-def create_backend(params: RendezvousParameters) -> tuple[EtcdRendezvousBackend, "EtcdStore"]:
+def create_backend(params: RendezvousParameters, options: "EtcdOptions | None" = None
+                   ) -> tuple[EtcdRendezvousBackend, "EtcdStore"]:
     """Backend and store for ``params`` (``--rdzv_endpoint``, ``--rdzv_id``, ``--rdzv_conf``).
 
     Fails within ``connect_timeout`` with ``RendezvousConnectionError`` when etcd cannot be reached
@@ -242,10 +267,7 @@ def create_backend(params: RendezvousParameters) -> tuple[EtcdRendezvousBackend,
     """
     from .store import EtcdStore
 
-    try:
-        options = parse_options(params)
-    except ValueError as exc:
-        raise EtcdRendezvousOptionError(f"--rdzv_backend=etcd-v3: {exc}") from exc
+    options = options or parse(params)
     client = EtcdGatewayClient(options)
     leases = LeaseKeeper(client, options.ttl)
     sealer = Sealer(options.auth_key)

@@ -50,6 +50,8 @@ from .kv import (
     Put,
     T,
     TxnResult,
+    WatchEnd,
+    WatchEvent,
 )
 from .options import Endpoint, EtcdOptions
 
@@ -291,7 +293,9 @@ class EtcdGatewayClient(KVClient):
             time.sleep(min(remaining, backoff.next_delay()))
 
     def _post(self, path: str, payload: dict[str, Any], what: str, budget: float | None = None) -> dict[str, Any]:
-        return self._call(lambda m: m.client.post(m.client.get_url(path), json=payload), what, budget)
+        answer = self._call(lambda m: m.client.post(m.client.get_url(path), json=payload), what, budget)
+        self._count(0, len(json.dumps(payload)) + len(json.dumps(answer)))  # the bodies, as JSON on the wire
+        return answer
 
     # -- KVClient ------------------------------------------------------------------------------------------------
 
@@ -309,6 +313,11 @@ class EtcdGatewayClient(KVClient):
         answer = self._post("/kv/range", {"key": _b64(key)}, "read a key", budget)
         kvs = answer.get("kvs") or []
         return (_kv(kvs[0]) if kvs else None), int(answer.get("header", {}).get("revision", 0))
+
+    def get_prefix(self, prefix: bytes) -> tuple[list[KeyValue], int]:
+        answer = self._post("/kv/range", {"key": _b64(prefix), "range_end": _b64(_prefix_end(prefix))},
+                            "read keys")
+        return [_kv(kv) for kv in answer.get("kvs") or []], int(answer.get("header", {}).get("revision", 0))
 
     def count_prefix(self, prefix: bytes) -> int:
         answer = self._post("/kv/range", {"key": _b64(prefix), "range_end": _b64(_prefix_end(prefix)),
@@ -329,6 +338,67 @@ class EtcdGatewayClient(KVClient):
     def keep_alive_lease(self, lease_id: int) -> int:
         answer = self._post("/lease/keepalive", {"ID": str(lease_id)}, "refresh a lease")
         return int(answer.get("result", {}).get("TTL", -1))
+
+    def revoke_lease(self, lease_id: int) -> None:
+        try:
+            self._post("/kv/lease/revoke", {"ID": str(lease_id)}, "revoke a lease")
+        except EtcdRequestError as exc:
+            if "lease not found" not in str(exc).lower():
+                raise
+        except EtcdLeaseNotFound:
+            pass
+
+    def watch_prefix(self, prefix: bytes, start_revision: int, timeout: float,
+                     handle: Callable[[list[WatchEvent]], bool]) -> WatchEnd:
+        if timeout <= 0:
+            return "timeout"
+        member = self._members[self._current]
+        started = time.monotonic()
+        payload = {"create_request": {"key": _b64(prefix), "range_end": _b64(_prefix_end(prefix)),
+                                      "start_revision": str(start_revision)}}
+        try:
+            self._authenticate(member)
+            body = json.dumps(payload)
+            self._count(1, len(body))
+            client = member.client
+            with client.session.post(client.get_url("/watch"), data=body, stream=True,
+                                     headers={"Content-Type": "application/json"},
+                                     timeout=(self.options.request_timeout, timeout)) as resp:
+                if resp.status_code != 200:
+                    if resp.status_code == 401 and self.options.user:
+                        member.token = None
+                    raise _Transient(f"watch answered HTTP {resp.status_code}: {_short(resp.text)}")
+                for line in resp.iter_lines():
+                    if not line:
+                        continue
+                    self._count(0, len(line))
+                    message = json.loads(line)
+                    if "error" in message:
+                        if "auth" in json.dumps(message["error"]).lower() and self.options.user:
+                            member.token = None
+                        raise _Transient(f"watch failed: {_short(json.dumps(message['error']))}")
+                    result = message.get("result", {})
+                    if int(result.get("compact_revision", 0) or 0) > 0:
+                        return "compacted"
+                    if result.get("canceled"):
+                        raise _Transient("etcd cancelled the watch")
+                    events = [WatchEvent("delete" if e.get("type") == "DELETE" else "put", _kv(e.get("kv", {})))
+                              for e in result.get("events") or []]
+                    if events and handle(events):
+                        return "done"
+                    if time.monotonic() - started >= timeout:
+                        return "timeout"
+            raise _Transient("the watch stream ended")
+        except Exception as exc:  # noqa: BLE001 - timeouts, resets, restarts: the caller looks again
+            elapsed = time.monotonic() - started
+            if elapsed >= timeout * 0.98 and _is_timeout(exc):
+                return "timeout"
+            if isinstance(exc, (EtcdAuthError, EtcdTLSError)):
+                raise
+            log.debug("watch on %r at %s failed (%s); looking again", prefix, member.endpoint, exc)
+            self._current = (self._current + 1) % len(self._members)
+            time.sleep(max(0.0, min(timeout - elapsed, random.uniform(0.1, 0.5))))
+            return "retry"
 
     def wait_for_change(self, key: bytes, start_revision: int, timeout: float) -> bool:
         if timeout <= 0:

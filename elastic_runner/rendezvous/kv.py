@@ -1,10 +1,10 @@
 """The narrow etcd v3 interface the rendezvous backend and store are written against.
 
 Everything the rendezvous needs from etcd fits in a handful of calls: read one key (with its
-``mod_revision``), one *transaction* (compare a key's mod/create revision or value, then put, get or
-delete; otherwise get), count and delete a prefix, grant/refresh a lease, and *wait until a key
-changes after a revision* (a watch). ``KVClient`` is that interface; its errors are full sentences
-that say what to check.
+``mod_revision``) or a prefix, one *transaction* (compare a key's mod/create revision or value, then
+put, get or delete; otherwise get), count and delete a prefix, grant/refresh/revoke a lease, *wait
+until a key changes after a revision* and *follow the changes under a prefix* (watches).
+``KVClient`` is that interface; its errors are full sentences that say what to check.
 
 Implementations: :class:`~elastic_runner.rendezvous.gateway.EtcdGatewayClient` (etcd's HTTP/JSON
 gateway, the one agents use) and :class:`~elastic_runner.testing.memory_etcd.MemoryKV` (an in-memory
@@ -86,6 +86,20 @@ Op = Union[Put, Get, Delete]
 
 
 @dataclass(frozen=True)
+class WatchEvent:
+    """One change under a watched prefix: a put (``kv`` is the new key-value) or a delete (``kv`` has the
+    key, an empty value and the revision of the delete as ``mod_revision``)."""
+
+    kind: Literal["put", "delete"]
+    kv: KeyValue
+
+
+#: How a ``watch_prefix`` ended: the handler said done, the time ran out, the stream broke (look again
+#: from the last revision seen), or the start revision was compacted (read everything again).
+WatchEnd = Literal["done", "timeout", "retry", "compacted"]
+
+
+@dataclass(frozen=True)
 class TxnResult:
     succeeded: bool
     revision: int  #: store revision after the transaction (the mod_revision of its puts)
@@ -129,6 +143,7 @@ class KVClient(ABC):
 
     def __init__(self) -> None:
         self._requests = 0
+        self._bytes = 0
         self._count_lock = threading.Lock()
 
     @property
@@ -136,9 +151,15 @@ class KVClient(ABC):
         """Requests sent so far (retries, watches and lease calls included)."""
         return self._requests
 
-    def _count(self) -> None:
+    @property
+    def bytes(self) -> int:
+        """Payload bytes sent and received so far (request and answer bodies, watch events)."""
+        return self._bytes
+
+    def _count(self, requests: int = 1, nbytes: int = 0) -> None:
         with self._count_lock:
-            self._requests += 1
+            self._requests += requests
+            self._bytes += nbytes
 
     @abstractmethod
     def txn(self, compare: Sequence[Compare], success: Sequence[Op], failure: Sequence[Op] = ()) -> TxnResult:
@@ -170,6 +191,25 @@ class KVClient(ABC):
 
         Returns False only on timeout. True means "look again": it is also returned after a
         connection problem (after a short pause) so the caller re-reads with its own retries.
+        """
+
+    @abstractmethod
+    def get_prefix(self, prefix: bytes) -> tuple[list[KeyValue], int]:
+        """Every key that starts with ``prefix`` (in key order) and the store revision of the read."""
+
+    @abstractmethod
+    def revoke_lease(self, lease_id: int) -> None:
+        """Revoke a lease: its keys are deleted now (an unknown lease is not an error)."""
+
+    @abstractmethod
+    def watch_prefix(self, prefix: bytes, start_revision: int, timeout: float,
+                     handle: Callable[[list[WatchEvent]], bool]) -> WatchEnd:
+        """Follow the changes under ``prefix`` from ``start_revision`` on, calling ``handle`` with each
+        batch of events in revision order, until it returns True (``"done"``) or ``timeout`` passes.
+
+        One request however many events arrive. A broken stream returns ``"retry"`` (after a short
+        pause) and a compacted start revision ``"compacted"``: the caller looks again, from the
+        revision after the last event it handled, or with a fresh read.
         """
 
     def get_many(self, keys: Sequence[bytes]) -> tuple[dict[bytes, KeyValue], int]:

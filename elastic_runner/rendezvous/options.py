@@ -26,6 +26,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_PORT = 2379
 DEFAULT_KEY_PREFIX = "/elastic_runner/rdzv"
+PROTOCOLS = ("leases", "state")
 
 
 @dataclass(frozen=True)
@@ -37,12 +38,13 @@ class Option:
 
 OPTIONS: tuple[Option, ...] = (
     Option("key_prefix", DEFAULT_KEY_PREFIX,
-           "etcd key prefix. The run's keys live under `PREFIX/RUN_ID/` (`state`, `store/...`, `ops/...`), so runs "
+           "etcd key prefix. The run's keys live under `PREFIX/RUN_ID/` (`rdzv/...`, `store/...`, `ops/...`), so runs "
            "and other users of the cluster do not collide."),
     Option("ttl", "7200",
-           "Lease TTL in seconds. Every key is attached to the writing agent's lease, which is refreshed while the "
-           "agent is alive and writing (every keep-alive heartbeat writes), so the keys of an abandoned run disappear "
-           "between 2/3 TTL and TTL after its last agent stopped."),
+           "TTL in seconds of the lease that the run's lasting keys (round record, store, `protocol=state`'s state) "
+           "are attached to. Each agent refreshes its own while it lives, so the keys of an abandoned run disappear "
+           "between 2/3 TTL and TTL after its last agent stopped. (An agent's liveness is another lease, of "
+           "`keep_alive_interval * keep_alive_max_attempt` seconds.)"),
     Option("request_timeout", "10", "Timeout in seconds of one HTTP request to etcd (connect and read)."),
     Option("retry_timeout", "60",
            "While a job runs: how long, in seconds, one operation keeps retrying (with exponential backoff and "
@@ -63,9 +65,13 @@ OPTIONS: tuple[Option, ...] = (
            "and every worker's environment. Credentials go only over https (`cacert`)."),
     Option("auth_key_file", "",
            "File with the job's secret (its first line, at least 32 bytes: `openssl rand -hex 32`), the same on every "
-           "node. Every rendezvous state and store value is then signed (HMAC-SHA256) and refused unless its "
-           "signature verifies: whoever can write etcd without the key cannot steer the job. Without it, states are "
-           "still unpickled only with a rendezvous state's classes."),
+           "node. Every rendezvous and store value is then signed (HMAC-SHA256) and refused unless its signature "
+           "verifies: whoever can write etcd without the key cannot steer the job. Without it, the lease protocol "
+           "reads only bounded JSON, and `protocol=state` unpickles states with a rendezvous state's classes only."),
+    Option("protocol", "leases",
+           "`leases`: each node writes only its own key, on a lease that is its heartbeat, and one transaction seals "
+           "a round (scales to 1,024 nodes, see README). `state`: torch's protocol (one shared state that every node "
+           "rewrites), the only one of builds before the lease protocol; set it on every node while a job mixes such builds."),
     Option("insecure_loopback_auth", "false",
            "`true` allows `user`/`password_file` over plain http, and only to loopback endpoints (127.0.0.1, ::1, "
            "localhost): a local test etcd. Anywhere else credentials over http are refused."),
@@ -107,6 +113,7 @@ class EtcdOptions:
     user: str | None = None
     password: str | None = field(default=None, repr=False)
     auth_key: bytes | None = field(default=None, repr=False)
+    protocol: str = "leases"
 
 
 _ENDPOINT = re.compile(r"(?:(?P<scheme>[A-Za-z]+)://)?"  # optional http:// or https://
@@ -197,6 +204,10 @@ def parse_options(params: "RendezvousParameters") -> EtcdOptions:
                              f"{', '.join(str(e) for e in endpoints)}; use https:// endpoints (set cacert=PATH to the "
                              "CA of etcd's certificate). Only for a local test etcd on loopback: "
                              "insecure_loopback_auth=true.")
+    protocol = str(params.get("protocol", "leases")).strip().lower()
+    if protocol not in PROTOCOLS:
+        raise ValueError(f"The rendezvous option 'protocol' is '{protocol}'; use one of {', '.join(PROTOCOLS)} "
+                         "(leases is the default; state only while some nodes run an older elastic_runner).")
     auth_key_file = _file(params, "auth_key_file")
     for secret in (password_file, key, auth_key_file):
         if secret and (problem := loose_permissions(secret)):
@@ -208,6 +219,7 @@ def parse_options(params: "RendezvousParameters") -> EtcdOptions:
         cacert=cacert, cert=cert, key=key,
         user=str(user) if user else None, password=None if password is None else str(password),
         auth_key=read_key(auth_key_file) if auth_key_file else None,
+        protocol=protocol,
     )
 
 

@@ -17,14 +17,29 @@ if TYPE_CHECKING:
 
 
 def create_handler(params: "RendezvousParameters") -> "RendezvousHandler":
-    """torch's ``DynamicRendezvousHandler`` protocol with its state and store in etcd (see ``backend``),
-    tolerant of etcd outages (see ``handler``), trusting nothing it reads unchecked (see ``seal``)."""
-    from .backend import CheckedStates, create_backend
-    from .handler import create_handler as etcd_handler
+    """The etcd-v3 rendezvous: by default the lease protocol (see ``leases``); with ``protocol=state``
+    torch's ``DynamicRendezvousHandler`` protocol with its state in etcd (see ``backend``), tolerant of
+    etcd outages (see ``handler``). Both trust nothing they read unchecked (see ``seal``)."""
+    from .backend import CheckedStates, create_backend, parse
 
-    backend, store = create_backend(params)
-    # torch unpickles every state it reads: only states that unpickle with a state's classes reach it.
-    return etcd_handler(store, CheckedStates(backend), params)
+    options = parse(params)
+    backend, store = create_backend(params, options)
+    if options.protocol == "state":
+        from .handler import create_handler as etcd_handler
+
+        # torch unpickles every state it reads: only states that unpickle with a state's classes reach it.
+        return etcd_handler(store, CheckedStates(backend), params)
+    from .leases import LeaseRendezvousHandler, settings_from
+
+    try:
+        settings = settings_from(params)
+    except ValueError as exc:
+        from .backend import EtcdRendezvousOptionError
+
+        backend.client.close()
+        raise EtcdRendezvousOptionError(f"--rdzv_backend=etcd-v3: {exc}") from exc
+    return LeaseRendezvousHandler(backend.client, backend.run_prefix, settings, store, params.local_addr,
+                                  leases=backend.leases, sealer=backend.sealer)
 
 
 def handler_factory() -> Callable[["RendezvousParameters"], "RendezvousHandler"]:

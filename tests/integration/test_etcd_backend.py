@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import pytest
-from torch.distributed.elastic.rendezvous import RendezvousConnectionError
+from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousParameters
 
 from elastic_runner.testing.localjob import free_port
 from elastic_runner.rendezvous.backend import create_backend, decode_state
+from elastic_runner.rendezvous.options import DEFAULT_KEY_PREFIX
 from elastic_runner.testing.etcd_server import EtcdServer
 from elastic_runner.rendezvous.plugin import create_handler
 
@@ -153,3 +155,107 @@ def test_a_tls_mismatch_is_a_clear_connection_error(tls_server: EtcdServer, cert
         create_backend(params(endpoint, connect_timeout="5", **conf))
     assert "cacert" in str(info.value)
     assert time.monotonic() - started < 5, "not retried: a TLS mismatch does not heal"
+
+
+# -- the lease protocol (protocol=leases, the default) on a real etcd ------------------------------------------------
+
+
+def lease_agents(endpoint: str, run_id: str, n: int, max_nodes: int = 3, **conf: str) -> list[Any]:
+    """``n`` agents of a job of 1 to ``max_nodes`` nodes (a 3 s heartbeat window, as under elastic-runner launch)."""
+    settings = {"keep_alive_interval": "1", "keep_alive_max_attempt": "3", "last_call_timeout": "30",
+                "join_timeout": "40", **conf}
+    return [create_handler(RendezvousParameters("etcd-v3", endpoint, run_id, 1, max_nodes, local_addr="127.0.0.1",
+                                                **settings))
+            for _ in range(n)]
+
+
+def together(handlers: list[Any], timeout: float = 30) -> list[Any]:
+    out: list[Any] = [None] * len(handlers)
+
+    def run(i: int) -> None:
+        try:
+            out[i] = handlers[i].next_rendezvous()
+        except BaseException as exc:  # noqa: BLE001 - returned to the test
+            out[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(handlers))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    assert all(o is not None and not isinstance(o, BaseException) for o in out), out
+    return out
+
+
+def test_lease_rounds_reform_after_a_restart_lose_a_node_and_take_a_new_one(etcd_server: EtcdServer) -> None:
+    run_id = f"leases-{uuid.uuid4().hex[:6]}"
+    agents = lease_agents(etcd_server.endpoint, run_id, 3)
+    try:
+        assert sorted(i.rank for i in together(agents)) == [0, 1, 2]
+        started = time.monotonic()
+        assert sorted(i.world_size for i in together(agents)) == [3, 3, 3]
+        assert time.monotonic() - started < 0.9, "everyone of the previous round is back: no last call"
+
+        dead = agents.pop()
+        dead._stop.set()  # the node dies: no more lease refreshes; etcd expires its key within the 3 s window
+        dead._stop_watcher()
+        started = time.monotonic()
+        assert sorted(i.world_size for i in together(agents)) == [2, 2]
+        assert 1.0 < time.monotonic() - started < 8, "waited for the dead node's lease, not for the 30 s last call"
+
+        (newcomer,) = lease_agents(etcd_server.endpoint, run_id, 1)
+        box: list[Any] = []
+        thread = threading.Thread(target=lambda: box.append(newcomer.next_rendezvous()), daemon=True)
+        thread.start()
+        deadline = time.monotonic() + 10
+        while not all(a.num_nodes_waiting() for a in agents) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert all(a.num_nodes_waiting() for a in agents), "the members' watch shows the waiting node"
+        infos = together(agents)
+        thread.join(10)
+        assert sorted(i.rank for i in infos + box) == [0, 1, 2]
+        agents.append(newcomer)
+    finally:
+        for a in agents:
+            a.shutdown()
+    admin = gateway_client(etcd_server)
+    try:
+        nodes, _ = admin.get_prefix(f"{DEFAULT_KEY_PREFIX}/{run_id}/rdzv/node/".encode())
+        assert nodes == [], "shutdown revokes each agent's liveness lease"
+    finally:
+        admin.close()
+
+
+def test_lease_protocol_members_stay_alive_through_an_etcd_restart(etcd_factory: Callable[..., EtcdServer]) -> None:
+    """etcd renews every lease when it comes back (a new leader), so an outage longer than the heartbeat window
+    drops nobody; the members' watches reconnect and still see a node that joins afterwards."""
+    server = etcd_factory()
+    agents = lease_agents(server.endpoint, "restart", 2, retry_timeout="30", last_call_timeout="2")
+    try:
+        together(agents)
+        server.kill()
+        time.sleep(4.5)  # longer than the 3 s window
+        server.start()
+        time.sleep(2.0)
+        assert [a.num_nodes_waiting() for a in agents] == [0, 0], "nobody was counted dead, nothing re-formed"
+        admin = gateway_client(server)
+        try:
+            nodes, _ = admin.get_prefix(f"{DEFAULT_KEY_PREFIX}/restart/rdzv/node/".encode())
+            assert len(nodes) == 2
+        finally:
+            admin.close()
+        (newcomer,) = lease_agents(server.endpoint, "restart", 1, last_call_timeout="2")
+        box: list[Any] = []
+        thread = threading.Thread(target=lambda: box.append(newcomer.next_rendezvous()), daemon=True)
+        thread.start()
+        deadline = time.monotonic() + 15
+        while not all(a.num_nodes_waiting() for a in agents) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert all(a.num_nodes_waiting() for a in agents), "the reconnected watches see the new node"
+        infos = together(agents)
+        thread.join(10)
+        assert sorted(i.rank for i in infos + box) == [0, 1, 2]
+        agents.append(newcomer)
+    finally:
+        for a in agents:
+            a.shutdown()

@@ -1,0 +1,395 @@
+"""The etcd-v3 lease protocol (``protocol=leases``), specified against the in-memory etcd.
+
+Agents are handlers in threads, each with its own client of one ``MemoryEtcd``; lease time runs on a
+fake clock, so a node dies exactly when a test lets its lease expire (``expire_lease``) and a
+partitioned node is a client that cannot reach the server (``partitioned``). What the agent sees
+(ranks, world size, ``num_nodes_waiting``, closed, errors) is what torchrun's agent would see; the
+same protocol runs against a real etcd in tests/integration/test_etcd_backend.py and under torchrun
+in tests/integration/test_etcd_torchrun.py.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import uuid
+from typing import Any, Callable
+
+import pytest
+from torch.distributed.elastic.rendezvous import (
+    RendezvousClosedError,
+    RendezvousParameters,
+    RendezvousStateError,
+    RendezvousTimeoutError,
+)
+
+from elastic_runner.rendezvous.kv import Put
+from elastic_runner.rendezvous.leases import (
+    Joiner,
+    LeaseRendezvousHandler,
+    NodeId,
+    Round,
+    Settings,
+    View,
+    choose_members,
+    ready_to_seal,
+    settings_from,
+)
+from elastic_runner.rendezvous.seal import Sealer
+from elastic_runner.rendezvous.store import EtcdStore
+from elastic_runner.testing.contracts import FakeClock
+from elastic_runner.testing.memory_etcd import MemoryEtcd, MemoryKV
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class Cluster:
+    """One in-memory etcd and the agents of one run."""
+
+    def __init__(self, **settings: Any) -> None:
+        self.clock = FakeClock()
+        self.server = MemoryEtcd(clock=self.clock)
+        self.prefix = f"/t/{uuid.uuid4().hex[:8]}/run"
+        self.settings = Settings(**{"run_id": "run", "min_nodes": 1, "max_nodes": 8, "last_call_timeout": 30.0,
+                                    "join_timeout": 30.0, **settings})
+        self.handlers: list[LeaseRendezvousHandler] = []
+
+    def agent(self, sealer: Sealer | None = None, **settings: Any) -> LeaseRendezvousHandler:
+        client = self.server.client()
+        s = Settings(**{**self.settings.__dict__, **settings})
+        handler = LeaseRendezvousHandler(client, self.prefix, s, EtcdStore(client, self.prefix),
+                                         local_addr="127.0.0.1", sealer=sealer)
+        self.handlers.append(handler)
+        return handler
+
+    def kill(self, handler: LeaseRendezvousHandler) -> None:
+        """The agent dies: nothing of it runs any more, and etcd expires its lease."""
+        handler._stop.set()
+        handler._stop_watcher()
+        assert isinstance(handler._client, MemoryKV)
+        handler._client.partitioned = True
+        self.server.expire_lease(handler._lease)
+
+    def close(self) -> None:
+        for h in self.handlers:
+            h._stop.set()
+            h._stop_watcher()
+
+
+@pytest.fixture
+def cluster() -> Any:
+    made: list[Cluster] = []
+
+    def make(**settings: Any) -> Cluster:
+        made.append(Cluster(**settings))
+        return made[-1]
+
+    yield make
+    for c in made:
+        c.close()
+
+
+def together(handlers: list[LeaseRendezvousHandler], timeout: float = 20) -> list[Any]:
+    """Every handler's ``next_rendezvous`` at once; their RendezvousInfo (or the exception each raised)."""
+    out: list[Any] = [None] * len(handlers)
+
+    def run(i: int) -> None:
+        try:
+            out[i] = handlers[i].next_rendezvous()
+        except BaseException as exc:  # noqa: BLE001 - returned to the test
+            out[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(handlers))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    assert all(o is not None for o in out), "a next_rendezvous did not return in time"
+    return out
+
+
+def in_background(handler: LeaseRendezvousHandler) -> tuple[threading.Thread, list[Any]]:
+    box: list[Any] = []
+
+    def run() -> None:
+        try:
+            box.append(handler.next_rendezvous())
+        except BaseException as exc:  # noqa: BLE001
+            box.append(exc)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t, box
+
+
+def eventually(condition: Callable[[], bool], timeout: float = 5.0, what: str = "") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"not within {timeout:.0f} s: {what}")
+
+
+def seats(infos: list[Any]) -> list[tuple[int, int]]:
+    return sorted((i.rank, i.world_size) for i in infos)
+
+
+# == forming a round ======================================================================================
+
+def test_agents_form_one_round_ranked_by_node_with_a_few_requests_each(cluster: Callable[..., Cluster]) -> None:
+    c = cluster(min_nodes=16, max_nodes=16)
+    agents = [c.agent() for _ in range(16)]
+    infos = together(agents)
+    assert seats(infos) == [(r, 16) for r in range(16)]
+    by_rank = sorted(zip((i.rank for i in infos), (a.node for a in agents)))
+    assert [n for _, n in by_rank] == sorted(a.node for a in agents), "ranks follow the sorted node descriptions"
+    # A constant per agent (rendezvous, lease, the training watch, and the workers' address: a store read that
+    # may wait), with the sealer's one read of every node key and its watch on top.
+    requests = sorted(a._client.requests for a in agents)
+    assert requests[-2] <= 14 and requests[-1] <= 20, f"requests per agent should not grow with the job: {requests}"
+
+
+def test_the_first_round_waits_the_last_call_once_min_nodes_joined(cluster: Callable[..., Cluster]) -> None:
+    c = cluster(min_nodes=2, max_nodes=3, last_call_timeout=1.0)
+    started = time.monotonic()
+    infos = together([c.agent(), c.agent()])
+    waited = time.monotonic() - started
+    assert seats(infos) == [(0, 2), (1, 2)]
+    assert waited >= 0.9, "a round below max_nodes completes only after the last call"
+
+
+def test_a_store_per_round_and_the_bootstrap_address_for_the_workers(cluster: Callable[..., Cluster],
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    c = cluster(min_nodes=2, max_nodes=2)
+    infos = together([c.agent(), c.agent()])
+    assert {i.bootstrap_store_info.master_addr for i in infos} == {"127.0.0.1"}
+    assert len({i.bootstrap_store_info.master_port for i in infos}) == 1
+    infos[0].store.set("k", b"v")
+    assert infos[1].store.get("k") == b"v"
+
+
+# == restarts, losses, joins ================================================================================
+
+def test_after_a_restart_the_round_reforms_without_the_last_call(cluster: Callable[..., Cluster]) -> None:
+    c = cluster(min_nodes=2, max_nodes=4, last_call_timeout=1.0)
+    agents = [c.agent() for _ in range(3)]
+    first = together(agents)
+    assert {i.world_size for i in first} == {3}
+    for a in agents:  # from now on a last call would be noticed
+        a._settings = Settings(**{**a.settings.__dict__, "last_call_timeout": 30.0})
+    started = time.monotonic()
+    second = together(agents)
+    assert time.monotonic() - started < 5, "every node of the previous round is back: no last call"
+    assert seats(second) == [(0, 3), (1, 3), (2, 3)]
+    assert all(a.completed_early for a in agents), "every member learns why from the record"
+
+
+def test_a_member_that_restarts_is_seen_waiting_by_the_others(cluster: Callable[..., Cluster]) -> None:
+    c = cluster(min_nodes=3, max_nodes=3)
+    a, b, d = (c.agent() for _ in range(3))
+    together([a, b, d])
+    assert a.num_nodes_waiting() == b.num_nodes_waiting() == 0
+    thread, box = in_background(d)  # its worker failed: its agent rejoins
+    eventually(lambda: a.num_nodes_waiting() > 0 and b.num_nodes_waiting() > 0, what="the others see it waiting")
+    infos = together([a, b])
+    thread.join(10)
+    assert seats(infos + box) == [(0, 3), (1, 3), (2, 3)]
+    assert a.num_nodes_waiting() == 0, "a new round starts with nobody waiting"
+
+
+def test_a_new_node_joins_a_running_round_through_num_nodes_waiting(cluster: Callable[..., Cluster]) -> None:
+    c = cluster(min_nodes=2, max_nodes=4, last_call_timeout=1.0)
+    a, b = c.agent(), c.agent()
+    together([a, b])
+    newcomer = c.agent()
+    thread, box = in_background(newcomer)
+    eventually(lambda: a.num_nodes_waiting() > 0 and b.num_nodes_waiting() > 0, what="members see the newcomer")
+    started = time.monotonic()
+    infos = together([a, b])
+    thread.join(10)
+    assert seats(infos + box) == [(0, 3), (1, 3), (2, 3)]
+    assert time.monotonic() - started < 0.9, "the previous members are back: sealed without the last call"
+
+
+def test_a_lost_node_is_left_out_once_its_lease_expires(cluster: Callable[..., Cluster]) -> None:
+    c = cluster(min_nodes=1, max_nodes=3, last_call_timeout=30.0)
+    a, b, dead = (c.agent() for _ in range(3))
+    together([a, b, dead], timeout=40)
+    c.kill(dead)
+    started = time.monotonic()
+    infos = together([a, b])
+    assert seats(infos) == [(0, 2), (1, 2)]
+    assert time.monotonic() - started < 5, "the dead node's key is gone: no last call"
+
+
+def test_a_lost_node_is_waited_for_until_its_lease_expires(cluster: Callable[..., Cluster]) -> None:
+    c = cluster(min_nodes=1, max_nodes=3, last_call_timeout=30.0)
+    a, b, silent = (c.agent() for _ in range(3))
+    together([a, b, silent], timeout=40)
+    silent._stop.set()  # dead, but etcd has not expired its lease yet
+    threads = [in_background(h) for h in (a, b)]
+    time.sleep(0.5)
+    assert all(not box for _, box in threads), "a member that is neither back nor dead holds the round"
+    c.server.expire_lease(silent._lease)
+    for t, _ in threads:
+        t.join(5)
+    assert seats([box[0] for _, box in threads]) == [(0, 2), (1, 2)]
+
+
+def test_a_full_round_does_not_restart_for_a_node_that_cannot_get_a_seat(cluster: Callable[..., Cluster]) -> None:
+    c = cluster(min_nodes=2, max_nodes=2)
+    a, b = c.agent(), c.agent()
+    together([a, b])
+    spare = c.agent()
+    thread, box = in_background(spare)
+    time.sleep(0.5)
+    assert a.num_nodes_waiting() == 0 and b.num_nodes_waiting() == 0, "no seat for it: training goes on"
+    c.kill(a)  # a seat frees up: b's workers fail and its agent rejoins
+    infos = together([b])
+    thread.join(10)
+    assert seats(infos + box) == [(0, 2), (1, 2)]
+
+
+def test_more_candidates_than_max_nodes_keep_the_previous_members_then_join_order() -> None:
+    previous = Round(4, (("n_1_0", 5), ("n_2_0", 6)))
+    candidates = [Joiner(NodeId("n", i, 0), 5, ticket) for i, ticket in ((3, 1), (1, 5), (4, 2), (2, 6))]
+    chosen = choose_members(candidates, previous, 3)
+    assert [j.node.pid for j in chosen] == [1, 2, 3], "members 1 and 2 kept, then the earliest joiner (3)"
+
+
+def test_the_sealing_rule_waits_for_members_that_are_alive_but_not_back() -> None:
+    s = Settings("r", min_nodes=1, max_nodes=4, last_call_timeout=30.0)
+    previous = Round(0, (("a_1_0", 1), ("b_1_0", 2)))
+    a, b = Joiner(NodeId("a", 1, 0), 1, 1), Joiner(NodeId("b", 1, 0), 0, 2)
+    view = View(nodes={"a_1_0": a, "b_1_0": b}, record=previous, record_revision=3)
+    assert ready_to_seal(view, 1, s, 100.0, 101.0) == (False, "")
+    view.nodes.pop("b_1_0")  # b's lease expired
+    assert ready_to_seal(view, 1, s, 100.0, 101.0) == (True, "previous round accounted for")
+    stale = View(nodes={"c_1_0": Joiner(NodeId("c", 1, 0), 1, 9)}, record=previous, record_revision=3)
+    assert ready_to_seal(stale, 1, s, 100.0, 101.0)[0] is False, "none of the previous members is back: last call"
+    assert ready_to_seal(stale, 1, s, 100.0, 130.0) == (True, "last call")
+
+
+# == split brain =====================================================================================================
+
+def test_a_partitioned_node_whose_lease_expired_does_not_rejoin_the_sealed_round(
+        cluster: Callable[..., Cluster]) -> None:
+    c = cluster(min_nodes=1, max_nodes=3)
+    a, b, cut = (c.agent() for _ in range(3))
+    together([a, b, cut], timeout=40)
+    assert isinstance(cut._client, MemoryKV)
+    cut._client.partitioned = True
+    c.server.expire_lease(cut._lease)
+    infos = together([a, b])  # the others restart and seal round 1 without it
+    assert seats(infos) == [(0, 2), (1, 2)]
+    assert a._member_of is not None and cut.node.name not in a._member_of.names()
+    cut._client.partitioned = False  # back: its agent's workers failed, it rejoins
+    thread, box = in_background(cut)
+    eventually(lambda: a.num_nodes_waiting() > 0, what="the members see it waiting for the next round")
+    again = together([a, b])
+    thread.join(10)
+    assert box and not isinstance(box[0], BaseException), box
+    assert seats(again + box) == [(0, 3), (1, 3), (2, 3)]
+    assert box[0].store is not None and a._member_of is not None and a._member_of.round == 2, \
+        "it took a seat in round 2, not in the round sealed without it"
+
+
+def test_a_node_listed_in_a_round_takes_no_seat_if_its_key_was_deleted_after_the_seal(
+        cluster: Callable[..., Cluster]) -> None:
+    c = cluster(min_nodes=3, max_nodes=3)
+    a, b, late = (c.agent() for _ in range(3))
+    together([a, b, late])
+    lost = late._lease
+    c.server.expire_lease(lost)  # right after the seal, before (say) it read the record
+    late._regrant(lost)  # back: its key again, with a new ticket
+    assert late._take_seat(0) is None, "its ticket changed: it was counted dead at some point"
+    assert a._take_seat(0) is not None
+
+
+def test_a_slow_node_sees_the_newer_round_and_leaves(cluster: Callable[..., Cluster]) -> None:
+    c = cluster(min_nodes=1, max_nodes=3)
+    a, b, slow = (c.agent() for _ in range(3))
+    together([a, b, slow], timeout=40)
+    assert isinstance(slow._client, MemoryKV)
+    slow._client.partitioned = True  # paused longer than the window
+    c.server.expire_lease(slow._lease)
+    together([a, b])
+    assert slow.num_nodes_waiting() == 0
+    slow._client.partitioned = False
+    eventually(lambda: slow.num_nodes_waiting() > 0, what="it sees round 1 sealed without it and asks to restart")
+
+
+def test_a_sealer_that_dies_is_replaced(cluster: Callable[..., Cluster]) -> None:
+    c = cluster(min_nodes=2, max_nodes=2)
+    ghost = c.server.client()
+    lease = ghost.grant_lease(10)
+    key = f"{c.prefix}/rdzv/ctl/sealer/0".encode()
+    ghost.txn((), [Put(key, json.dumps({"by": "ghost_1_0"}).encode(), lease)])
+    threads = [in_background(c.agent()) for _ in range(2)]
+    time.sleep(0.3)
+    assert all(not box for _, box in threads), "the (dead) sealer holds round 0"
+    c.server.expire_lease(lease)
+    for t, _ in threads:
+        t.join(5)
+    assert seats([box[0] for _, box in threads]) == [(0, 2), (1, 2)]
+
+
+# == closing, timeouts, errors =============================================================================
+
+def test_a_closed_rendezvous_turns_new_nodes_away(cluster: Callable[..., Cluster]) -> None:
+    c = cluster(min_nodes=1, max_nodes=2, last_call_timeout=1.0)
+    a = c.agent()
+    together([a])
+    assert not a.is_closed()
+    assert a.shutdown()
+    assert a.is_closed()
+    with pytest.raises(RendezvousClosedError, match="is closed"):
+        c.agent().next_rendezvous()
+
+
+def test_a_round_that_never_reaches_min_nodes_times_out_and_leaves_no_key(cluster: Callable[..., Cluster]) -> None:
+    c = cluster(min_nodes=2, max_nodes=2, join_timeout=1.0)
+    lonely = c.agent()
+    with pytest.raises(RendezvousTimeoutError, match="join_timeout"):
+        lonely.next_rendezvous()
+    kvs, _ = c.server.client().get_prefix(f"{c.prefix}/rdzv/".encode())
+    assert kvs == [], [kv.key for kv in kvs]
+
+
+def test_values_not_signed_with_the_jobs_key_are_refused_or_ignored(
+        cluster: Callable[..., Cluster], caplog: pytest.LogCaptureFixture) -> None:
+    c = cluster(min_nodes=1, max_nodes=2, last_call_timeout=1.0)
+    key = Sealer(b"k" * 32)
+    admin = c.server.client()
+    node_key = f"{c.prefix}/rdzv/node/127.0.0.1_1_0".encode()
+    admin.txn((), [Put(node_key, json.dumps({"addr": "127.0.0.1", "pid": 1, "local_id": 0, "want": 0}).encode())])
+    with caplog.at_level(logging.WARNING):
+        info = c.agent(sealer=key).next_rendezvous()
+    assert info.world_size == 1, "the planted node got no seat"
+    assert "Ignoring the rendezvous node key" in caplog.text and "127.0.0.1_1_0" in caplog.text
+    round_key = f"{c.prefix}/rdzv/ctl/round"
+    admin.txn((), [Put(round_key.encode(), json.dumps({"round": 7, "members": [["x_1_0", 1]]}).encode())])
+    with pytest.raises(RendezvousStateError, match=f"etcd key '{round_key}' is refused: it is not signed"):
+        c.agent(sealer=key).next_rendezvous()
+
+
+def test_a_run_of_the_older_state_protocol_is_named_with_the_fix(cluster: Callable[..., Cluster]) -> None:
+    c = cluster()
+    c.server.client().txn((), [Put(f"{c.prefix}/state".encode(), b"ERV3...")])
+    with pytest.raises(RendezvousStateError, match="protocol=state"):
+        c.agent().next_rendezvous()
+
+
+def test_settings_come_from_torchrun_options_with_torchs_defaults() -> None:
+    params = RendezvousParameters("etcd-v3", "127.0.0.1:2379", "job", 2, 4, keep_alive_interval="1",
+                                  last_call_timeout="1")
+    s = settings_from(params)
+    assert (s.min_nodes, s.max_nodes, s.join_timeout, s.last_call_timeout, s.window) == (2, 4, 600.0, 1.0, 3.0)
+    with pytest.raises(ValueError, match="join_timeout"):
+        settings_from(RendezvousParameters("etcd-v3", "x", "job", 1, 1, join_timeout="0"))
+    with pytest.raises(ValueError, match="--nnodes"):
+        Settings("job", 3, 2)
