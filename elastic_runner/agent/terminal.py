@@ -75,8 +75,9 @@ def startup_error_line(exc: BaseException) -> str | None:
     from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
 
     from ..rendezvous.backend import EtcdRendezvousStartError
+    from ..rendezvous.leases import RendezvousRefusedError
 
-    if isinstance(exc, EtcdRendezvousStartError):
+    if isinstance(exc, (EtcdRendezvousStartError, RendezvousRefusedError)):
         log.debug("rendezvous start-up failure", exc_info=exc)
         return f"elastic-runner: {exc}"
     if isinstance(exc, RendezvousClosedError):

@@ -89,6 +89,11 @@ MAX_VALUE_BYTES = 4 << 20
 MEMBER_WATCH_SLICE = 30.0
 
 
+class RendezvousRefusedError(RendezvousStateError):
+    """What this run's keys hold cannot be used (not signed with the job's key, not ours, another protocol);
+    the message names the key and what to do, so the agent prints it as one line."""
+
+
 @dataclass(frozen=True, order=True)
 class NodeId:
     """An agent: torch's node description (address, process id, a counter for several per process)."""
@@ -530,7 +535,7 @@ class LeaseRendezvousHandler(RendezvousHandler):
         record_kv, closed, legacy = result.results
         if legacy is not None:
             key = self._legacy_key.decode()
-            raise RendezvousStateError(
+            raise RendezvousRefusedError(
                 f"The etcd key '{key}' holds a rendezvous of the 'state' protocol: agents of an elastic_runner "
                 "build from before the lease protocol, or started with --rdzv_conf protocol=state, use this run id, and the two protocols do "
                 "not see each other. Start every node of the job with the same protocol (add protocol=state to "
@@ -579,9 +584,9 @@ class LeaseRendezvousHandler(RendezvousHandler):
                 raise ValueError("its round or member list is not valid")
             return record
         except PermissionError as exc:
-            raise RendezvousStateError(f"The rendezvous record in etcd key '{key}' is refused: {exc}. {hint}") from exc
+            raise RendezvousRefusedError(f"The rendezvous record in etcd key '{key}' is refused: {exc}. {hint}") from exc
         except (ValueError, KeyError, TypeError) as exc:
-            raise RendezvousStateError(f"The rendezvous record in etcd key '{key}' is not valid: {exc}. {hint}") \
+            raise RendezvousRefusedError(f"The rendezvous record in etcd key '{key}' is not valid: {exc}. {hint}") \
                 from exc
 
     def _parse_node(self, kv: KeyValue) -> Joiner | None:

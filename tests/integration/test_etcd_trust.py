@@ -4,6 +4,7 @@ directory (README, "Trust")."""
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import stat
@@ -64,12 +65,13 @@ def torchrun(endpoint: str, run_id: str, conf: str, config: Path, run_dir: Path)
 @pytest.mark.parametrize("with_job_key", [False, True], ids=["no-job-key", "job-key"])
 def test_a_planted_rendezvous_state_runs_nothing_and_the_agent_stops_with_a_sentence(
         etcd_server: EtcdServer, small_config: Path, tmp_path: Path, with_job_key: bool) -> None:
+    """torch's protocol (protocol=state) unpickles the state it reads; the lease protocol reads only JSON."""
     run_id = f"planted-{int(with_job_key)}"
     key = f"/trust/{run_id}/state"
     marker = tmp_path / "pwned"
     # Well framed (the CRC matches): only the content gives it away.
     plant(etcd_server, key, encode_state(pickle.dumps(_RunsCode(marker)), key=key))
-    conf = "key_prefix=/trust"
+    conf = "key_prefix=/trust,protocol=state"
     if with_job_key:
         conf += ",auth_key_file=" + secret_file(tmp_path / "job.key", "k" * 64)
     result = run_bounded(torchrun(etcd_server.endpoint, run_id, conf, small_config, tmp_path / "run"), timeout=90)
@@ -88,10 +90,29 @@ def test_a_state_signed_with_another_jobs_key_is_refused(etcd_server: EtcdServer
     cannot steer this one."""
     run_id, key = "other-key", "/trust/other-key/state"
     plant(etcd_server, key, encode_state(pickle.dumps(None), Sealer(b"o" * 64), key=key))
-    conf = "key_prefix=/trust,auth_key_file=" + secret_file(tmp_path / "job.key", "k" * 64)
+    conf = "key_prefix=/trust,protocol=state,auth_key_file=" + secret_file(tmp_path / "job.key", "k" * 64)
     result = run_bounded(torchrun(etcd_server.endpoint, run_id, conf, small_config, tmp_path / "run"), timeout=90)
     assert result.returncode != 0, result.stdout[-3000:]
     assert "does not carry a valid signature of the job's key" in result.stdout, result.stdout[-3000:]
+
+
+@pytest.mark.parametrize("signed_by", [None, b"o" * 64], ids=["unsigned", "another-jobs-key"])
+def test_a_planted_round_record_is_refused_with_a_sentence(etcd_server: EtcdServer, small_config: Path,
+                                                          tmp_path: Path, signed_by: bytes | None) -> None:
+    """The lease protocol: a round record that seats a node of the planter's choosing, not signed with this job's
+    key, stops the agent before any worker starts."""
+    run_id = f"planted-round-{'other' if signed_by else 'unsigned'}"
+    key = f"/trust/{run_id}/rdzv/ctl/round"
+    record = json.dumps({"round": 3, "members": [["10.9.9.9_1_0", 1]], "lease": 0}).encode()
+    plant(etcd_server, key, Sealer(signed_by).seal(key.encode(), record) if signed_by else record)
+    conf = "key_prefix=/trust,auth_key_file=" + secret_file(tmp_path / "job.key", "k" * 64)
+    result = run_bounded(torchrun(etcd_server.endpoint, run_id, conf, small_config, tmp_path / "run"), timeout=90)
+    assert result.returncode != 0, result.stdout[-3000:]
+    expected = "its signature does not verify" if signed_by else "it is not signed"
+    (line,) = [line for line in result.stdout.splitlines() if f"etcd key '{key}' is refused: {expected}" in line]
+    assert line.startswith("elastic-runner: ") and "etcdctl del" in line, result.stdout[-3000:]
+    assert "Traceback" not in result.stdout, "one line that says what to check"
+    assert not list((tmp_path / "run").glob("events/gen-*")), "no worker started"
 
 
 @pytest.mark.slow
