@@ -398,7 +398,10 @@ class LeaseRendezvousHandler(RendezvousHandler):
             if self._clock() >= deadline:
                 self._give_up(want)
             if not sealer_present and self._claim_sealer(want):
-                return self._seal_round(want, deadline)
+                sealed = self._seal_round(want, deadline)
+                if sealed is None:
+                    self._drop_sealer_claim(want)  # someone else sealed it, or it closed: the claim would linger
+                return sealed
             state: dict[str, Any] = {"record": None, "sealer_gone": False, "closed": False}
             sealer_key = self._ctl + f"sealer/{want}".encode()
 
@@ -425,6 +428,10 @@ class LeaseRendezvousHandler(RendezvousHandler):
         result = self._client.txn([Compare.absent(key)],
                                   [Put(key, self._seal(key, {"by": self._node.name}), self._liveness_lease())])
         return result.succeeded
+
+    def _drop_sealer_claim(self, want: int) -> None:
+        key = self._ctl + f"sealer/{want}".encode()
+        self._client.txn([Compare.value(key, self._seal(key, {"by": self._node.name}))], [Delete(key)])
 
     def _seal_round(self, want: int, deadline: float) -> Round | None:
         """As the sealer of round ``want``: follow the node keys until the round can be sealed, seal it."""
@@ -517,9 +524,7 @@ class LeaseRendezvousHandler(RendezvousHandler):
     def _give_up(self, want: int) -> None:
         try:  # roll back: our key (if it is still the one we wrote) and a sealer claim of ours
             self._client.txn([Compare.value(self._my_key, self._my_value)], [Delete(self._my_key)])
-            sealer_key = self._ctl + f"sealer/{want}".encode()
-            self._client.txn([Compare.value(sealer_key, self._seal(sealer_key, {"by": self._node.name}))],
-                             [Delete(sealer_key)])
+            self._drop_sealer_claim(want)
         except EtcdError:
             pass
         raise RendezvousTimeoutError(
