@@ -75,7 +75,7 @@ def startup_error_line(exc: BaseException) -> str | None:
     from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
 
     from ..rendezvous.backend import EtcdRendezvousStartError
-    from ..rendezvous.leases import RendezvousRefusedError
+    from ..rendezvous.rounds import RendezvousRefusedError
 
     if isinstance(exc, (EtcdRendezvousStartError, RendezvousRefusedError)):
         log.debug("rendezvous start-up failure", exc_info=exc)

@@ -10,8 +10,10 @@ losing that node loses the job. This package puts the rendezvous and its store o
 - ``gateway``  that interface on etcd's HTTP/JSON gateway (``etcd3gw``) with retries, fail-over,
                TLS and auth. (An in-memory fake with the same semantics, the contract suites and a
                local etcd server for tests live in :mod:`elastic_runner.testing`.)
-- ``leases``   the protocol (``protocol=leases``, the default): per-node keys on liveness leases,
-               a round sealed by one transaction, waits by watch; torch's ``RendezvousHandler``.
+- ``rounds``   the lease protocol (``protocol=leases``, the default): keys, values, sealing rules,
+               and why two rounds can never both be current.
+- ``leases``   its handler (torch's ``RendezvousHandler``): join, seal, keep-alive thread.
+- ``watch``    what an agent that trains watches (``num_nodes_waiting`` answers from it).
 - ``store``    ``torch.distributed.Store`` on the same prefix; waits use etcd watches.
 - ``backend``  torch's protocol (``protocol=state``): ``RendezvousBackend`` with the state under one
                key, ``set_state`` as one transaction that compares the key's ``mod_revision``.

@@ -10,8 +10,8 @@ ours, because its helpers encode keys as latin-1 text and its watcher has no tim
   after each failure, until the operation's budget (``retry_timeout``) is spent; then
   ``EtcdUnavailable``. Wrong credentials, a TLS mismatch, missing permissions or a full database
   are not transient and fail at once with a sentence that says what to check.
-- *Watches* are one streaming HTTP request per wait, on one key, from the revision of the read that
-  found it missing (so no write in between is missed); the socket's read timeout is the wait's
+- *Watches* are one streaming HTTP request per wait, on one key or a prefix, from the revision of
+  the read before (so no write in between is missed); the socket's read timeout is the wait's
   remaining time, so no thread is needed and an idle wait costs etcd nothing.
 - *Auth.* With ``user``/``password``, a token from ``/v3/auth/authenticate`` goes into the
   ``Authorization`` header of each endpoint's session; an expired or foreign token (simple tokens
@@ -350,15 +350,24 @@ class EtcdGatewayClient(KVClient):
 
     def watch_prefix(self, prefix: bytes, start_revision: int, timeout: float,
                      handle: Callable[[list[WatchEvent]], bool]) -> WatchEnd:
+        return self._watch({"key": _b64(prefix), "range_end": _b64(_prefix_end(prefix)),
+                            "start_revision": str(start_revision)}, timeout, handle)
+
+    def wait_for_change(self, key: bytes, start_revision: int, timeout: float) -> bool:
+        end = self._watch({"key": _b64(key), "start_revision": str(start_revision), "filters": ["NODELETE"]},
+                          timeout, lambda events: True)
+        return end != "timeout"
+
+    def _watch(self, request: dict[str, Any], timeout: float, handle: Callable[[list[WatchEvent]], bool]) -> WatchEnd:
+        """One streaming watch request; see ``watch_prefix``. The socket's read timeout is the time left, so an
+        idle watch needs no thread and costs etcd nothing."""
         if timeout <= 0:
             return "timeout"
         member = self._members[self._current]
         started = time.monotonic()
-        payload = {"create_request": {"key": _b64(prefix), "range_end": _b64(_prefix_end(prefix)),
-                                      "start_revision": str(start_revision)}}
         try:
             self._authenticate(member)
-            body = json.dumps(payload)
+            body = json.dumps({"create_request": request})
             self._count(1, len(body))
             client = member.client
             with client.session.post(client.get_url("/watch"), data=body, stream=True,
@@ -395,50 +404,10 @@ class EtcdGatewayClient(KVClient):
                 return "timeout"
             if isinstance(exc, (EtcdAuthError, EtcdTLSError)):
                 raise
-            log.debug("watch on %r at %s failed (%s); looking again", prefix, member.endpoint, exc)
+            log.debug("watch %s at %s failed (%s); looking again", request.get("key"), member.endpoint, exc)
             self._current = (self._current + 1) % len(self._members)
             time.sleep(max(0.0, min(timeout - elapsed, random.uniform(0.1, 0.5))))
             return "retry"
-
-    def wait_for_change(self, key: bytes, start_revision: int, timeout: float) -> bool:
-        if timeout <= 0:
-            return False
-        member = self._members[self._current]
-        started = time.monotonic()
-        payload = {"create_request": {"key": _b64(key), "start_revision": str(start_revision),
-                                      "filters": ["NODELETE"]}}
-        try:
-            self._authenticate(member)
-            self._count()
-            client = member.client
-            with client.session.post(client.get_url("/watch"), json=payload, stream=True,
-                                     timeout=(self.options.request_timeout, timeout)) as resp:
-                if resp.status_code != 200:
-                    if resp.status_code == 401 and self.options.user:
-                        member.token = None
-                    raise _Transient(f"watch answered HTTP {resp.status_code}: {_short(resp.text)}")
-                for line in resp.iter_lines():
-                    if not line:
-                        continue
-                    message = json.loads(line)
-                    if "error" in message:
-                        if "auth" in json.dumps(message["error"]).lower() and self.options.user:
-                            member.token = None
-                        raise _Transient(f"watch failed: {_short(json.dumps(message['error']))}")
-                    result = message.get("result", {})
-                    if result.get("events") or result.get("canceled") or result.get("compact_revision"):
-                        return True
-            raise _Transient("the watch stream ended")
-        except Exception as exc:  # noqa: BLE001 - timeouts, resets, restarts: the caller re-reads
-            elapsed = time.monotonic() - started
-            if elapsed >= timeout * 0.98 and _is_timeout(exc):
-                return False
-            if isinstance(exc, (EtcdAuthError, EtcdTLSError)):
-                raise
-            log.debug("watch on %r at %s failed (%s); re-reading", key, member.endpoint, exc)
-            self._current = (self._current + 1) % len(self._members)
-            time.sleep(max(0.0, min(timeout - elapsed, random.uniform(0.1, 0.5))))
-            return True
 
     def close(self) -> None:
         for member in self._members:

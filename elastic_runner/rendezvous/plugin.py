@@ -29,7 +29,8 @@ def create_handler(params: "RendezvousParameters") -> "RendezvousHandler":
 
         # torch unpickles every state it reads: only states that unpickle with a state's classes reach it.
         return etcd_handler(store, CheckedStates(backend), params)
-    from .leases import LeaseRendezvousHandler, settings_from
+    from .leases import LeaseRendezvousHandler
+    from .rounds import settings_from
 
     try:
         settings = settings_from(params)

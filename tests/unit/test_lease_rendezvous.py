@@ -26,9 +26,9 @@ from torch.distributed.elastic.rendezvous import (
 )
 
 from elastic_runner.rendezvous.kv import Put
-from elastic_runner.rendezvous.leases import (
+from elastic_runner.rendezvous.leases import LeaseRendezvousHandler
+from elastic_runner.rendezvous.rounds import (
     Joiner,
-    LeaseRendezvousHandler,
     NodeId,
     Round,
     Settings,

@@ -1,0 +1,282 @@
+"""The lease rendezvous protocol (``protocol=leases``, the default of ``--rdzv_backend=etcd-v3``): its keys, values
+and rules; the handler that runs it is :mod:`elastic_runner.rendezvous.leases`.
+
+torch's ``DynamicRendezvousHandler`` keeps every node (participants, wait list, heartbeats) in one blob
+that every node rewrites by compare-and-swap on every join and every keep-alive: a round of N nodes
+costs O(N²) bytes and conflicts, and past ~128 nodes it no longer completes (``protocol=state``, kept
+for a mixed-version upgrade, see :mod:`elastic_runner.rendezvous.handler`). Here each node writes only
+its own key, liveness is an etcd lease, and one transaction seals a round.
+
+Keys, under ``{key_prefix}/{run_id}/rdzv/``:
+
+- ``node/<node>``: a live agent and the round it wants (``want``), JSON, on the agent's *liveness
+  lease* (TTL = ``keep_alive_interval * keep_alive_max_attempt``, torch's dead-node window). A
+  keep-alive is one lease refresh; a dead agent's key disappears when its lease expires. The key's
+  ``create_revision`` is the node's *ticket*: it changes only if the key was deleted in between.
+- ``ctl/round``: the newest sealed round, ``{"round", "members": [[node, ticket], ...] in rank order,
+  "lease", "sealed_by"}``, written only by a transaction that compares its ``mod_revision`` with the
+  one the writer read (create-if-absent for the first) and that the run is not closed.
+- ``ctl/sealer/<R>``: the agent that seals round R (create-if-absent, on its liveness lease: if it
+  dies the key goes and the next waiting agent takes over).
+- ``ctl/next/<R>``: "a node waits for round R", created by the first joiner that needs the running
+  round to end (a member restarting, or a new node while the round has room): what
+  ``num_nodes_waiting`` reports to the agents that train.
+- ``ctl/closed``: the run is over (``set_closed``/``shutdown``).
+
+A round R forms like this: each joining agent reads ``ctl/round`` (round R-1), puts its node key with
+``want = R`` (compared against the round it read), claims ``ctl/sealer/R`` or else waits on one watch
+of ``ctl/``. The sealer reads the node keys once, then follows them on one watch, and seals when
+
+- ``max_nodes`` want R (the rest wait for the next round; previous members first, then join order), or
+- at least ``min_nodes`` want R and every member of round R-1 wants R or is dead (its key expired) and
+  at least one of them is back: a restart or a lost node re-forms without the last call, or
+- at least ``min_nodes`` want R and ``last_call_timeout`` has passed since that was first true
+  (the first round, and new nodes of a job whose previous members are all gone).
+
+Ranks are the members sorted by (address, pid, local id), as torch's handler assigns them. Requests
+per agent and round: about five (read, join, claim, one watch, one check) however large the job;
+the sealer alone reads the N node keys, once. While training, an agent refreshes its lease once per
+``keep_alive_interval`` and keeps one idle watch on ``ctl/``: ``num_nodes_waiting`` costs nothing.
+
+**Why two rounds can never both be current.** ``ctl/round`` changes only through a transaction that
+compares its ``mod_revision`` with the value the writer read and writes round number read+1; etcd
+transactions are serialisable, so the record's values form one chain with one member list per round
+number, and ``next_rendezvous`` returns round R only to a node listed in the record of round R. A node
+of round R whose lease expired (partitioned, paused) may have been counted dead when round R+1 was
+sealed without it: it takes a seat in a round only if its node key still has the ticket the record
+lists, read in the same transaction as the record, so a key that was deleted at any point after the
+sealer read it (its lease expired, it was re-created) loses the seat; it joins the next round
+instead. While it trains in an older round, its watch shows the newer ``ctl/round`` (or the failing
+collectives do) and ``num_nodes_waiting`` makes its agent stop the workers and rejoin. The members of
+round R+1 all left round R before joining (the agent stops its workers before ``next_rendezvous``),
+so a stale round can never reach a quorum with them, and snapshot fencing keeps it off the disk.
+
+With the job's key (``auth_key_file``) every value is signed over its etcd key (see ``seal``);
+without it values are still only JSON, parsed strictly and bounded in size: nothing is unpickled.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+from urllib.parse import quote
+
+from torch.distributed.elastic.rendezvous import RendezvousStateError
+
+from .kv import KeyValue
+from .seal import AuthError, Sealer
+
+if TYPE_CHECKING:
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+log = logging.getLogger(__name__)
+
+PROTOCOL = "leases"
+#: The largest value accepted from etcd (a round record of 1,024 members is ~70 KB).
+MAX_VALUE_BYTES = 4 << 20
+
+
+class RendezvousRefusedError(RendezvousStateError):
+    """What this run's keys hold cannot be used (not signed with the job's key, not ours, another protocol);
+    the message names the key and what to do, so the agent prints it as one line."""
+
+
+@dataclass(frozen=True, order=True)
+class NodeId:
+    """An agent: torch's node description (address, process id, a counter for several per process)."""
+
+    addr: str
+    pid: int
+    local_id: int
+
+    @property
+    def name(self) -> str:
+        return f"{quote(self.addr, safe='')}_{self.pid}_{self.local_id}"
+
+    def __str__(self) -> str:
+        return f"{self.addr}_{self.pid}_{self.local_id}"
+
+
+_local_ids = iter(range(1 << 62))
+_local_lock = threading.Lock()
+
+
+def new_node(local_addr: str | None) -> NodeId:
+    with _local_lock:
+        local_id = next(_local_ids)
+    return NodeId(local_addr or socket.getfqdn(), os.getpid(), local_id)
+
+
+@dataclass(frozen=True)
+class Settings:
+    run_id: str
+    min_nodes: int
+    max_nodes: int
+    join_timeout: float = 600.0
+    last_call_timeout: float = 30.0
+    close_timeout: float = 30.0
+    keep_alive_interval: float = 5.0
+    keep_alive_max_attempt: int = 3
+
+    def __post_init__(self) -> None:
+        if not self.run_id:
+            raise ValueError("The run id must be a non-empty string (torchrun's --rdzv_id).")
+        if self.min_nodes < 1:
+            raise ValueError(f"The minimum number of nodes ({self.min_nodes}) must be at least 1 (--nnodes=MIN:MAX).")
+        if self.max_nodes < self.min_nodes:
+            raise ValueError(f"The maximum number of nodes ({self.max_nodes}) must be at least the minimum "
+                             f"({self.min_nodes}) (--nnodes=MIN:MAX).")
+        if self.keep_alive_interval <= 0 or self.keep_alive_max_attempt < 1:
+            raise ValueError("keep_alive_interval must be positive and keep_alive_max_attempt at least 1 "
+                             f"(got {self.keep_alive_interval} and {self.keep_alive_max_attempt}) in --rdzv_conf.")
+
+    @property
+    def window(self) -> float:
+        """torch's dead-node window: a node silent this long is dead (the liveness lease's TTL)."""
+        return self.keep_alive_interval * self.keep_alive_max_attempt
+
+    @property
+    def lease_ttl(self) -> int:
+        return max(2, round(self.window))  # etcd's shortest lease is about 2 s with default election settings
+
+
+@dataclass(frozen=True)
+class Joiner:
+    node: NodeId
+    want: int
+    ticket: int  #: the key's create_revision
+
+
+@dataclass(frozen=True)
+class Round:
+    round: int
+    members: tuple[tuple[str, int], ...]  #: (node name, ticket) in rank order
+    lease: int = 0
+    sealed_by: str = ""
+    reason: str = ""  #: why the sealer sealed it: max_nodes, previous round accounted for, last call
+
+    def names(self) -> list[str]:
+        return [name for name, _ in self.members]
+
+
+@dataclass
+class View:
+    """What a sealer knows of the run: every live node key, the newest record, whether it is closed."""
+
+    nodes: dict[str, Joiner] = field(default_factory=dict)
+    record: Round | None = None
+    record_revision: int = 0
+    closed: bool = False
+    sealer_present: bool = True
+
+
+def choose_members(candidates: list[Joiner], previous: Round | None, max_nodes: int) -> list[Joiner]:
+    """Who of more than ``max_nodes`` candidates gets a seat: the previous round's members first, then
+    in join order; the chosen in rank order (torch's: sorted node descriptions)."""
+    kept = set(previous.names()) if previous else set()
+    ordered = sorted(candidates, key=lambda j: (j.node.name not in kept, j.ticket))
+    return sorted(ordered[:max_nodes], key=lambda j: j.node)
+
+
+def ready_to_seal(view: View, want: int, settings: Settings, min_reached_at: float | None,
+                  now: float) -> tuple[bool, str]:
+    """Whether round ``want`` can be sealed now, and why (see the module docstring)."""
+    candidates = [j for j in view.nodes.values() if j.want == want]
+    if len(candidates) >= settings.max_nodes:
+        return True, "max_nodes"
+    if len(candidates) < settings.min_nodes:
+        return False, ""
+    previous = view.record if view.record is not None and view.record.round == want - 1 else None
+    if previous is not None:
+        live = {name: j for name, j in view.nodes.items()}
+        back = [n for n in previous.names() if n in live and live[n].want == want]
+        pending = [n for n in previous.names() if n in live and live[n].want != want]
+        if back and not pending:
+            return True, "previous round accounted for"
+    if min_reached_at is not None and now - min_reached_at >= settings.last_call_timeout:
+        return True, "last call"
+    return False, ""
+
+
+
+class Codec:
+    """The values of the protocol: JSON, signed with the job's key when there is one, bounded in size."""
+
+    def __init__(self, signer: Sealer, node_prefix: bytes) -> None:
+        self.signer = signer
+        self.node_prefix = node_prefix
+        self._warned: set[bytes] = set()
+
+    def open(self, kv: KeyValue) -> Any:
+        if len(kv.value) > MAX_VALUE_BYTES:
+            raise ValueError(f"{len(kv.value)} bytes is more than any rendezvous value")
+        try:
+            data = self.signer.open(kv.key, kv.value)
+        except AuthError as exc:
+            raise PermissionError(str(exc)) from exc
+        try:
+            return json.loads(data)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise ValueError(f"it is not the JSON this rendezvous writes ({exc})") from exc
+
+    def round(self, kv: KeyValue) -> Round:
+        key = kv.key.decode(errors="replace")
+        hint = (f"Check who else can write the key prefix (README, 'Trust') and that every node runs the same "
+                f"elastic_runner version with the same auth_key_file; 'etcdctl del {key}' starts the rendezvous "
+                "afresh.")
+        try:
+            obj = self.open(kv)
+            members = tuple((str(name), int(ticket)) for name, ticket in obj["members"])
+            record = Round(int(obj["round"]), members, int(obj.get("lease", 0)), str(obj.get("sealed_by", "")),
+                           str(obj.get("reason", "")))
+            if record.round < 0 or not members or len({name for name, _ in members}) != len(members):
+                raise ValueError("its round or member list is not valid")
+            return record
+        except PermissionError as exc:
+            raise RendezvousRefusedError(f"The rendezvous record in etcd key '{key}' is refused: {exc}. {hint}") from exc
+        except (ValueError, KeyError, TypeError) as exc:
+            raise RendezvousRefusedError(f"The rendezvous record in etcd key '{key}' is not valid: {exc}. {hint}") \
+                from exc
+
+    def node(self, kv: KeyValue) -> Joiner | None:
+        try:
+            obj = self.open(kv)
+            node = NodeId(str(obj["addr"]), int(obj["pid"]), int(obj["local_id"]))
+            if node.name != kv.key[len(self.node_prefix):].decode():
+                raise ValueError("its content names another node")
+            return Joiner(node, int(obj["want"]), kv.create_revision)
+        except (PermissionError, ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
+            if kv.key not in self._warned:
+                self._warned.add(kv.key)
+                log.warning("Ignoring the rendezvous node key '%s': %s. Something other than an elastic_runner "
+                            "agent of this job wrote it; check who can write the key prefix.",
+                            kv.key.decode(errors="replace"), exc)
+            return None
+
+    def encode(self, key: bytes, obj: dict[str, Any]) -> bytes:
+        return self.signer.seal(key, json.dumps(obj, separators=(",", ":")).encode())
+
+
+
+def settings_from(params: RendezvousParameters) -> Settings:
+    """torch's ``--rdzv_conf`` timeouts and keep-alive settings, with torch's defaults."""
+
+    def seconds(name: str, default: float) -> float:
+        value = params.get_as_int(name)
+        if value is None:
+            return default
+        if value <= 0:
+            raise ValueError(f"The rendezvous option '{name}' must be a positive number of seconds (got {value}).")
+        return float(value)
+
+    return Settings(
+        run_id=params.run_id, min_nodes=params.min_nodes, max_nodes=params.max_nodes,
+        join_timeout=seconds("join_timeout", 600), last_call_timeout=seconds("last_call_timeout", 30),
+        close_timeout=seconds("close_timeout", 30),
+        keep_alive_interval=seconds("keep_alive_interval", 5),
+        keep_alive_max_attempt=int(params.get_as_int("keep_alive_max_attempt", 3) or 3))
