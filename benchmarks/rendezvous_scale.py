@@ -78,6 +78,7 @@ import multiprocessing
 import os
 import platform
 import resource
+import shutil
 import signal
 import statistics
 import sys
@@ -287,7 +288,7 @@ def worker_main(index: int, parent: int, commands: Connection, results: Connecti
         try:
             msg = commands.recv()
         except (EOFError, OSError):
-            return
+            os._exit(0)  # the main is gone
         cmd = msg["cmd"]
         try:
             if cmd == "build":
@@ -310,7 +311,9 @@ def worker_main(index: int, parent: int, commands: Connection, results: Connecti
                 send({"cmd": "cleaned", "worker": index})
             elif cmd == "exit":
                 close_all()
-                return
+                # Not a normal interpreter exit: C++ destructors of TCPStore clients that threads still use
+                # (a failed trial) would abort with "terminate called without an active exception".
+                os._exit(0)
         except Exception as exc:  # noqa: BLE001 - reported to the main
             send({"cmd": "error", "worker": index, "error": f"{cmd}: {type(exc).__name__}: {exc}"[:400]})
 
@@ -520,7 +523,7 @@ class Trial:
         workers = self.pool.take(procs)
         victim = self.pool.extra() if losing else None
         everyone = workers + ([victim] if victim else [])
-        spec = self.spec(1 if losing else n, endpoint)
+        spec = self.spec((n - 1 if a.lose_one_min == "N-1" else 1) if losing else n, endpoint)
         began = time.monotonic()
         for w, count in zip(workers, split(survivors, procs)):
             w.send({"cmd": "build", "spec": spec, "count": count})
@@ -631,6 +634,10 @@ def markdown(results: list[dict[str, Any]], variants: list[str]) -> str:
     return "\n".join(rows)
 
 
+def interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="8,32,128", help="comma-separated agent counts (default: 8,32,128)")
@@ -649,6 +656,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="rdzv keep_alive_interval (default 1 as elastic-runner launch; torch's is 5)")
     parser.add_argument("--keep-alive-max-attempt", type=int, default=3,
                         help="rdzv keep_alive_max_attempt (default 3, as torch and elastic-runner launch)")
+    parser.add_argument("--lose-one-min", choices=("1", "N-1"), default="1",
+                        help="lose-one: min_nodes (default 1; N-1 keeps a last call from sealing the round after "
+                             "the loss before every survivor is back)")
     parser.add_argument("--settle", type=float, default=2.0,
                         help="lose-one: seconds between the first round and the kill (default 2)")
     parser.add_argument("--etcd-endpoint", default=None, help="use this etcd instead of starting one")
@@ -679,6 +689,8 @@ def main(argv: list[str] | None = None) -> int:
     results: list[dict[str, Any]] = []
     run_ids: list[str] = []
     started = time.time()
+    interrupted = False
+    signal.signal(signal.SIGTERM, interrupt)  # like Ctrl-C: end the workers and etcd, report what was measured
     try:
         if any(v != C10D for v in variants) and endpoint is None:
             from elastic_runner.testing.etcd_server import EtcdServer
@@ -697,6 +709,7 @@ def main(argv: list[str] | None = None) -> int:
                     if variant != C10D:
                         run_ids.append(trial.run_id)
                     result: dict[str, Any] | None = None
+                    trial_began = time.monotonic()
                     try:
                         result = trial.run()
                     except TrialFailed as exc:
@@ -704,6 +717,7 @@ def main(argv: list[str] | None = None) -> int:
                                   "status": "failed", "error": str(exc)}
                     finally:  # also on Ctrl-C: a failed or interrupted trial ends its worker processes
                         trial.cleanup(healthy=result is not None and result["ok"])
+                    result["trial_seconds"] = round(time.monotonic() - trial_began, 1)
                     results.append(result)
                     print(f"{variant:16s} {scenario:8s} N={n:5d} {result['status']:6s} "
                           f"{result.get('seconds', float('nan')):8.2f} s "
@@ -713,15 +727,19 @@ def main(argv: list[str] | None = None) -> int:
                           file=sys.stderr, flush=True)
                     if not result["ok"]:
                         given_up.add((variant, scenario))  # a larger N will not succeed either
-        if endpoint is not None and run_ids:
-            try:
-                delete_run_keys(endpoint, run_ids)
-            except Exception as exc:  # noqa: BLE001 - only tidiness
-                print(f"could not delete the benchmark's etcd keys: {exc}", file=sys.stderr)
+    except KeyboardInterrupt:
+        interrupted = True
+        print("interrupted: stopping the worker processes", file=sys.stderr, flush=True)
     finally:
         pool.close()
+        if args.etcd_endpoint and run_ids:  # a local etcd goes with its data
+            try:
+                delete_run_keys(args.etcd_endpoint, run_ids)
+            except Exception as exc:  # noqa: BLE001 - only tidiness
+                print(f"could not delete the benchmark's etcd keys: {exc}", file=sys.stderr)
         if server is not None:
             server.stop()
+            shutil.rmtree(server.data_dir.parent, ignore_errors=True)
     report = {
         "benchmark": "rendezvous_scale",
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
@@ -732,7 +750,7 @@ def main(argv: list[str] | None = None) -> int:
                      "keep_alive_interval": args.keep_alive_interval,
                      "keep_alive_max_attempt": args.keep_alive_max_attempt,
                      "window_seconds": args.keep_alive_interval * args.keep_alive_max_attempt,
-                     "form": "min_nodes = max_nodes = N", "lose-one": "min_nodes = 1, max_nodes = N",
+                     "form": "min_nodes = max_nodes = N", "lose-one": f"min_nodes = {args.lose_one_min}, max_nodes = N",
                      "settle_seconds": args.settle, "torch_event_names": args.torch_event_names,
                      "env": dict(ENV_DEFAULTS),
                      "etcd": endpoint if args.etcd_endpoint else "local, started here"},
@@ -740,12 +758,16 @@ def main(argv: list[str] | None = None) -> int:
         "table": markdown(results, variants),
         "wall_seconds": round(time.time() - started, 1),
     }
+    if interrupted:
+        report["interrupted"] = True
     text = json.dumps(report, indent=2)
     if args.out:
         Path(args.out).write_text(text + "\n")
     else:
         print(text)
     print(report["table"], file=sys.stderr)
+    if interrupted:
+        return 130
     return 0 if all(r["ok"] for r in results if r["status"] != "skipped") else 1
 
 

@@ -62,6 +62,7 @@ import logging
 import os
 import socket
 import threading
+import zlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
@@ -69,7 +70,7 @@ from urllib.parse import quote
 from torch.distributed.elastic.rendezvous import RendezvousStateError
 
 from .kv import KeyValue
-from .seal import AuthError, Sealer
+from .seal import AuthError, Sealer, StateContentError, inflate
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.rendezvous import RendezvousParameters
@@ -79,6 +80,7 @@ log = logging.getLogger(__name__)
 PROTOCOL = "leases"
 #: The largest value accepted from etcd (a round record of 1,024 members is ~70 KB).
 MAX_VALUE_BYTES = 4 << 20
+_DEFLATED = b"z"  #: first byte of a compressed value (JSON starts with "{")
 
 
 class RendezvousRefusedError(RendezvousStateError):
@@ -159,6 +161,7 @@ class Round:
     lease: int = 0
     sealed_by: str = ""
     reason: str = ""  #: why the sealer sealed it: max_nodes, previous round accounted for, last call
+    revision: int = 0  #: the etcd revision of the seal (not stored: the key's mod_revision)
 
     def names(self) -> list[str]:
         return [name for name, _ in self.members]
@@ -219,6 +222,11 @@ class Codec:
             data = self.signer.open(kv.key, kv.value)
         except AuthError as exc:
             raise PermissionError(str(exc)) from exc
+        if data[:1] == _DEFLATED:
+            try:
+                data = inflate(data[1:], MAX_VALUE_BYTES)
+            except StateContentError as exc:
+                raise ValueError(str(exc)) from exc
         try:
             return json.loads(data)
         except (ValueError, UnicodeDecodeError) as exc:
@@ -233,7 +241,7 @@ class Codec:
             obj = self.open(kv)
             members = tuple((str(name), int(ticket)) for name, ticket in obj["members"])
             record = Round(int(obj["round"]), members, int(obj.get("lease", 0)), str(obj.get("sealed_by", "")),
-                           str(obj.get("reason", "")))
+                           str(obj.get("reason", "")), kv.mod_revision)
             if record.round < 0 or not members or len({name for name, _ in members}) != len(members):
                 raise ValueError("its round or member list is not valid")
             return record
@@ -259,7 +267,11 @@ class Codec:
             return None
 
     def encode(self, key: bytes, obj: dict[str, Any]) -> bytes:
-        return self.signer.seal(key, json.dumps(obj, separators=(",", ":")).encode())
+        data = json.dumps(obj, separators=(",", ":")).encode()
+        if len(data) > 1024:
+            # A round record (about 60 bytes a member) reaches every agent, twice: compressed it is a fifth.
+            data = _DEFLATED + zlib.compress(data, 6)
+        return self.signer.seal(key, data)
 
 
 

@@ -4,9 +4,10 @@ torch's agent asks its handler ``num_nodes_waiting()`` ten times a second while 
 healthy, and restarts them for a new round when the answer is positive. A ``MemberWatch`` answers
 from what it has seen, without a request: a ``ctl/next/<R>`` signal for a later round (a node asks
 the running round to end), or a newer ``ctl/round`` (a round was sealed without this node: it was
-counted dead, and must leave its stale round and join again). One watch request per
-``MEMBER_WATCH_SLICE`` while nothing happens; it reconnects after a broken stream or an etcd
-outage, and reads ``ctl/`` afresh when its history was compacted.
+counted dead, and must leave its stale round and join again). It watches from the seal's revision
+(nothing written since is missed), one request per ``MEMBER_WATCH_SLICE`` while nothing happens;
+it reconnects after a broken stream or an etcd outage, and reads ``ctl/`` afresh when its history
+was compacted.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ class MemberWatch:
         self._node = node
         self._run_id = run_id
         self._stop = threading.Event()
-        self._revision = 0
+        self._revision = record.revision  #: from the seal on: nothing written since is missed
         #: nodes wait for a later round (1: the agent only asks "any?"), or this node was left out of one
         self.waiting = 0
         self.closed = False
@@ -85,13 +86,12 @@ class MemberWatch:
         return self._stop.is_set()
 
     def _read(self) -> None:
-        # The current ctl/ keys first: a signal written between the seal and this watch is not missed.
         kvs, revision = self._client.get_prefix(self._ctl)
         self._revision = revision
         self._handle([WatchEvent("put", kv) for kv in kvs])
 
     def _follow(self) -> None:
-        fresh = True
+        fresh = not self._revision  # without the seal's revision: read the ctl/ keys as they are, then watch
         warned = False
         while not self._stop.is_set():
             try:

@@ -15,6 +15,7 @@ import logging
 import threading
 import time
 import uuid
+import zlib
 from typing import Any, Callable
 
 import pytest
@@ -25,9 +26,10 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousTimeoutError,
 )
 
-from elastic_runner.rendezvous.kv import Put
+from elastic_runner.rendezvous.kv import KeyValue, Put
 from elastic_runner.rendezvous.leases import LeaseRendezvousHandler
 from elastic_runner.rendezvous.rounds import (
+    Codec,
     Joiner,
     NodeId,
     Round,
@@ -393,3 +395,18 @@ def test_settings_come_from_torchrun_options_with_torchs_defaults() -> None:
         settings_from(RendezvousParameters("etcd-v3", "x", "job", 1, 1, join_timeout="0"))
     with pytest.raises(ValueError, match="--nnodes"):
         Settings("job", 3, 2)
+
+
+def test_a_large_round_record_is_compressed_signed_and_bounded() -> None:
+    prefix = b"/p/run/rdzv/"
+    codec = Codec(Sealer(b"k" * 32), prefix + b"node/")
+    key = prefix + b"ctl/round"
+    members = [[f"10.0.{i // 250}.{i % 250}_{4000 + i}_0", 10_000 + i] for i in range(1024)]
+    value = codec.encode(key, {"round": 5, "members": members, "lease": 7, "sealed_by": "x", "reason": "max_nodes"})
+    plain = len(json.dumps(members))
+    assert len(value) < plain / 3, f"{len(value)} bytes for {plain} of JSON: every agent reads it"
+    record = codec.round(KeyValue(key, value, 1, 42))
+    assert (record.round, len(record.members), record.revision) == (5, 1024, 42)
+    bomb = Sealer(b"k" * 32).seal(key, b"z" + zlib.compress(b"{" + b" " * (5 << 20) + b"}"))
+    with pytest.raises(RendezvousStateError, match="decompresses to more than"):
+        codec.round(KeyValue(key, bomb, 1, 43))
