@@ -68,6 +68,7 @@ class LeaseRendezvousHandler(RendezvousHandler):
         self._lease = 0  #: liveness lease
         self._my_value = b""
         self._member_of: Round | None = None
+        self._last_round = -1  #: the last round this agent was seated in
         self._watch: MemberWatch | None = None  #: the watch of the round this agent trains in
         self._stop = threading.Event()
         self._keeper: threading.Thread | None = None
@@ -108,6 +109,7 @@ class LeaseRendezvousHandler(RendezvousHandler):
             raise self._connection_error("join the rendezvous", exc) from exc
         rank = record.names().index(self._node.name)
         self._member_of = record
+        self._last_round = record.round
         self.completed_early = record.reason == "previous round accounted for"
         self._start_watcher(record)
         log.info("The node '%s' has joined round %d of the rendezvous '%s' as rank %d in a world of size %d.",
@@ -155,13 +157,13 @@ class LeaseRendezvousHandler(RendezvousHandler):
         while True:
             if self._clock() >= deadline:
                 self._give_up(want)
-            record, record_rev, closed = self._read_control()
+            record, record_rev, closed, signalled = self._read_control(self._last_round + 1)
             if closed:
                 raise RendezvousClosedError(f"The rendezvous '{self._settings.run_id}' is closed: its agents have "
                                             "ended it.")
             want = 0 if record is None else record.round + 1
             try:
-                joined = self._put_join(want, record, record_rev)
+                joined = self._put_join(want, record, record_rev, signalled == want)
                 if joined is None:
                     continue  # a round was sealed meanwhile: join the one after it
                 sealer_present, revision = joined
@@ -173,18 +175,20 @@ class LeaseRendezvousHandler(RendezvousHandler):
             if seated is not None:
                 return seated
 
-    def _put_join(self, want: int, record: Round | None, record_rev: int) -> tuple[bool, int] | None:
+    def _put_join(self, want: int, record: Round | None, record_rev: int,
+                  signalled: bool) -> tuple[bool, int] | None:
         """Write our node key for round ``want`` (and the "waiting" signal when the running round must end);
         None when the record changed since we read it. Returns whether a sealer exists, and the revision."""
-        value = self._codec.encode(self._my_key, {"node": self._node.name, "addr": self._node.addr, "pid": self._node.pid,
-                                          "local_id": self._node.local_id, "want": want})
+        node = self._node
+        value = self._codec.encode(self._my_key, {"node": node.name, "addr": node.addr, "pid": node.pid,
+                                                  "local_id": node.local_id, "want": want})
         self._my_value = value
         next_key = self._ctl + f"next/{want}".encode()
         sealer_key = self._ctl + f"sealer/{want}".encode()
         record_compare = Compare.mod_revision(self._round_key, record_rev) if record_rev else \
             Compare.absent(self._round_key)
-        signal = record is not None and (self._node.name in record.names() or
-                                         len(record.members) < self._settings.max_nodes)
+        signal = not signalled and record is not None and (self._node.name in record.names() or
+                                                           len(record.members) < self._settings.max_nodes)
         lease = self._liveness_lease()
         try:
             return self._put_join_with(lease, value, want, record, record_rev, signal, next_key, sealer_key,
@@ -309,8 +313,9 @@ class LeaseRendezvousHandler(RendezvousHandler):
         members = choose_members(candidates, previous, self._settings.max_nodes)
         lease = self._leases.current()
         record = Round(want, tuple((j.node.name, j.ticket) for j in members), lease, self._node.name, why)
-        value = self._codec.encode(self._round_key, {"round": record.round, "members": [list(m) for m in record.members],
-                                             "lease": lease, "sealed_by": record.sealed_by, "reason": why})
+        value = self._codec.encode(self._round_key, {
+            "round": record.round, "members": [list(m) for m in record.members], "lease": lease,
+            "sealed_by": record.sealed_by, "reason": why})
         compare = [Compare.mod_revision(self._round_key, view.record_revision) if view.record_revision
                    else Compare.absent(self._round_key), Compare.absent(self._closed_key)]
         result = self._client.txn(compare, [Put(self._round_key, value, lease), Delete(sealer_key),
@@ -358,18 +363,25 @@ class LeaseRendezvousHandler(RendezvousHandler):
 
     # -- reading ------------------------------------------------------------------------------------------
 
-    def _read_control(self) -> tuple[Round | None, int, bool]:
-        result = self._client.txn((), [Get(self._round_key), Get(self._closed_key), Get(self._legacy_key)])
-        record_kv, closed, legacy = result.results
+    def _read_control(self, guess: int) -> tuple[Round | None, int, bool, int]:
+        """The newest record, its revision, whether the run is closed, and ``guess`` if the "waiting" signal for
+        round ``guess`` exists (-1 if not): after a restart all members signal at once, and all but one would
+        lose that race and pay a request for it."""
+        next_key = self._ctl + f"next/{guess}".encode()
+        result = self._client.txn((), [Get(self._round_key), Get(self._closed_key), Get(self._legacy_key),
+                                       Get(next_key)])
+        record_kv, closed, legacy, signal = result.results
         if legacy is not None:
             key = self._legacy_key.decode()
             raise RendezvousRefusedError(
                 f"The etcd key '{key}' holds a rendezvous of the 'state' protocol: agents of an elastic_runner "
-                "build from before the lease protocol, or started with --rdzv_conf protocol=state, use this run id, and the two protocols do "
-                "not see each other. Start every node of the job with the same protocol (add protocol=state to "
-                f"--rdzv_conf until all nodes are upgraded), or, if no such agent runs any more, 'etcdctl del {key}'.")
+                "build from before the lease protocol, or started with --rdzv_conf protocol=state, use this run "
+                "id, and the two protocols do not see each other. Start every node of the job with the same "
+                "protocol (add protocol=state to --rdzv_conf until all nodes are upgraded), or, if no such agent "
+                f"runs any more, 'etcdctl del {key}'.")
         record = self._codec.round(record_kv) if record_kv is not None else None
-        return record, (record_kv.mod_revision if record_kv is not None else 0), closed is not None
+        return (record, (record_kv.mod_revision if record_kv is not None else 0), closed is not None,
+                guess if signal is not None else -1)
 
     def _apply(self, view: View, kv: KeyValue, kind: str) -> None:
         key = kv.key

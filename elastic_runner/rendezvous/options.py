@@ -71,7 +71,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("protocol", "leases",
            "`leases`: each node writes only its own key, on a lease that is its heartbeat, and one transaction seals "
            "a round (scales to 1,024 nodes, see README). `state`: torch's protocol (one shared state that every node "
-           "rewrites), the only one of builds before the lease protocol; set it on every node while a job mixes such builds."),
+           "rewrites), the only one of builds before the lease protocol; set it on every node while a job mixes "
+           "such builds."),
     Option("insecure_loopback_auth", "false",
            "`true` allows `user`/`password_file` over plain http, and only to loopback endpoints (127.0.0.1, ::1, "
            "localhost): a local test etcd. Anywhere else credentials over http are refused."),

@@ -246,7 +246,8 @@ class Codec:
                 raise ValueError("its round or member list is not valid")
             return record
         except PermissionError as exc:
-            raise RendezvousRefusedError(f"The rendezvous record in etcd key '{key}' is refused: {exc}. {hint}") from exc
+            raise RendezvousRefusedError(f"The rendezvous record in etcd key '{key}' is refused: {exc}. {hint}") \
+                from exc
         except (ValueError, KeyError, TypeError) as exc:
             raise RendezvousRefusedError(f"The rendezvous record in etcd key '{key}' is not valid: {exc}. {hint}") \
                 from exc

@@ -382,7 +382,7 @@ def test_values_not_signed_with_the_jobs_key_are_refused_or_ignored(
 def test_a_run_of_the_older_state_protocol_is_named_with_the_fix(cluster: Callable[..., Cluster]) -> None:
     c = cluster()
     c.server.client().txn((), [Put(f"{c.prefix}/state".encode(), b"ERV3...")])
-    with pytest.raises(RendezvousStateError, match="protocol=state"):
+    with pytest.raises(RendezvousStateError, match=f"protocol=state.*'etcdctl del {c.prefix}/state'"):
         c.agent().next_rendezvous()
 
 
