@@ -20,7 +20,8 @@ Each simulated agent drives its own rendezvous handler, built as torchrun builds
 Agents run in P worker processes (``--processes``, default min(N, 16)), N/P agents each, one thread
 per agent: one interpreter's GIL would serialise every client and hide the protocol's own cost.
 Workers are spawned (not forked: torch), kept for the whole run (their rendezvous state is reset
-between trials) and rebuilt after a failed trial. ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` is set in
+between trials) and rebuilt after a failed trial (or Ctrl-C/SIGTERM: the children are ended, a local
+etcd stopped, and what was measured is still reported). ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` is set in
 every process (``elastic_runner.launch.ENV_DEFAULTS``), so no rank 0 starts a TCPStore server of its own.
 
 Scenarios (``--scenarios``), per backend and N, backend after backend for each N:
@@ -29,16 +30,22 @@ Scenarios (``--scenarios``), per backend and N, backend after backend for each N
   has joined (no last call). Time: from this process's "go" (``time.monotonic()``; CLOCK_MONOTONIC is
   system-wide on Linux, so the workers' return stamps compare with it) until the last agent returned.
   Each agent stops its heartbeats when it returns (the round is measured, not keep-alive traffic).
-- ``lose-one``: the membership change at scale. ``min_nodes = 1, max_nodes = N``; one agent (the
-  victim) runs alone in an extra process. A first round forms (not reported: with min < max it may
-  also wait ``--last-call-timeout``); heartbeats keep running. ``--settle`` seconds later the victim
-  process is SIGKILLed (a node death: its heartbeat or lease simply stops) and at the same instant
-  the N-1 survivors call ``next_rendezvous()`` again, as their agents would after their workers
-  failed. Time: from the kill until every survivor returned with world size N-1. Expected: about the
-  dead-node window ``keep_alive_interval * keep_alive_max_attempt`` (3 s with launch's 1 s and 3),
-  for etcd-v3 the victim's liveness lease must expire, for c10d and etcd-v3 (state) its last heartbeat
-  must be older than the window before torch's handler drops it. Survivors that need another round
-  (a last call that passed first) make the trial fail.
+- ``lose-one``: the membership change at scale. ``min_nodes = 1, max_nodes = N`` (``--lose-one-min
+  N-1``: N-1); one agent (the victim) runs alone in an extra process. A first round forms (not
+  reported: with min < max it may also wait ``--last-call-timeout``); heartbeats keep running.
+  ``--settle`` seconds later the victim process is SIGKILLed (a node death: its heartbeat or lease
+  simply stops) and at the same instant the N-1 survivors call ``next_rendezvous()`` again, as their
+  agents would after their workers failed. Time: from the kill until every survivor returned with
+  world size N-1. torch's handler (c10d, etcd-v3 state) cannot re-form the round before the victim's
+  last heartbeat is older than the dead-node window ``keep_alive_interval * keep_alive_max_attempt``
+  (3 s with launch's 1 s and 3); fast_rendezvous then completes it once every survivor is back. The
+  lease protocol seals when every previous member is back or its liveness lease (TTL = the window)
+  has expired, or when ``last_call_timeout`` has passed since ``min_nodes`` wanted the round,
+  whichever comes first: with ``min_nodes = 1`` and a 1 s last call that is usually the last call
+  (the victim's key is still alive). The table's note and each result's ``completed_by`` say which
+  rule completed the round (the sealer's reason; fast_rendezvous's log line; nothing logged: torch's
+  own last call). A last call that passes before every survivor is back seats only some of them:
+  the trial fails (in a real job the rest would force one more round).
 
 Every trial is validated: every agent returned without an error, ranks are exactly 0..N-1 (N-1 for
 the survivors), one world size. A backend that fails (an error, a wrong world, no round within
@@ -99,8 +106,6 @@ from torch.distributed.elastic.rendezvous import RendezvousParameters  # noqa: E
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend  # noqa: E402
 
 from elastic_runner.launch import ENV_DEFAULTS  # noqa: E402
-
-del common  # only its import was needed
 
 for _key, _value in ENV_DEFAULTS.items():  # as elastic-runner launch sets them, in every process
     os.environ[_key] = _value
@@ -276,8 +281,11 @@ def worker_main(index: int, parent: int, commands: Connection, results: Connecti
             done = time.monotonic()
             r1, b1 = agent.counts()
             error = f"{type(exc).__name__}: {exc}"[:400]
+        logged = how.take()  # the sealer's or fast_rendezvous's log line in this thread
+        record = getattr(agent.handler, "_member_of", None)  # the lease protocol's round record says it to all
         send({"cmd": "agent", "worker": index, "agent": i, "done": done, "rank": rank, "world": world,
-              "error": error, "requests": r1 - r0, "bytes": b1 - b0, "completed_by": how.take()})
+              "error": error, "requests": r1 - r0, "bytes": b1 - b0,
+              "completed_by": getattr(record, "reason", None) or logged})
 
     def close_all() -> None:
         for a in agents:
@@ -529,7 +537,7 @@ class Trial:
             w.send({"cmd": "build", "spec": spec, "count": count})
         if victim is not None:
             victim.send({"cmd": "build", "spec": spec, "count": 1})
-        built = replies(everyone, "built", began + a.timeout)
+        built = replies(everyone, "built", began + 300 + n)  # 16 interpreters importing torch on 2 cores: ~30 s
         result["setup_seconds"] = round(time.monotonic() - began, 2)
         result["fast_rendezvous"] = all(m["fast_rendezvous"] for m in built.values())
 
@@ -632,6 +640,20 @@ def markdown(results: list[dict[str, Any]], variants: list[str]) -> str:
         rows += ["", "How the round after the loss completed: " + "; ".join(
             f"{v}: {', '.join(sorted(how[v]))}" for v in variants if v in how) + "."]
     return "\n".join(rows)
+
+
+def code_revision() -> dict[str, Any]:
+    """The commit measured, and whether the rendezvous code differs from it (work in progress)."""
+    import subprocess
+
+    def git(*cmd: str) -> str:
+        return subprocess.run(["git", *cmd], cwd=common.ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
+
+    try:
+        return {"commit": git("rev-parse", "HEAD"),
+                "uncommitted_changes": bool(git("status", "--porcelain", "--", "elastic_runner"))}
+    except (OSError, subprocess.SubprocessError):
+        return {}
 
 
 def interrupt(signum: int, frame: Any) -> None:
@@ -745,6 +767,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
                     "platform": platform.platform()},
+        "code": code_revision(),
         "settings": {"sizes": sizes, "scenarios": scenarios, "backends": variants, "processes": args.processes,
                      "join_timeout": args.timeout, "last_call_timeout": args.last_call_timeout,
                      "keep_alive_interval": args.keep_alive_interval,

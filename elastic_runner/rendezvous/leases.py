@@ -24,10 +24,23 @@ from torch.distributed.elastic.rendezvous import (
 )
 from torch.distributed.elastic.rendezvous.api import RendezvousHandler, RendezvousStoreInfo
 
-from .kv import Compare, Delete, EtcdError, EtcdLeaseNotFound, Get, KeyValue, KVClient, LeaseKeeper, Put, WatchEvent
+from .kv import (
+    WATCH_SLICE_SECONDS,
+    Compare,
+    Delete,
+    EtcdError,
+    EtcdLeaseNotFound,
+    Get,
+    KeyValue,
+    KVClient,
+    LeaseKeeper,
+    Put,
+    WatchEvent,
+)
 from .rounds import (
     Codec,
     NodeId,
+    quorum,
     RendezvousRefusedError,
     Round,
     Settings,
@@ -69,6 +82,7 @@ class LeaseRendezvousHandler(RendezvousHandler):
         self._my_value = b""
         self._member_of: Round | None = None
         self._last_round = -1  #: the last round this agent was seated in
+        self._last_seat: tuple[int, int] = (-1, -1)  #: and its (round, incarnation)
         self._watch: MemberWatch | None = None  #: the watch of the round this agent trains in
         self._stop = threading.Event()
         self._keeper: threading.Thread | None = None
@@ -110,11 +124,12 @@ class LeaseRendezvousHandler(RendezvousHandler):
         rank = record.names().index(self._node.name)
         self._member_of = record
         self._last_round = record.round
+        self._last_seat = (record.round, record.incarnation)
         self.completed_early = record.reason == "previous round accounted for"
         self._start_watcher(record)
         log.info("The node '%s' has joined round %d of the rendezvous '%s' as rank %d in a world of size %d.",
                  self._node, record.round, self._settings.run_id, rank, len(record.members))
-        store = dist.PrefixStore(f"torch.rendezvous.{self._settings.run_id}.{record.round}", self._store)
+        store = dist.PrefixStore(self._store_prefix(record.round, record.incarnation), self._store)
         return RendezvousInfo(store, rank, len(record.members), self._bootstrap_info(rank, store))
 
     def is_closed(self) -> bool:
@@ -154,20 +169,35 @@ class LeaseRendezvousHandler(RendezvousHandler):
     def _join(self, deadline: float) -> Round:
         """Join the round after the newest sealed one and return the record of the round that seats us."""
         want = 0
+        was_spare = False
         while True:
-            if self._clock() >= deadline:
-                self._give_up(want)
             record, record_rev, closed, signalled = self._read_control(self._last_round + 1)
             if closed:
                 raise RendezvousClosedError(f"The rendezvous '{self._settings.run_id}' is closed: its agents have "
                                             "ended it.")
+            if record is not None and self._node.name in record.names() \
+                    and (record.round, record.incarnation) != self._last_seat:
+                # Seated without asking: a new incarnation (the record was deleted) counted our key, still
+                # wanting round 0 of the old one. The others expect us there.
+                seated = self._take_seat(record.round)
+                if seated is not None:
+                    return seated
             want = 0 if record is None else record.round + 1
+            # A node for which the running round has no seat waits for its next re-forming without asking for it
+            # and without a deadline (torch's redundancy list): timing out would close the job's rendezvous.
+            spare = record is not None and self._node.name not in record.names() \
+                and len(record.members) >= self._settings.max_nodes
+            if was_spare and not spare:
+                deadline = self._clock() + self._settings.join_timeout  # its join starts now
+            was_spare = spare
+            if not spare and self._clock() >= deadline:
+                self._give_up(want)
             try:
                 joined = self._put_join(want, record, record_rev, signalled == want)
                 if joined is None:
                     continue  # a round was sealed meanwhile: join the one after it
                 sealer_present, revision = joined
-                self._wait_for_round(want, sealer_present, revision, deadline)
+                self._wait_for_round(want, sealer_present, revision, float("inf") if spare else deadline)
             except EtcdLeaseNotFound:
                 self._regrant(self._lease)  # etcd lost our lease while we joined: register again
                 continue
@@ -244,7 +274,8 @@ class LeaseRendezvousHandler(RendezvousHandler):
                         state["closed"] = True
                 return bool(state["record"] or state["sealer_gone"] or state["closed"])
 
-            end = self._client.watch_prefix(self._ctl, seen + 1, max(0.0, deadline - self._clock()), handle)
+            end = self._client.watch_prefix(self._ctl, seen + 1,
+                                            max(0.0, min(deadline - self._clock(), WATCH_SLICE_SECONDS)), handle)
             if state["closed"] or state["record"] is not None or end == "compacted":
                 return None  # re-read everything: closed, sealed (by someone), or history gone
             if state["sealer_gone"]:
@@ -266,66 +297,78 @@ class LeaseRendezvousHandler(RendezvousHandler):
         kvs, revision = self._client.get_prefix(self._prefix)
         for kv in kvs:
             self._apply(view, kv, "put")
-        min_reached_at: float | None = None
+        settings = self._settings
+        open_since: float | None = None  # when min_nodes wanted the round and the previous one was accounted for
         sealer_key = self._ctl + f"sealer/{want}".encode()
+
+        def is_open() -> bool:
+            count, accounted, _ = quorum(view, want, settings)
+            return accounted and count >= settings.min_nodes
+
         while True:
-            if view.closed:
-                return None
-            if view.record is not None and view.record.round >= want:
-                return None  # sealed by someone else (a sealer we thought dead)
+            if view.closed or (view.record is not None and view.record.round >= want):
+                return None  # closed, or sealed by someone else (a sealer we thought dead)
             now = self._clock()
-            count = sum(1 for j in view.nodes.values() if j.want == want)
-            if count >= self._settings.min_nodes:
-                min_reached_at = now if min_reached_at is None else min_reached_at
-            else:
-                min_reached_at = None
-            ready, why = ready_to_seal(view, want, self._settings, min_reached_at, now)
+            open_since = (now if open_since is None else open_since) if is_open() else None
+            ready, why = ready_to_seal(view, want, settings, open_since, now)
             if ready:
-                sealed = self._write_round(want, view, why, sealer_key)
-                if sealed is not None:
-                    return sealed
-                return None  # the record or the closed flag changed under us: start over
+                return self._write_round(want, view, why, sealer_key)  # None: the record changed: start over
             if now >= deadline:
                 self._give_up(want)
-            timeout = deadline - now
-            if min_reached_at is not None:
-                timeout = min(timeout, min_reached_at + self._settings.last_call_timeout - now)
+            due = min(deadline, now + WATCH_SLICE_SECONDS)
+            if open_since is not None:
+                due = min(due, open_since + settings.last_call_timeout)
 
             def handle(events: list[WatchEvent]) -> bool:
                 nonlocal revision
                 for event in events:
                     revision = max(revision, event.kv.mod_revision)
                     self._apply(view, event.kv, event.kind)
-                n = sum(1 for j in view.nodes.values() if j.want == want)
-                at = min_reached_at if min_reached_at is not None else (self._clock() if n >= self._settings.min_nodes
-                                                                        else None)
-                return view.closed or (view.record is not None and view.record.round >= want) \
-                    or ready_to_seal(view, want, self._settings, at, self._clock())[0] \
-                    or (min_reached_at is None and at is not None)
+                if view.closed or (view.record is not None and view.record.round >= want):
+                    return True
+                if is_open() != (open_since is not None):
+                    return True  # the last call starts, or stops (a node left)
+                return ready_to_seal(view, want, settings, open_since, self._clock())[0] or self._clock() >= due
 
-            end = self._client.watch_prefix(self._prefix, revision + 1, max(0.0, timeout), handle)
-            if end == "compacted":
+            if self._client.watch_prefix(self._prefix, revision + 1, max(0.0, due - now), handle) == "compacted":
                 return None
 
     def _write_round(self, want: int, view: View, why: str, sealer_key: bytes) -> Round | None:
         candidates = [j for j in view.nodes.values() if j.want == want]
         previous = view.record if view.record is not None and view.record.round == want - 1 else None
         members = choose_members(candidates, previous, self._settings.max_nodes)
-        lease = self._leases.current()
-        record = Round(want, tuple((j.node.name, j.ticket) for j in members), lease, self._node.name, why)
-        value = self._codec.encode(self._round_key, {
-            "round": record.round, "members": [list(m) for m in record.members], "lease": lease,
-            "sealed_by": record.sealed_by, "reason": why})
         compare = [Compare.mod_revision(self._round_key, view.record_revision) if view.record_revision
                    else Compare.absent(self._round_key), Compare.absent(self._closed_key)]
-        result = self._client.txn(compare, [Put(self._round_key, value, lease), Delete(sealer_key),
-                                            Delete(self._ctl + f"next/{want}".encode()),
-                                            Delete(self._ctl + f"next/{want - 1}".encode())])
-        if not result.succeeded:
+
+        def write(lease: int) -> Any:  # on the lasting lease, which every member refreshes while it lives
+            value = self._codec.encode(self._round_key, {
+                "round": want, "members": [[j.node.name, j.ticket] for j in members], "lease": lease,
+                "sealed_by": self._node.name, "reason": why})
+            return self._client.txn(compare, [Put(self._round_key, value, lease), Delete(sealer_key),
+                                              Delete(self._ctl + f"next/{want}".encode()),
+                                              Delete(self._ctl + f"next/{want - 1}".encode())])
+
+        if not self._leases.run(write).succeeded:
             return None
         log.info("rendezvous '%s': sealed round %d with %d node(s) (%s)", self._settings.run_id, want,
                  len(members), why)
-        return record
+        if previous is not None and want >= 2:
+            self._forget_store_of(want - 2, previous.incarnation)
+        return Round(want, tuple((j.node.name, j.ticket) for j in members))
+
+    def _store_prefix(self, round_: int, incarnation: int) -> str:
+        return f"torch.rendezvous.{self._settings.run_id}.{incarnation}.{round_}"
+
+    def _forget_store_of(self, round_: int, incarnation: int) -> None:
+        """Delete the store keys of a round two back (workers' address, rank assignment: ~2 per node): every
+        member of it left it or died before the round after it could be sealed."""
+        prefix = getattr(self._store, "prefix", None)
+        if not isinstance(prefix, str):
+            return
+        try:
+            self._client.delete_prefix(f"{prefix}{self._store_prefix(round_, incarnation)}/".encode())
+        except EtcdError as exc:
+            log.debug("could not delete the store keys of round %d: %s", round_, exc)
 
     def _take_seat(self, want: int) -> Round | None:
         """Read the newest record and our own key in one transaction: our seat in round ``want`` (or later),
@@ -338,15 +381,15 @@ class LeaseRendezvousHandler(RendezvousHandler):
         record = self._codec.round(record_kv) if record_kv is not None else None
         if record is None or record.round < want:
             return None
-        tickets = dict(record.members)
-        ticket = tickets.get(self._node.name)
+        ticket = dict(record.members).get(self._node.name)
         if ticket is None:
             return None  # not seated (the round was full, or sealed before we joined): join the next one
         if mine is None or mine.create_revision != ticket:
-            log.warning("The node '%s' is listed in round %d of the rendezvous '%s', but its lease expired after the "
-                        "round was sealed (it may have been counted dead); it joins the next round instead.",
-                        self._node, record.round, self._settings.run_id)
-            return None
+            # Its lease expired after the sealer read its key. No newer round exists (this is the newest record),
+            # so nobody has counted it out: the others expect it, and it takes its seat.
+            log.warning("The liveness lease of node '%s' expired after round %d of the rendezvous '%s' was sealed; "
+                        "no newer round exists, so it takes its seat.", self._node, record.round,
+                        self._settings.run_id)
         return record
 
     def _give_up(self, want: int) -> None:
@@ -445,8 +488,8 @@ class LeaseRendezvousHandler(RendezvousHandler):
             lease, value = self._lease, self._my_value
         log.warning("The liveness lease of node '%s' expired (etcd was out of reach for longer than the %.0f s "
                     "window); it registers again.", self._node, self._settings.window)
-        if value:
-            self._client.txn((), [Put(self._my_key, value, lease)])
+        if value:  # only if it is gone: a join meanwhile wrote a newer value on the new lease
+            self._client.txn([Compare.absent(self._my_key)], [Put(self._my_key, value, lease)])
 
     def _release(self) -> None:
         with self._lock:

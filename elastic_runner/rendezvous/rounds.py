@@ -25,13 +25,19 @@ Keys, under ``{key_prefix}/{run_id}/rdzv/``:
 
 A round R forms like this: each joining agent reads ``ctl/round`` (round R-1), puts its node key with
 ``want = R`` (compared against the round it read), claims ``ctl/sealer/R`` or else waits on one watch
-of ``ctl/``. The sealer reads the node keys once, then follows them on one watch, and seals when
+of ``ctl/``. The sealer reads the node keys once, then follows them on one watch. Nothing is sealed
+while a member of round R-1 is alive (its key exists) and does not want R: it still runs its workers
+in round R-1 (torch's handler, too, starts a round only once every participant has left). Once every
+member of R-1 wants R or is dead (its key expired), the sealer seals when
 
 - ``max_nodes`` want R (the rest wait for the next round; previous members first, then join order), or
-- at least ``min_nodes`` want R and every member of round R-1 wants R or is dead (its key expired) and
-  at least one of them is back: a restart or a lost node re-forms without the last call, or
+- at least ``min_nodes`` want R and at least one member of R-1 is among them: a restart, a lost node
+  or a join re-forms without the last call, or
 - at least ``min_nodes`` want R and ``last_call_timeout`` has passed since that was first true
   (the first round, and new nodes of a job whose previous members are all gone).
+
+A node that finds the running round full (``max_nodes`` members) waits without asking it to end and
+without a deadline, like torch's redundancy list: it gets a seat when the round next re-forms.
 
 Ranks are the members sorted by (address, pid, local id), as torch's handler assigns them. Requests
 per agent and round: about five (read, join, claim, one watch, one check) however large the job;
@@ -41,15 +47,18 @@ the sealer alone reads the N node keys, once. While training, an agent refreshes
 **Why two rounds can never both be current.** ``ctl/round`` changes only through a transaction that
 compares its ``mod_revision`` with the value the writer read and writes round number read+1; etcd
 transactions are serialisable, so the record's values form one chain with one member list per round
-number, and ``next_rendezvous`` returns round R only to a node listed in the record of round R. A node
-of round R whose lease expired (partitioned, paused) may have been counted dead when round R+1 was
-sealed without it: it takes a seat in a round only if its node key still has the ticket the record
-lists, read in the same transaction as the record, so a key that was deleted at any point after the
-sealer read it (its lease expired, it was re-created) loses the seat; it joins the next round
-instead. While it trains in an older round, its watch shows the newer ``ctl/round`` (or the failing
-collectives do) and ``num_nodes_waiting`` makes its agent stop the workers and rejoin. The members of
-round R+1 all left round R before joining (the agent stops its workers before ``next_rendezvous``),
-so a stale round can never reach a quorum with them, and snapshot fencing keeps it off the disk.
+number, and ``next_rendezvous`` returns round R only to a node listed in the newest record, read in
+the same transaction as its own key. Round R+1 is sealed only when every member of round R wants R+1
+— its agent stopped its round-R workers before it joined — or is dead to etcd: its key expired, so a
+node partitioned or paused past the window is counted out, and round R+1 never lists it (the
+``ticket``, its key's creation revision, records which incarnation of a key was seated). Such a node
+cannot get back into round R+1: when it reaches etcd again its lease is gone, the newest record does
+not list it, and its watch of ``ctl/round`` makes ``num_nodes_waiting`` positive, so its agent stops
+the stale workers and it joins round R+2. Until then it can train in round R only with other members
+of R that are cut off from etcd too — every member that etcd still hears from has left R — and
+snapshot fencing keeps that stale group off the disk. If ``ctl/round`` itself disappears (deleted by
+hand, etcd data loss), numbering starts over in a new *incarnation* (the record key's creation
+revision, part of every round's store prefix) and every member sees the deletion and rejoins.
 
 With the job's key (``auth_key_file``) every value is signed over its etcd key (see ``seal``);
 without it values are still only JSON, parsed strictly and bounded in size: nothing is unpickled.
@@ -162,6 +171,7 @@ class Round:
     sealed_by: str = ""
     reason: str = ""  #: why the sealer sealed it: max_nodes, previous round accounted for, last call
     revision: int = 0  #: the etcd revision of the seal (not stored: the key's mod_revision)
+    incarnation: int = 0  #: the record key's creation revision: numbering starts over if it is ever deleted
 
     def names(self) -> list[str]:
         return [name for name, _ in self.members]
@@ -186,25 +196,35 @@ def choose_members(candidates: list[Joiner], previous: Round | None, max_nodes: 
     return sorted(ordered[:max_nodes], key=lambda j: j.node)
 
 
-def ready_to_seal(view: View, want: int, settings: Settings, min_reached_at: float | None,
-                  now: float) -> tuple[bool, str]:
-    """Whether round ``want`` can be sealed now, and why (see the module docstring)."""
-    candidates = [j for j in view.nodes.values() if j.want == want]
-    if len(candidates) >= settings.max_nodes:
-        return True, "max_nodes"
-    if len(candidates) < settings.min_nodes:
-        return False, ""
+def quorum(view: View, want: int, settings: Settings) -> tuple[int, bool, bool]:
+    """For round ``want``: how many live nodes want it, whether the previous round is accounted for (each of
+    its members wants ``want`` too or is dead: no live key), and whether at least one of them is back."""
+    count = sum(1 for j in view.nodes.values() if j.want == want)
     previous = view.record if view.record is not None and view.record.round == want - 1 else None
-    if previous is not None:
-        live = {name: j for name, j in view.nodes.items()}
-        back = [n for n in previous.names() if n in live and live[n].want == want]
-        pending = [n for n in previous.names() if n in live and live[n].want != want]
-        if back and not pending:
-            return True, "previous round accounted for"
-    if min_reached_at is not None and now - min_reached_at >= settings.last_call_timeout:
+    if previous is None:
+        return count, True, False
+    states = [view.nodes[n].want == want for n in previous.names() if n in view.nodes]
+    return count, all(states), any(states)
+
+
+def ready_to_seal(view: View, want: int, settings: Settings, open_since: float | None,
+                  now: float) -> tuple[bool, str]:
+    """Whether round ``want`` can be sealed now, and why (see the module docstring). ``open_since``: when the
+    round was first *open* — at least ``min_nodes`` want it and the previous round is accounted for — the start
+    of the last call. As in torch's handler, no round starts while a member of the previous one is alive and
+    has not left it: a live member still runs its workers in that round."""
+    count, accounted, back = quorum(view, want, settings)
+    if not accounted:
+        return False, ""
+    if count >= settings.max_nodes:
+        return True, "max_nodes"
+    if count < settings.min_nodes:
+        return False, ""
+    if back:
+        return True, "previous round accounted for"
+    if open_since is not None and now - open_since >= settings.last_call_timeout:
         return True, "last call"
     return False, ""
-
 
 
 class Codec:
@@ -241,7 +261,7 @@ class Codec:
             obj = self.open(kv)
             members = tuple((str(name), int(ticket)) for name, ticket in obj["members"])
             record = Round(int(obj["round"]), members, int(obj.get("lease", 0)), str(obj.get("sealed_by", "")),
-                           str(obj.get("reason", "")), kv.mod_revision)
+                           str(obj.get("reason", "")), kv.mod_revision, kv.create_revision)
             if record.round < 0 or not members or len({name for name, _ in members}) != len(members):
                 raise ValueError("its round or member list is not valid")
             return record

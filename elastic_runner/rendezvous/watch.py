@@ -61,6 +61,8 @@ class MemberWatch:
             self._revision = max(self._revision, event.kv.mod_revision)
             key = event.kv.key
             if event.kind != "put":
+                if key == self._round_key:  # the record was deleted: numbering starts over, rejoin it
+                    self.waiting = 1
                 continue
             if key.startswith(self._ctl + b"next/"):
                 try:
@@ -75,7 +77,7 @@ class MemberWatch:
                 except RendezvousStateError as exc:
                     log.warning("%s", exc)
                     continue
-                if newer.round > mine:
+                if newer.round > mine or newer.incarnation != self._record.incarnation:
                     if self._node not in newer.names():
                         log.warning("Round %d of the rendezvous '%s' was sealed without the node '%s' (it was counted "
                                     "dead); it leaves round %d and joins again.", newer.round, self._run_id,

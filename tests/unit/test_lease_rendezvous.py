@@ -256,6 +256,48 @@ def test_a_full_round_does_not_restart_for_a_node_that_cannot_get_a_seat(cluster
     assert seats(infos + box) == [(0, 2), (1, 2)]
 
 
+def test_a_node_without_a_seat_neither_ends_the_running_round_nor_times_out(cluster: Callable[..., Cluster]) -> None:
+    c = cluster(min_nodes=1, max_nodes=2, last_call_timeout=0.5, join_timeout=1.0)
+    a, b = c.agent(), c.agent()
+    together([a, b])
+    spare = c.agent()
+    thread, box = in_background(spare)
+    time.sleep(2.5)  # past its join timeout and the last call
+    assert not box, f"it waits for a seat: {box}"
+    assert a._take_seat(0) is not None, "round 0 still runs: no round was sealed beside it"
+    assert not a.is_closed(), "a spare that timed out would have closed the job's rendezvous"
+    c.kill(a)
+    infos = together([b])
+    thread.join(10)
+    assert seats(infos + box) == [(0, 2), (1, 2)]
+
+
+def test_no_round_starts_while_a_live_member_has_not_left_the_previous_one(cluster: Callable[..., Cluster]) -> None:
+    c = cluster(min_nodes=2, max_nodes=3, last_call_timeout=0.3)
+    agents = [c.agent() for _ in range(3)]
+    together(agents)
+    quick = [in_background(h) for h in agents[:2]]
+    time.sleep(1.0)  # three last calls: the third member still stops its workers
+    assert all(not box for _, box in quick), "its workers still run in round 0"
+    slow = together(agents[2:])
+    for t, _ in quick:
+        t.join(5)
+    assert seats(slow + [box[0] for _, box in quick]) == [(0, 3), (1, 3), (2, 3)]
+
+
+def test_a_deleted_record_makes_every_member_rejoin_in_a_new_incarnation(cluster: Callable[..., Cluster]) -> None:
+    c = cluster(min_nodes=2, max_nodes=2)
+    a, b = c.agent(), c.agent()
+    first = together([a, b])
+    c.server.client().delete_prefix(f"{c.prefix}/rdzv/ctl/round".encode())  # 'etcdctl del', data loss
+    eventually(lambda: a.num_nodes_waiting() > 0 and b.num_nodes_waiting() > 0, what="both see it gone")
+    again = together([a, b])
+    assert {i.world_size for i in again} == {2}
+    assert a._member_of is not None and a._member_of.round == 0, "numbering starts over"
+    first[0].store.set("k", b"old")
+    assert not again[0].store.check(["k"]), "a new incarnation's round 0 has its own store keys"
+
+
 def test_more_candidates_than_max_nodes_keep_the_previous_members_then_join_order() -> None:
     previous = Round(4, (("n_1_0", 5), ("n_2_0", 6)))
     candidates = [Joiner(NodeId("n", i, 0), 5, ticket) for i, ticket in ((3, 1), (1, 5), (4, 2), (2, 6))]
@@ -269,6 +311,8 @@ def test_the_sealing_rule_waits_for_members_that_are_alive_but_not_back() -> Non
     a, b = Joiner(NodeId("a", 1, 0), 1, 1), Joiner(NodeId("b", 1, 0), 0, 2)
     view = View(nodes={"a_1_0": a, "b_1_0": b}, record=previous, record_revision=3)
     assert ready_to_seal(view, 1, s, 100.0, 101.0) == (False, "")
+    assert ready_to_seal(view, 1, Settings("r", 1, 1), 100.0, 500.0) == (False, ""), \
+        "not even max_nodes or the last call seal beside a live member of the previous round"
     view.nodes.pop("b_1_0")  # b's lease expired
     assert ready_to_seal(view, 1, s, 100.0, 101.0) == (True, "previous round accounted for")
     stale = View(nodes={"c_1_0": Joiner(NodeId("c", 1, 0), 1, 9)}, record=previous, record_revision=3)
@@ -300,16 +344,16 @@ def test_a_partitioned_node_whose_lease_expired_does_not_rejoin_the_sealed_round
         "it took a seat in round 2, not in the round sealed without it"
 
 
-def test_a_node_listed_in_a_round_takes_no_seat_if_its_key_was_deleted_after_the_seal(
+def test_a_node_whose_lease_expired_after_the_seal_still_takes_its_seat_if_no_newer_round_exists(
         cluster: Callable[..., Cluster]) -> None:
+    """Nobody can have counted it out: a round after it needs every member back or dead first."""
     c = cluster(min_nodes=3, max_nodes=3)
     a, b, late = (c.agent() for _ in range(3))
     together([a, b, late])
     lost = late._lease
     c.server.expire_lease(lost)  # right after the seal, before (say) it read the record
     late._regrant(lost)  # back: its key again, with a new ticket
-    assert late._take_seat(0) is None, "its ticket changed: it was counted dead at some point"
-    assert a._take_seat(0) is not None
+    assert late._take_seat(0) is not None and a._take_seat(0) is not None
 
 
 def test_a_slow_node_sees_the_newer_round_and_leaves(cluster: Callable[..., Cluster]) -> None:
