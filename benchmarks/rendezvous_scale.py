@@ -39,10 +39,10 @@ Scenarios (``--scenarios``), per backend and N, backend after backend for each N
   world size N-1. torch's handler (c10d, etcd-v3 state) cannot re-form the round before the victim's
   last heartbeat is older than the dead-node window ``keep_alive_interval * keep_alive_max_attempt``
   (3 s with launch's 1 s and 3); fast_rendezvous then completes it once every survivor is back. The
-  lease protocol seals when every previous member is back or its liveness lease (TTL = the window)
-  has expired, or when ``last_call_timeout`` has passed since ``min_nodes`` wanted the round,
-  whichever comes first: with ``min_nodes = 1`` and a 1 s last call that is usually the last call
-  (the victim's key is still alive). The table's note and each result's ``completed_by`` say which
+  lease protocol starts no round while a previous member's key is alive and not back, so it seals
+  once the victim's liveness lease (TTL = the window) has expired and every survivor is back. At
+  large N give both ``--last-call-timeout 30``: the first round then completes only with all N (a
+  1 s last call closes c10d's first round of 256 with whoever got in). The table's note and each result's ``completed_by`` say which
   rule completed the round (the sealer's reason; fast_rendezvous's log line; nothing logged: torch's
   own last call). A last call that passes before every survivor is back seats only some of them:
   the trial fails (in a real job the rest would force one more round).

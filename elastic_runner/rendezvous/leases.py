@@ -2,16 +2,15 @@
 
 The keys, values, sealing rules and the argument why two rounds can never both be current are in
 :mod:`elastic_runner.rendezvous.rounds`. This module runs them for one agent: ``next_rendezvous``
-(join, claim the sealer or wait on one watch, seal, take the seat), a keep-alive thread that
-refreshes the agent's liveness lease (the heartbeat) and re-registers if etcd let it expire, and,
-while the agent trains, one watch of ``ctl/`` that ``num_nodes_waiting`` answers from.
+(join, claim the sealer or wait on one watch, seal, take the seat), the agent's heartbeat
+(:mod:`elastic_runner.rendezvous.heartbeat`), and, while the agent trains, one watch of ``ctl/`` that
+``num_nodes_waiting`` answers from.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
 from typing import Any, Callable
 
@@ -49,6 +48,7 @@ from .rounds import (
     new_node,
     ready_to_seal,
 )
+from .heartbeat import Heartbeat
 from .seal import Sealer
 from .watch import MemberWatch
 
@@ -77,15 +77,10 @@ class LeaseRendezvousHandler(RendezvousHandler):
         self._my_key = self._node_prefix + self._node.name.encode()
         self._codec = Codec(sealer or Sealer(None), self._node_prefix)
         self._legacy_key = f"{run_prefix.rstrip('/')}/state".encode()
-        self._lock = threading.RLock()
-        self._lease = 0  #: liveness lease
-        self._my_value = b""
-        self._member_of: Round | None = None
+        self._heartbeat = Heartbeat(client, settings, self._leases, self._my_key, self._node.name, clock)
         self._last_round = -1  #: the last round this agent was seated in
         self._last_seat: tuple[int, int] = (-1, -1)  #: and its (round, incarnation)
         self._watch: MemberWatch | None = None  #: the watch of the round this agent trains in
-        self._stop = threading.Event()
-        self._keeper: threading.Thread | None = None
         self._tcp_server: Any = None
         #: True when the last round this agent joined was sealed without the last call, because every node of
         #: the round before was back or dead (the agent reports it)
@@ -101,6 +96,11 @@ class LeaseRendezvousHandler(RendezvousHandler):
     def node(self) -> NodeId:
         return self._node
 
+    @property
+    def seated_in(self) -> Round | None:
+        """The record of the round this agent trains in (None while it joins)."""
+        return self._heartbeat.record
+
     def get_backend(self) -> str:
         return self._backend_name
 
@@ -113,7 +113,7 @@ class LeaseRendezvousHandler(RendezvousHandler):
 
     def next_rendezvous(self) -> RendezvousInfo:
         self._stop_watcher()
-        self._member_of = None
+        self._heartbeat.record = None
         deadline = self._clock() + self._settings.join_timeout
         log.info("The node '%s' attempts to join the next round of the rendezvous '%s'.", self._node,
                  self._settings.run_id)
@@ -122,7 +122,7 @@ class LeaseRendezvousHandler(RendezvousHandler):
         except EtcdError as exc:
             raise self._connection_error("join the rendezvous", exc) from exc
         rank = record.names().index(self._node.name)
-        self._member_of = record
+        self._heartbeat.record = record
         self._last_round = record.round
         self._last_seat = (record.round, record.incarnation)
         self.completed_early = record.reason == "previous round accounted for"
@@ -152,7 +152,6 @@ class LeaseRendezvousHandler(RendezvousHandler):
         return 0 if watch is None else watch.waiting
 
     def shutdown(self) -> bool:
-        self._stop.set()
         self._stop_watcher()
         try:
             self.set_closed()
@@ -162,7 +161,7 @@ class LeaseRendezvousHandler(RendezvousHandler):
                         self._settings.run_id, exc)
             return False
         finally:
-            self._release()
+            self._heartbeat.release()
 
     # -- joining ------------------------------------------------------------------------------------------
 
@@ -199,7 +198,7 @@ class LeaseRendezvousHandler(RendezvousHandler):
                 sealer_present, revision = joined
                 self._wait_for_round(want, sealer_present, revision, float("inf") if spare else deadline)
             except EtcdLeaseNotFound:
-                self._regrant(self._lease)  # etcd lost our lease while we joined: register again
+                self._heartbeat.regrant(self._heartbeat.current)  # etcd lost our lease while we joined: register again
                 continue
             seated = self._take_seat(want)
             if seated is not None:
@@ -212,19 +211,19 @@ class LeaseRendezvousHandler(RendezvousHandler):
         node = self._node
         value = self._codec.encode(self._my_key, {"node": node.name, "addr": node.addr, "pid": node.pid,
                                                   "local_id": node.local_id, "want": want})
-        self._my_value = value
+        self._heartbeat.value = value
         next_key = self._ctl + f"next/{want}".encode()
         sealer_key = self._ctl + f"sealer/{want}".encode()
         record_compare = Compare.mod_revision(self._round_key, record_rev) if record_rev else \
             Compare.absent(self._round_key)
         signal = not signalled and record is not None and (self._node.name in record.names() or
                                                            len(record.members) < self._settings.max_nodes)
-        lease = self._liveness_lease()
+        lease = self._heartbeat.lease()
         try:
             return self._put_join_with(lease, value, want, record, record_rev, signal, next_key, sealer_key,
                                        record_compare)
         except EtcdLeaseNotFound:
-            self._regrant(lease)
+            self._heartbeat.regrant(lease)
             return None
 
     def _put_join_with(self, lease: int, value: bytes, want: int, record: Round | None, record_rev: int,
@@ -284,7 +283,7 @@ class LeaseRendezvousHandler(RendezvousHandler):
     def _claim_sealer(self, want: int) -> bool:
         key = self._ctl + f"sealer/{want}".encode()
         result = self._client.txn([Compare.absent(key)],
-                                  [Put(key, self._codec.encode(key, {"by": self._node.name}), self._liveness_lease())])
+                                  [Put(key, self._codec.encode(key, {"by": self._node.name}), self._heartbeat.lease())])
         return result.succeeded
 
     def _drop_sealer_claim(self, want: int) -> None:
@@ -394,7 +393,7 @@ class LeaseRendezvousHandler(RendezvousHandler):
 
     def _give_up(self, want: int) -> None:
         try:  # roll back: our key (if it is still the one we wrote) and a sealer claim of ours
-            self._client.txn([Compare.value(self._my_key, self._my_value)], [Delete(self._my_key)])
+            self._client.txn([Compare.value(self._my_key, self._heartbeat.value)], [Delete(self._my_key)])
             self._drop_sealer_claim(want)
         except EtcdError:
             pass
@@ -446,59 +445,6 @@ class LeaseRendezvousHandler(RendezvousHandler):
 
         return RendezvousConnectionError(f"The etcd-v3 rendezvous could not {action} (run '{self._settings.run_id}'). "
                                          f"{exc}")
-
-    # -- liveness -----------------------------------------------------------------------------------------
-
-    def _liveness_lease(self) -> int:
-        with self._lock:
-            if not self._lease:
-                self._lease = self._client.grant_lease(self._settings.lease_ttl)
-            if self._keeper is None:
-                self._keeper = threading.Thread(target=self._keep_alive, daemon=True,
-                                                name=f"rdzv-keepalive-{self._node.local_id}")
-                self._keeper.start()
-            return self._lease
-
-    def _keep_alive(self) -> None:
-        """Refresh the liveness lease every keep_alive_interval (the heartbeat); re-create our key if etcd
-        let the lease expire (we were unreachable for a window: others may have counted us dead)."""
-        last_run_refresh = self._clock()
-        while not self._stop.wait(self._settings.keep_alive_interval):
-            try:
-                with self._lock:
-                    lease = self._lease
-                if lease and self._client.keep_alive_lease(lease) <= 0:
-                    self._regrant(lease)
-                if self._clock() - last_run_refresh >= self._leases.ttl / 3:
-                    last_run_refresh = self._clock()
-                    self._leases.current()
-                    record = self._member_of
-                    if record is not None and record.lease:
-                        self._client.keep_alive_lease(record.lease)  # the record outlives its sealer
-            except EtcdError as exc:
-                log.debug("rendezvous keep-alive failed: %s", exc)
-            except Exception:  # noqa: BLE001 - the thread must not die silently
-                log.warning("rendezvous keep-alive failed", exc_info=True)
-
-    def _regrant(self, lost: int) -> None:
-        with self._lock:
-            if self._lease != lost:
-                return
-            self._lease = self._client.grant_lease(self._settings.lease_ttl)
-            lease, value = self._lease, self._my_value
-        log.warning("The liveness lease of node '%s' expired (etcd was out of reach for longer than the %.0f s "
-                    "window); it registers again.", self._node, self._settings.window)
-        if value:  # only if it is gone: a join meanwhile wrote a newer value on the new lease
-            self._client.txn([Compare.absent(self._my_key)], [Put(self._my_key, value, lease)])
-
-    def _release(self) -> None:
-        with self._lock:
-            lease, self._lease = self._lease, 0
-        if lease:
-            try:
-                self._client.revoke_lease(lease)  # our node key goes now, not a window later
-            except EtcdError:
-                pass
 
     # -- while training -----------------------------------------------------------------------------------
 

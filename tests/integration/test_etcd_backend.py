@@ -197,7 +197,7 @@ def test_lease_rounds_reform_after_a_restart_lose_a_node_and_take_a_new_one(etcd
         assert time.monotonic() - started < 0.9, "everyone of the previous round is back: no last call"
 
         dead = agents.pop()
-        dead._stop.set()  # the node dies: no more lease refreshes; etcd expires its key within the 3 s window
+        dead._heartbeat.stop()  # the node dies: no more lease refreshes; etcd expires its key within the 3 s window
         dead._stop_watcher()
         started = time.monotonic()
         assert sorted(i.world_size for i in together(agents)) == [2, 2]

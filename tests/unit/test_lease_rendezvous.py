@@ -68,15 +68,15 @@ class Cluster:
 
     def kill(self, handler: LeaseRendezvousHandler) -> None:
         """The agent dies: nothing of it runs any more, and etcd expires its lease."""
-        handler._stop.set()
+        handler._heartbeat.stop()
         handler._stop_watcher()
         assert isinstance(handler._client, MemoryKV)
         handler._client.partitioned = True
-        self.server.expire_lease(handler._lease)
+        self.server.expire_lease(handler._heartbeat.current)
 
     def close(self) -> None:
         for h in self.handlers:
-            h._stop.set()
+            h._heartbeat.stop()
             h._stop_watcher()
 
 
@@ -232,11 +232,11 @@ def test_a_lost_node_is_waited_for_until_its_lease_expires(cluster: Callable[...
     c = cluster(min_nodes=1, max_nodes=3, last_call_timeout=30.0)
     a, b, silent = (c.agent() for _ in range(3))
     together([a, b, silent], timeout=40)
-    silent._stop.set()  # dead, but etcd has not expired its lease yet
+    silent._heartbeat.stop()  # dead, but etcd has not expired its lease yet
     threads = [in_background(h) for h in (a, b)]
     time.sleep(0.5)
     assert all(not box for _, box in threads), "a member that is neither back nor dead holds the round"
-    c.server.expire_lease(silent._lease)
+    c.server.expire_lease(silent._heartbeat.current)
     for t, _ in threads:
         t.join(5)
     assert seats([box[0] for _, box in threads]) == [(0, 2), (1, 2)]
@@ -293,7 +293,7 @@ def test_a_deleted_record_makes_every_member_rejoin_in_a_new_incarnation(cluster
     eventually(lambda: a.num_nodes_waiting() > 0 and b.num_nodes_waiting() > 0, what="both see it gone")
     again = together([a, b])
     assert {i.world_size for i in again} == {2}
-    assert a._member_of is not None and a._member_of.round == 0, "numbering starts over"
+    assert a.seated_in is not None and a.seated_in.round == 0, "numbering starts over"
     first[0].store.set("k", b"old")
     assert not again[0].store.check(["k"]), "a new incarnation's round 0 has its own store keys"
 
@@ -329,10 +329,10 @@ def test_a_partitioned_node_whose_lease_expired_does_not_rejoin_the_sealed_round
     together([a, b, cut], timeout=40)
     assert isinstance(cut._client, MemoryKV)
     cut._client.partitioned = True
-    c.server.expire_lease(cut._lease)
+    c.server.expire_lease(cut._heartbeat.current)
     infos = together([a, b])  # the others restart and seal round 1 without it
     assert seats(infos) == [(0, 2), (1, 2)]
-    assert a._member_of is not None and cut.node.name not in a._member_of.names()
+    assert a.seated_in is not None and cut.node.name not in a.seated_in.names()
     cut._client.partitioned = False  # back: its agent's workers failed, it rejoins
     thread, box = in_background(cut)
     eventually(lambda: a.num_nodes_waiting() > 0, what="the members see it waiting for the next round")
@@ -340,7 +340,7 @@ def test_a_partitioned_node_whose_lease_expired_does_not_rejoin_the_sealed_round
     thread.join(10)
     assert box and not isinstance(box[0], BaseException), box
     assert seats(again + box) == [(0, 3), (1, 3), (2, 3)]
-    assert box[0].store is not None and a._member_of is not None and a._member_of.round == 2, \
+    assert box[0].store is not None and a.seated_in is not None and a.seated_in.round == 2, \
         "it took a seat in round 2, not in the round sealed without it"
 
 
@@ -350,9 +350,9 @@ def test_a_node_whose_lease_expired_after_the_seal_still_takes_its_seat_if_no_ne
     c = cluster(min_nodes=3, max_nodes=3)
     a, b, late = (c.agent() for _ in range(3))
     together([a, b, late])
-    lost = late._lease
+    lost = late._heartbeat.current
     c.server.expire_lease(lost)  # right after the seal, before (say) it read the record
-    late._regrant(lost)  # back: its key again, with a new ticket
+    late._heartbeat.regrant(lost)  # back: its key again, with a new ticket
     assert late._take_seat(0) is not None and a._take_seat(0) is not None
 
 
@@ -362,7 +362,7 @@ def test_a_slow_node_sees_the_newer_round_and_leaves(cluster: Callable[..., Clus
     together([a, b, slow], timeout=40)
     assert isinstance(slow._client, MemoryKV)
     slow._client.partitioned = True  # paused longer than the window
-    c.server.expire_lease(slow._lease)
+    c.server.expire_lease(slow._heartbeat.current)
     together([a, b])
     assert slow.num_nodes_waiting() == 0
     slow._client.partitioned = False
