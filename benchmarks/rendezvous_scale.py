@@ -182,7 +182,10 @@ class Agent:
         return self.counter.requests, self.counter.bytes
 
     def stop_heartbeats(self) -> None:
-        if hasattr(self.handler, "_stop_heartbeats"):  # torch's handler (c10d, etcd-v3 state)
+        if self.variant == LEASES:
+            self.handler._stop_watcher()
+            self.handler._heartbeat.stop()
+        else:  # torch's handler (c10d, etcd-v3 state)
             self.handler._stop_heartbeats()
 
     def close(self) -> None:
@@ -190,15 +193,16 @@ class Agent:
         h = self.handler
         try:
             if self.variant == LEASES:
-                h._stop.set()
                 h._stop_watcher()
-                h._release()  # revokes the liveness lease
+                h._heartbeat.release()  # stops the keep-alive thread, revokes the liveness lease
                 keeper = h._leases
             else:
                 h._stop_heartbeats()
                 keeper = h._state_holder._backend.backend.leases if self.variant == STATE else None
             if keeper is not None and keeper._id:
                 self.client.revoke_lease(keeper._id)
+        except AttributeError:
+            raise  # the handler changed: this benchmark must follow it, not skip the clean-up silently
         except Exception:  # noqa: BLE001, S110 - best effort; the main deletes the run's keys
             pass
         if self.client is not None:
@@ -282,7 +286,7 @@ def worker_main(index: int, parent: int, commands: Connection, results: Connecti
             r1, b1 = agent.counts()
             error = f"{type(exc).__name__}: {exc}"[:400]
         logged = how.take()  # the sealer's or fast_rendezvous's log line in this thread
-        record = getattr(agent.handler, "_member_of", None)  # the lease protocol's round record says it to all
+        record = getattr(agent.handler, "seated_in", None)  # the lease protocol's round record says it to all
         send({"cmd": "agent", "worker": index, "agent": i, "done": done, "rank": rank, "world": world,
               "error": error, "requests": r1 - r0, "bytes": b1 - b0,
               "completed_by": getattr(record, "reason", None) or logged})

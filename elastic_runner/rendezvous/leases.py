@@ -22,6 +22,7 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousTimeoutError,
 )
 from torch.distributed.elastic.rendezvous.api import RendezvousHandler, RendezvousStoreInfo
+from torch.distributed.elastic.utils.distributed import get_free_port
 
 from .kv import (
     WATCH_SLICE_SECONDS,
@@ -130,7 +131,7 @@ class LeaseRendezvousHandler(RendezvousHandler):
         log.info("The node '%s' has joined round %d of the rendezvous '%s' as rank %d in a world of size %d.",
                  self._node, record.round, self._settings.run_id, rank, len(record.members))
         store = dist.PrefixStore(self._store_prefix(record.round, record.incarnation), self._store)
-        return RendezvousInfo(store, rank, len(record.members), self._bootstrap_info(rank, store))
+        return RendezvousInfo(store, rank, len(record.members), self._bootstrap_info(rank, store, record))
 
     def is_closed(self) -> bool:
         try:
@@ -209,8 +210,9 @@ class LeaseRendezvousHandler(RendezvousHandler):
         """Write our node key for round ``want`` (and the "waiting" signal when the running round must end);
         None when the record changed since we read it. Returns whether a sealer exists, and the revision."""
         node = self._node
+        offer = {} if self.use_agent_store else {"port": get_free_port()}  # MASTER_PORT if it becomes rank 0
         value = self._codec.encode(self._my_key, {"node": node.name, "addr": node.addr, "pid": node.pid,
-                                                  "local_id": node.local_id, "want": want})
+                                                  "local_id": node.local_id, "want": want, **offer})
         self._heartbeat.value = value
         next_key = self._ctl + f"next/{want}".encode()
         sealer_key = self._ctl + f"sealer/{want}".encode()
@@ -339,10 +341,13 @@ class LeaseRendezvousHandler(RendezvousHandler):
         compare = [Compare.mod_revision(self._round_key, view.record_revision) if view.record_revision
                    else Compare.absent(self._round_key), Compare.absent(self._closed_key)]
 
+        first = members[0]
+        master = {"master": [first.node.addr, first.port]} if first.port else {}
+
         def write(lease: int) -> Any:  # on the lasting lease, which every member refreshes while it lives
             value = self._codec.encode(self._round_key, {
                 "round": want, "members": [[j.node.name, j.ticket] for j in members], "lease": lease,
-                "sealed_by": self._node.name, "reason": why})
+                "sealed_by": self._node.name, "reason": why, **master})
             return self._client.txn(compare, [Put(self._round_key, value, lease), Delete(sealer_key),
                                               Delete(self._ctl + f"next/{want}".encode()),
                                               Delete(self._ctl + f"next/{want - 1}".encode())])
@@ -459,13 +464,23 @@ class LeaseRendezvousHandler(RendezvousHandler):
 
     # -- torch's store bootstrap --------------------------------------------------------------------------
 
-    def _bootstrap_info(self, rank: int, store: Store) -> RendezvousStoreInfo:
-        """As torch's handler: rank 0 publishes MASTER_ADDR/PORT in the round's store; with the shared store
-        (torch's default) it also hosts the TCPStore server the workers use. Unlike torch's handler, rank 0
-        publishes the address in every round, not only in the first: a node that joins a running job reads
-        it from the new round's store, where torch's handler leaves it waiting for a key nobody writes."""
+    def _bootstrap_info(self, rank: int, store: Store, record: Round) -> RendezvousStoreInfo:
+        """MASTER_ADDR/PORT for the workers. Without the shared store (launch's and the torchrun hook's default)
+        they are in the round record: rank 0 offered the port when it joined, and nobody waits on anybody after
+        the seal. Rank 0 still writes them to the round's store, where an agent of an older build reads them.
+
+        With the shared store (torch's default) rank 0 hosts the TCPStore server the workers use, on a port
+        only it knows once seated, and hands address and port over through the store as torch's handler does,
+        but in every round, not only in the first: a node that joins a running job reads them from the new
+        round's store, where torch's handler leaves it waiting for a key nobody writes."""
         if not self.use_agent_store:
-            return RendezvousStoreInfo.build(rank, store, local_addr=self._node.addr)
+            if record.master is None:  # sealed by an older build, or rank 0 is one
+                return RendezvousStoreInfo.build(rank, store, local_addr=self._node.addr)
+            addr, port = record.master
+            if rank == 0:
+                store.set(RendezvousStoreInfo.MASTER_ADDR_KEY, addr.encode())
+                store.set(RendezvousStoreInfo.MASTER_PORT_KEY, str(port).encode())
+            return RendezvousStoreInfo(master_addr=addr, master_port=port)
         port = 0
         if rank == 0:
             if self._tcp_server is None:

@@ -14,8 +14,12 @@ Keys, under ``{key_prefix}/{run_id}/rdzv/``:
   keep-alive is one lease refresh; a dead agent's key disappears when its lease expires. The key's
   ``create_revision`` is the node's *ticket*: it changes only if the key was deleted in between.
 - ``ctl/round``: the newest sealed round, ``{"round", "members": [[node, ticket], ...] in rank order,
-  "lease", "sealed_by"}``, written only by a transaction that compares its ``mod_revision`` with the
-  one the writer read (create-if-absent for the first) and that the run is not closed.
+  "lease", "sealed_by", "reason", "master"}``, written only by a transaction that compares its
+  ``mod_revision`` with the one the writer read (create-if-absent for the first) and that the run is
+  not closed. ``master`` is rank 0's address and a port it found free when it joined (each node offers
+  one in its key): MASTER_ADDR/MASTER_PORT for the workers, so that no agent waits for rank 0 to hand
+  them over through the store after the seal (torch's handover; kept where the agent's TCPStore is
+  shared with the workers, whose port only rank 0 knows once seated).
 - ``ctl/sealer/<R>``: the agent that seals round R (create-if-absent, on its liveness lease: if it
   dies the key goes and the next waiting agent takes over).
 - ``ctl/next/<R>``: "a node waits for round R", created by the first joiner that needs the running
@@ -40,7 +44,7 @@ A node that finds the running round full (``max_nodes`` members) waits without a
 without a deadline, like torch's redundancy list: it gets a seat when the round next re-forms.
 
 Ranks are the members sorted by (address, pid, local id), as torch's handler assigns them. Requests
-per agent and round: about five (read, join, claim, one watch, one check) however large the job;
+per agent and round: about five (read, join, claim, one watch, one seat) however large the job;
 the sealer alone reads the N node keys, once. While training, an agent refreshes its lease once per
 ``keep_alive_interval`` and keeps one idle watch on ``ctl/``: ``num_nodes_waiting`` costs nothing.
 
@@ -161,6 +165,7 @@ class Joiner:
     node: NodeId
     want: int
     ticket: int  #: the key's create_revision
+    port: int = 0  #: a free port it found when it joined: MASTER_PORT if it becomes rank 0 (0: none offered)
 
 
 @dataclass(frozen=True)
@@ -172,6 +177,7 @@ class Round:
     reason: str = ""  #: why the sealer sealed it: max_nodes, previous round accounted for, last call
     revision: int = 0  #: the etcd revision of the seal (not stored: the key's mod_revision)
     incarnation: int = 0  #: the record key's creation revision: numbering starts over if it is ever deleted
+    master: tuple[str, int] | None = None  #: rank 0's address and offered port (MASTER_ADDR/MASTER_PORT)
 
     def names(self) -> list[str]:
         return [name for name, _ in self.members]
@@ -260,10 +266,14 @@ class Codec:
         try:
             obj = self.open(kv)
             members = tuple((str(name), int(ticket)) for name, ticket in obj["members"])
+            master = obj.get("master")
             record = Round(int(obj["round"]), members, int(obj.get("lease", 0)), str(obj.get("sealed_by", "")),
-                           str(obj.get("reason", "")), kv.mod_revision, kv.create_revision)
+                           str(obj.get("reason", "")), kv.mod_revision, kv.create_revision,
+                           None if master is None else (str(master[0]), int(master[1])))
             if record.round < 0 or not members or len({name for name, _ in members}) != len(members):
                 raise ValueError("its round or member list is not valid")
+            if record.master is not None and not 0 < record.master[1] < 65536:
+                raise ValueError(f"its master port {record.master[1]} is not a port")
             return record
         except PermissionError as exc:
             raise RendezvousRefusedError(f"The rendezvous record in etcd key '{key}' is refused: {exc}. {hint}") \
@@ -278,7 +288,7 @@ class Codec:
             node = NodeId(str(obj["addr"]), int(obj["pid"]), int(obj["local_id"]))
             if node.name != kv.key[len(self.node_prefix):].decode():
                 raise ValueError("its content names another node")
-            return Joiner(node, int(obj["want"]), kv.create_revision)
+            return Joiner(node, int(obj["want"]), kv.create_revision, int(obj.get("port", 0)))
         except (PermissionError, ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
             if kv.key not in self._warned:
                 self._warned.add(kv.key)

@@ -174,6 +174,32 @@ def test_a_store_per_round_and_the_bootstrap_address_for_the_workers(cluster: Ca
     assert infos[1].store.get("k") == b"v"
 
 
+def test_the_workers_address_comes_with_the_round_record_and_rank_0_still_hands_it_over(
+        cluster: Callable[..., Cluster], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    c = cluster(min_nodes=3, max_nodes=3)
+    agents = [c.agent() for _ in range(3)]
+    infos = together(agents)
+    record = agents[0].seated_in
+    assert record is not None and record.master is not None
+    assert {(i.bootstrap_store_info.master_addr, i.bootstrap_store_info.master_port) for i in infos} == \
+        {record.master}, "every agent reads MASTER_ADDR/PORT from the record: nobody waits for rank 0"
+    assert infos[2].store.get("MASTER_PORT") == str(record.master[1]).encode(), "for agents of older builds"
+
+
+def test_a_record_without_the_address_falls_back_to_torchs_handover(cluster: Callable[..., Cluster],
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A round sealed by an older build, or whose rank 0 is one, names no master: the store hands it over."""
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    monkeypatch.setattr("elastic_runner.rendezvous.leases.get_free_port", lambda: 0)  # nobody offers a port
+    c = cluster(min_nodes=2, max_nodes=2)
+    agents = [c.agent(), c.agent()]
+    infos = together(agents)
+    assert agents[0].seated_in is not None and agents[0].seated_in.master is None
+    ports = {i.bootstrap_store_info.master_port for i in infos}
+    assert len(ports) == 1 and 0 not in ports
+
+
 # == restarts, losses, joins ================================================================================
 
 def test_after_a_restart_the_round_reforms_without_the_last_call(cluster: Callable[..., Cluster]) -> None:
