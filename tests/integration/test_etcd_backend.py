@@ -20,6 +20,7 @@ from elastic_runner.rendezvous.plugin import create_handler
 from elastic_runner.testing.contracts import BackendContract, KVEnv
 
 from ..unit.test_etcd_fake import params
+from ..unit.test_lease_rendezvous import together as at_once
 from .conftest import Certs, gateway_client
 
 pytestmark = pytest.mark.timeout(60)
@@ -170,21 +171,24 @@ def lease_agents(endpoint: str, run_id: str, n: int, max_nodes: int = 3, **conf:
 
 
 def together(handlers: list[Any], timeout: float = 30) -> list[Any]:
-    out: list[Any] = [None] * len(handlers)
-
-    def run(i: int) -> None:
-        try:
-            out[i] = handlers[i].next_rendezvous()
-        except BaseException as exc:  # noqa: BLE001 - returned to the test
-            out[i] = exc
-
-    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(handlers))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout)
-    assert all(o is not None and not isinstance(o, BaseException) for o in out), out
+    out = at_once(handlers, timeout)
+    assert not any(isinstance(o, BaseException) for o in out), out
     return out
+
+
+def a_newcomer_is_seen_and_seated(agents: list[Any], newcomer: Any, within: float) -> None:
+    """A node joins a running round: every member's watch reports it waiting, and the next round seats all."""
+    box: list[Any] = []
+    thread = threading.Thread(target=lambda: box.append(newcomer.next_rendezvous()), daemon=True)
+    thread.start()
+    deadline = time.monotonic() + within
+    while not all(a.num_nodes_waiting() for a in agents) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert all(a.num_nodes_waiting() for a in agents), "the members' watches show the waiting node"
+    infos = together(agents)
+    thread.join(10)
+    assert sorted(i.rank for i in infos + box) == list(range(len(agents) + 1))
+    agents.append(newcomer)
 
 
 def test_lease_rounds_reform_after_a_restart_lose_a_node_and_take_a_new_one(etcd_server: EtcdServer) -> None:
@@ -203,18 +207,7 @@ def test_lease_rounds_reform_after_a_restart_lose_a_node_and_take_a_new_one(etcd
         assert sorted(i.world_size for i in together(agents)) == [2, 2]
         assert 1.0 < time.monotonic() - started < 8, "waited for the dead node's lease, not for the 30 s last call"
 
-        (newcomer,) = lease_agents(etcd_server.endpoint, run_id, 1)
-        box: list[Any] = []
-        thread = threading.Thread(target=lambda: box.append(newcomer.next_rendezvous()), daemon=True)
-        thread.start()
-        deadline = time.monotonic() + 10
-        while not all(a.num_nodes_waiting() for a in agents) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert all(a.num_nodes_waiting() for a in agents), "the members' watch shows the waiting node"
-        infos = together(agents)
-        thread.join(10)
-        assert sorted(i.rank for i in infos + box) == [0, 1, 2]
-        agents.append(newcomer)
+        a_newcomer_is_seen_and_seated(agents, lease_agents(etcd_server.endpoint, run_id, 1)[0], within=10)
     finally:
         for a in agents:
             a.shutdown()
@@ -244,18 +237,9 @@ def test_lease_protocol_members_stay_alive_through_an_etcd_restart(etcd_factory:
             assert len(nodes) == 2
         finally:
             admin.close()
-        (newcomer,) = lease_agents(server.endpoint, "restart", 1, last_call_timeout="2")
-        box: list[Any] = []
-        thread = threading.Thread(target=lambda: box.append(newcomer.next_rendezvous()), daemon=True)
-        thread.start()
-        deadline = time.monotonic() + 15
-        while not all(a.num_nodes_waiting() for a in agents) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert all(a.num_nodes_waiting() for a in agents), "the reconnected watches see the new node"
-        infos = together(agents)
-        thread.join(10)
-        assert sorted(i.rank for i in infos + box) == [0, 1, 2]
-        agents.append(newcomer)
+        # the reconnected watches see a node that joins afterwards
+        a_newcomer_is_seen_and_seated(agents, lease_agents(server.endpoint, "restart", 1, last_call_timeout="2")[0],
+                                      within=15)
     finally:
         for a in agents:
             a.shutdown()
