@@ -21,11 +21,15 @@ lines; elastic_runner: its ``first_step`` events).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import statistics
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -274,3 +278,18 @@ def write_json(path: str | None, data: dict[str, Any]) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(text)
     print(text)
+
+
+@contextlib.contextmanager
+def scratch_dir(given: str | None, prefix: str) -> Iterator[Path]:
+    """The benchmark's run directories: ``--workdir`` if given (kept, to look at the logs), else a private
+    temporary directory removed at the end (a throughput run leaves ~1 GB of snapshots and logs)."""
+    if given:
+        Path(given).mkdir(parents=True, exist_ok=True)
+        yield Path(given)
+        return
+    path = Path(tempfile.mkdtemp(prefix=prefix))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)

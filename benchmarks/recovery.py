@@ -18,12 +18,11 @@ from __future__ import annotations
 
 import argparse
 import signal
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from common import SAME_SETTINGS, VARIANTS, Workload, furthest_completed_step, make_job, median, wait_stepping, write_json
+from common import scratch_dir, SAME_SETTINGS, VARIANTS, Workload, furthest_completed_step, make_job, median, wait_stepping, write_json
 
 
 def measure(variant: str, repeats: int, hang_after: float, workdir: Path, scenarios: list[str],
@@ -122,26 +121,26 @@ def main() -> None:
     p.add_argument("--workdir", default=None)
     p.add_argument("--out", default=None, help="write the JSON result here too")
     args = p.parse_args()
-    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="er-bench-recovery-"))
-    raw = {}
-    loader_counts = [int(n) for n in args.loader_workers.split(",") if n.strip()]
-    for variant in [v.strip() for v in args.variants.split(",") if v.strip()]:
-        for workers in loader_counts:
-            key = variant + (f"@loader{workers}" if workers else "")
-            started = time.monotonic()
-            repeats = args.default_repeats if variant == "torchrun-default" and args.default_repeats else args.repeats
-            raw[key] = measure(variant, repeats, args.hang_after, workdir, args.scenarios.split(","), workers)
-            raw[key]["wall_s"] = round(time.monotonic() - started, 1)
-            print(f"{key}: {raw[key]}", flush=True)
-    result = summarize(raw, args.hang_after)
-    # Loader processes must not slow recovery: each variant with loader workers against itself without them.
-    for key, medians in result["medians"].items():
-        variant, _, loader = key.partition("@")
-        base = result["medians"].get(variant, {})
-        for scenario in ("worker_kill_s", "node_loss_s", "node_join_s"):
-            if loader and isinstance(medians.get(scenario), float) and isinstance(base.get(scenario), float):
-                result["ratios"][f"{key}:{scenario[:-2]}_vs_{variant}"] = round(medians[scenario] / base[scenario], 3)
-    write_json(args.out, {"benchmark": "recovery", "repeats": args.repeats, "workdir": str(workdir), "raw": raw} | result)
+    with scratch_dir(args.workdir, "er-bench-recovery-") as workdir:
+        raw = {}
+        loader_counts = [int(n) for n in args.loader_workers.split(",") if n.strip()]
+        for variant in [v.strip() for v in args.variants.split(",") if v.strip()]:
+            for workers in loader_counts:
+                key = variant + (f"@loader{workers}" if workers else "")
+                started = time.monotonic()
+                repeats = args.default_repeats if variant == "torchrun-default" and args.default_repeats else args.repeats
+                raw[key] = measure(variant, repeats, args.hang_after, workdir, args.scenarios.split(","), workers)
+                raw[key]["wall_s"] = round(time.monotonic() - started, 1)
+                print(f"{key}: {raw[key]}", flush=True)
+        result = summarize(raw, args.hang_after)
+        # Loader processes must not slow recovery: each variant with loader workers against itself without them.
+        for key, medians in result["medians"].items():
+            variant, _, loader = key.partition("@")
+            base = result["medians"].get(variant, {})
+            for scenario in ("worker_kill_s", "node_loss_s", "node_join_s"):
+                if loader and isinstance(medians.get(scenario), float) and isinstance(base.get(scenario), float):
+                    result["ratios"][f"{key}:{scenario[:-2]}_vs_{variant}"] = round(medians[scenario] / base[scenario], 3)
+        write_json(args.out, {"benchmark": "recovery", "repeats": args.repeats, "workdir": args.workdir, "raw": raw} | result)
 
 
 if __name__ == "__main__":

@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from common import Workload, make_job, median, read_events, steady_rate, timing_lines, write_json
+from common import scratch_dir, Workload, make_job, median, read_events, steady_rate, timing_lines, write_json
 
 MODELS: dict[str, Workload] = {
     "small": Workload(batch_per_rank=32, world=1),
@@ -60,32 +59,32 @@ def main() -> None:
     p.add_argument("--workdir", default=None)
     p.add_argument("--out", default=None)
     args = p.parse_args()
-    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="er-bench-snapshots-"))
-    result: dict[str, Any] = {}
-    for model in args.models.split(","):
-        workload = MODELS[model]
-        runs: dict[str, list[dict[str, Any]]] = {}
-        for _ in range(args.repeats):
-            for variant in ("torchrun-tuned", "elastic-runner"):
-                for every in (0, args.every):
-                    key = f"{'baseline' if variant != 'elastic-runner' else 'elastic-runner'}/{'on' if every else 'off'}"
-                    runs.setdefault(key, []).append(one_run(variant, workload, workdir, every, args.steps, args.skip))
-                    print(model, key, runs[key][-1]["rate"], flush=True)
-        summary: dict[str, Any] = {}
-        for who in ("baseline", "elastic-runner"):
-            off = median([r["rate"] for r in runs[f"{who}/off"] if r["rate"]])
-            on = median([r["rate"] for r in runs[f"{who}/on"] if r["rate"]])
-            blocking = [b for r in runs[f"{who}/on"] for b in r["blocking_s"]]
-            write = [w for r in runs[f"{who}/on"] for w in r["write_s"]]
-            summary[who] = {
-                "samples_per_s_off": off, "samples_per_s_on": on,
-                "throughput_ratio_on_vs_off": round(on / off, 3) if on and off else None,
-                "save_blocking_ms_median": round(1000 * statistics.median(blocking), 1) if blocking else None,
-                "save_write_ms_median": round(1000 * statistics.median(write), 1) if write else None,
-            }
-        result[model] = summary
-    write_json(args.out, {"benchmark": "snapshot_overhead", "every": args.every, "steps": args.steps,
-                          "repeats": args.repeats, "models": result})
+    with scratch_dir(args.workdir, "er-bench-snapshots-") as workdir:
+        result: dict[str, Any] = {}
+        for model in args.models.split(","):
+            workload = MODELS[model]
+            runs: dict[str, list[dict[str, Any]]] = {}
+            for _ in range(args.repeats):
+                for variant in ("torchrun-tuned", "elastic-runner"):
+                    for every in (0, args.every):
+                        key = f"{'baseline' if variant != 'elastic-runner' else 'elastic-runner'}/{'on' if every else 'off'}"
+                        runs.setdefault(key, []).append(one_run(variant, workload, workdir, every, args.steps, args.skip))
+                        print(model, key, runs[key][-1]["rate"], flush=True)
+            summary: dict[str, Any] = {}
+            for who in ("baseline", "elastic-runner"):
+                off = median([r["rate"] for r in runs[f"{who}/off"] if r["rate"]])
+                on = median([r["rate"] for r in runs[f"{who}/on"] if r["rate"]])
+                blocking = [b for r in runs[f"{who}/on"] for b in r["blocking_s"]]
+                write = [w for r in runs[f"{who}/on"] for w in r["write_s"]]
+                summary[who] = {
+                    "samples_per_s_off": off, "samples_per_s_on": on,
+                    "throughput_ratio_on_vs_off": round(on / off, 3) if on and off else None,
+                    "save_blocking_ms_median": round(1000 * statistics.median(blocking), 1) if blocking else None,
+                    "save_write_ms_median": round(1000 * statistics.median(write), 1) if write else None,
+                }
+            result[model] = summary
+        write_json(args.out, {"benchmark": "snapshot_overhead", "every": args.every, "steps": args.steps,
+                              "repeats": args.repeats, "models": result})
 
 
 if __name__ == "__main__":

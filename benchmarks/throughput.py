@@ -21,12 +21,11 @@ with other load:
 from __future__ import annotations
 
 import argparse
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from common import Workload, make_job, median, read_events, steady_rate, write_json
+from common import scratch_dir, Workload, make_job, median, read_events, steady_rate, write_json
 
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "baseline": ("torchrun-tuned", {}),
@@ -86,33 +85,33 @@ def main() -> None:
     p.add_argument("--workdir", default=None)
     p.add_argument("--out", default=None)
     args = p.parse_args()
-    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="er-bench-throughput-"))
-    chosen = [w.strip() for w in args.workloads.split(",") if w.strip()]
-    results: dict[str, Any] = {}
-    if "cnn" in chosen:
-        # A step of tens of milliseconds (3x32x32 images, 32-channel CNN): per-step overheads
-        # are measured against real work, not against a 1 ms toy step.
-        cnn = Workload(data="synthetic", synthetic_shape="3,32,32", channels=32, hidden=128)
-        results["cnn"] = measure("cnn", cnn, workdir, args.repeats, args.steps, args.skip)
-    if "gpt" in chosen:
-        from elastic_runner.tokens import prepare_text
+    with scratch_dir(args.workdir, "er-bench-throughput-") as workdir:
+        chosen = [w.strip() for w in args.workloads.split(",") if w.strip()]
+        results: dict[str, Any] = {}
+        if "cnn" in chosen:
+            # A step of tens of milliseconds (3x32x32 images, 32-channel CNN): per-step overheads
+            # are measured against real work, not against a 1 ms toy step.
+            cnn = Workload(data="synthetic", synthetic_shape="3,32,32", channels=32, hidden=128)
+            results["cnn"] = measure("cnn", cnn, workdir, args.repeats, args.steps, args.skip)
+        if "gpt" in chosen:
+            from elastic_runner.tokens import prepare_text
 
-        tokens = workdir / "shakespeare-char"
-        prepare_text(Path(__file__).resolve().parent.parent / "examples" / "data" / "shakespeare.txt", tokens)
-        gpt = Workload(data="tokens", model="gpt", tokens_dir=str(tokens), optim="adamw", lr=2e-3)
-        results["gpt"] = measure("gpt", gpt, workdir, args.repeats, max(100, args.steps * 3 // 4), args.skip)
-    if "resnet18" in chosen:
-        # torchvision's resnet18 (BatchNorm) on 3x32x32 images, random crop and flip in 2 DataLoader workers per
-        # rank: elastic_runner seeds each sample's draws, the baseline uses the workers' generators.
-        resnet = Workload(data="fake_images", model="resnet18", synthetic_size=2048, synthetic_shape="3,32,32",
-                          workers=2, augment=True, lr=0.05)
-        results["resnet18"] = measure("resnet18", resnet, workdir, args.repeats, max(60, args.steps // 4),
-                                      max(10, args.skip // 4))
-    out: dict[str, Any] = {"benchmark": "throughput", "workloads": results, "repeats": args.repeats}
-    if "cnn" in results:  # the summary table's row (benchmarks/run_all.py)
-        out |= {"samples_per_s": results["cnn"]["rates"], "median_samples_per_s": results["cnn"]["medians"],
-                "ratios": results["cnn"]["ratios"]}
-    write_json(args.out, out)
+            tokens = workdir / "shakespeare-char"
+            prepare_text(Path(__file__).resolve().parent.parent / "examples" / "data" / "shakespeare.txt", tokens)
+            gpt = Workload(data="tokens", model="gpt", tokens_dir=str(tokens), optim="adamw", lr=2e-3)
+            results["gpt"] = measure("gpt", gpt, workdir, args.repeats, max(100, args.steps * 3 // 4), args.skip)
+        if "resnet18" in chosen:
+            # torchvision's resnet18 (BatchNorm) on 3x32x32 images, random crop and flip in 2 DataLoader workers per
+            # rank: elastic_runner seeds each sample's draws, the baseline uses the workers' generators.
+            resnet = Workload(data="fake_images", model="resnet18", synthetic_size=2048, synthetic_shape="3,32,32",
+                              workers=2, augment=True, lr=0.05)
+            results["resnet18"] = measure("resnet18", resnet, workdir, args.repeats, max(60, args.steps // 4),
+                                          max(10, args.skip // 4))
+        out: dict[str, Any] = {"benchmark": "throughput", "workloads": results, "repeats": args.repeats}
+        if "cnn" in results:  # the summary table's row (benchmarks/run_all.py)
+            out |= {"samples_per_s": results["cnn"]["rates"], "median_samples_per_s": results["cnn"]["medians"],
+                    "ratios": results["cnn"]["ratios"]}
+        write_json(args.out, out)
 
 
 if __name__ == "__main__":
