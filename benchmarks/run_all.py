@@ -73,7 +73,7 @@ def table(recovery: dict[str, Any] | None, throughput: dict[str, Any] | None, sn
                      f"{fmt(r.get('elastic-runner_vs_baseline'))} | |")
     if snapshots:
         for model, s in snapshots["models"].items():
-            b, o = s["baseline"], s["elastic-runner"]
+            b, o = s["baseline"], s["elastic-runner-process"]  # the default writer
             lines.append(f"| {model} model: throughput with snapshots every {snapshots['every']} steps / without | | "
                          f"{fmt(b.get('throughput_ratio_on_vs_off'))} | {fmt(o.get('throughput_ratio_on_vs_off'))} | | |")
             lines.append(f"| {model} model: save blocks the step (ms, median) / full write | | "
@@ -97,7 +97,8 @@ def main() -> None:
                                                           "--default-repeats", "1", "--hang-after", "100")
     throughput = None if "throughput" in skip else run("throughput.py", out / "throughput.json", "--repeats", reps,
                                                                 "--steps", "400", "--skip", "80")
-    snapshots = None if "snapshots" in skip else run("snapshot_overhead.py", out / "snapshots.json", "--repeats", "1" if args.quick else "2")
+    snapshots = None if "snapshots" in skip else run("snapshot_overhead.py", out / "snapshots.json", "--repeats", "1" if args.quick else "2",
+                                                                  "--writers", "process")
     rendezvous = None if "rendezvous" in skip else run("rendezvous_scale.py", out / "rendezvous.json")
     summary = table(recovery, throughput, snapshots)
     if rendezvous:

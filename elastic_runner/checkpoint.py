@@ -296,6 +296,8 @@ class Checkpointer:
     def mutating(self) -> Iterator[None]:
         """Hold the step lock while the loop changes the saved state (see :class:`StateGuard`); leaving
         the block normally is a step boundary."""
+        if self.writer is not None:
+            self.writer.wait_staged()  # a snapshot's copy of these tensors may still be under way
         with self.guard.mutating():
             yield
             self.at_boundary()
@@ -374,7 +376,8 @@ class Checkpointer:
         if self.writer is None and (self.dist.rank == 0 or self.env.is_local_leader):
             snap = self.cfg.snapshot
             self.writer = SnapshotWriter(self.store, generation=self.generation, keep_last=snap.keep_last,
-                                         async_write=snap.async_write, observer=self)
+                                         async_write=snap.async_write, observer=self,
+                                         process=snap.writer == "process")
             if self.dist.rank == 0:
                 self.check_space()
                 if snap.every_steps == "auto":

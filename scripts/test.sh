@@ -2,8 +2,8 @@
 # Set up and run the tests on both torch releases the project supports:
 #   1. the whole suite on torch 2.14.1 + torchvision 0.29.1 (.venv-vision; extra arguments go to this pytest run),
 #   2. a shorter run on torch 2.13.0, the CPU wheel the quickstart uses (.venv): the unit tests that touch torch's
-#      own APIs (the torch-patch canaries, the torchrun hook, rendezvous handlers and store, snapshot loading,
-#      components, the sampler), the launcher tests and one elastic scenario. The other unit tests check our own
+#      own APIs (the torch-patch canaries, the torchrun hook, rendezvous handlers and store, snapshot loading, the
+#      snapshot writer process, components, the sampler), the launcher tests and one elastic scenario. The other unit tests check our own
 #      logic; the first run covers them.
 # The tests install what they need from Debian themselves (etcd-server, prometheus) when run as root.
 set -uo pipefail
@@ -16,6 +16,7 @@ echo "==> the short run on torch 2.13.0"
 .venv/bin/python -m pytest -ra -p no:cacheprovider \
   tests/unit/test_torch_patches.py tests/unit/test_torchrun_hook.py tests/unit/test_fast_rendezvous.py \
   tests/unit/test_lease_rendezvous.py tests/unit/test_etcd_fake.py tests/unit/test_snapshot.py \
+  tests/unit/test_snapshot_writer_process.py \
   tests/unit/test_security.py tests/unit/test_components.py tests/unit/test_images.py tests/unit/test_sampler.py \
   tests/unit/test_preflight.py tests/multiprocess/test_launch.py \
   "tests/elastic/test_fast_recovery.py::test_worker_kill_resumes_from_a_survivors_memory_losing_no_step_and_ends_bitwise_identical"

@@ -25,9 +25,15 @@ class SnapshotConfig:
         "failure without snapshot.in_memory: what only the disk snapshot survives).", default=24.0)
     dir: str | None = _help("Where snapshots live (default: RUN_DIR/snapshots).", default=None)
     async_write: bool = _help(
-        "Serialise and write in a background thread; the step only waits for the copy "
+        "Write periodic snapshots in the background; the step only waits for the copy of the state "
         "into host memory. At most one write is in flight.",
         default=True,
+    )
+    writer: Literal["process", "thread"] = _help(
+        "Where a background write runs: process (a writer process fed through shared memory: serialisation, "
+        "SHA-256 and fsync never compete with training for the interpreter, and a CPU state of 8 MB or more is "
+        "copied beside the next forward/backward) or thread (in the worker; also where memfd is missing).",
+        default="process",
     )
     verify: bool = _help("Check each snapshot's SHA-256 before loading it.", default=True)
     mode: Literal["private", "group"] = _help(

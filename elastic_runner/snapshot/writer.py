@@ -1,17 +1,26 @@
 """Save snapshots without stalling training.
 
-The step waits only while tensors are copied into host memory (into buffers
-kept from the previous snapshot: :class:`HostStaging`). Serialisation, checksum, fsync,
-publish and pruning run in one background thread; at most one write is in
-flight, so a new save first waits for the previous one. A failed background
-write is logged as an error, counted, and leaves the published snapshots as
-they were (the staging directory is removed). A stale-generation error is
-fatal: the loop calls :meth:`SnapshotWriter.raise_if_fatal` every step.
+The step waits only while tensors are copied out of the live state. By default
+(``snapshot.writer: process``) they are copied into a shared-memory arena and a
+writer process serialises, checksums, fsyncs, publishes and prunes
+(:mod:`.writer_process`), so none of that competes with training for the
+interpreter; a CPU state of 8 MB or more is copied by a thread beside the next
+forward and backward, and the next optimizer step waits for that copy
+(:meth:`SnapshotWriter.wait_staged`). Otherwise (``thread``, a platform without
+memfd, or once the process is gone) the copy goes into host buffers kept from
+the previous snapshot (:class:`HostStaging`) and one background thread writes.
+At most one write is in flight, so a new save first waits for the previous one.
+A failed background write is logged as an error, counted, and leaves the
+published snapshots as they were (the staging directory is removed). A
+stale-generation error is fatal: the loop calls
+:meth:`SnapshotWriter.raise_if_fatal` every step. Synchronous saves (final,
+stop, node memory) are written by the caller.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -19,9 +28,13 @@ from typing import Any, Callable, Protocol
 
 import torch
 
+from ..fsmode import sharing
+from . import shm
 from .format import write_snapshot_files
 from .space import is_disk_full, space_note, state_bytes
-from .store import AlreadyCommittedError, LocalStore, SnapshotError, SnapshotRef, StaleWriterError
+from .store import (AlreadyCommittedError, CorruptSnapshotError, LocalStore, SnapshotError, SnapshotRef,
+                    StaleWriterError)
+from .writer_process import Outcome, WriterGone, WriterProcess
 
 log = logging.getLogger(__name__)
 
@@ -80,13 +93,99 @@ class SaveResult:
     done: threading.Event = field(default_factory=threading.Event)
 
 
+@dataclass
+class Written:
+    """What :func:`write_and_publish` did, for the worker to report."""
+
+    meta: dict[str, Any]
+    already_committed: bool = False
+    prune_errors: list[str] = field(default_factory=list)
+
+
+def write_and_publish(store: LocalStore, generation: int, keep_last: int, ref: SnapshotRef, state: dict[str, Any],
+                      meta: dict[str, Any]) -> Written:
+    """Write ``state`` as snapshot ``ref``, publish it unless a newer generation owns the run, and delete
+    snapshots beyond ``keep_last``. Runs in the writer process or the writer thread. On failure the
+    staging directory is gone and the published snapshots are as they were."""
+    staging = None
+    try:
+        store.check_fence(generation)
+        staging = store.staging(ref)
+        written = Written(write_snapshot_files(staging, state, meta))
+        # Fence again right before publishing: a newer round may have started meanwhile.
+        store.check_fence(generation)
+        try:
+            store.publish(staging, ref)
+            staging = None
+        except AlreadyCommittedError:
+            written.already_committed = True
+        written.prune_errors = _prune(store, keep_last, ref)
+        return written
+    except Exception as exc:
+        if staging is not None:  # first: the space it took is part of what the report measures
+            store.discard(staging)
+            staging = None
+        stale = _stale_instead(store, generation, exc)
+        if stale is exc:
+            raise
+        raise stale from exc
+    finally:
+        if staging is not None:  # Ctrl-C during a synchronous save
+            store.discard(staging)
+
+
+def _stale_instead(store: LocalStore, generation: int, exc: Exception) -> Exception:
+    """A write that failed because a newer round started meanwhile (its start sweeps older
+    rounds' staging directories) is the stale-writer error, not a disk problem to retry."""
+    if isinstance(exc, StaleWriterError):
+        return exc
+    try:
+        store.check_fence(generation)
+    except StaleWriterError as stale:
+        return stale
+    except Exception:  # noqa: BLE001 - the store itself failing: report the original error
+        return exc
+    return exc
+
+
+def _prune(store: LocalStore, keep_last: int, newest: SnapshotRef) -> list[str]:
+    complete = store.complete()
+    keep = set(complete[-keep_last:])
+    errors = []
+    for ref in complete:
+        if ref not in keep and ref < newest:
+            try:
+                store.remove(ref)
+            except OSError as exc:
+                errors.append(f"could not delete old snapshot {ref.name}: {exc}")
+    return errors
+
+
+def _rebuilt(error: dict[str, Any]) -> SnapshotError:
+    """The writer process's error as the worker's exception (its errno kept: a full disk is told apart)."""
+    kinds = {k.__name__: k for k in (StaleWriterError, CorruptSnapshotError, SnapshotError)}
+    kind = kinds.get(error["type"], SnapshotError)
+    message = error["message"] if error["type"] in kinds else f"{error['type']}: {error['message']}"
+    exc = kind(message)
+    if error.get("errno"):
+        exc.__cause__ = OSError(error["errno"], os.strerror(error["errno"]))
+    return exc
+
+
 #: After the first failed write, at most one line per this many seconds while writes keep failing.
 FAILURE_REPORT_EVERY_S = 60.0
+#: A CPU state at least this large is copied into the arena beside the next forward/backward (the copy of
+#: 100 MB takes ~12 ms here); a smaller one is copied at once, which costs less than starting a thread.
+OVERLAP_BYTES = 8 << 20
 
 
 class SnapshotWriter:
+    """See the module docstring. ``process``: write through a writer process (:mod:`.writer_process`)
+    where the platform has memfd and the store is a local directory; otherwise, or once that process is
+    gone, in a thread."""
+
     def __init__(self, store: LocalStore, *, generation: int, keep_last: int, async_write: bool = True,
-                 observer: SnapshotObserver | None = None, durable: bool = True) -> None:
+                 observer: SnapshotObserver | None = None, durable: bool = True, process: bool = False) -> None:
         self.store = store
         self.generation = generation
         self.keep_last = keep_last
@@ -102,6 +201,12 @@ class SnapshotWriter:
         self._fatal: BaseException | None = None
         self._failing_since: SnapshotRef | None = None
         self._last_report = 0.0
+        self.process_wanted = process and async_write and shm.supported() and type(store) is LocalStore
+        self._process: WriterProcess | None = None
+        self._arena: shm.Arena | None = None
+        self._stager: threading.Thread | None = None
+        self._in_flight: SaveResult | None = None
+        self._write_began = 0.0
 
     # -- public API -------------------------------------------------------------------
 
@@ -111,10 +216,15 @@ class SnapshotWriter:
         self.wait()
         ref = SnapshotRef(generation=self.generation, step=step)
         state, meta = capture()
+        meta = dict(meta) | {"step": step, "generation": self.generation, "name": ref.name}
+        if self.async_write and not sync and self._process_ready():
+            through = self._save_through_process(ref, state, meta, started)
+            if through is not None:
+                self.last = through
+                return through
         host_state = self._staging.copy(state)  # the previous write is done (wait above): its buffers are free
         result = SaveResult(ref=ref, blocking_s=time.perf_counter() - started)
         result.size_estimate = state_bytes(host_state)
-        meta = dict(meta) | {"step": step, "generation": self.generation, "name": ref.name}
         if self.async_write and not sync:
             self._thread = threading.Thread(
                 target=self._write, args=(result, host_state, meta), name=f"snapshot-{ref.name}", daemon=True
@@ -126,16 +236,29 @@ class SnapshotWriter:
         self.last = result
         return result
 
+    def wait_staged(self) -> None:
+        """Block until the state of the save in flight is copied out of the live tensors: call it before
+        changing them (the loop does, in ``Checkpointer.mutating``)."""
+        stager = self._stager
+        if stager is not None:
+            stager.join()
+            self._stager = None
+
     def wait(self) -> SaveResult | None:
         """Block until the in-flight write (if any) has finished."""
+        self.wait_staged()
         thread = self._thread
         if thread is not None:
             thread.join()
             self._thread = None
+        if self._in_flight is not None:
+            self._in_flight.done.wait()
+            self._in_flight = None
         return self.last
 
     def busy(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return (self._thread is not None and self._thread.is_alive()) or \
+            (self._in_flight is not None and not self._in_flight.done.is_set())
 
     def raise_if_fatal(self) -> None:
         if self._fatal is not None:
@@ -143,26 +266,118 @@ class SnapshotWriter:
 
     def close(self) -> None:
         self.wait()
+        if self._process is not None:
+            self._process.close()
+            self._process = None
+        if self._arena is not None:
+            self._arena.close()
+            self._arena = None
 
-    # -- background -----------------------------------------------------------------------
+    # -- through the writer process ---------------------------------------------------------------------
+
+    def _process_ready(self) -> bool:
+        if not self.process_wanted:
+            return False
+        if self._process is None:
+            try:
+                self._process = WriterProcess(str(self.store.root), self.generation, self.keep_last, sharing(),
+                                              self._on_outcome, self._on_gone)
+            except (WriterGone, OSError) as exc:
+                self.process_wanted = False
+                log.warning("%s; snapshots are written in a background thread", exc)
+                return False
+        # Until it has imported torch, saves go through the thread: the process starts with the first
+        # periodic snapshot, not beside the worker's own start-up (a recovery's critical path).
+        return self._process.ready.is_set() and self._process.alive()
+
+    def _save_through_process(self, ref: SnapshotRef, state: dict[str, Any], meta: dict[str, Any],
+                              started: float) -> SaveResult | None:
+        layout = shm.plan(state)
+        fd = None
+        if self._arena is None or self._arena.size < layout.total:
+            if self._arena is not None:
+                self._arena.close()  # nothing reads it: the previous write is done
+                self._arena = None
+            try:
+                self._arena = shm.Arena(layout.total)
+            except OSError as exc:  # no memory for a second copy of the state: the thread copies into its own
+                self.process_wanted = False
+                log.warning("no shared memory for a %.1f MB snapshot arena (%s); snapshots are written in a "
+                            "background thread", layout.total / 1e6, exc.strerror or exc)
+                return None
+            fd = self._arena.fd
+        result = SaveResult(ref=ref, blocking_s=0.0, size_estimate=layout.total)
+        self._in_flight = result
+        job = {"step": ref.step, "skeleton": layout.skeleton, "meta": meta, "arena_size": self._arena.size}
+        on_device = any(src.device.type != "cpu" for src in layout.sources)
+        if on_device:
+            self._arena.pin()
+        self._write_began = time.perf_counter()
+        if not on_device and layout.total >= OVERLAP_BYTES:
+            # The loop changes these tensors only in its next optimizer step (under the step lock, which
+            # waits for this thread first): the copy overlaps the next forward and backward.
+            self._stager = threading.Thread(target=self._stage_and_submit, args=(result, layout, job, fd),
+                                            name=f"snapshot-stage-{ref.name}", daemon=True)
+            self._stager.start()
+        else:
+            self._stage_and_submit(result, layout, job, fd)
+        result.blocking_s = time.perf_counter() - started
+        return result
+
+    def _stage_and_submit(self, result: SaveResult, layout: shm.Plan, job: dict[str, Any], fd: int | None) -> None:
+        arena, process = self._arena, self._process
+        try:
+            assert arena is not None and process is not None
+            shm.stage(arena, layout)
+            process.submit(job, fd)
+            if fd is not None:
+                arena.release_fd()  # the writer process has its own now
+        except Exception as exc:  # noqa: BLE001 - reported like any failed write; training goes on
+            self._failed(result, exc, 0.0)
+
+    def _on_outcome(self, outcome: Outcome) -> None:
+        result = self._in_flight
+        if result is None or result.done.is_set():
+            return
+        kind, body = outcome
+        write_s = time.perf_counter() - self._write_began
+        if kind == "ok":
+            self._succeeded(result, Written(body["meta"], body["already_committed"], body["prune_errors"]), write_s)
+        else:
+            self._failed(result, _rebuilt(body), write_s)
+
+    def _on_gone(self, reason: str) -> None:
+        self.process_wanted = False
+        log.warning("%s; snapshots are written in a background thread from now on", reason)
+        result = self._in_flight
+        if result is not None and not result.done.is_set():
+            self._failed(result, WriterGone(f"{reason} while writing {result.ref.name}"), 0.0)
+
+    # -- in this process ------------------------------------------------------------------------------
 
     def _write(self, result: SaveResult, state: dict[str, Any], meta: dict[str, Any]) -> None:
-        ref = result.ref
         started = time.perf_counter()
-        staging = None
         try:
-            self.store.check_fence(self.generation)
-            staging = self.store.staging(ref)
-            result.meta = write_snapshot_files(staging, state, meta)
-            # Fence again right before publishing: a newer round may have started meanwhile.
-            self.store.check_fence(self.generation)
-            try:
-                self.store.publish(staging, ref)
-                staging = None
-            except AlreadyCommittedError:
+            written = write_and_publish(self.store, self.generation, self.keep_last, result.ref, state, meta)
+        except Exception as exc:  # noqa: BLE001 - report every failure, keep training
+            self._failed(result, exc, time.perf_counter() - started)
+        except BaseException as exc:  # Ctrl-C during a synchronous save: abort
+            result.error = exc
+            result.done.set()
+            raise
+        else:
+            self._succeeded(result, written, time.perf_counter() - started)
+
+    # -- outcomes (from the writer thread, the process's reader thread, or the caller) -------------------
+
+    def _succeeded(self, result: SaveResult, written: Written, write_s: float) -> None:
+        ref = result.ref
+        try:
+            result.meta, result.write_s = written.meta, write_s
+            if written.already_committed:
                 log.info("snapshot %s was already published by another rank", ref.name)
-            self._prune(ref)
-            result.write_s = time.perf_counter() - started
+            for line in written.prune_errors:
+                log.warning("%s", line)
             self.last_saved = ref
             if self._failing_since is not None:
                 log.warning("snapshot %s saved: durable snapshots work again after %d failure(s) since %s", ref.name,
@@ -174,27 +389,21 @@ class SnapshotWriter:
                     result.meta.get("size_bytes", 0) / 1e6, result.blocking_s, result.write_s)
             if self.observer is not None:
                 self.observer.snapshot_saved(ref, result.meta, result.blocking_s, result.write_s)
-        except Exception as exc:  # noqa: BLE001 - report every failure, keep training
-            if staging is not None:  # first: the space it took is part of what the report measures
-                self.store.discard(staging)
-                staging = None
-            exc = self._stale_instead(exc)
-            result.error = exc
-            result.write_s = time.perf_counter() - started
+        finally:
+            result.done.set()
+
+    def _failed(self, result: SaveResult, exc: Exception, write_s: float) -> None:
+        try:
+            result.error, result.write_s = exc, write_s
             self.failures += 1
             if isinstance(exc, StaleWriterError):
                 self._fatal = exc
-                log.error("snapshot %s refused: %s", ref.name, exc)
+                log.error("snapshot %s refused: %s", result.ref.name, exc)
             else:
                 self._report_failure(result, exc)
             if self.observer is not None:
-                self.observer.snapshot_failed(ref, exc)
-        except BaseException as exc:  # Ctrl-C during a synchronous save: clean up, then abort
-            result.error = exc
-            raise
+                self.observer.snapshot_failed(result.ref, exc)
         finally:
-            if staging is not None:
-                self.store.discard(staging)
             result.done.set()
 
     def _report_failure(self, result: SaveResult, exc: Exception) -> None:
@@ -213,29 +422,6 @@ class SnapshotWriter:
         log.error("SNAPSHOT WRITE FAILED for %s: %s%s; training goes on, the previous snapshots are intact (newest "
                   "durable: %s), the next save retries (%d failure(s) since %s)", result.ref.name, exc,
                   f" ({space})" if space else "", newest, self.failures, self._failing_since.name)
-
-    def _stale_instead(self, exc: Exception) -> Exception:
-        """A write that failed because a newer round started meanwhile (its start sweeps older
-        rounds' staging directories) is the stale-writer error, not a disk problem to retry."""
-        if isinstance(exc, StaleWriterError):
-            return exc
-        try:
-            self.store.check_fence(self.generation)
-        except StaleWriterError as stale:
-            return stale
-        except Exception:  # noqa: BLE001 - the store itself failing: report the original error
-            return exc
-        return exc
-
-    def _prune(self, newest: SnapshotRef) -> None:
-        complete = self.store.complete()
-        keep = set(complete[-self.keep_last:])
-        for ref in complete:
-            if ref not in keep and ref < newest:
-                try:
-                    self.store.remove(ref)
-                except OSError as exc:
-                    log.warning("could not delete old snapshot %s: %s", ref.name, exc)
 
 
 def require_ok(result: SaveResult) -> None:
