@@ -377,7 +377,7 @@ class Checkpointer:
             snap = self.cfg.snapshot
             self.writer = SnapshotWriter(self.store, generation=self.generation, keep_last=snap.keep_last,
                                          async_write=snap.async_write, observer=self,
-                                         process=snap.writer == "process")
+                                         writer=snap.writer)
             if self.dist.rank == 0:
                 self.check_space()
                 if snap.every_steps == "auto":

@@ -102,11 +102,15 @@ class Arena:
         self.fd: int | None = fd
         self.mm = mmap.mmap(fd, self.size)
         self.pinned = False
+        self._views: dict[Slot, torch.Tensor] = {}
 
     def view(self, slot: Slot) -> torch.Tensor:
-        dtype = getattr(torch, slot.dtype)
-        flat = torch.frombuffer(self.mm, dtype=torch.uint8, count=slot.nbytes, offset=slot.offset)
-        return flat.view(dtype).view(slot.shape)
+        """The tensor at ``slot`` (kept: a state has the same layout from one snapshot to the next)."""
+        view = self._views.get(slot)
+        if view is None:
+            flat = torch.frombuffer(self.mm, dtype=torch.uint8, count=slot.nbytes, offset=slot.offset)
+            view = self._views[slot] = flat.view(getattr(torch, slot.dtype)).view(slot.shape)
+        return view
 
     def pin(self) -> bool:
         """Page-lock the arena for fast device-to-host copies, as DCP pins its shared staging buffers
@@ -124,6 +128,7 @@ class Arena:
             with contextlib.suppress(RuntimeError, AttributeError):
                 torch.cuda.cudart().cudaHostUnregister(torch.frombuffer(self.mm, dtype=torch.uint8).data_ptr())
             self.pinned = False
+        self._views.clear()
         self.mm.close()
         self.release_fd()
 
@@ -135,9 +140,14 @@ class Arena:
 
 
 def stage(arena: Arena, plan_: Plan) -> None:
-    """Copy the live tensors into their slots (from any device)."""
-    for src, slot in zip(plan_.sources, plan_.slots):
-        arena.view(slot).copy_(src)
+    """Copy the live tensors into their slots (from any device): one call for a CPU state (a small model's
+    twenty tensors one by one cost more in Python than in copying)."""
+    targets = [arena.view(slot) for slot in plan_.slots]
+    if all(src.device.type == "cpu" for src in plan_.sources):
+        torch._foreach_copy_(targets, plan_.sources)
+        return
+    for target, src in zip(targets, plan_.sources):
+        target.copy_(src)
 
 
 def rebuild(skeleton: Any, arena: Arena) -> Any:

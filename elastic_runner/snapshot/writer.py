@@ -174,18 +174,21 @@ def _rebuilt(error: dict[str, Any]) -> SnapshotError:
 
 #: After the first failed write, at most one line per this many seconds while writes keep failing.
 FAILURE_REPORT_EVERY_S = 60.0
+#: ``writer: auto`` writes a state at least this large through the writer process.
+PROCESS_BYTES = 8 << 20
 #: A CPU state at least this large is copied into the arena beside the next forward/backward (the copy of
 #: 100 MB takes ~12 ms here); a smaller one is copied at once, which costs less than starting a thread.
 OVERLAP_BYTES = 8 << 20
 
 
 class SnapshotWriter:
-    """See the module docstring. ``process``: write through a writer process (:mod:`.writer_process`)
-    where the platform has memfd and the store is a local directory; otherwise, or once that process is
+    """See the module docstring. ``writer``: "process" writes through a writer process
+    (:mod:`.writer_process`) where the platform has memfd and the store is a local directory, "auto" does
+    so for a state of at least :data:`PROCESS_BYTES`; otherwise, or once that process is
     gone, in a thread."""
 
     def __init__(self, store: LocalStore, *, generation: int, keep_last: int, async_write: bool = True,
-                 observer: SnapshotObserver | None = None, durable: bool = True, process: bool = False) -> None:
+                 observer: SnapshotObserver | None = None, durable: bool = True, writer: str = "thread") -> None:
         self.store = store
         self.generation = generation
         self.keep_last = keep_last
@@ -201,7 +204,9 @@ class SnapshotWriter:
         self._fatal: BaseException | None = None
         self._failing_since: SnapshotRef | None = None
         self._last_report = 0.0
-        self.process_wanted = process and async_write and shm.supported() and type(store) is LocalStore
+        self.writer = writer
+        self.process_wanted = writer in ("process", "auto") and async_write and shm.supported() and \
+            type(store) is LocalStore
         self._process: WriterProcess | None = None
         self._arena: shm.Arena | None = None
         self._stager: threading.Thread | None = None
@@ -217,7 +222,7 @@ class SnapshotWriter:
         ref = SnapshotRef(generation=self.generation, step=step)
         state, meta = capture()
         meta = dict(meta) | {"step": step, "generation": self.generation, "name": ref.name}
-        if self.async_write and not sync and self._process_ready():
+        if self.async_write and not sync and self._process_ready(state):
             through = self._save_through_process(ref, state, meta, started)
             if through is not None:
                 self.last = through
@@ -275,10 +280,16 @@ class SnapshotWriter:
 
     # -- through the writer process ---------------------------------------------------------------------
 
-    def _process_ready(self) -> bool:
+    def _process_ready(self, state: Any = None) -> bool:
         if not self.process_wanted:
             return False
         if self._process is None:
+            if self.writer == "auto" and state is not None and state_bytes(state) < PROCESS_BYTES:
+                # Measured: for a small state the thread costs less (its copy is cheaper than a pickled
+                # skeleton and a socket round trip, and the GIL it holds is brief). A state does not grow
+                # tenfold within an attempt: decided once.
+                self.process_wanted = False
+                return False
             try:
                 self._process = WriterProcess(str(self.store.root), self.generation, self.keep_last, sharing(),
                                               self._on_outcome, self._on_gone)

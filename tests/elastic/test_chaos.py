@@ -51,12 +51,12 @@ FAULT_RUNS = {
 def test_each_fault_type_leaves_the_job_whole(fault: str, chaos_config: Path, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     agents = "1" if fault == "join" else "2"
-    # A joining agent needs its own start-up (~8 s here, slower on a loaded machine) before the job
-    # can grow: the job at world size 1 must outlast it several times over.
-    # Any other fault lands 2-3 s in: paced (>= 40 ms a step, >= 8 s for 5 epochs), the job cannot end before
-    # it however fast this machine trains (unpaced, the 14 epochs took 3 s here and the fault found no job).
-    longer = ["--set", "train.epochs=80"] if fault == "join" else [
-        "--set", "train.epochs=5", "--set", "data.sampler=tests.broken_components:PacedSampler"]
+    # Paced (>= 40 ms a step, 1.8 s an epoch), the job cannot end before its fault however fast this machine
+    # trains (unpaced, the 14 epochs took 3 s here and the fault found no job). A joining agent needs its own
+    # start-up (~8 s here, slower on a loaded machine) before the job can grow: 16 epochs (>= 28 s) outlast it
+    # several times over; any other fault lands 2-3 s in, and 5 epochs (>= 9 s) outlast it.
+    longer = ["--set", f"train.epochs={16 if fault == 'join' else 5}", "--set",
+              "data.sampler=tests.broken_components:PacedSampler"]
     # Hung well past the watchdog's 2 s heartbeat timeout, so detection never races the wake-up.
     result = chaos("--config", str(chaos_config), "--run-dir", str(run_dir), "--agents", agents, "--nnodes", "1:2",
                    "--at", FAULT_RUNS[fault], "--hang-seconds", "5", *longer)

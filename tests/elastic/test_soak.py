@@ -56,7 +56,9 @@ def test_a_short_soak_breaks_the_job_every_way_and_it_loses_nothing(tmp_path: Pa
 
 
 def test_a_soak_whose_sampler_repeats_a_sample_fails(tmp_path: Path, etcd_binary: str) -> None:
-    code, out, figures = soak(tmp_path / "soak", "--faults", "2", "--types", "kill-worker",
+    # One fault and two agents: the sampler's repeat is there from the first epoch; the fault shows the
+    # verdict is the data's, not the faults'.
+    code, out, figures = soak(tmp_path / "soak", "--faults", "1", "--agents", "2", "--types", "kill-worker",
                               "--set", "data.sampler=tests.broken_components:RepeatingSampler")
     assert code == 1, out[-5000:]
     assert "FAIL  no sample lost or duplicated" in out

@@ -34,14 +34,14 @@ def store(tmp_path: Path) -> LocalStore:
 def process_writer(store: LocalStore, **kwargs: Any) -> SnapshotWriter:
     """A writer whose process has started and is ready (it starts with the first periodic save)."""
     w = SnapshotWriter(store, generation=store.claim_generation({}), keep_last=kwargs.pop("keep_last", 3),
-                       process=True, **kwargs)
+                       writer="process", **kwargs)
     w._process_ready()
     assert w._process is not None and w._process.ready.wait(60), "the writer process never got ready"
     return w
 
 
 def test_saves_go_through_the_thread_until_the_writer_process_is_ready(store: LocalStore) -> None:
-    w = SnapshotWriter(store, generation=store.claim_generation({}), keep_last=3, process=True)
+    w = SnapshotWriter(store, generation=store.claim_generation({}), keep_last=3, writer="process")
     try:
         result = w.save(1, lambda: ({"model": {"w": torch.ones(3)}}, {}))
         assert w._thread is not None, "the first save must not wait for the process to import torch"
@@ -80,6 +80,23 @@ def assert_same(a: Any, b: Any) -> None:
             assert_same(x, y)
     else:
         assert a == b
+
+
+def test_auto_writes_a_small_state_in_the_thread_and_a_large_one_through_the_process(store: LocalStore) -> None:
+    from elastic_runner.snapshot.writer import PROCESS_BYTES
+
+    w = SnapshotWriter(store, generation=store.claim_generation({}), keep_last=3, writer="auto")
+    try:
+        require_ok(w.save(1, lambda: ({"model": {"w": torch.ones(1000)}}, {})))
+        assert w._process is None and not w.process_wanted, "a small state never starts a process"
+    finally:
+        w.close()
+    w = SnapshotWriter(store, generation=store.claim_generation({}), keep_last=3, writer="auto")
+    try:
+        require_ok(w.save(2, lambda: ({"model": {"w": torch.zeros(PROCESS_BYTES // 4)}}, {})))
+        assert w._process is not None and w.process_wanted
+    finally:
+        w.close()
 
 
 def test_a_state_written_by_the_writer_process_loads_exactly_as_it_was_captured(store: LocalStore) -> None:
@@ -184,7 +201,7 @@ def test_the_writer_process_dies_with_its_worker(store: LocalStore, tmp_path: Pa
         from elastic_runner.snapshot import LocalStore, require_ok
         from elastic_runner.snapshot.writer import SnapshotWriter
         store = LocalStore({str(store.root)!r})
-        w = SnapshotWriter(store, generation=store.claim_generation({{}}), keep_last=2, process=True)
+        w = SnapshotWriter(store, generation=store.claim_generation({{}}), keep_last=2, writer="process")
         w._process_ready()
         w._process.ready.wait(60)
         require_ok(w.save(1, lambda: ({{"w": torch.ones(3)}}, {{}})))
