@@ -204,7 +204,7 @@ class SnapshotWriter:
         self._fatal: BaseException | None = None
         self._failing_since: SnapshotRef | None = None
         self._last_report = 0.0
-        self.writer = writer
+        self.mode = writer
         self.process_wanted = writer in ("process", "auto") and async_write and shm.supported() and \
             type(store) is LocalStore
         self._process: WriterProcess | None = None
@@ -284,7 +284,7 @@ class SnapshotWriter:
         if not self.process_wanted:
             return False
         if self._process is None:
-            if self.writer == "auto" and state is not None and state_bytes(state) < PROCESS_BYTES:
+            if self.mode == "auto" and state is not None and state_bytes(state) < PROCESS_BYTES:
                 # Measured: for a small state the thread costs less (its copy is cheaper than a pickled
                 # skeleton and a socket round trip, and the GIL it holds is brief). A state does not grow
                 # tenfold within an attempt: decided once.
