@@ -115,36 +115,26 @@ def test_a_state_written_by_the_writer_process_loads_exactly_as_it_was_captured(
     assert w._process is None
 
 
-def test_a_state_that_outgrows_its_arena_gets_a_larger_one(store: LocalStore) -> None:
-    w = process_writer(store)
-    try:
-        small = torch.full((10,), 1.0)
-        large = torch.arange(shm.GRANULE, dtype=torch.float32)  # 4 MB: four times the first arena
-        require_ok(w.save(1, lambda: ({"model": {"w": small}}, {})))
-        first_arena = w._arena
-        require_ok(w.save(2, lambda: ({"model": {"w": large}}, {})))
-        assert w._arena is not first_arena and w._arena.size >= large.numel() * 4
-        require_ok(w.save(3, lambda: ({"model": {"w": small * 3}}, {})))
-    finally:
-        w.close()
-    assert torch.equal(load_snapshot(store.path(SnapshotRef(1, 2)))[1]["model"]["w"], large)
-    assert torch.equal(load_snapshot(store.path(SnapshotRef(1, 3)))[1]["model"]["w"], small * 3)
-
-
-def test_a_large_state_is_copied_beside_the_next_step_and_the_snapshot_never_sees_that_step(
+def test_a_state_that_outgrows_its_arena_gets_a_larger_one_and_a_large_one_is_copied_beside_the_next_step(
         store: LocalStore) -> None:
     w = process_writer(store)
-    live = torch.zeros(OVERLAP_BYTES // 4 * 2)  # 16 MB of float32: copied by a thread
+    live = torch.zeros(OVERLAP_BYTES // 4 * 2)  # 16 MB of float32: more than the first arena, copied by a thread
     try:
-        w.save(1, lambda: ({"model": {"w": live}}, {}))
+        require_ok(w.save(1, lambda: ({"model": {"w": torch.ones(10)}}, {})))
+        first_arena = w._arena
+        assert first_arena is not None and first_arena.size < live.numel() * 4
+        w.save(2, lambda: ({"model": {"w": live}}, {}))
+        assert w._arena is not first_arena and w._arena.size >= live.numel() * 4
         assert w._stager is not None, "a large CPU state is staged beside the step, not inside it"
         w.wait_staged()  # what Checkpointer.mutating does before the optimizer step
         live.add_(1.0)  # the next step changes the live tensor
         w.wait()
         assert w.last is not None and w.last.error is None
+        require_ok(w.save(3, lambda: ({"model": {"w": torch.full((10,), 3.0)}}, {})))  # smaller again: same arena
     finally:
         w.close()
-    assert torch.equal(load_snapshot(store.path(SnapshotRef(1, 1)))[1]["model"]["w"], torch.zeros_like(live))
+    assert torch.equal(load_snapshot(store.path(SnapshotRef(1, 2)))[1]["model"]["w"], torch.zeros_like(live))
+    assert torch.equal(load_snapshot(store.path(SnapshotRef(1, 3)))[1]["model"]["w"], torch.full((10,), 3.0))
 
 
 def test_a_newer_generation_refuses_the_writer_process_as_it_does_the_thread(store: LocalStore) -> None:
