@@ -317,6 +317,7 @@ class SnapshotWriter:
                             "background thread", layout.total / 1e6, exc.strerror or exc)
                 return None
             fd = self._arena.fd
+        self._staging = HostStaging()  # the thread's host copy (saves before the process was ready) goes
         result = SaveResult(ref=ref, blocking_s=0.0, size_estimate=layout.total)
         self._in_flight = result
         job = {"step": ref.step, "skeleton": layout.skeleton, "meta": meta, "arena_size": self._arena.size}
