@@ -30,14 +30,14 @@ def soak(out: Path, *args: str) -> tuple[int, str, dict]:  # type: ignore[type-a
 def test_a_short_soak_breaks_the_job_every_way_and_it_loses_nothing(tmp_path: Path, etcd_binary: str) -> None:
     if os.geteuid() != 0:
         pytest.skip("fill-disk needs the snapshots on a small tmpfs, and mounting one needs root")
-    # Seed 0 draws all nine fault types within the first twelve faults; one the job's shape does not allow
+    # Seed 414 draws each of the nine fault types once in nine faults; one the job's shape does not allow
     # at that moment (a join at the maximum) is drawn again, so at least eight are certain.
-    code, out, figures = soak(tmp_path / "soak", "--faults", "12", "--seed", "0")
+    code, out, figures = soak(tmp_path / "soak", "--faults", "9", "--seed", "414")
     assert code == 0, out[-5000:]
-    assert figures["faults_injected"] == 12 and figures["undecided"] == 0
+    assert figures["faults_injected"] == 9 and figures["undecided"] == 0
     assert len(set(figures["by_type"]) & set(FAULT_TYPES)) >= 8, figures["by_type"]
     assert {"kill-agent", "kill-node", "restart-etcd", "fill-disk", "corrupt-snapshot"} <= set(figures["by_type"])
-    assert figures["recoveries"] + figures["absorbed"] == 12, "every fault recovered from or ridden out"
+    assert figures["recoveries"] + figures["absorbed"] == 9, "every fault recovered from or ridden out"
     # etcd restarting and a full snapshot volume are ridden out: workers never talk to etcd, and training
     # goes on while durable writes fail (then snapshots resume: a check of its own).
     for ridden_out in ("restart-etcd", "fill-disk"):

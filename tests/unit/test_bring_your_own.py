@@ -196,7 +196,7 @@ def test_token_weighted_gradient_is_the_same_at_any_world_size_and_micro_batchin
     losses, counts = _token_loss(model, (ids, labels))
     ((losses * counts).sum() / counts.sum()).backward()  # the mean over every real token of the batch
     expected = [p.grad for p in model.parameters()]
-    for world, micro in ((1, 1), (2, 1), (1, 3), (3, 4)):  # 3 ranks x 4 micro-steps: some are empty
+    for world, micro in ((1, 3), (3, 4)):  # 3 ranks x 4 micro-steps: some are empty
         got = _gradient(world, micro, tmp_path)
         for e, g in zip(expected, got):
             assert torch.allclose(e, g, atol=1e-12), f"world {world}, {micro} micro-batches"
