@@ -12,16 +12,19 @@ pair: pickle is safe there (both ends are this program, the same user, no file o
 
 from __future__ import annotations
 
-import contextlib
+import logging
 import mmap
 import os
 import pickle
 import socket
 import struct
+import threading
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import torch
+
+log = logging.getLogger(__name__)
 
 #: Each tensor starts at a multiple of this (a cache line; every dtype's alignment divides it).
 ALIGN = 64
@@ -102,6 +105,8 @@ class Arena:
         self.fd: int | None = fd
         self.mm = mmap.mmap(fd, self.size)
         self.pinned = False
+        self._pin_failed = False
+        self._device = 0
         self._views: dict[Slot, torch.Tensor] = {}
 
     def view(self, slot: Slot) -> torch.Tensor:
@@ -114,19 +119,23 @@ class Arena:
 
     def pin(self) -> bool:
         """Page-lock the arena for fast device-to-host copies, as DCP pins its shared staging buffers
-        (``cudaHostRegisterPortable``); pageable memory (slower copies) where that fails."""
-        if not self.pinned and torch.cuda.is_available():
-            try:
-                base = torch.frombuffer(self.mm, dtype=torch.uint8)
-                self.pinned = int(torch.cuda.cudart().cudaHostRegister(base.data_ptr(), self.size, 1)) == 0
-            except (RuntimeError, AttributeError):
-                self.pinned = False
+        (``cudaHostRegisterPortable``); pageable memory (slower copies) where that fails, tried once."""
+        if self.pinned or self._pin_failed or not torch.cuda.is_available():
+            return self.pinned
+        self._device = torch.cuda.current_device()
+        ptr = torch.frombuffer(self.mm, dtype=torch.uint8).data_ptr()
+        code = _cuda_call(self._device, lambda cudart: cudart.cudaHostRegister(ptr, self.size, 1))
+        self.pinned = code == 0
+        if not self.pinned:
+            self._pin_failed = True
+            log.warning("could not page-lock the %.1f MB snapshot arena (%s); device-to-host copies go through "
+                        "pageable memory", self.size / 1e6, code if isinstance(code, Exception) else f"cudaError {code}")
         return self.pinned
 
     def close(self) -> None:
         if self.pinned:
-            with contextlib.suppress(RuntimeError, AttributeError):
-                torch.cuda.cudart().cudaHostUnregister(torch.frombuffer(self.mm, dtype=torch.uint8).data_ptr())
+            ptr = torch.frombuffer(self.mm, dtype=torch.uint8).data_ptr()
+            _cuda_call(self._device, lambda cudart: cudart.cudaHostUnregister(ptr))
             self.pinned = False
         self._views.clear()
         self.mm.close()
@@ -137,6 +146,25 @@ class Arena:
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
+
+
+def _cuda_call(device: int, call: Callable[[Any], Any]) -> int | Exception:
+    """``call(torch.cuda.cudart())``'s status code, run in a thread of its own: a failed runtime call
+    leaves the CUDA runtime's per-thread last error set, which torch would raise at the training thread's
+    next kernel launch, against an unrelated kernel."""
+    outcome: list[int | Exception] = []
+
+    def run() -> None:
+        try:
+            torch.cuda.set_device(device)  # this rank's device, not a new context on device 0
+            outcome.append(int(call(torch.cuda.cudart())))
+        except (RuntimeError, AttributeError) as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=run, name="snapshot-arena-cuda", daemon=True)
+    thread.start()
+    thread.join()
+    return outcome[0] if outcome else RuntimeError("the CUDA call ended without a status")
 
 
 def stage(arena: Arena, plan_: Plan) -> None:

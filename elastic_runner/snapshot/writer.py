@@ -212,6 +212,7 @@ class SnapshotWriter:
         self._stager: threading.Thread | None = None
         self._in_flight: SaveResult | None = None
         self._write_began = 0.0
+        self._outcome_lock = threading.Lock()
 
     # -- public API -------------------------------------------------------------------
 
@@ -219,6 +220,8 @@ class SnapshotWriter:
         """Snapshot the state at ``step``. ``capture`` returns (state, meta) with live tensors."""
         started = time.perf_counter()
         self.wait()
+        if not self.process_wanted:
+            self._drop_process()
         ref = SnapshotRef(generation=self.generation, step=step)
         state, meta = capture()
         meta = dict(meta) | {"step": step, "generation": self.generation, "name": ref.name}
@@ -246,8 +249,13 @@ class SnapshotWriter:
         changing them (the loop does, in ``Checkpointer.mutating``)."""
         stager = self._stager
         if stager is not None:
+            waited = time.perf_counter()
             stager.join()
             self._stager = None
+            # The step waited for this snapshot: its blocking time (reported with its outcome, which comes
+            # after the write, well after the copy).
+            if self._in_flight is not None and not self._in_flight.done.is_set():
+                self._in_flight.blocking_s += time.perf_counter() - waited
 
     def wait(self) -> SaveResult | None:
         """Block until the in-flight write (if any) has finished."""
@@ -271,6 +279,11 @@ class SnapshotWriter:
 
     def close(self) -> None:
         self.wait()
+        self._drop_process()
+
+    def _drop_process(self) -> None:
+        """Stop the writer process and free its arena (no write uses them: the caller has waited). Once the
+        process is gone for good, before the thread takes over: the thread makes a host copy of its own."""
         if self._process is not None:
             self._process.close()
             self._process = None
@@ -316,36 +329,55 @@ class SnapshotWriter:
                 log.warning("no shared memory for a %.1f MB snapshot arena (%s); snapshots are written in a "
                             "background thread", layout.total / 1e6, exc.strerror or exc)
                 return None
-            fd = self._arena.fd
+        fd = self._arena.fd  # until the writer process has it: sent with the first job that gets through
         self._staging = HostStaging()  # the thread's host copy (saves before the process was ready) goes
         result = SaveResult(ref=ref, blocking_s=0.0, size_estimate=layout.total)
         self._in_flight = result
         job = {"step": ref.step, "skeleton": layout.skeleton, "meta": meta, "arena_size": self._arena.size}
         on_device = any(src.device.type != "cpu" for src in layout.sources)
-        if on_device:
-            self._arena.pin()
-        self._write_began = time.perf_counter()
-        if not on_device and layout.total >= OVERLAP_BYTES:
-            # The loop changes these tensors only in its next optimizer step (under the step lock, which
-            # waits for this thread first): the copy overlaps the next forward and backward.
-            self._stager = threading.Thread(target=self._stage_and_submit, args=(result, layout, job, fd),
-                                            name=f"snapshot-stage-{ref.name}", daemon=True)
-            self._stager.start()
-        else:
-            self._stage_and_submit(result, layout, job, fd)
-        result.blocking_s = time.perf_counter() - started
+        try:
+            if on_device:
+                self._arena.pin()
+            self._write_began = time.perf_counter()
+            if not on_device and layout.total >= OVERLAP_BYTES:
+                # The loop changes these tensors only in its next optimizer step (under the step lock, which
+                # waits for this thread first, adding its wait to blocking_s): the copy overlaps the next
+                # forward and backward.
+                result.blocking_s = time.perf_counter() - started
+                self._stager = threading.Thread(target=self._stage_and_submit, args=(result, layout, job, fd),
+                                                name=f"snapshot-stage-{ref.name}", daemon=True)
+                self._stager.start()
+            else:
+                self._stage_and_submit(result, layout, job, fd, started)
+        except BaseException as exc:  # Ctrl-C while the main thread copies or sends: no write is in flight
+            self._abort(result, exc)
+            raise
         return result
 
-    def _stage_and_submit(self, result: SaveResult, layout: shm.Plan, job: dict[str, Any], fd: int | None) -> None:
+    def _stage_and_submit(self, result: SaveResult, layout: shm.Plan, job: dict[str, Any], fd: int | None,
+                          started: float | None = None) -> None:
         arena, process = self._arena, self._process
         try:
             assert arena is not None and process is not None
             shm.stage(arena, layout)
+            if started is not None:  # before the outcome can come back and be reported with it
+                result.blocking_s = time.perf_counter() - started
             process.submit(job, fd)
             if fd is not None:
                 arena.release_fd()  # the writer process has its own now
         except Exception as exc:  # noqa: BLE001 - reported like any failed write; training goes on
             self._failed(result, exc, 0.0)
+
+    def _abort(self, result: SaveResult, exc: BaseException) -> None:
+        """A save cut short in the caller's thread (Ctrl-C): half a job may be in the socket, so the writer
+        process is stopped and later saves, the final one included, go through the thread."""
+        self.process_wanted = False
+        if self._process is not None:
+            self._process.kill()
+        with self._outcome_lock:
+            if not result.done.is_set():
+                result.error = exc
+                result.done.set()
 
     def _on_outcome(self, outcome: Outcome) -> None:
         result = self._in_flight
@@ -383,6 +415,11 @@ class SnapshotWriter:
     # -- outcomes (from the writer thread, the process's reader thread, or the caller) -------------------
 
     def _succeeded(self, result: SaveResult, written: Written, write_s: float) -> None:
+        with self._outcome_lock:  # one outcome per save, whichever thread reports first
+            if not result.done.is_set():
+                self._report_success(result, written, write_s)
+
+    def _report_success(self, result: SaveResult, written: Written, write_s: float) -> None:
         ref = result.ref
         try:
             result.meta, result.write_s = written.meta, write_s
@@ -405,6 +442,11 @@ class SnapshotWriter:
             result.done.set()
 
     def _failed(self, result: SaveResult, exc: Exception, write_s: float) -> None:
+        with self._outcome_lock:  # one outcome per save: a dead process and a failed send may both report it
+            if not result.done.is_set():
+                self._report_failed(result, exc, write_s)
+
+    def _report_failed(self, result: SaveResult, exc: Exception, write_s: float) -> None:
         try:
             result.error, result.write_s = exc, write_s
             self.failures += 1

@@ -13,6 +13,7 @@ worker (``PR_SET_PDEATHSIG``, and the socket's end-of-file), so a killed worker 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -33,7 +34,24 @@ Outcome = tuple[str, dict[str, Any]]
 
 
 #: Not ``-m``: the package imports this module, and runpy warns about running a module already imported.
-_ENTRY = "import sys; from elastic_runner.snapshot.writer_process import main; main(sys.argv[1:])"
+#: What comes before the imports must not wait for torch: die with the worker (PR_SET_PDEATHSIG = 1 with
+#: SIGKILL = 9, and exit if it is gone already), so a worker killed while this process imports leaves nothing
+#: behind; ignore Ctrl-C and stops, which reach the whole process group (the worker handles them, this
+#: process ends with it). Then modules are looked up on the worker's own ``sys.path`` (argv[3]): the writer
+#: runs the worker's elastic_runner, and the standard library keeps its place ahead of site-packages.
+_ENTRY = """import ctypes, json, os, signal, sys
+try:
+    ctypes.CDLL(None, use_errno=True).prctl(1, 9)
+except (OSError, AttributeError):
+    pass  # elsewhere the socket's end-of-file ends the process after the job in flight
+if os.getppid() != int(sys.argv[2]):
+    os._exit(0)
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+sys.path[:] = json.loads(sys.argv[3])
+from elastic_runner.snapshot.writer_process import main
+main(sys.argv[1:3])
+"""
 
 
 #: The writer process's niceness (0-19): lower priority than training for the CPU.
@@ -51,8 +69,6 @@ class WriterProcess:
 
     def __init__(self, root: str, generation: int, keep_last: int, sharing: str,
                  on_outcome: Callable[[Outcome], None], on_gone: Callable[[str], None]) -> None:
-        import elastic_runner
-
         self._on_outcome = on_outcome
         self._on_gone = on_gone
         self._send_lock = threading.Lock()
@@ -60,14 +76,14 @@ class WriterProcess:
         #: Set once the process has imported what it writes with; until then the worker writes itself.
         self.ready = threading.Event()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        package_parent = str(Path(elastic_runner.__file__).resolve().parent.parent)
         env = dict(os.environ)
-        # The worker may have found elastic_runner through its own sys.path; the writer must find the same one.
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_parent, env.get("PYTHONPATH")]))
         env["OMP_NUM_THREADS"] = "1"  # torch.save needs no thread pool; the cores are the training's
+        # The worker may have found elastic_runner through a path it added itself: the writer gets the same
+        # path, in the same order. Relative entries ("" for the current directory) are made absolute.
+        path = [str(Path(entry or ".").resolve()) for entry in sys.path]
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-c", _ENTRY, str(theirs.fileno()), str(os.getpid())],
+                [sys.executable, "-c", _ENTRY, str(theirs.fileno()), str(os.getpid()), json.dumps(path)],
                 pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL, close_fds=True)
         except OSError as exc:
             ours.close()
@@ -94,22 +110,48 @@ class WriterProcess:
             raise WriterGone(f"the snapshot writer process (pid {self.pid}) is gone: {exc}") from exc
 
     def _read(self) -> None:
-        while True:
-            try:
-                outcome, _ = shm.receive(self.sock)
-            except (EOFError, OSError):
-                break
-            if outcome == ("ready", {}):
-                self.ready.set()
-            else:
-                self._on_outcome(outcome)
-        if not self._closing:
-            try:
-                status = self.proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                status = None
-            self._on_gone(f"the snapshot writer process (pid {self.pid}) exited"
-                          f"{f' with status {status}' if status is not None else ''}")
+        broken = None
+        try:
+            while True:
+                try:
+                    outcome, _ = shm.receive(self.sock)
+                except (EOFError, OSError):
+                    break
+                if outcome == ("ready", {}):
+                    self.ready.set()
+                else:
+                    self._on_outcome(outcome)
+        except Exception as exc:  # noqa: BLE001 - an unreadable outcome: the process is of no further use
+            broken = f"{type(exc).__name__}: {exc}"
+            self._stop_after_error()
+        if self._closing and broken is None:
+            return
+        if broken is not None:
+            self._on_gone(f"an outcome from the snapshot writer process (pid {self.pid}) could not be handled "
+                          f"({broken}); the process was stopped")
+            return
+        try:
+            status = self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            status = None
+        why = ""
+        if status == -signal.SIGKILL:
+            why = " (SIGKILL: most often the kernel's out-of-memory killer; see `dmesg`)"
+        elif status is not None:
+            why = f" with status {status}"
+        self._on_gone(f"the snapshot writer process (pid {self.pid}) exited{why}")
+
+    def _stop_after_error(self) -> None:
+        with contextlib.suppress(OSError):
+            self.proc.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=5)
+
+    def kill(self) -> None:
+        """End the process at once: a message to it may have been cut short (the worker is stopping)."""
+        self._closing = True
+        with contextlib.suppress(OSError):
+            self.proc.kill()
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop the process after the job in flight (the caller has waited for it)."""
@@ -128,19 +170,6 @@ class WriterProcess:
 
 
 # -- the process itself ---------------------------------------------------------------------------------------
-
-
-def _die_with_parent(parent: int) -> None:
-    """SIGKILL this process when the worker dies (Linux); if it died before this ran, exit now."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass  # elsewhere the socket's end-of-file ends the process after the job in flight
-    if os.getppid() != parent:
-        os._exit(0)
 
 
 def _error(exc: BaseException) -> dict[str, Any]:
@@ -189,11 +218,8 @@ def serve(sock: socket.socket) -> None:
 
 
 def main(argv: list[str]) -> None:
-    fd, parent = int(argv[0]), int(argv[1])
-    _die_with_parent(parent)
-    # Ctrl-C and a stop reach the whole process group: the worker handles them; this process ends with it.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    """The process's body, once ``_ENTRY`` has tied it to the worker: argv = [socket fd, worker pid]."""
+    fd = int(argv[0])
     # Background work: on a node whose cores all train, the scheduler runs this when training waits.
     with contextlib.suppress(OSError):
         os.nice(NICE)

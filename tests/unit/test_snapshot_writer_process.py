@@ -165,14 +165,101 @@ def test_a_writer_process_that_dies_costs_one_reported_snapshot_and_the_thread_t
             while w.process_wanted and time.monotonic() < deadline:
                 time.sleep(0.01)
         assert not w.process_wanted
-        assert any("exited with status -9" in r.getMessage() and "background thread" in r.getMessage()
-                   for r in caplog.records), [r.getMessage() for r in caplog.records]
+        assert any("SIGKILL" in r.getMessage() and "out-of-memory" in r.getMessage() and
+                   "background thread" in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
         result = w.save(2, lambda: ({"model": {"w": torch.full((3,), 2.0)}}, {}))
+        assert w._arena is None and w._process is None, "the arena is let go before the thread makes its own copy"
         w.wait()
-        assert result.error is None and w._thread is None
+        assert result.error is None and w._thread is None and w.failures == 0
     finally:
         w.close()
     assert torch.equal(load_snapshot(store.path(SnapshotRef(1, 2)))[1]["model"]["w"], torch.full((3,), 2.0))
+
+
+def test_a_copy_that_fails_before_its_job_is_sent_costs_that_snapshot_only(
+        store: LocalStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    real_stage = shm.stage
+    calls = []
+
+    def stage_failing_once(arena: shm.Arena, plan: shm.Plan) -> None:
+        calls.append(plan.total)
+        if len(calls) == 1:
+            raise ValueError("a tensor changed under the copy")
+        real_stage(arena, plan)
+
+    monkeypatch.setattr(shm, "stage", stage_failing_once)
+    w = process_writer(store)
+    try:
+        first = w.save(1, lambda: ({"model": {"w": torch.ones(3)}}, {}))
+        w.wait()
+        assert isinstance(first.error, ValueError) and w.failures == 1
+        # The new arena's descriptor never reached the process with the failed job: it goes with this one.
+        second = w.save(2, lambda: ({"model": {"w": torch.full((3,), 2.0)}}, {}))
+        assert w._thread is None, "still through the writer process"
+        w.wait()
+        assert second.error is None, second.error
+    finally:
+        w.close()
+    assert [r.step for r in store.complete()] == [2]
+    assert torch.equal(load_snapshot(store.path(SnapshotRef(1, 2)))[1]["model"]["w"], torch.full((3,), 2.0))
+
+
+def test_ctrl_c_while_a_job_is_handed_over_leaves_the_final_save_to_the_thread(
+        store: LocalStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    w = process_writer(store)
+    process = w._process
+    assert process is not None
+
+    def interrupted(arena: shm.Arena, plan: shm.Plan) -> None:
+        raise KeyboardInterrupt  # a second Ctrl-C lands in the copy (a GPU state's takes seconds)
+
+    monkeypatch.setattr(shm, "stage", interrupted)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            w.save(1, lambda: ({"model": {"w": torch.ones(3)}}, {}))
+        # What the worker does next: the stop's synchronous save. It must neither wait for the job that
+        # never went out nor send a job after half of one.
+        require_ok(w.save(2, lambda: ({"model": {"w": torch.full((3,), 2.0)}}, {}), sync=True))
+        assert process.proc.poll() is not None and w._process is None
+    finally:
+        w.close()
+    assert [r.step for r in store.complete()] == [2]
+
+
+class ObserverFailingOnce:
+    """A metrics hook with a bug: its first call raises."""
+
+    def __init__(self) -> None:
+        self.saved: list[int] = []
+
+    def snapshot_saved(self, ref: SnapshotRef, meta: dict[str, Any], blocking_s: float, write_s: float) -> None:
+        self.saved.append(ref.step)
+        if len(self.saved) == 1:
+            raise KeyError("a metric label nobody declared")
+
+    def snapshot_failed(self, ref: SnapshotRef, exc: BaseException) -> None:
+        pass
+
+
+def test_an_outcome_that_cannot_be_handled_stops_the_process_and_no_save_waits_forever(
+        store: LocalStore, caplog: pytest.LogCaptureFixture) -> None:
+    observer = ObserverFailingOnce()
+    w = process_writer(store, observer=observer)
+    try:
+        with caplog.at_level(logging.WARNING):
+            w.save(1, lambda: ({"w": torch.ones(3)}, {}))
+            w.wait()
+            deadline = time.monotonic() + 10
+            while w.process_wanted and time.monotonic() < deadline:
+                time.sleep(0.01)
+        assert not w.process_wanted
+        assert any("could not be handled" in r.getMessage() and "KeyError" in r.getMessage()
+                   for r in caplog.records), [r.getMessage() for r in caplog.records]
+        require_ok(w.save(2, lambda: ({"w": torch.full((3,), 2.0)}, {})))  # through the thread, no hang
+        assert w._process is None
+    finally:
+        w.close()
+    assert observer.saved == [1, 2] and [r.step for r in store.complete()] == [1, 2]
 
 
 def running(pid: int) -> bool:
