@@ -83,6 +83,9 @@ def generations(events: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
     return History().add(events).gens
 
 
+#: Faults the job is built to ride out without a new attempt: a new attempt that follows one is usually another's.
+RIDDEN_OUT = ("restart-etcd", "fill-disk")
+
 #: Seconds after a fault (after a hang: after it ends) from which a step of the same attempt proves it absorbed.
 ABSORB_AFTER_S = 2.0
 
@@ -124,11 +127,12 @@ def attribute_recoveries(faults: list[Injected], events: list[dict[str, Any]] | 
                 fault.interrupted, fault.outcome = False, "job ended"
             continue
         info = gens[chosen]
-        # Workers never talk to etcd: a restart interrupts training only if a new attempt starts
-        # soon after it and before the next fault (which would otherwise get the credit), and not at a larger
-        # world (a node joining meanwhile, e.g. a supervisor's replacement, starts that one).
+        # Workers never talk to etcd, and training goes on through failed snapshot writes: such a fault
+        # interrupts training only if a new attempt starts soon after it and before the next fault (which
+        # would otherwise get the credit), and not at a larger world (a node joining meanwhile, e.g. a
+        # supervisor's replacement, starts that one).
         grew = size_before is not None and info.get("world_size", 0) > size_before
-        if fault.type == "restart-etcd" and (info["start"] > fault.at + 30 or info["start"] > nxt or grew):
+        if fault.type in RIDDEN_OUT and (info["start"] > fault.at + 30 or info["start"] > nxt or grew):
             fault.interrupted, fault.recovery_s, fault.outcome = False, 0.0, "absorbed"
             continue
         fault.generation, fault.outcome = chosen, "recovered"

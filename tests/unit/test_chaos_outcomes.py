@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from elastic_runner.chaos.verify import History, Injected, attribute_recoveries, newest_snapshot_violations
 
 
@@ -48,14 +50,16 @@ def test_a_fault_that_lands_as_the_job_finishes_is_recorded_as_such() -> None:
     assert faults[0].outcome == "job ended" and faults[0].recovery_s is None
 
 
-def test_an_etcd_restart_is_not_credited_with_a_join_that_followed_it() -> None:
-    faults = [fault("restart-etcd", 10.0)]
-    # Training stopped at 10.5 and a larger world started at 11: a node joined (the etcd restart did not stop anyone).
+@pytest.mark.parametrize("kind", ["restart-etcd", "fill-disk"])
+def test_a_fault_the_job_rides_out_is_not_credited_with_a_join_that_followed_it(kind: str) -> None:
+    faults = [fault(kind, 10.0)]
+    # Training stopped at 10.5 and a larger world started at 11: a node joined (the fault did not stop anyone;
+    # seen in the 1,000-fault soak: a supervisor's replacement joining just after a full volume).
     attribute_recoveries(faults, attempt(1, 0.0, 2, 10.5) + attempt(2, 11.0, 3, 30.0, finished=True))
     assert faults[0].outcome == "absorbed" and not faults[0].interrupted
-    same_size = [fault("restart-etcd", 10.0)]
+    same_size = [fault(kind, 10.0)]
     attribute_recoveries(same_size, attempt(1, 0.0, 2, 10.5) + attempt(2, 11.0, 2, 30.0, finished=True))
-    assert same_size[0].outcome == "recovered", "a restart at the same size after it: the restart's doing"
+    assert same_size[0].outcome == "recovered", "a new attempt at the same size right after it: the fault's doing"
 
 
 def test_a_live_run_is_judged_from_its_new_events_only_with_the_same_outcome() -> None:
