@@ -57,6 +57,11 @@ class Compare:
         return Compare(key, "mod_revision", revision)
 
     @staticmethod
+    def created(key: bytes, revision: int) -> "Compare":
+        """``key`` is the one created at ``revision`` (not deleted and put again since)."""
+        return Compare(key, "create_revision", revision)
+
+    @staticmethod
     def absent(key: bytes) -> "Compare":
         return Compare(key, "create_revision", 0)
 

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch.distributed import Store
 from torch.distributed.elastic.rendezvous import (
     RendezvousClosedError,
+    RendezvousConnectionError,
     RendezvousInfo,
     RendezvousTimeoutError,
 )
@@ -41,12 +42,13 @@ from .rounds import (
     Codec,
     NodeId,
     quorum,
-    RendezvousRefusedError,
     Round,
     Settings,
     View,
     choose_members,
+    closed_error,
     new_node,
+    other_protocol_error,
     ready_to_seal,
 )
 from .heartbeat import Heartbeat
@@ -138,7 +140,7 @@ class LeaseRendezvousHandler(RendezvousHandler):
             kv, _ = self._client.get(self._closed_key)
         except EtcdError as exc:
             raise self._connection_error("read whether the rendezvous is closed", exc) from exc
-        return kv is not None
+        return self._codec.control(kv)
 
     def set_closed(self) -> None:
         try:
@@ -173,13 +175,12 @@ class LeaseRendezvousHandler(RendezvousHandler):
         while True:
             record, record_rev, closed, signalled = self._read_control(self._last_round + 1)
             if closed:
-                raise RendezvousClosedError(f"The rendezvous '{self._settings.run_id}' is closed: its agents have "
-                                            "ended it.")
+                raise self._closed_error()
             if record is not None and self._node.name in record.names() \
                     and (record.round, record.incarnation) != self._last_seat:
                 # Seated without asking: a new incarnation (the record was deleted) counted our key, still
-                # wanting round 0 of the old one. The others expect us there.
-                seated = self._take_seat(record.round)
+                # wanting round 0 of the old one. The others expect us there, if it is that key.
+                seated = self._take_seat(record.round, counted_key_only=True)
                 if seated is not None:
                     return seated
             want = 0 if record is None else record.round + 1
@@ -212,7 +213,8 @@ class LeaseRendezvousHandler(RendezvousHandler):
         node = self._node
         offer = {} if self.use_agent_store else {"port": get_free_port()}  # MASTER_PORT if it becomes rank 0
         value = self._codec.encode(self._my_key, {"node": node.name, "addr": node.addr, "pid": node.pid,
-                                                  "local_id": node.local_id, "want": want, **offer})
+                                                  "local_id": node.local_id, "nonce": node.nonce, "want": want,
+                                                  **offer})
         self._heartbeat.value = value
         next_key = self._ctl + f"next/{want}".encode()
         sealer_key = self._ctl + f"sealer/{want}".encode()
@@ -245,8 +247,7 @@ class LeaseRendezvousHandler(RendezvousHandler):
                                           [Get(self._round_key)])
                 if not result.succeeded:
                     return None
-        sealer_present = result.results[-1] is not None
-        return sealer_present, result.revision
+        return self._codec.claim(result.results[-1]), result.revision
 
     def _wait_for_round(self, want: int, sealer_present: bool, revision: int, deadline: float) -> Round | None:
         """Seal round ``want`` or wait until a record newer than the one we read appears, the run is closed,
@@ -255,8 +256,9 @@ class LeaseRendezvousHandler(RendezvousHandler):
         while True:
             if self._clock() >= deadline:
                 self._give_up(want)
-            if not sealer_present and self._claim_sealer(want):
-                sealed = self._seal_round(want, deadline)
+            claim = 0 if sealer_present else self._claim_sealer(want)
+            if claim:
+                sealed = self._seal_round(want, deadline, claim)
                 if sealed is None:
                     self._drop_sealer_claim(want)  # someone else sealed it, or it closed: the claim would linger
                 return sealed
@@ -272,7 +274,7 @@ class LeaseRendezvousHandler(RendezvousHandler):
                     elif event.kv.key == sealer_key and event.kind == "delete":
                         state["sealer_gone"] = True
                     elif event.kv.key == self._closed_key and event.kind == "put":
-                        state["closed"] = True
+                        state["closed"] = self._codec.control(event.kv)
                 return bool(state["record"] or state["sealer_gone"] or state["closed"])
 
             end = self._client.watch_prefix(self._ctl, seen + 1,
@@ -282,17 +284,26 @@ class LeaseRendezvousHandler(RendezvousHandler):
             if state["sealer_gone"]:
                 sealer_present = False
 
-    def _claim_sealer(self, want: int) -> bool:
+    def _claim_sealer(self, want: int) -> int:
+        """The revision of our claim to seal round ``want`` (0: another node holds a valid claim). A claim
+        without a lease, or one the job's key did not sign, is replaced: it would block the round for ever."""
         key = self._ctl + f"sealer/{want}".encode()
-        result = self._client.txn([Compare.absent(key)],
-                                  [Put(key, self._codec.encode(key, {"by": self._node.name}), self._heartbeat.lease())])
-        return result.succeeded
+        value = self._codec.encode(key, {"by": self._node.name})
+        result = self._client.txn([Compare.absent(key)], [Put(key, value, self._heartbeat.lease())], [Get(key)])
+        if result.succeeded:
+            return result.revision
+        (current,) = result.results
+        if current is None or self._codec.claim(current):
+            return 0
+        result = self._client.txn([Compare.mod_revision(key, current.mod_revision)],
+                                  [Put(key, value, self._heartbeat.lease())])
+        return result.revision if result.succeeded else 0
 
     def _drop_sealer_claim(self, want: int) -> None:
         key = self._ctl + f"sealer/{want}".encode()
         self._client.txn([Compare.value(key, self._codec.encode(key, {"by": self._node.name}))], [Delete(key)])
 
-    def _seal_round(self, want: int, deadline: float) -> Round | None:
+    def _seal_round(self, want: int, deadline: float, claim: int) -> Round | None:
         """As the sealer of round ``want``: follow the node keys until the round can be sealed, seal it."""
         view = View()
         kvs, revision = self._client.get_prefix(self._prefix)
@@ -313,7 +324,8 @@ class LeaseRendezvousHandler(RendezvousHandler):
             open_since = (now if open_since is None else open_since) if is_open() else None
             ready, why = ready_to_seal(view, want, settings, open_since, now)
             if ready:
-                return self._write_round(want, view, why, sealer_key)  # None: the record changed: start over
+                # None: the record changed, or our claim expired (we stalled: the view may be stale): start over
+                return self._write_round(want, view, why, sealer_key, claim)
             if now >= deadline:
                 self._give_up(want)
             due = min(deadline, now + WATCH_SLICE_SECONDS)
@@ -334,12 +346,13 @@ class LeaseRendezvousHandler(RendezvousHandler):
             if self._client.watch_prefix(self._prefix, revision + 1, max(0.0, due - now), handle) == "compacted":
                 return None
 
-    def _write_round(self, want: int, view: View, why: str, sealer_key: bytes) -> Round | None:
+    def _write_round(self, want: int, view: View, why: str, sealer_key: bytes, claim: int) -> Round | None:
         candidates = [j for j in view.nodes.values() if j.want == want]
         previous = view.record if view.record is not None and view.record.round == want - 1 else None
         members = choose_members(candidates, previous, self._settings.max_nodes)
-        compare = [Compare.mod_revision(self._round_key, view.record_revision) if view.record_revision
-                   else Compare.absent(self._round_key), Compare.absent(self._closed_key)]
+        # Revisions as read (0: absent, for etcd a missing key's), and our claim still the one we made.
+        compare = [Compare.mod_revision(self._round_key, view.record_revision),
+                   Compare.mod_revision(self._closed_key, view.closed_revision), Compare.created(sealer_key, claim)]
 
         first = members[0]
         master = {"master": [first.node.addr, first.port]} if first.port else {}
@@ -364,8 +377,7 @@ class LeaseRendezvousHandler(RendezvousHandler):
         return f"torch.rendezvous.{self._settings.run_id}.{incarnation}.{round_}"
 
     def _forget_store_of(self, round_: int, incarnation: int) -> None:
-        """Delete the store keys of a round two back (workers' address, rank assignment: ~2 per node): every
-        member of it left it or died before the round after it could be sealed."""
+        """Delete the store keys of a round two back (~2 per node): all its members left it before round+1."""
         prefix = getattr(self._store, "prefix", None)
         if not isinstance(prefix, str):
             return
@@ -374,20 +386,22 @@ class LeaseRendezvousHandler(RendezvousHandler):
         except EtcdError as exc:
             log.debug("could not delete the store keys of round %d: %s", round_, exc)
 
-    def _take_seat(self, want: int) -> Round | None:
-        """Read the newest record and our own key in one transaction: our seat in round ``want`` (or later),
-        or None to join again."""
+    def _take_seat(self, want: int, counted_key_only: bool = False) -> Round | None:
+        """Our seat in round ``want`` or later from the newest record and our key, read together; None: join again
+        (also, with ``counted_key_only``, when our key is not the one the record counted)."""
         result = self._client.txn((), [Get(self._round_key), Get(self._my_key), Get(self._closed_key)])
         record_kv, mine, closed = result.results
-        if closed is not None:
-            raise RendezvousClosedError(f"The rendezvous '{self._settings.run_id}' is closed: its agents have "
-                                        "ended it.")
+        if self._codec.control(closed):
+            raise self._closed_error()
         record = self._codec.round(record_kv) if record_kv is not None else None
         if record is None or record.round < want:
             return None
         ticket = dict(record.members).get(self._node.name)
         if ticket is None:
             return None  # not seated (the round was full, or sealed before we joined): join the next one
+        counted = mine is not None and (mine.create_revision, mine.lease) == (ticket, self._heartbeat.current)
+        if counted_key_only and not counted:
+            return None  # that seat is another process's of the same name (a restarted container's predecessor)
         if mine is None or mine.create_revision != ticket:
             # Its lease expired after the sealer read its key. No newer round exists (this is the newest record),
             # so nobody has counted it out: the others expect it, and it takes its seat.
@@ -419,16 +433,10 @@ class LeaseRendezvousHandler(RendezvousHandler):
                                        Get(next_key)])
         record_kv, closed, legacy, signal = result.results
         if legacy is not None:
-            key = self._legacy_key.decode()
-            raise RendezvousRefusedError(
-                f"The etcd key '{key}' holds a rendezvous of the 'state' protocol: agents of an elastic_runner "
-                "build from before the lease protocol, or started with --rdzv_conf protocol=state, use this run "
-                "id, and the two protocols do not see each other. Start every node of the job with the same "
-                "protocol (add protocol=state to --rdzv_conf until all nodes are upgraded), or, if no such agent "
-                f"runs any more, 'etcdctl del {key}'.")
+            raise other_protocol_error(self._legacy_key.decode())
         record = self._codec.round(record_kv) if record_kv is not None else None
-        return (record, (record_kv.mod_revision if record_kv is not None else 0), closed is not None,
-                guess if signal is not None else -1)
+        return (record, (record_kv.mod_revision if record_kv is not None else 0), self._codec.control(closed),
+                guess if self._codec.control(signal) else -1)
 
     def _apply(self, view: View, kv: KeyValue, kind: str) -> None:
         key = kv.key
@@ -442,12 +450,14 @@ class LeaseRendezvousHandler(RendezvousHandler):
                 view.nodes[name] = joiner
         elif key == self._round_key and kind == "put":
             view.record, view.record_revision = self._codec.round(kv), kv.mod_revision
-        elif key == self._closed_key and kind == "put":
-            view.closed = True
+        elif key == self._closed_key:
+            view.closed, view.closed_revision = (self._codec.control(kv), kv.mod_revision) if kind == "put" \
+                else (False, 0)
+
+    def _closed_error(self) -> RendezvousClosedError:
+        return closed_error(self._settings.run_id, self._closed_key.decode())
 
     def _connection_error(self, action: str, exc: EtcdError) -> Exception:
-        from torch.distributed.elastic.rendezvous import RendezvousConnectionError
-
         return RendezvousConnectionError(f"The etcd-v3 rendezvous could not {action} (run '{self._settings.run_id}'). "
                                          f"{exc}")
 

@@ -72,7 +72,9 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
+import secrets
 import socket
 import threading
 import zlib
@@ -80,7 +82,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
-from torch.distributed.elastic.rendezvous import RendezvousStateError
+from torch.distributed.elastic.rendezvous import RendezvousClosedError, RendezvousStateError
 
 from .kv import KeyValue
 from .seal import AuthError, Sealer, StateContentError, inflate
@@ -103,15 +105,19 @@ class RendezvousRefusedError(RendezvousStateError):
 
 @dataclass(frozen=True, order=True)
 class NodeId:
-    """An agent: torch's node description (address, process id, a counter for several per process)."""
+    """An agent: torch's node description (address, process id, a counter for several per process), and a
+    random nonce: a container restarted in place has the same host name and, in its own PID namespace,
+    often the same pid; without the nonce the new agent would find the dead one's seat in the running
+    round and take it without joining, and the survivors would never be asked to re-form."""
 
     addr: str
     pid: int
     local_id: int
+    nonce: str = ""  #: empty in keys written before it existed
 
     @property
     def name(self) -> str:
-        return f"{quote(self.addr, safe='')}_{self.pid}_{self.local_id}"
+        return f"{quote(self.addr, safe='')}_{self.pid}_{self.local_id}" + (f"_{self.nonce}" if self.nonce else "")
 
     def __str__(self) -> str:
         return f"{self.addr}_{self.pid}_{self.local_id}"
@@ -124,7 +130,7 @@ _local_lock = threading.Lock()
 def new_node(local_addr: str | None) -> NodeId:
     with _local_lock:
         local_id = next(_local_ids)
-    return NodeId(local_addr or socket.getfqdn(), os.getpid(), local_id)
+    return NodeId(local_addr or socket.getfqdn(), os.getpid(), local_id, secrets.token_hex(4))
 
 
 @dataclass(frozen=True)
@@ -157,7 +163,10 @@ class Settings:
 
     @property
     def lease_ttl(self) -> int:
-        return max(2, round(self.window))  # etcd's shortest lease is about 2 s with default election settings
+        # Never below the window (rounding down would count a live node dead early), and at least a second
+        # more than one refresh interval: with keep_alive_max_attempt=1 a lease as long as the interval
+        # would expire from request latency alone. etcd's shortest lease is about 2 s.
+        return max(2, math.ceil(self.window), math.ceil(self.keep_alive_interval) + 1)
 
 
 @dataclass(frozen=True)
@@ -191,6 +200,7 @@ class View:
     record: Round | None = None
     record_revision: int = 0
     closed: bool = False
+    closed_revision: int = 0  #: of the closed key as read, valid or not (0: absent): sealing compares it
     sealer_present: bool = True
 
 
@@ -285,7 +295,7 @@ class Codec:
     def node(self, kv: KeyValue) -> Joiner | None:
         try:
             obj = self.open(kv)
-            node = NodeId(str(obj["addr"]), int(obj["pid"]), int(obj["local_id"]))
+            node = NodeId(str(obj["addr"]), int(obj["pid"]), int(obj["local_id"]), str(obj.get("nonce", "")))
             if node.name != kv.key[len(self.node_prefix):].decode():
                 raise ValueError("its content names another node")
             return Joiner(node, int(obj["want"]), kv.create_revision, int(obj.get("port", 0)))
@@ -297,6 +307,27 @@ class Codec:
                             kv.key.decode(errors="replace"), exc)
             return None
 
+    def control(self, kv: KeyValue | None) -> bool:
+        """Whether a control key (closed, a sealer claim, a "waiting" signal) holds a value this job's agents
+        wrote: with the job's key, a value anyone else put there is ignored (with a warning) instead of closing
+        the run, blocking its sealing or restarting its members."""
+        if kv is None:
+            return False
+        try:
+            self.open(kv)
+            return True
+        except (PermissionError, ValueError) as exc:
+            if kv.key not in self._warned:
+                self._warned.add(kv.key)
+                log.warning("Ignoring the rendezvous key '%s': %s. Something other than an elastic_runner agent of "
+                            "this job wrote it; check who can write the key prefix.", kv.key.decode(errors="replace"),
+                            exc)
+            return False
+
+    def claim(self, kv: KeyValue | None) -> bool:
+        """A sealer's claim that counts: on a lease (it dies with its node) and written by this job's agents."""
+        return kv is not None and kv.lease != 0 and self.control(kv)
+
     def encode(self, key: bytes, obj: dict[str, Any]) -> bytes:
         data = json.dumps(obj, separators=(",", ":")).encode()
         if len(data) > 1024:
@@ -304,6 +335,21 @@ class Codec:
             data = _DEFLATED + zlib.compress(data, 6)
         return self.signer.seal(key, data)
 
+
+
+def closed_error(run_id: str, key: str) -> RendezvousClosedError:
+    return RendezvousClosedError(
+        f"The rendezvous '{run_id}' is closed: its agents have ended it (etcd key '{key}', kept for up to two "
+        "hours after the job ends). To start a new job, give it a new --rdzv_id; to run this one again under the "
+        f"same id, 'etcdctl del {key}' first.")
+
+
+def other_protocol_error(key: str) -> RendezvousRefusedError:
+    return RendezvousRefusedError(
+        f"The etcd key '{key}' holds a rendezvous of the 'state' protocol: agents of an elastic_runner build from "
+        "before the lease protocol, or started with --rdzv_conf protocol=state, use this run id, and the two "
+        "protocols do not see each other. Start every node of the job with the same protocol (add protocol=state "
+        f"to --rdzv_conf until all nodes are upgraded), or, if no such agent runs any more, 'etcdctl del {key}'.")
 
 
 def settings_from(params: RendezvousParameters) -> Settings:

@@ -69,7 +69,7 @@ class MemberWatch:
                     wanted = int(key[len(self._ctl) + 5:].decode())
                 except ValueError:
                     continue
-                if wanted > mine:
+                if wanted > mine and self._codec.control(event.kv):
                     self.waiting = 1
             elif key == self._round_key:
                 try:
@@ -84,7 +84,7 @@ class MemberWatch:
                                     self._node, mine)
                     self.waiting = 1
             elif key == self._closed_key:
-                self.closed = True
+                self.closed = self._codec.control(event.kv)
         return self._stop.is_set()
 
     def _read(self) -> None:

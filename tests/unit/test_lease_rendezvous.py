@@ -480,3 +480,62 @@ def test_a_large_round_record_is_compressed_signed_and_bounded() -> None:
     bomb = Sealer(b"k" * 32).seal(key, b"z" + zlib.compress(b"{" + b" " * (5 << 20) + b"}"))
     with pytest.raises(RendezvousStateError, match="decompresses to more than"):
         codec.round(KeyValue(key, bomb, 1, 43))
+
+
+# == review findings: names reused, planted control keys, a stalled sealer ====================================
+
+def test_an_agent_restarted_under_its_predecessors_name_joins_instead_of_taking_its_seat(
+        cluster: Callable[..., Cluster]) -> None:
+    """A container restarted in place has the same host name and often the same pid: the nonce in every node
+    name keeps the names apart; should two ever match, the seat of a key on another lease is not taken."""
+    c = cluster(min_nodes=2, max_nodes=2)
+    a, b = c.agent(), c.agent()
+    assert a.node.nonce and a.node.name != b.node.name and a.node.name.endswith(a.node.nonce)
+    assert NodeId("h", 1, 0).name == "h_1_0", "keys written before the nonce keep their names"
+    together([a, b])
+    successor = c.agent()
+    successor._node = b.node  # the same name as its predecessor, whose key is still alive
+    successor._my_key = b._my_key
+    successor._heartbeat = type(b._heartbeat)(successor._client, successor.settings, successor._leases,
+                                              b._my_key, b.node.name, successor._clock)
+    thread, box = in_background(successor)
+    eventually(lambda: a.num_nodes_waiting() > 0, what="the survivor is asked to re-form")
+    assert not box, "the successor took round 0's seat without joining"
+    c.kill(b)
+    infos = together([a])
+    thread.join(10)
+    assert seats(infos + box) == [(0, 2), (1, 2)] and infos[0].bootstrap_store_info is not None
+
+
+def test_control_keys_planted_without_the_jobs_key_neither_close_block_nor_restart_it(
+        cluster: Callable[..., Cluster], caplog: pytest.LogCaptureFixture) -> None:
+    c = cluster(min_nodes=1, max_nodes=2, last_call_timeout=1.0)
+    key = Sealer(b"k" * 32)
+    admin = c.server.client()
+    ctl = f"{c.prefix}/rdzv/ctl/"
+    admin.txn((), [Put(f"{ctl}closed".encode(), b"{}"), Put(f"{ctl}sealer/0".encode(), b'{"by": "x"}')])
+    agent = c.agent(sealer=key)
+    with caplog.at_level(logging.WARNING):
+        info = agent.next_rendezvous()
+    assert info.world_size == 1 and not agent.is_closed()
+    assert f"Ignoring the rendezvous key '{ctl}closed'" in caplog.text
+    admin.txn((), [Put(f"{ctl}next/5".encode(), b'{"round": 5}')])
+    time.sleep(0.3)
+    assert agent.num_nodes_waiting() == 0, "an unsigned 'waiting' signal restarts nobody"
+
+
+def test_a_sealer_whose_claim_expired_while_it_stalled_cannot_seal_from_its_old_view(
+        cluster: Callable[..., Cluster]) -> None:
+    c = cluster(min_nodes=1, max_nodes=2)
+    a = c.agent()
+    a._put_join(0, None, 0, False)
+    claim = a._claim_sealer(0)
+    assert claim
+    view = View()
+    kvs, _ = a._client.get_prefix(a._prefix)
+    for kv in kvs:
+        a._apply(view, kv, "put")
+    sealer_key = f"{c.prefix}/rdzv/ctl/sealer/0".encode()
+    c.server.client().delete_prefix(sealer_key)  # its lease expired while it was paused; another may claim
+    assert a._write_round(0, view, "last call", sealer_key, claim) is None
+    assert c.server.client().get(f"{c.prefix}/rdzv/ctl/round".encode())[0] is None, "no round sealed"
