@@ -8,6 +8,11 @@
   (:data:`elastic_runner.lifecycle.EXIT_USAGE`: invalid config, incompatible
   snapshot) or 3 (the gradient became NaN or inf) would fail identically on
   every restart; the agent stops instead of burning ``--max-restarts`` restarts.
+- **A round a member never starts in is left, not fatal.** A node that dies right after a round is
+  sealed (a SIGKILL between the seal and its workers' rank assignment) never writes its part of
+  the round's store; torch's agent waits ``read_timeout`` (60 s) for it and then raises, and every
+  other agent of the round with it: the whole job ended (seen in a 1,000-fault soak). The agent
+  joins the next round instead, which forms without the dead node.
 - **No lazy imports on the recovery path.** torch's log formatter imports
   ``torch._dynamo`` (~2.5 s) the first time it formats an exception, and
   torch logs one exactly when a worker fails; that record goes to our DEBUG
@@ -29,6 +34,7 @@ import signal
 import time
 from typing import Any
 
+from torch.distributed import DistNetworkError, DistStoreError
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
@@ -36,6 +42,9 @@ from ..lifecycle import EXIT_DIVERGED, EXIT_FINAL, EXIT_NOT_DURABLE, EXIT_USAGE,
 from . import fast_rendezvous
 
 log = logging.getLogger(__name__)
+
+#: Rounds in a row a node leaves because a member never started in them, before torch's error ends it.
+ROUND_RETRIES = 5
 
 _PROCESS_START = process_start_time()
 
@@ -64,7 +73,17 @@ class ElasticRunnerAgent(LocalElasticAgent):
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
         started = time.monotonic()
         began = time.time()
-        super()._rendezvous(worker_group)
+        for attempt in range(1, ROUND_RETRIES + 2):
+            try:
+                super()._rendezvous(worker_group)
+                break
+            except (DistStoreError, DistNetworkError) as exc:
+                if attempt > ROUND_RETRIES:
+                    raise
+                first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                log.warning("A member of the new round did not take its part (%s): most likely it died right after the "
+                            "round was sealed. This node joins the next round (%d of %d).", first_line, attempt,
+                            ROUND_RETRIES)
         # The first round's start, from the agent process's start: the agent's own start-up, which a
         # node that joins a running job pays in full.
         startup = {"startup_s": round(began - _PROCESS_START, 3)} if not self._rounds else {}

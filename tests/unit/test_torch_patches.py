@@ -184,3 +184,40 @@ def test_the_launcher_builds_our_agent_whose_overrides_torch_calls(tmp_path: Any
         f"exit 1 should be restarted and exit 2 should end the job with restarts left ({failures}): "
         f"{torch_patches.AGENT_API}.SimpleElasticAgent._remaining_restarts no longer stops the restarts")
     assert [e for e, _ in notified].count("restart") == 1
+
+
+def test_a_round_a_member_never_takes_its_part_in_is_left_for_the_next_one(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Seen in a 1,000-fault soak: an agent SIGKILLed right after a round was sealed never wrote its part of
+    the round's store; torch's agent waited 60 s for it and raised, and every agent with it: the job ended."""
+    from types import SimpleNamespace
+
+    from torch.distributed import DistStoreError
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    from elastic_runner.agent.agent import ROUND_RETRIES, ElasticRunnerAgent
+
+    rounds: list[int] = []
+    failing = {"rounds": 1}
+
+    def torchs_rendezvous(self: Any, worker_group: Any) -> None:
+        rounds.append(len(rounds))
+        if len(rounds) <= failing["rounds"]:
+            raise DistStoreError("Timed out after 60 s waiting for 1 of 4 key(s) in the etcd store: "
+                                 "'torch.rendezvous.job.1.56/torchelastic/role_info/2'.\nmore")
+
+    monkeypatch.setattr(LocalElasticAgent, "_rendezvous", torchs_rendezvous)
+    notified: list[str] = []
+    agent = ElasticRunnerAgent.__new__(ElasticRunnerAgent)  # its torch parts are not used here
+    agent.observers, agent._rounds = [lambda event, **fields: notified.append(event)], 0
+    group = SimpleNamespace(spec=SimpleNamespace(rdzv_handler=SimpleNamespace(completed_early=False)),
+                            group_world_size=3, group_rank=0)
+    with caplog.at_level(logging.WARNING):
+        agent._rendezvous(group)
+    assert rounds == [0, 1] and notified == ["rendezvous"]
+    assert "role_info/2" in caplog.text and "joins the next round (1 of 5)" in caplog.text
+    rounds.clear()
+    failing["rounds"] = 100
+    with pytest.raises(DistStoreError):
+        agent._rendezvous(group)
+    assert len(rounds) == ROUND_RETRIES + 1, "a store that never answers still ends the agent"
