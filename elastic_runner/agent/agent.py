@@ -37,6 +37,7 @@ from typing import Any
 from torch.distributed import DistNetworkError, DistStoreError
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.multiprocessing.api import SignalException
 
 from ..lifecycle import EXIT_DIVERGED, EXIT_FINAL, EXIT_NOT_DURABLE, EXIT_USAGE, proc_state, process_start_time
 from . import fast_rendezvous
@@ -47,6 +48,19 @@ log = logging.getLogger(__name__)
 ROUND_RETRIES = 5
 
 _PROCESS_START = process_start_time()
+
+
+def _signal_behind(exc: BaseException) -> SignalException | None:
+    """torch's stop signal (its agent raises it in the main thread, wherever that thread is), if a store
+    error wraps it: the launcher must see it as such, or it closes the rendezvous for every node."""
+    seen: set[int] = set()
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, SignalException):
+            return cause
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    return None
 
 
 class ElasticRunnerAgent(LocalElasticAgent):
@@ -78,6 +92,9 @@ class ElasticRunnerAgent(LocalElasticAgent):
                 super()._rendezvous(worker_group)
                 break
             except (DistStoreError, DistNetworkError) as exc:
+                stop = _signal_behind(exc)
+                if stop is not None:  # a SIGTERM/SIGINT that reached the agent inside a store request: stop
+                    raise stop from exc
                 if attempt > ROUND_RETRIES:
                     raise
                 first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import requests
+from torch.distributed.elastic.multiprocessing.api import SignalException
 
 from .kv import (
     Backoff,
@@ -266,6 +267,8 @@ class EtcdGatewayClient(KVClient):
                 if first is not None:
                     log.warning("etcd answers again (%s) after: %s", member.endpoint, first)
                 return result
+            except SignalException:
+                raise  # a stop for the agent (SIGTERM, SIGINT in its main thread), not an etcd error to retry
             except Exception as exc:  # noqa: BLE001 - classified
                 error, cause = self._classify(exc, member), exc
             if isinstance(error, _Reauthenticate):
@@ -398,6 +401,8 @@ class EtcdGatewayClient(KVClient):
                     if time.monotonic() - started >= timeout:
                         return "timeout"
             raise _Transient("the watch stream ended")
+        except SignalException:
+            raise  # torch's agent stops with it (and then leaves the rendezvous open for the other nodes)
         except Exception as exc:  # noqa: BLE001 - timeouts, resets, restarts: the caller looks again
             elapsed = time.monotonic() - started
             if elapsed >= timeout * 0.98 and _is_timeout(exc):

@@ -221,3 +221,57 @@ def test_a_round_a_member_never_takes_its_part_in_is_left_for_the_next_one(
     with pytest.raises(DistStoreError):
         agent._rendezvous(group)
     assert len(rounds) == ROUND_RETRIES + 1, "a store that never answers still ends the agent"
+
+
+def test_a_stop_signal_inside_a_store_request_stops_the_agent_and_is_never_taken_for_an_etcd_error(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Seen in the 1,000-fault soak: a preemption's SIGTERM reached an agent inside an etcd request; the client
+    reported it as an etcd error, the agent took it for a failed round and trained on. torch's launcher must see
+    its SignalException, or it closes the rendezvous for every node."""
+    import signal as signals
+    from types import SimpleNamespace
+
+    from torch.distributed import DistStoreError
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    from elastic_runner.agent.agent import ElasticRunnerAgent
+    from elastic_runner.rendezvous.gateway import EtcdGatewayClient
+    from elastic_runner.rendezvous.options import EtcdOptions, parse_endpoints
+    from elastic_runner.rendezvous.store import EtcdStore
+    from elastic_runner.testing.localjob import free_port
+
+    client = EtcdGatewayClient(EtcdOptions(parse_endpoints(f"127.0.0.1:{free_port()}")))
+    preempted = {"requests": 0}
+
+    def sigterm_arrives(*args: Any, **kwargs: Any) -> Any:
+        preempted["requests"] += 1
+        raise SignalException("Process 1 got signal: 15", sigval=signals.SIGTERM)
+
+    for member in client._members:
+        monkeypatch.setattr(member.client, "get_url", lambda path: f"http://127.0.0.1:1/v3/{path.lstrip('/')}")
+        monkeypatch.setattr(member.client, "post", sigterm_arrives)
+        monkeypatch.setattr(member.client.session, "post", sigterm_arrives)
+    with pytest.raises(SignalException):
+        EtcdStore(client, "/t/store").get("role_info/2")
+    with pytest.raises(SignalException):
+        client.watch_prefix(b"/t/", 1, 5.0, lambda events: True)
+    assert preempted["requests"] == 2, "a stop is not retried"
+
+    rounds: list[int] = []
+
+    def torchs_rendezvous(self: Any, worker_group: Any) -> None:
+        rounds.append(1)
+        try:
+            raise SignalException("Process 1 got signal: 15", sigval=signals.SIGTERM)
+        except SignalException as exc:  # what an older store did with it
+            raise DistStoreError("The etcd store could not read keys.") from exc
+
+    monkeypatch.setattr(LocalElasticAgent, "_rendezvous", torchs_rendezvous)
+    agent = ElasticRunnerAgent.__new__(ElasticRunnerAgent)
+    agent.observers, agent._rounds = [], 0
+    group = SimpleNamespace(spec=SimpleNamespace(rdzv_handler=SimpleNamespace(completed_early=False)),
+                            group_world_size=1, group_rank=0)
+    with pytest.raises(SignalException):
+        agent._rendezvous(group)
+    assert rounds == [1], "a stop is not a failed round"
