@@ -300,11 +300,7 @@ class Codec:
                 raise ValueError("its content names another node")
             return Joiner(node, int(obj["want"]), kv.create_revision, int(obj.get("port", 0)))
         except (PermissionError, ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
-            if kv.key not in self._warned:
-                self._warned.add(kv.key)
-                log.warning("Ignoring the rendezvous node key '%s': %s. Something other than an elastic_runner "
-                            "agent of this job wrote it; check who can write the key prefix.",
-                            kv.key.decode(errors="replace"), exc)
+            self._ignore("node key", kv, exc)
             return None
 
     def control(self, kv: KeyValue | None) -> bool:
@@ -317,12 +313,15 @@ class Codec:
             self.open(kv)
             return True
         except (PermissionError, ValueError) as exc:
-            if kv.key not in self._warned:
-                self._warned.add(kv.key)
-                log.warning("Ignoring the rendezvous key '%s': %s. Something other than an elastic_runner agent of "
-                            "this job wrote it; check who can write the key prefix.", kv.key.decode(errors="replace"),
-                            exc)
+            self._ignore("key", kv, exc)
             return False
+
+    def _ignore(self, what: str, kv: KeyValue, exc: Exception) -> None:
+        """Warn once per key about a value this job's agents did not write."""
+        if kv.key not in self._warned:
+            self._warned.add(kv.key)
+            log.warning("Ignoring the rendezvous %s '%s': %s. Something other than an elastic_runner agent of this "
+                        "job wrote it; check who can write the key prefix.", what, kv.key.decode(errors="replace"), exc)
 
     def claim(self, kv: KeyValue | None) -> bool:
         """A sealer's claim that counts: on a lease (it dies with its node) and written by this job's agents."""

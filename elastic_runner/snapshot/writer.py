@@ -1,7 +1,8 @@
 """Save snapshots without stalling training.
 
-The step waits only while tensors are copied out of the live state. By default
-(``snapshot.writer: process``) they are copied into a shared-memory arena and a
+The step waits only while tensors are copied out of the live state. With the
+writer process (``snapshot.writer: process``, and ``auto``, the default, for a
+state of 8 MB or more) they are copied into a shared-memory arena and a
 writer process serialises, checksums, fsyncs, publishes and prunes
 (:mod:`.writer_process`), so none of that competes with training for the
 interpreter; a CPU state of 8 MB or more is copied by a thread beside the next
