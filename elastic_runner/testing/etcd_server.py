@@ -29,6 +29,7 @@ from pathlib import Path
 import requests
 
 from ..lifecycle import child_dies_with_starter
+from . import debian
 from .localjob import free_port
 
 @dataclass(frozen=True)
@@ -54,15 +55,10 @@ def ensure_installed(timeout: float = 600) -> str:
     found = find_binary()
     if found:
         return found
-    if os.geteuid() != 0 or not shutil.which("apt-get"):
+    if not debian.can_install():
         raise RuntimeError("etcd is not installed. Install it (Debian/Ubuntu: 'apt-get install -y etcd-server'; or a "
                            "release binary from github.com/etcd-io/etcd) so that 'etcd' is on PATH.")
-    env = os.environ | {"DEBIAN_FRONTEND": "noninteractive"}
-    install = ["apt-get", "install", "-y", "--no-install-recommends", "etcd-server"]
-    result = subprocess.run(install, env=env, capture_output=True, text=True, timeout=timeout)
-    if result.returncode != 0:
-        subprocess.run(["apt-get", "update"], env=env, capture_output=True, text=True, timeout=timeout)
-        result = subprocess.run(install, env=env, capture_output=True, text=True, timeout=timeout)
+    result = debian.apt_install("etcd-server", timeout=timeout)
     found = find_binary()
     if result.returncode != 0 or not found:
         raise RuntimeError(f"Installing etcd-server with apt-get failed (exit {result.returncode}): "

@@ -21,6 +21,8 @@ from typing import Any, Iterator, Mapping
 
 import yaml
 
+from elastic_runner.testing import debian
+
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "k8s"
 OVERLAYS = sorted(p.name for p in (K8S / "overlays").iterdir() if (p / "kustomization.yaml").is_file())
@@ -80,15 +82,12 @@ def _apt_candidate(package: str) -> bool:
 
 def apt_install(package: str) -> bool:
     """``apt-get install -y PACKAGE`` as root when Debian offers it; True if it ran and succeeded."""
-    if os.geteuid() != 0 or shutil.which("apt-get") is None or not _apt_candidate(package):
+    if not debian.can_install() or not _apt_candidate(package):
         return False
-    env = os.environ | {"DEBIAN_FRONTEND": "noninteractive"}
     try:
-        result = subprocess.run(["apt-get", "install", "-y", "--no-install-recommends", package],
-                                capture_output=True, text=True, timeout=600, env=env)
+        return debian.apt_install(package).returncode == 0
     except (OSError, subprocess.SubprocessError):
         return False
-    return result.returncode == 0
 
 
 def find_kubectl() -> tuple[str | None, str]:

@@ -16,6 +16,7 @@ from typing import Iterator
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from elastic_runner.testing import debian
 from elastic_runner.testing.localjob import descendants, free_port
 
 from ..conftest import write_config
@@ -130,14 +131,10 @@ def prometheus_binary() -> str:
     found = shutil.which("prometheus")
     if found:
         return found
-    if os.geteuid() != 0:
+    if not debian.can_install():
         pytest.skip("Prometheus is not installed and installing it needs root (apt-get install prometheus)")
-    env = os.environ | {"DEBIAN_FRONTEND": "noninteractive"}
-    cmd = ["apt-get", "install", "-y", "--no-install-recommends", "prometheus"]
-    if subprocess.run(cmd, env=env, capture_output=True).returncode != 0:
-        subprocess.run(["apt-get", "update"], env=env, capture_output=True)
-        result = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        assert result.returncode == 0, f"installing prometheus failed: {result.stderr[-2000:]}"
+    result = debian.apt_install("prometheus")
+    assert result.returncode == 0, f"installing prometheus failed: {result.stderr[-2000:]}"
     found = shutil.which("prometheus")
     assert found, "apt-get installed prometheus but the binary is not on PATH"
     return found
