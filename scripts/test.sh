@@ -6,16 +6,14 @@
 #      snapshot writer process, components, the sampler), the launcher tests and one elastic scenario. The other unit tests check our own
 #      logic; the first run covers them.
 # The tests install what they need from Debian themselves (etcd-server, prometheus) when run as root.
-# Both runs use two pytest-xdist lanes (-n 2 --dist loadgroup): the tests that run real jobs one after another in
-# one lane (tests/conftest.py groups every `multiprocess` test), the in-process tests beside them in the other.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh vision-test || exit 1
-.venv-vision/bin/python -m pytest -ra --durations=25 -n 2 --dist loadgroup "$@"
+.venv-vision/bin/python -m pytest -ra --durations=25 "$@"
 full=$?
 scripts/setup.sh test || exit 1
 echo "==> the short run on torch 2.13.0"
-.venv/bin/python -m pytest -ra -p no:cacheprovider -n 2 --dist loadgroup \
+.venv/bin/python -m pytest -ra -p no:cacheprovider \
   tests/unit/test_torch_patches.py tests/unit/test_torchrun_hook.py tests/unit/test_fast_rendezvous.py \
   tests/unit/test_lease_rendezvous.py tests/unit/test_etcd_fake.py tests/unit/test_snapshot.py \
   tests/unit/test_snapshot_writer_process.py \

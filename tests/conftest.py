@@ -22,17 +22,6 @@ os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.g
 become_subreaper()
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under pytest-xdist (``scripts/test.sh``: ``-n 2 --dist loadgroup``) every test that runs real jobs
-    goes to one lane, one after another as without xdist: two jobs side by side on a 2-core machine would
-    race their heartbeats, start-up deadlines and paced faults. The in-process tests fill the other lane."""
-    if not config.pluginmanager.hasplugin("xdist"):
-        return
-    for item in items:
-        if item.get_closest_marker("multiprocess"):
-            item.add_marker(pytest.mark.xdist_group("jobs"))
-
-
 def mount_small_volume(path: Path, size: str) -> None:
     """A small tmpfs at ``path`` (a real ENOSPC when it is full); skips the test where mounting needs root."""
     path.mkdir(parents=True, exist_ok=True)

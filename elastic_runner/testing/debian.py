@@ -1,7 +1,7 @@
 """Debian packages the tests need (etcd-server, prometheus), installed as root, one ``apt-get`` at a time.
 
-The suite runs in two pytest-xdist lanes (``scripts/test.sh``): on a fresh machine both may find etcd
-missing at the same moment, and the second ``apt-get`` would fail on dpkg's lock. A file lock taken
+Two test runs at once (two checkouts, or parallel pytest workers) on a fresh machine may find etcd missing at
+the same moment, and the second ``apt-get`` would fail on dpkg's lock. A file lock taken
 around every install here serialises our own installs (the second one then finds the package there);
 ``DPkg::Lock::Timeout`` makes ``apt-get`` wait for anyone else's (unattended-upgrades) instead of failing.
 """

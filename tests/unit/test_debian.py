@@ -1,4 +1,4 @@
-"""Installing the tests' Debian packages: one apt-get at a time, whichever lane asks (a fake apt-get on PATH)."""
+"""Installing the tests' Debian packages: one apt-get at a time, whichever test run asks (a fake apt-get on PATH)."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def test_an_install_that_fails_on_stale_lists_updates_them_and_tries_again(fake_
     assert "--no-install-recommends" in calls[0]
 
 
-def test_two_lanes_installing_at_once_never_run_apt_get_together(fake_apt: Path) -> None:
+def test_two_installs_at_once_never_run_apt_get_together(fake_apt: Path) -> None:
     results = []
     lanes = [threading.Thread(target=lambda p=p: results.append(debian.apt_install(p))) for p in ("etcd-server", "prometheus")]
     for lane in lanes:
