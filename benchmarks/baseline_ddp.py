@@ -26,8 +26,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from elastic_runner.config import DataConfig, ModelConfig
-from elastic_runner.data import build_datasets
-from elastic_runner.models import build_model
+from elastic_runner.data.datasets import build_datasets
+from elastic_runner.workload.models import build_model
 
 
 class Timing:  # timing: benchmark instrumentation
@@ -75,8 +75,8 @@ def main() -> None:
     if args.data == "tokens":  # the tiny GPT on token windows (next-token loss, mean over tokens)
         from pathlib import Path
 
-        from elastic_runner.gpt import GPT
-        from elastic_runner.tokens import token_datasets
+        from elastic_runner.data.tokens import token_datasets
+        from elastic_runner.workload.gpt import GPT
 
         train, _, meta = token_datasets(Path(args.tokens_dir), args.block_size)
         n_layer, n_head, n_embd = (int(v) for v in args.gpt.split(","))
@@ -85,7 +85,7 @@ def main() -> None:
         import torchvision
         from torchvision.transforms import v2
 
-        from elastic_runner.images import FakeImages
+        from elastic_runner.data.images import FakeImages
 
         side = int(args.synthetic_shape.split(",")[-1])
         steps = [v2.RandomCrop(side, padding=4), v2.RandomHorizontalFlip()] if args.augment else []

@@ -37,7 +37,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from elastic_runner.events import EventFollower, read_events  # noqa: E402
+from elastic_runner.observe.events import EventFollower, read_events  # noqa: E402
 from elastic_runner.testing.localjob import LocalJob  # noqa: E402
 
 VARIANTS = ("torchrun-default", "torchrun-tuned", "elastic-runner", "elastic-runner-torchrun",

@@ -22,7 +22,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import scratch_dir, SAME_SETTINGS, VARIANTS, Workload, furthest_completed_step, make_job, median, wait_stepping, write_json
+from common import (
+    SAME_SETTINGS,
+    VARIANTS,
+    Workload,
+    furthest_completed_step,
+    make_job,
+    median,
+    scratch_dir,
+    wait_stepping,
+    write_json,
+)
 
 
 def measure(variant: str, repeats: int, hang_after: float, workdir: Path, scenarios: list[str],

@@ -22,7 +22,7 @@ per agent: one interpreter's GIL would serialise every client and hide the proto
 Workers are spawned (not forked: torch), kept for the whole run (their rendezvous state is reset
 between trials) and rebuilt after a failed trial (or Ctrl-C/SIGTERM: the children are ended, a local
 etcd stopped, and what was measured is still reported). ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` is set in
-every process (``elastic_runner.launch.ENV_DEFAULTS``), so no rank 0 starts a TCPStore server of its own.
+every process (``elastic_runner.agent.launch.ENV_DEFAULTS``), so no rank 0 starts a TCPStore server of its own.
 
 Scenarios (``--scenarios``), per backend and N, backend after backend for each N:
 
@@ -94,18 +94,18 @@ import threading
 import time
 import uuid
 from datetime import timedelta
-from multiprocessing.connection import Connection, wait as wait_for
+from multiprocessing.connection import Connection
+from multiprocessing.connection import wait as wait_for
 from pathlib import Path
 from typing import Any
 
 import common  # puts the repository on sys.path
-
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.distributed.elastic.rendezvous import RendezvousParameters  # noqa: E402
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend  # noqa: E402
 
-from elastic_runner.launch import ENV_DEFAULTS  # noqa: E402
+from elastic_runner.agent.launch import ENV_DEFAULTS  # noqa: E402
 
 for _key, _value in ENV_DEFAULTS.items():  # as elastic-runner launch sets them, in every process
     os.environ[_key] = _value
@@ -246,7 +246,7 @@ def worker_main(index: int, parent: int, commands: Connection, results: Connecti
 
     Commands (dicts): build (spec, count), arm (stop_heartbeats), go, cleanup, exit. Replies: built,
     armed, one "agent" message per agent that returned, cleaned, or error."""
-    from elastic_runner.lifecycle import follow_parent
+    from elastic_runner.worker.lifecycle import follow_parent
 
     follow_parent(parent)  # never outlive the benchmark
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the main process ends us

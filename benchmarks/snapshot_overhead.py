@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import scratch_dir, Workload, make_job, median, read_events, steady_rate, timing_lines, write_json
+from common import Workload, make_job, median, read_events, scratch_dir, steady_rate, timing_lines, write_json
 
 MODELS: dict[str, Workload] = {
     "small": Workload(batch_per_rank=32, world=1),

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import scratch_dir, Workload, make_job, median, read_events, steady_rate, write_json
+from common import Workload, make_job, median, read_events, scratch_dir, steady_rate, write_json
 
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "baseline": ("torchrun-tuned", {}),
@@ -94,7 +94,7 @@ def main() -> None:
             cnn = Workload(data="synthetic", synthetic_shape="3,32,32", channels=32, hidden=128)
             results["cnn"] = measure("cnn", cnn, workdir, args.repeats, args.steps, args.skip)
         if "gpt" in chosen:
-            from elastic_runner.tokens import prepare_text
+            from elastic_runner.data.tokens import prepare_text
 
             tokens = workdir / "shakespeare-char"
             prepare_text(Path(__file__).resolve().parent.parent / "examples" / "data" / "shakespeare.txt", tokens)

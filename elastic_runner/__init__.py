@@ -3,7 +3,7 @@
 ``elastic_runner.fit(model, train_data, loss=..., optimizer=..., config=...)`` trains a script's own
 objects; ``elastic_runner.load_model(run_dir)`` gives a run's model with its newest weights (both
 in :mod:`elastic_runner.api`); ``elastic_runner.Augmented`` and ``elastic_runner.sample_seed`` make a
-dataset's random augmentation resume bitwise (:mod:`elastic_runner.images`). Importing the package
+dataset's random augmentation resume bitwise (:mod:`elastic_runner.data.images`). Importing the package
 itself imports nothing else: torchrun loads it while it loads its rendezvous handlers.
 """
 
@@ -20,7 +20,7 @@ def __getattr__(name: str) -> Any:
 
         return getattr(api, name)
     if name in ("Augmented", "sample_seed"):
-        from . import images
+        from .data import images
 
         return getattr(images, name)
     raise AttributeError(f"module 'elastic_runner' has no attribute {name!r}")

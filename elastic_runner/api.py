@@ -18,7 +18,7 @@ batch), the peer watchdog, metrics, events, the audit — with these objects ins
 import paths. The config (a YAML file, a mapping of sections, or ``None`` for the defaults) supplies
 everything else; its ``data``/``model``/``optim`` names are not used (the snapshot records the
 objects' classes and shapes instead, so that a changed model is refused on resume). Returns the
-worker's exit status (:mod:`elastic_runner.lifecycle`).
+worker's exit status (:mod:`elastic_runner.worker.lifecycle`).
 
 :func:`load_model` rebuilds a run's model from its effective config and loads the newest snapshot's
 weights (or loads them into the model you pass, for a script's own model).
@@ -50,10 +50,10 @@ def fit(model: nn.Module, train_data: Any, *, loss: Callable[..., Any] | str = "
     section). ``metrics``: built-in names and ``fn(model, batch) -> {name: values [B]}``.
     ``schedule``: ``fn(optimizer, total_steps) -> LRScheduler`` (default: the config's ``schedule``).
     """
-    from .env import EnvError, WorkerEnv
-    from .lifecycle import EXIT_USAGE
-    from .logs import say
+    from .observe.logs import say
     from .train import run
+    from .worker.env import EnvError, WorkerEnv
+    from .worker.lifecycle import EXIT_USAGE
 
     try:
         cfg = config if isinstance(config, Config) else load_config(config, list(overrides))
@@ -72,9 +72,9 @@ def fit(model: nn.Module, train_data: Any, *, loss: Callable[..., Any] | str = "
     cfg.model.name = f"(script) {type(model).__qualname__}"
 
     def make_workload() -> Any:
-        from .optim import build_optimizer, build_schedule
-        from .tasks import build_task
-        from .workload import Workload, identity_of
+        from .workload.optim import build_optimizer, build_schedule
+        from .workload.spec import Workload, identity_of
+        from .workload.tasks import build_task
 
         fns = {getattr(m, "__qualname__", f"metric{i}"): m for i, m in enumerate(metrics or ()) if callable(m)}
         task = build_task(cfg.model, cfg.eval, loss=None if builtin_loss else loss,  # type: ignore[arg-type]
@@ -111,8 +111,8 @@ def load_model(run_dir: str | os.PathLike[str], model: nn.Module | None = None, 
     model cannot be rebuilt from a config: pass it (``load_model(run_dir, MyNet())``).
     """
     from .config import config_from_dict
-    from .models import build_model
     from .snapshot.cli import load_for_export
+    from .workload.models import build_model
 
     ref, meta, state = load_for_export(str(run_dir), snapshot, map_location=map_location)
     if model is None:

@@ -25,7 +25,7 @@ from . import __version__
 
 
 def _audit(args: argparse.Namespace) -> int:
-    from .audit import check_audit
+    from .observe.audit import check_audit
 
     report = check_audit(args.run_dir)
     print(json.dumps(report.to_dict(), indent=2) if args.json else report.render())
@@ -38,7 +38,7 @@ def _config(args: argparse.Namespace) -> int:
     if args.docs:
         print(reference_markdown())
         return 0
-    from .imports import check_references
+    from .config.imports import check_references
 
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())  # import paths find modules here, as they do in a worker
@@ -54,7 +54,7 @@ def _config(args: argparse.Namespace) -> int:
 
 def _data(args: argparse.Namespace) -> int:
     from .config import ConfigError
-    from .tokens import prepare_text
+    from .data.tokens import prepare_text
 
     try:
         meta = prepare_text(args.input, args.out, args.val_fraction)
@@ -108,7 +108,7 @@ def _main(argv: Sequence[str] | None = None) -> int:
         return train_main(argv[1:])
     if argv and argv[0] == "launch":
         # torchrun's own parser handles every flag and PET_* variable.
-        from .launch import main as launch_main
+        from .agent.launch import main as launch_main
 
         return launch_main(argv[1:])
     parser = argparse.ArgumentParser(prog="elastic-runner", description="Elastic, fault-tolerant PyTorch training.")
@@ -131,7 +131,8 @@ def _main(argv: Sequence[str] | None = None) -> int:
     pt.add_argument("input", help="a UTF-8 text file")
     pt.add_argument("--out", required=True, help="directory for train.bin, val.bin and meta.json")
     pt.add_argument("--val-fraction", type=float, default=0.1, help="share of the text (its end) held out (0.1)")
-    from . import chaos, report
+    from . import chaos
+    from .observe import report
 
     chaos.add_parser(sub)
     report.add_parser(sub)

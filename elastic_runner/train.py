@@ -4,9 +4,9 @@ Runs alone (world size 1), under ``torchrun --standalone``, or as part of a
 multi-node elastic job; it reads its place in the job from the environment.
 This module is the process: arguments, config, logging, signals, the process
 group up and down, and the exit status. One training attempt is
-:class:`elastic_runner.attempt.Attempt`.
+:class:`elastic_runner.worker.attempt.Attempt`.
 
-Exit status (:mod:`elastic_runner.lifecycle`): 0 finished or stopped gracefully
+Exit status (:mod:`elastic_runner.worker.lifecycle`): 0 finished or stopped gracefully
 (SIGTERM/SIGINT), 2 a configuration or resume problem (the message says what
 to fix), 3 the gradient became NaN or inf, 4 finished but the final snapshot
 could not be written (the state is kept in node memory), 75 peers did not arrive in time,
@@ -25,15 +25,18 @@ from typing import TYPE_CHECKING, Callable, Sequence
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from . import fsmode
-from .attempt import Attempt, RetryableSetupError, SetupError
-from .checkpoint import FinalSnapshotFailed, ResumeError, StopSnapshotFailed
+from . import files
 from .config import Config, ConfigError, load_config
-from .dist import Dist, DistError
-from .env import EnvError, WorkerEnv
-from .events import agent_stop_reason
-from .gradients import NonFiniteGradient
-from .lifecycle import (
+from .observe.events import agent_stop_reason
+from .observe.logs import say, setup_logging
+from .snapshot import StaleWriterError
+from .training.checkpointer import FinalSnapshotFailed, ResumeError, StopSnapshotFailed
+from .training.gradients import NonFiniteGradient
+from .training.loop import GracefulStop
+from .worker.attempt import Attempt, RetryableSetupError, SetupError
+from .worker.dist import Dist, DistError
+from .worker.env import EnvError, WorkerEnv
+from .worker.lifecycle import (
     EXIT_DIVERGED,
     EXIT_FAILED,
     EXIT_NOT_DURABLE,
@@ -44,13 +47,10 @@ from .lifecycle import (
     name_process,
     process_start_time,
 )
-from .logs import say, setup_logging
-from .loop import GracefulStop
-from .preflight import warn_known_bad_setups
-from .snapshot import StaleWriterError
+from .worker.preflight import warn_known_bad_setups
 
 if TYPE_CHECKING:
-    from .workload import Workload
+    from .workload.spec import Workload
 
 log = logging.getLogger("elastic_runner.train")
 
@@ -83,7 +83,7 @@ def run(cfg: Config, env: WorkerEnv, make_workload: Callable[[], Workload] | Non
     """One worker process: ``make_workload`` builds what is trained (default: from ``cfg``)."""
     started_at = process_start_time()
     setup_logging(cfg.logging.level, env.rank, env.world_size)
-    fsmode.set_sharing(cfg.snapshot.mode)  # every file the run writes: private unless the team shares
+    files.set_sharing(cfg.snapshot.mode)  # every file the run writes: private unless the team shares
     if env.under_torchrun:
         die_with_parent()
         name_process(env.rank, env.local_rank)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 
-from elastic_runner.sampler import ElasticSampler, StepPlan
+from elastic_runner.data.sampler import ElasticSampler, StepPlan
 
 
 class RepeatingSampler(ElasticSampler):

@@ -11,8 +11,8 @@ from typing import Iterator
 import pytest
 import yaml
 
-from elastic_runner.lifecycle import become_subreaper
 from elastic_runner.testing.localjob import LocalJob
+from elastic_runner.worker.lifecycle import become_subreaper
 
 ROOT = Path(__file__).resolve().parent.parent
 QUICKSTART = ROOT / "configs" / "quickstart.yaml"

@@ -13,8 +13,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from elastic_runner.audit import latest_step
-from elastic_runner.events import read_events
+from elastic_runner.observe.audit import latest_step
+from elastic_runner.observe.events import read_events
 from elastic_runner.testing.localjob import free_port
 
 

@@ -7,7 +7,7 @@ Applied to the agent process just before torch's ``launch_agent`` builds its age
   the entrypoint becomes a function forked from a pre-imported server instead of a new interpreter.
 - **Faster rounds** (:mod:`elastic_runner.agent.fast_rendezvous`) and **our agent**
   (:class:`elastic_runner.agent.agent.ElasticRunnerAgent`), each only where its canary says the torch
-  internals it relies on are still there (:mod:`elastic_runner.torch_patches`).
+  internals it relies on are still there (:mod:`elastic_runner.agent.torch_patches`).
 - **Agent metrics** on ``ELASTIC_RUNNER_AGENT_METRICS_PORT`` and the agent's event log.
 - **A quiet terminal** (:mod:`elastic_runner.agent.terminal`): torch's tracebacks of handled worker failures
   go to DEBUG.
@@ -68,7 +68,7 @@ def name_agent(environ: Any = None) -> str:
     import tempfile
     import time
 
-    from ..env import AGENT_ID_VAR, GOODPUT_FILE_VAR
+    from ..worker.env import AGENT_ID_VAR, GOODPUT_FILE_VAR
 
     environ = os.environ if environ is None else environ
     environ[AGENT_ID_VAR] = f"{socket.gethostname()}-{os.getpid()}-{time.time():.0f}"
@@ -108,11 +108,11 @@ def sweep_private_dirs(base: str | None = None) -> list[str]:
 def adopt(launcher_api: Any, config: Any, entrypoint: Any, args: Sequence[Any],
           zygote_wanted: bool) -> tuple[Any, list[Any]]:
     """Set up this agent process; returns the (entrypoint, args) to hand to torch's ``launch_agent``."""
-    from ..torch_patches import AGENT_CORRECTIONS, PROCESS_GROUP_ABORT, usable
     from . import fast_rendezvous, zygote
     from .agent import ElasticRunnerAgent
     from .metrics import AgentMetrics, install_bridge
     from .terminal import quiet_handled_failures
+    from .torch_patches import AGENT_CORRECTIONS, PROCESS_GROUP_ABORT, usable
 
     worker_args = worker_program(entrypoint, args)
     if zygote_wanted and worker_args is not None:
@@ -138,7 +138,7 @@ def agent_events(worker_args: Sequence[str]) -> Any:
     import socket
 
     from ..config import ConfigError, load_config
-    from ..events import EventLog
+    from ..observe.events import EventLog
 
     rest = list(worker_args)
     config_path, overrides = None, []

@@ -5,7 +5,7 @@
   worker in the stopped state (SIGSTOP, a debugger, a wedged cgroup) cannot
   handle SIGTERM, so that wait is pure loss: it is SIGKILLed at once.
 - **Configuration errors are not retried.** A worker that exits with status 2
-  (:data:`elastic_runner.lifecycle.EXIT_USAGE`: invalid config, incompatible
+  (:data:`elastic_runner.worker.lifecycle.EXIT_USAGE`: invalid config, incompatible
   snapshot) or 3 (the gradient became NaN or inf) would fail identically on
   every restart; the agent stops instead of burning ``--max-restarts`` restarts.
 - **A round a member never starts in is left, not fatal.** A node that dies right after a round is
@@ -22,7 +22,7 @@
 
 Observers (agent metrics and events, :mod:`elastic_runner.agent.metrics`) hear of every
 rendezvous round, failed worker group and restart. The private methods overridden here are
-checked by :data:`elastic_runner.torch_patches.AGENT_CORRECTIONS`; ``elastic-runner launch``
+checked by :data:`elastic_runner.agent.torch_patches.AGENT_CORRECTIONS`; ``elastic-runner launch``
 uses torch's agent unchanged when they no longer fit.
 """
 
@@ -39,7 +39,7 @@ from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, W
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
-from ..lifecycle import EXIT_DIVERGED, EXIT_FINAL, EXIT_NOT_DURABLE, EXIT_USAGE, proc_state, process_start_time
+from ..worker.lifecycle import EXIT_DIVERGED, EXIT_FINAL, EXIT_NOT_DURABLE, EXIT_USAGE, proc_state, process_start_time
 from . import fast_rendezvous
 
 log = logging.getLogger(__name__)
@@ -120,7 +120,7 @@ class ElasticRunnerAgent(LocalElasticAgent):
 
     def _announce_stop(self, reason: str) -> None:
         """Say, before torch SIGTERMs them, which workers this agent stops and why: a worker reads it
-        (:func:`elastic_runner.lifecycle.StopRequest`) so that it does not report a person's SIGTERM."""
+        (:func:`elastic_runner.worker.lifecycle.StopRequest`) so that it does not report a person's SIGTERM."""
         pids = self._live_worker_pids()
         if pids:
             self._notify("stopping_workers", pids=pids, reason=reason)

@@ -28,8 +28,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, disable_created_metrics
 
 from .. import __version__
-from ..env import GOODPUT_FILE_VAR
-from ..events import EventLog
+from ..observe.events import EventLog
+from ..worker.env import GOODPUT_FILE_VAR
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ class AgentMetrics:
             self.events.emit(f"agent_{event}", **fields)
 
     def _goodput(self) -> float:
-        from ..goodput import agent_goodput
+        from ..observe.goodput import agent_goodput
 
         path = os.environ.get(GOODPUT_FILE_VAR)
         value = agent_goodput(path, time.time(), training=self.current_state == "HEALTHY") if path else None

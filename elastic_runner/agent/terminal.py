@@ -1,7 +1,7 @@
 """What an adopted agent (``launch`` or plain torchrun) prints on the terminal, and what it keeps quiet.
 
 A failure the job recovers from is told once, by rank 0 of the new attempt
-(:mod:`elastic_runner.story`). torch's process context also logs every failed worker at ERROR
+(:mod:`elastic_runner.observe.failure_story`). torch's process context also logs every failed worker at ERROR
 with the traceback of its own polling loop (``ProcessExitedException``), which says nothing about
 the failure and buries the story; it goes to DEBUG here (``ELASTIC_RUNNER_AGENT_LOGLEVEL=DEBUG``
 shows it), the agent's event log keeps the rank, pid and exit status. A failure that ends the job
@@ -18,7 +18,7 @@ import os
 import sys
 from typing import Any
 
-from ..lifecycle import EXIT_FINAL
+from ..worker.lifecycle import EXIT_FINAL
 
 log = logging.getLogger("elastic_runner.agent")
 
@@ -60,7 +60,7 @@ def quiet_handled_failures() -> None:
 
 def final_exit_code(exc: Any) -> int | None:
     """The exit status to end with when every failure in torch's ``ChildFailedError`` is one that
-    restarting cannot fix (:data:`elastic_runner.lifecycle.EXIT_FINAL`); None otherwise."""
+    restarting cannot fix (:data:`elastic_runner.worker.lifecycle.EXIT_FINAL`); None otherwise."""
     failures = getattr(exc, "failures", None)
     if not failures:
         return None

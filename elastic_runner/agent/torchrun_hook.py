@@ -48,8 +48,8 @@ def install(argv: Sequence[str] | None = None, environ: dict[str, str] | Any = N
         return True
     if environ.get(OPT_OUT, "1") == "0" or not is_torchrun_process(sys.argv[0], sys.modules.get("__main__")):
         return False
-    from ..launch import ENV_DEFAULTS
     from .adopt import flag_value, names_our_worker
+    from .launch import ENV_DEFAULTS
 
     args = list(sys.argv[1:] if argv is None else argv)
     if not names_our_worker(args):

@@ -14,7 +14,7 @@ Workers are then children of the zygote, not of the agent. They still die
 with their agent: the zygote exits when the agent's end of its "alive" pipe
 closes (each worker closes the copy the forkserver hands it), and each worker
 asks for SIGKILL on its parent's death
-(:func:`elastic_runner.lifecycle.die_with_parent`).
+(:func:`elastic_runner.worker.lifecycle.die_with_parent`).
 """
 
 from __future__ import annotations
@@ -75,7 +75,6 @@ def fork_zygote() -> bool:
     resource tracker and stdio, exactly the descriptors a spawned server gets.
     """
     import socket
-
     from multiprocessing import connection, resource_tracker, util
 
     if not _fork_supported():

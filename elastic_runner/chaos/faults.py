@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from ..testing.localjob import Agent, LocalJob, Worker
 from ..snapshot import LocalStore
+from ..testing.localjob import Agent, LocalJob, Worker
 from .scenario import FAULT_TYPES
 
 

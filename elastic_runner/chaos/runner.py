@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from ..audit import check_audit, latest_step
-from ..events import EventFollower, read_events
+from ..observe.audit import check_audit, latest_step
+from ..observe.events import EventFollower, read_events
 from ..testing.localjob import LocalJob
 from .faults import FAULTS, FaultContext, Skip
 from .scenario import FaultSpec, Scenario, ScenarioError
@@ -317,7 +317,7 @@ class ChaosRun:
         (out / "report.json").write_text(json.dumps(report, indent=2, default=str))
         (out / "report.md").write_text(render_markdown(report))
         with contextlib.suppress(Exception):
-            from ..report import render_timeline
+            from ..observe.report import render_timeline
 
             render_timeline(str(self.run_dir), str(out / "timeline.png"), events=events)
             report["timeline"] = str(out / "timeline.png")
@@ -325,7 +325,7 @@ class ChaosRun:
 
 
 def _goodput_of(run_dir: Path, events: list[dict[str, Any]]) -> dict[str, Any] | None:
-    from ..report import summarize
+    from ..observe.report import summarize
 
     try:
         summary = summarize(str(run_dir), events)

@@ -11,7 +11,7 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any, Sequence
 
-from ..audit import AuditReport
+from ..observe.audit import AuditReport
 
 
 @dataclass

@@ -11,7 +11,7 @@ from .loader import (
     reference_markdown,
     write_effective_config,
 )
-from .sections import (
+from .root import (
     BUILTIN_LOSSES,
     BUILTIN_METRICS,
     RESUME_FREE,

@@ -18,7 +18,7 @@ from typing import Any, Literal, Union
 
 import yaml
 
-from .sections import SECTIONS, Config, ConfigError
+from .root import SECTIONS, Config, ConfigError
 
 #: YAML 1.2's float (core schema). PyYAML implements YAML 1.1, where a float needs a dot: 3e-4 and
 #: 1e-2, how almost every optimizer setting is written, would be read as strings.
@@ -264,7 +264,7 @@ def dump_yaml(config: Config) -> str:
 
 def write_effective_config(config: Config, run_dir: str) -> Path:
     """Write the config the run actually uses (atomic replace, the run's file mode)."""
-    from ..fsmode import makedirs, write_file_atomically
+    from ..files import makedirs, write_file_atomically
 
     target = makedirs(run_dir) / "config.yaml"
     write_file_atomically(target, ("# effective configuration (defaults < file < --set)\n" + dump_yaml(config)).encode())

@@ -25,6 +25,7 @@ from torch.distributed.elastic.rendezvous import (
 from torch.distributed.elastic.rendezvous.api import RendezvousHandler, RendezvousStoreInfo
 from torch.distributed.elastic.utils.distributed import get_free_port
 
+from .heartbeat import Heartbeat
 from .kv import (
     WATCH_SLICE_SECONDS,
     Compare,
@@ -41,7 +42,6 @@ from .kv import (
 from .rounds import (
     Codec,
     NodeId,
-    quorum,
     Round,
     Settings,
     View,
@@ -49,9 +49,9 @@ from .rounds import (
     closed_error,
     new_node,
     other_protocol_error,
+    quorum,
     ready_to_seal,
 )
-from .heartbeat import Heartbeat
 from .seal import Sealer
 from .watch import MemberWatch
 

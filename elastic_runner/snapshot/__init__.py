@@ -5,10 +5,10 @@ from .loader import Loaded, find_newest, load_exact
 from .store import (
     AlreadyCommittedError,
     CorruptSnapshotError,
-    SnapshotUnavailableError,
     LocalStore,
     SnapshotError,
     SnapshotRef,
+    SnapshotUnavailableError,
     StaleWriterError,
     open_store,
 )

@@ -12,7 +12,7 @@ from typing import Any
 
 import yaml
 
-from ..fsmode import UnsafeDirectoryError, open_file, write_file_atomically
+from ..files import UnsafeDirectoryError, open_file, write_file_atomically
 from .format import load_snapshot, read_meta, read_verified_bytes
 from .loader import find_newest
 from .store import LocalStore, SnapshotError, SnapshotRef, open_store

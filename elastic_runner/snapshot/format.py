@@ -21,7 +21,7 @@ from typing import Any, BinaryIO
 
 import torch
 
-from ..fsmode import open_file
+from ..files import open_file
 from .store import META, STATE, CorruptSnapshotError, SnapshotError, SnapshotUnavailableError
 
 FORMAT_VERSION = 1

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from ..fsmode import private_dir, write_file_atomically
+from ..files import private_dir, write_file_atomically
 from .format import read_meta, read_verified_bytes
 from .store import LocalStore, SnapshotError, SnapshotRef
 from .writer import SnapshotWriter, require_ok
@@ -47,7 +47,7 @@ def memory_base(base: str | None = None) -> Path:
     """This user's node-memory directory ``BASE/elastic-runner-<uid>`` (mode 0700, checked: not a
     symlink, not another user's, closed to others), so that no other local user can read the copies,
     plant one, or swap a run's directory for a link into real data. Raises
-    ``fsmode.UnsafeDirectoryError`` otherwise."""
+    ``files.UnsafeDirectoryError`` otherwise."""
     base = base or os.environ.get("ELASTIC_RUNNER_SHM_DIR") or (SHM_ROOT if os.path.isdir(SHM_ROOT) else tempfile.gettempdir())
     # A base named by ELASTIC_RUNNER_SHM_DIR may not exist yet; what is ours below it is checked.
     Path(base).mkdir(mode=0o700, parents=True, exist_ok=True)

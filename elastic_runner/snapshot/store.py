@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Protocol
 
-from ..fsmode import dir_mode, makedirs, open_file, sharing
+from ..files import dir_mode, makedirs, open_file, sharing
 
 NAME_RE = re.compile(r"step-([0-9]{9})-gen-([0-9]{6})", re.ASCII)
 META = "meta.json"

@@ -29,12 +29,11 @@ from typing import Any, Callable, Protocol
 
 import torch
 
-from ..fsmode import sharing
+from ..files import sharing
 from . import shm
 from .format import write_snapshot_files
 from .space import is_disk_full, space_note, state_bytes
-from .store import (AlreadyCommittedError, CorruptSnapshotError, LocalStore, SnapshotError, SnapshotRef,
-                    StaleWriterError)
+from .store import AlreadyCommittedError, CorruptSnapshotError, LocalStore, SnapshotError, SnapshotRef, StaleWriterError
 from .writer_process import Outcome, WriterGone, WriterProcess
 
 log = logging.getLogger(__name__)

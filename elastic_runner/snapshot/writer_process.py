@@ -183,7 +183,7 @@ def _error(exc: BaseException) -> dict[str, Any]:
 
 def serve(sock: socket.socket) -> None:
     """Write each job's state, publish it, prune, and answer with the outcome, until the socket closes."""
-    from ..fsmode import set_sharing
+    from ..files import set_sharing
     from .store import LocalStore, SnapshotRef
     from .writer import write_and_publish
 

@@ -28,9 +28,10 @@ from pathlib import Path
 
 import requests
 
-from ..lifecycle import child_dies_with_starter
+from ..worker.lifecycle import child_dies_with_starter
 from . import debian
 from .localjob import free_port
+
 
 @dataclass(frozen=True)
 class ServerTLS:

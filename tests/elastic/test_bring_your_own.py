@@ -11,16 +11,16 @@ from typing import Iterator
 import pytest
 import yaml
 
-from elastic_runner.audit import check_audit
+from elastic_runner.observe.audit import check_audit
 from elastic_runner.testing.localjob import LocalJob
 
 from ..conftest import ROOT
 from ..support import (
     assert_bitwise_equal,
-    kill_worker_at_step,
     end_events,
     events,
     exported_model,
+    kill_worker_at_step,
     start_agent_while_paused,
     stop_workers_at_step,
 )

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from elastic_runner.events import read_events
+from elastic_runner.observe.events import read_events
 
 from ..conftest import mount_small_volume, unmount, write_config
 from ..support import run_bounded

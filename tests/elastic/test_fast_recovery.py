@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from elastic_runner.audit import check_audit
+from elastic_runner.observe.audit import check_audit
 
 from ..support import (
-    assert_told_once,
     assert_bitwise_equal,
+    assert_told_once,
     continue_workers,
     events,
     exported_model,

@@ -12,7 +12,7 @@ from typing import Iterator
 import pytest
 import yaml
 
-from elastic_runner.audit import check_audit
+from elastic_runner.observe.audit import check_audit
 from elastic_runner.testing.localjob import LocalJob
 
 from ..conftest import QUICKSTART
@@ -25,8 +25,8 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 def resnet_config(tmp_path_factory: pytest.TempPathFactory) -> Path:
     pytest.importorskip("torchvision", reason="torchvision is not installed in this environment; scripts/test.sh "
                                               "runs these on torch 2.14.1 + torchvision 0.29.1")
-    from PIL import Image
     import torch
+    from PIL import Image
 
     root = tmp_path_factory.mktemp("images")
     g = torch.Generator().manual_seed(0)

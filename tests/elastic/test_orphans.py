@@ -11,7 +11,7 @@ from typing import Callable
 
 import pytest
 
-from elastic_runner.audit import check_audit
+from elastic_runner.observe.audit import check_audit
 from elastic_runner.testing.localjob import LocalJob, alive, descendants
 
 from ..support import continue_workers, events, stop_workers_at_step, wait_for_step

@@ -12,7 +12,7 @@ from typing import Callable
 
 import pytest
 
-from elastic_runner.audit import check_audit
+from elastic_runner.observe.audit import check_audit
 from elastic_runner.testing.localjob import LocalJob, free_port
 
 from ..support import (

@@ -9,21 +9,21 @@ from pathlib import Path
 
 import pytest
 
-from elastic_runner.audit import check_audit
+from elastic_runner.observe.audit import check_audit
 from elastic_runner.snapshot import LocalStore
 
 from ..conftest import write_config
 from ..support import (
     assert_bitwise_equal,
+    assert_no_tracebacks,
     continue_workers,
     end_events,
     events,
     exported_model,
     run_bounded,
-    assert_no_tracebacks,
     start_agent_while_paused,
-    told,
     stop_workers_at_step,
+    told,
 )
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from elastic_runner.audit import check_audit
-from elastic_runner.testing.localjob import free_port
+from elastic_runner.observe.audit import check_audit
 from elastic_runner.snapshot import LocalStore
+from elastic_runner.testing.localjob import free_port
 
 from ..conftest import write_config
 from ..support import events, run_bounded, wait_for_step

@@ -21,10 +21,9 @@ import pytest
 
 from elastic_runner.rendezvous.gateway import EtcdGatewayClient
 from elastic_runner.rendezvous.kv import KVClient, Put
-from elastic_runner.testing.etcd_server import EtcdServer, ServerTLS
 from elastic_runner.rendezvous.options import EtcdOptions, parse_endpoints
-
 from elastic_runner.testing.contracts import KVEnv
+from elastic_runner.testing.etcd_server import EtcdServer, ServerTLS
 
 
 @pytest.fixture(scope="session")

@@ -37,7 +37,7 @@ MIN_KUSTOMIZE = (5, 0)
 # in the documented command.
 FIELD_REF_PLACEHOLDERS = {"status.podIP": "$POD_IP"}
 
-# Metrics of the launcher (torchrun agent) as listed in issue 5; elastic_runner.launch exports
+# Metrics of the launcher (torchrun agent) as listed in issue 5; elastic_runner.agent.launch exports
 # them on ELASTIC_RUNNER_AGENT_METRICS_PORT. Name -> type.
 AGENT_METRICS = {
     "elastic_runner_agent_remaining_restarts": "gauge",
@@ -165,9 +165,8 @@ class Schemas:
         import importlib.resources
 
         import jsonschema  # noqa: F401 - a dependency of kubernetes-validate
-        from referencing import Registry, Resource
-
         import kubernetes_validate
+        from referencing import Registry, Resource
 
         base = importlib.resources.files(kubernetes_validate) / "kubernetes-json-schema"
         self.dir = base / f"v{kubernetes_version}-local-strict"
@@ -413,8 +412,8 @@ def canonical_command(args: argparse.Namespace, program: list[str]) -> str:
 
 @functools.lru_cache(maxsize=None)
 def exported_metric_names() -> frozenset[str]:
-    """Every series name the workers (elastic_runner.metrics) and the agents export."""
-    from elastic_runner.metrics import Metrics
+    """Every series name the workers (elastic_runner.observe.metrics) and the agents export."""
+    from elastic_runner.observe.metrics import Metrics
 
     names = {s.name for family in Metrics(rank=0, local_rank=0).registry.collect() for s in family.samples}
     for name, kind in AGENT_METRICS.items():

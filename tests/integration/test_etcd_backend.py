@@ -11,13 +11,12 @@ from typing import Any, Callable
 import pytest
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousParameters
 
-from elastic_runner.testing.localjob import free_port
 from elastic_runner.rendezvous.backend import create_backend, decode_state
 from elastic_runner.rendezvous.options import DEFAULT_KEY_PREFIX
-from elastic_runner.testing.etcd_server import EtcdServer
 from elastic_runner.rendezvous.plugin import create_handler
-
 from elastic_runner.testing.contracts import BackendContract, KVEnv
+from elastic_runner.testing.etcd_server import EtcdServer
+from elastic_runner.testing.localjob import free_port
 
 from ..unit.test_etcd_fake import params
 from ..unit.test_lease_rendezvous import together as at_once

@@ -9,9 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from elastic_runner.testing.etcd_server import EtcdServer
-
 from elastic_runner.testing.contracts import KVEnv, StoreContract
+from elastic_runner.testing.etcd_server import EtcdServer
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -15,9 +15,9 @@ from typing import Any, Callable
 
 import pytest
 
-from elastic_runner.audit import check_audit
-from elastic_runner.testing.localjob import LocalJob, free_port
+from elastic_runner.observe.audit import check_audit
 from elastic_runner.testing.etcd_server import EtcdServer
+from elastic_runner.testing.localjob import LocalJob, free_port
 
 from ..support import (
     audited_step,

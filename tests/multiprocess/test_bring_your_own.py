@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 import yaml
 
-
 from ..conftest import ROOT
 from ..support import events, run_bounded
 
@@ -181,7 +180,7 @@ def _audit_records(run_dir: Path) -> list[dict]:
 
 @pytest.mark.slow
 def test_the_tiny_language_model_learns_from_the_shipped_text(tmp_path: Path) -> None:
-    from elastic_runner.tokens import prepare_text
+    from elastic_runner.data.tokens import prepare_text
 
     prepare_text(ROOT / "examples" / "data" / "shakespeare.txt", tmp_path / "tokens")
     result = run_bounded([sys.executable, "-m", "elastic_runner", "launch", "--standalone", "--nproc_per_node=2",

@@ -12,7 +12,7 @@ from typing import Iterator
 
 import pytest
 
-from elastic_runner.lifecycle import EXIT_NOT_DURABLE
+from elastic_runner.worker.lifecycle import EXIT_NOT_DURABLE
 
 from ..conftest import mount_small_volume, unmount
 from ..support import events, run_bounded

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from elastic_runner.launch import merge_rdzv_conf
+from elastic_runner.agent.launch import merge_rdzv_conf
 
 from ..support import events, run_bounded
 
@@ -144,7 +144,7 @@ def test_a_torch_patch_that_no_longer_fits_is_skipped_with_one_warning(small_con
         "from elastic_runner import torch_patches as tp\n"
         "renamed = tp.Need(tp.LOCAL_AGENT, 'LocalElasticAgent._renamed_in_a_future_torch')\n"
         "tp.AGENT_CORRECTIONS = dataclasses.replace(tp.AGENT_CORRECTIONS, needs=tp.AGENT_CORRECTIONS.needs + (renamed,))\n"
-        "from elastic_runner.launch import main\n"
+        "from elastic_runner.agent.launch import main\n"
         "sys.exit(main(sys.argv[1:]))\n"
     )
     run_dir = tmp_path / "run"

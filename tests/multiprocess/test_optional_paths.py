@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from elastic_runner.config import DataConfig, ModelConfig
-from elastic_runner.data import build_datasets
-from elastic_runner.models import build_model
+from elastic_runner.data.datasets import build_datasets
+from elastic_runner.workload.models import build_model
 
 from ..conftest import write_config
 from ..support import end_events, run_bounded

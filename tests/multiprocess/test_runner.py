@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from elastic_runner.audit import check_audit
+from elastic_runner.observe.audit import check_audit
 
 from ..support import end_events, events, run_bounded, torchrun_standalone
 
@@ -131,8 +131,8 @@ def test_a_stop_before_training_ends_the_worker_at_once_even_while_it_waits_for_
     import subprocess
     import time
 
-    from elastic_runner.lifecycle import EXIT_OK
     from elastic_runner.testing.localjob import free_port
+    from elastic_runner.worker.lifecycle import EXIT_OK
 
     port = free_port()
     env = os.environ | {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": "0",

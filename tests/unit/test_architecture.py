@@ -30,7 +30,7 @@ def test_no_module_is_longer_than_500_lines() -> None:
 def test_exit_statuses_are_defined_in_one_module() -> None:
     defining = sorted(str(p.relative_to(ROOT)) for p in PACKAGE.rglob("*.py")
                       if any(line.startswith("EXIT_") and "=" in line for line in p.read_text().splitlines()))
-    assert defining == [str(Path("elastic_runner") / "lifecycle.py")]
+    assert defining == [str(Path("elastic_runner") / "worker" / "lifecycle.py")]
 
 
 def test_the_worker_prints_nothing_that_could_interleave_with_another_ranks_line() -> None:
@@ -45,7 +45,7 @@ def test_the_worker_prints_nothing_that_could_interleave_with_another_ranks_line
 
 
 def test_a_line_is_one_write() -> None:
-    from elastic_runner.logs import say
+    from elastic_runner.observe.logs import say
 
     class Pipe:
         def __init__(self) -> None:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from elastic_runner.audit import AuditWriter, check_audit
-from elastic_runner.sampler import ElasticSampler
+from elastic_runner.data.sampler import ElasticSampler
+from elastic_runner.observe.audit import AuditWriter, check_audit
 
 N, G = 40, 8
 

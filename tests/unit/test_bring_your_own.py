@@ -13,11 +13,11 @@ import torch
 import torch.multiprocessing as mp
 from torch import nn
 
-from elastic_runner.batches import collate_items, to_device
 from elastic_runner.config import ConfigError, EvalConfig, ModelConfig, load_config
-from elastic_runner.gpt import GPT
-from elastic_runner.tasks import build_task, per_sample
-from elastic_runner.tokens import prepare_text, read_meta, token_datasets
+from elastic_runner.data.sources import collate_items, to_device
+from elastic_runner.data.tokens import prepare_text, read_meta, token_datasets
+from elastic_runner.workload.gpt import GPT
+from elastic_runner.workload.tasks import build_task, per_sample
 
 # ---------------------------------------------------------------- YAML as people write it
 
@@ -137,10 +137,10 @@ def _worker_gradient(rank: int, world: int, micro: int, store_path: str, out: st
     import torch._dynamo  # noqa: F401 - before the process group, as Dist.up does (gloo threads end with it)
     import torch.distributed as tdist
 
-    from elastic_runner.batching import split_even
-    from elastic_runner.dist import EMPTY, Replica
-    from elastic_runner.gradients import StepGradients
-    from elastic_runner.tasks import per_sample
+    from elastic_runner.training.gradients import StepGradients
+    from elastic_runner.training.layout import split_even
+    from elastic_runner.worker.dist import EMPTY, Replica
+    from elastic_runner.workload.tasks import per_sample
 
     tdist.init_process_group("gloo", store=tdist.FileStore(store_path, world), rank=rank, world_size=world)
 

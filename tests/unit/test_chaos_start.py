@@ -8,7 +8,7 @@ import pytest
 
 from elastic_runner.chaos.runner import ChaosRun
 from elastic_runner.chaos.scenario import Scenario, ScenarioError
-from elastic_runner.events import EventLog
+from elastic_runner.observe.events import EventLog
 
 
 class FakeJob:

@@ -9,14 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from elastic_runner.batching import layout_for, split_even, valid_world_sizes
 from elastic_runner.config import BatchConfig, ConfigError, DataConfig, ModelConfig, OptimConfig, ScheduleConfig
-from elastic_runner.data import build_datasets, load_digits_tensors
-from elastic_runner.env import EnvError, WorkerEnv
-from elastic_runner.imports import resolve
-from elastic_runner.models import build_model
-from elastic_runner.tasks import per_sample_loss
-from elastic_runner.optim import build_optimizer, build_schedule
+from elastic_runner.config.imports import resolve
+from elastic_runner.data.datasets import build_datasets, load_digits_tensors
+from elastic_runner.training.layout import layout_for, split_even, valid_world_sizes
+from elastic_runner.worker.env import EnvError, WorkerEnv
+from elastic_runner.workload.models import build_model
+from elastic_runner.workload.optim import build_optimizer, build_schedule
+from elastic_runner.workload.tasks import per_sample_loss
 
 # ---------------------------------------------------------------- batching
 
@@ -82,7 +82,7 @@ def test_env_rejects_inconsistent_values() -> None:
 def user_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
     (tmp_path / "my_components.py").write_text(textwrap.dedent("""
         import torch
-        from elastic_runner.data import TensorPairDataset
+        from elastic_runner.data.datasets import TensorPairDataset
 
         class Tiny(torch.nn.Module):
             def __init__(self, num_classes, width=4):
@@ -179,18 +179,24 @@ def test_cnn_refuses_flat_inputs() -> None:
         build_model(ModelConfig(name="cnn"), (64,), 10)
 
 
-def test_models_never_import_torch_distributed() -> None:
+def test_the_workload_never_imports_torch_distributed() -> None:
+    """Models, tasks and optimizers know nothing of distribution (the training room wraps them)."""
     import ast
 
-    source = Path(__file__).resolve().parents[2] / "elastic_runner" / "models.py"
-    imported = set()
-    for node in ast.walk(ast.parse(source.read_text())):
-        if isinstance(node, ast.Import):
-            imported.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            imported.add(node.module)
-            imported.update(f"{node.module}.{a.name}" for a in node.names)
-    assert not [m for m in imported if m.startswith("torch.distributed") or m == "torch.nn.parallel"]
+    workload = Path(__file__).resolve().parents[2] / "elastic_runner" / "workload"
+    offenders = {}
+    for source in sorted(workload.glob("*.py")):
+        imported = set()
+        for node in ast.walk(ast.parse(source.read_text())):
+            if isinstance(node, ast.Import):
+                imported.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                imported.add(node.module)
+                imported.update(f"{node.module}.{a.name}" for a in node.names)
+        bad = [m for m in imported if m.startswith("torch.distributed") or m == "torch.nn.parallel"]
+        if bad:
+            offenders[source.name] = bad
+    assert not offenders
 
 
 def test_optimizers_and_schedules() -> None:

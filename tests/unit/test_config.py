@@ -6,7 +6,14 @@ from pathlib import Path
 
 import pytest
 
-from elastic_runner.config import ConfigError, Config, load_config, parse_override, reference_markdown, write_effective_config
+from elastic_runner.config import (
+    Config,
+    ConfigError,
+    load_config,
+    parse_override,
+    reference_markdown,
+    write_effective_config,
+)
 
 
 def test_quickstart_loads_with_the_documented_names(quickstart: Path) -> None:

@@ -32,13 +32,13 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handl
 
 from elastic_runner.rendezvous.backend import EtcdRendezvousBackend, decode_state, encode_state
 from elastic_runner.rendezvous.gateway import EtcdGatewayClient
+from elastic_runner.rendezvous.handler import create_handler as etcd_handler
 from elastic_runner.rendezvous.kv import Backoff, EtcdUnavailable, LeaseKeeper
+from elastic_runner.rendezvous.options import OPTIONS, EtcdOptions, markdown_table, parse_endpoints, parse_options
+from elastic_runner.rendezvous.store import EtcdStore, EtcdStoreConnectionError
 from elastic_runner.testing.contracts import BackendContract, FakeClock, KVEnv, StoreContract, rendezvous_together
 from elastic_runner.testing.localjob import free_port
 from elastic_runner.testing.memory_etcd import MemoryEtcd
-from elastic_runner.rendezvous.handler import create_handler as etcd_handler
-from elastic_runner.rendezvous.options import OPTIONS, EtcdOptions, markdown_table, parse_endpoints, parse_options
-from elastic_runner.rendezvous.store import EtcdStore, EtcdStoreConnectionError
 
 from ..conftest import ROOT
 
@@ -292,7 +292,8 @@ def test_torchrun_finds_the_backend_through_its_entry_point() -> None:
 
     from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
 
-    from elastic_runner.rendezvous.plugin import create_handler as ours, handler_factory
+    from elastic_runner.rendezvous.plugin import create_handler as ours
+    from elastic_runner.rendezvous.plugin import handler_factory
 
     (ep,) = [e for e in entry_points(group="torchrun.handlers") if e.name == "etcd-v3"]
     assert ep.load() is handler_factory and handler_factory() is ours

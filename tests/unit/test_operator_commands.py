@@ -6,8 +6,8 @@ from __future__ import annotations
 import fcntl
 import os
 import subprocess
-import time
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -90,7 +90,7 @@ def _generation(g: int, t: float, agents: list[str | None], world: int, *, first
 
 def test_report_tells_a_job_resumed_by_hand_and_a_failed_start_from_recoveries(tmp_path: Path) -> None:
     """Before: a run extended by hand a day later showed one 'recovery' of a day, 'uptime fraction 0.003'."""
-    from elastic_runner.report import summarize
+    from elastic_runner.observe.report import summarize
 
     day = 86_400.0
     events = (
@@ -111,7 +111,7 @@ def test_report_tells_a_job_resumed_by_hand_and_a_failed_start_from_recoveries(t
 
 
 def test_report_without_agent_names_splits_sessions_after_a_finished_run(tmp_path: Path) -> None:
-    from elastic_runner.report import summarize
+    from elastic_runner.observe.report import summarize
 
     events = (_generation(1, 0.0, [None], 1, end="finished") + _generation(2, 500.0, [None], 1, end="finished"))
     summary = summarize(str(tmp_path), events)
@@ -180,7 +180,7 @@ def test_snapshot_gc_never_touches_a_copy_being_written(tmp_path: Path, capsys) 
 
 
 def test_goodput_breaks_the_lost_time_down_by_cause(tmp_path: Path) -> None:
-    from elastic_runner.report import summarize
+    from elastic_runner.observe.report import summarize
 
     events = (_generation(1, 0.0, ["a-1-0", "b-1-0"], 2, failure="DistBackendError: peer")
               + _generation(2, 12.0, ["a-1-0", "b-1-0"], 2, end="finished"))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from elastic_runner.preflight import problems, rendezvous_conf
+from elastic_runner.worker.preflight import problems, rendezvous_conf
 
 TORCHRUN = {"TORCHELASTIC_RUN_ID": "job"}
 

@@ -11,14 +11,22 @@ import pytest
 import torch
 
 from elastic_runner.config import BatchConfig, Config, ScheduleConfig, TrainConfig, load_config
-from elastic_runner.events import NullEventLog
-from elastic_runner.loop import TrainState, planned_total_steps, refresh_schedule, rescale_lr
-from elastic_runner.optim import build_schedule
-from elastic_runner.checkpoint import Keeper, StateGuard
-from elastic_runner.sampler import ElasticSampler
-from elastic_runner.snapshot import LocalStore, SnapshotError, SnapshotRef, SnapshotUnavailableError, SnapshotWriter, find_newest, require_ok
+from elastic_runner.data.sampler import ElasticSampler
+from elastic_runner.observe.events import NullEventLog
+from elastic_runner.snapshot import (
+    LocalStore,
+    SnapshotError,
+    SnapshotRef,
+    SnapshotUnavailableError,
+    SnapshotWriter,
+    find_newest,
+    require_ok,
+)
 from elastic_runner.snapshot.memory import MemoryTier
-from elastic_runner.watchdog import PeerWatchdog
+from elastic_runner.training.checkpointer import Keeper, StateGuard
+from elastic_runner.training.loop import TrainState, planned_total_steps, refresh_schedule, rescale_lr
+from elastic_runner.worker.watchdog import PeerWatchdog
+from elastic_runner.workload.optim import build_schedule
 
 
 def capture(step: int):  # noqa: ANN201
@@ -154,7 +162,7 @@ def test_memory_settings_do_not_change_the_fingerprint(quickstart: Path) -> None
 
 
 def test_following_a_run_s_events_reads_only_new_complete_lines_and_matches_reading_them_all(tmp_path: Path) -> None:
-    from elastic_runner.events import EVENTS_DIR, EventFollower, EventLog, read_events
+    from elastic_runner.observe.events import EVENTS_DIR, EventFollower, EventLog, read_events
 
     follower = EventFollower(tmp_path)
     assert follower.read() == [], "no events directory yet"

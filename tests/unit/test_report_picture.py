@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from elastic_runner.report import gap_cause, timeline_figure
+from elastic_runner.observe.report import gap_cause, timeline_figure
 
 
 def attempt(g: int, t: float, world: int, steps: range, *, ended_by: dict[str, Any] | None = None) -> list[dict[str, Any]]:

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from elastic_runner.sampler import ElasticSampler, epoch_permutation
+from elastic_runner.data.sampler import ElasticSampler, epoch_permutation
 
 
 def run_segments(num_samples: int, global_batch: int, partial: str, segments: list[tuple[int, int]],

@@ -21,11 +21,10 @@ import pytest
 import torch
 from torch.distributed.elastic.rendezvous import RendezvousParameters, RendezvousStateError
 
-from elastic_runner import fsmode
-from elastic_runner.audit import AuditWriter, check_audit
-from elastic_runner.fsmode import UnsafeDirectoryError
+from elastic_runner import files
+from elastic_runner.files import UnsafeDirectoryError
+from elastic_runner.observe.audit import AuditWriter, check_audit
 from elastic_runner.rendezvous.backend import CheckedStates, EtcdRendezvousBackend, decode_state, encode_state
-
 from elastic_runner.rendezvous.options import parse_options
 from elastic_runner.rendezvous.seal import Sealer
 from elastic_runner.rendezvous.store import EtcdStore, EtcdStoreAuthError
@@ -173,7 +172,7 @@ def capture(step: int):  # noqa: ANN201
 @pytest.mark.parametrize(("sharing", "file_mode", "dir_mode"), [("private", 0o600, 0o700), ("group", 0o640, 0o750)])
 def test_snapshot_files_and_directories_get_the_sharing_mode(tmp_path: Path, sharing: str, file_mode: int,
                                                               dir_mode: int) -> None:
-    fsmode.set_sharing(sharing)
+    files.set_sharing(sharing)
     try:
         store = LocalStore(tmp_path / "snaps")
         store.ensure()
@@ -186,7 +185,7 @@ def test_snapshot_files_and_directories_get_the_sharing_mode(tmp_path: Path, sha
             expected = dir_mode if path.is_dir() else file_mode
             assert stat.S_IMODE(path.stat().st_mode) == expected, f"{path}: {oct(path.stat().st_mode)}"
     finally:
-        fsmode.set_sharing("private")
+        files.set_sharing("private")
 
 
 def test_the_memory_tier_lives_in_a_private_directory_of_this_user(tmp_path: Path) -> None:
@@ -289,7 +288,7 @@ def test_snapshot_names_are_exactly_ascii() -> None:
 
 
 def test_audit_files_are_rotated_and_checked_in_a_stream(tmp_path: Path) -> None:
-    from elastic_runner.sampler import ElasticSampler
+    from elastic_runner.data.sampler import ElasticSampler
 
     sampler = ElasticSampler(40, 8, seed=1)
     audit = AuditWriter(tmp_path, generation=1, rank=0, world_size=1, max_file_bytes=600,
@@ -324,7 +323,7 @@ def test_the_effective_config_is_not_written_through_a_planted_link(tmp_path: Pa
 
 
 def test_object_collectives_carry_json_not_pickles() -> None:
-    code = ("import json, math; from elastic_runner.dist import Dist; from elastic_runner.env import WorkerEnv\n"
+    code = ("import json, math; from elastic_runner.worker.dist import Dist; from elastic_runner.worker.env import WorkerEnv\n"
             "d = Dist.up(WorkerEnv())\n"
             "print(json.dumps([d.broadcast_object(('ok', 3, {'a': [1.5, None]})), d.all_gather_object(float('nan'))],"
             " allow_nan=True)); d.down()")

@@ -17,8 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from elastic_runner.snapshot import LocalStore, SnapshotRef, StaleWriterError, load_snapshot, require_ok
-from elastic_runner.snapshot import shm
+from elastic_runner.snapshot import LocalStore, SnapshotRef, StaleWriterError, load_snapshot, require_ok, shm
 from elastic_runner.snapshot.writer import OVERLAP_BYTES, SnapshotWriter
 
 pytestmark = pytest.mark.skipif(not shm.supported(), reason="the writer process needs memfd (Linux)")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from elastic_runner.events import EventLog
-from elastic_runner.story import failure_story
+from elastic_runner.observe.events import EventLog
+from elastic_runner.observe.failure_story import failure_story
 
 RESUME = {"step": 40, "furthest_step": 41, "steps_recomputed": 1, "tier": "memory"}
 

@@ -5,13 +5,13 @@ Built in:
   shipped inside the package, so the quickstart needs no download.
 - ``synthetic``: deterministic Gaussian class clusters of any size and shape,
   for benchmarks.
-- ``tokens``: memory-mapped token files for language models (:mod:`elastic_runner.tokens`).
+- ``tokens``: memory-mapped token files for language models (:mod:`elastic_runner.data.tokens`).
 - ``image_folder``, ``cifar10`` (from a local directory) and ``fake_images``, with
-  augmentation that resumes bitwise: :mod:`elastic_runner.images`.
+  augmentation that resumes bitwise: :mod:`elastic_runner.data.images`.
 - ``package.module:callable``: the user's own; items may be any nesting of
   tensors, numbers, tuples, lists, dicts and dataclasses.
 
-How index lists become batches on the device: :mod:`elastic_runner.batches`.
+How index lists become batches on the device: :mod:`elastic_runner.data.sources`.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from typing import Any, Sequence
 import torch
 from torch.utils.data import Dataset
 
-from .config import ConfigError, DataConfig
-from .imports import call, resolve
+from ..config import ConfigError, DataConfig
+from ..config.imports import call, resolve
 
 #: The digits split does not depend on run.seed: every run evaluates on the same images.
 DIGITS_SPLIT_SEED = 20240917
@@ -130,7 +130,7 @@ def _synthetic(cfg: DataConfig) -> DatasetBundle:
 
 
 def _images(kind: str) -> Any:
-    """image_folder, cifar10, fake_images (elastic_runner.images; torchvision imported only when needed)."""
+    """image_folder, cifar10, fake_images (elastic_runner.data.images; torchvision imported only when needed)."""
     def build(cfg: DataConfig, seed: int) -> DatasetBundle:
         from . import images
 

@@ -17,8 +17,8 @@ import re
 import signal
 from typing import Any
 
+from ..worker.lifecycle import EXIT_PEER_LOST
 from .events import read_events
-from .lifecycle import EXIT_PEER_LOST
 
 #: What a worker's own failure says when it is the peer that went away (gloo, NCCL, the store, our watchdog).
 _PEER_ERROR = re.compile(r"Connection (reset|closed|refused)|by peer|[Pp]eer|Broken pipe|timed out|Timeout|"

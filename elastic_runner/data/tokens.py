@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from .config import ConfigError
+from ..config import ConfigError
 
 META = "meta.json"
 DTYPES = {"uint16": (np.uint16, 1 << 16), "uint32": (np.uint32, 1 << 32)}

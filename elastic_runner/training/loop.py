@@ -4,10 +4,10 @@ Read :meth:`Trainer.fit` top to bottom: for each step the sampler says which
 samples this rank takes, the audit records them, the micro-batches run
 forward/backward (the task's loss on the batch as collated) with gradient sync
 only on the last one, the gradient becomes the exact mean over the global batch
-(:mod:`elastic_runner.gradients`), the optimizer steps, and then the
+(:mod:`elastic_runner.training.gradients`), the optimizer steps, and then the
 between-step duties run (progress, evaluation, snapshot, stop request).
 Everything that must survive a restart lives in objects with ``state_dict()``,
-owned by the :class:`~elastic_runner.checkpoint.Checkpointer`.
+owned by the :class:`~elastic_runner.training.checkpointer.Checkpointer`.
 """
 
 from __future__ import annotations
@@ -22,25 +22,25 @@ from typing import TYPE_CHECKING, Any, Iterator
 import torch
 from torch import nn
 
-from .audit import AuditWriter
-from .batches import BatchSource, shard
-from .batching import BatchLayout, split_even
-from .config import Config
-from .dist import EMPTY, Dist
-from .events import EventLog
-from .goodput import publish_goodput
+from ..config import Config
+from ..data.sampler import StepPlan
+from ..data.sources import BatchSource, shard
+from ..observe.audit import AuditWriter
+from ..observe.events import EventLog
+from ..observe.failure_story import failure_story
+from ..observe.goodput import publish_goodput
+from ..observe.logs import Progress, RankZero
+from ..observe.metrics import Metrics
+from ..worker.dist import EMPTY, Dist
+from ..worker.lifecycle import StopRequest
+from ..workload.tasks import Task
 from .gradients import StepGradients
-from .lifecycle import StopRequest
-from .logs import Progress, RankZero
-from .metrics import Metrics
+from .layout import BatchLayout, split_even
 from .rng import seed_step, step_seed
-from .sampler import StepPlan
-from .story import failure_story
-from .tasks import Task
 
 if TYPE_CHECKING:
-    from .checkpoint import Checkpointer
-    from .watchdog import PeerWatchdog
+    from ..worker.watchdog import PeerWatchdog
+    from .checkpointer import Checkpointer
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ class TrainState:
     recoveries: int = 0
     lr_scale: float = 1.0  #: the learning-rate factor the optimizer state was built with
     world_history: list[dict[str, Any]] = field(default_factory=list)
-    # The live goodput clock (elastic_runner.goodput). Kept in the state, so a resume rolls it back with the
+    # The live goodput clock (elastic_runner.observe.goodput). Kept in the state, so a resume rolls it back with the
     # steps: time spent on steps that are later recomputed, or lost with a process, never counts.
     productive_s: float = 0.0  #: seconds of training that count (snapshot blocking and restarts excluded)
     closed_sessions_s: float = 0.0  #: wall time of the job's earlier sessions, each up to its last saved state
@@ -115,7 +115,7 @@ class TrainState:
 
 @dataclass
 class Components:
-    """Everything the loop drives, built by :mod:`elastic_runner.attempt`."""
+    """Everything the loop drives, built by :mod:`elastic_runner.worker.attempt`."""
 
     cfg: Config
     dist: Dist
@@ -421,7 +421,7 @@ def refresh_schedule(scheduler: Any, cfg: Any, total_steps: int) -> None:
     LambdaLR restores its factor's fields from the snapshot; the run length and
     warm-up of *this* configuration are what the remaining steps must follow.
     """
-    from .optim import ScheduleFactor
+    from ..workload.optim import ScheduleFactor
 
     for factor in getattr(scheduler, "lr_lambdas", []):
         if isinstance(factor, ScheduleFactor):

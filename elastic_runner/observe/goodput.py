@@ -1,7 +1,7 @@
 """Goodput: the share of a job's wall time spent on steps that count, and where the rest went.
 
 Live: every worker carries a clock in the training state (``TrainState.productive_s`` and the session
-times, see :mod:`elastic_runner.loop`): the time of each step is added when the step is done, minus what a
+times, see :mod:`elastic_runner.training.loop`): the time of each step is added when the step is done, minus what a
 snapshot held it; a resume restores the clock with the steps, so time spent on steps that are later
 recomputed never counts. Workers export ``elastic_runner_goodput`` and local rank 0 leaves the clock in a
 file for its agent (:func:`publish_goodput`), whose ``elastic_runner_agent_goodput`` goes on falling while
@@ -12,7 +12,7 @@ After the fact (``elastic-runner report``, the chaos report), from the run's eve
     goodput = (wall time - recovery gaps - recomputed steps - snapshot blocking) / wall time
 
 Wall time is the sessions' (a job stopped and resumed by hand is two sessions, not a failure: see
-:mod:`elastic_runner.report`). Each recovery gap — from the last step before a failure to the first step
+:mod:`elastic_runner.observe.report`). Each recovery gap — from the last step before a failure to the first step
 after it — is broken down from the run's event log:
 
 - *detection*: until an agent reported the failed worker or stopped its group (``agent_worker_failed``,
@@ -37,7 +37,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from .env import GOODPUT_FILE_VAR
+from ..worker.env import GOODPUT_FILE_VAR
 
 CAUSES = ("detection", "rendezvous", "worker start and restore", "other", "recomputed steps", "snapshot blocking")
 

@@ -91,7 +91,7 @@ def apply_defaults(argv: Sequence[str]) -> "object":
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from .agent.adopt import flag_value, name_agent, names_our_worker
+    from .adopt import flag_value, name_agent, names_our_worker
 
     argv = list(sys.argv[1:] if argv is None else argv)
     zygote_wanted = os.environ.get("ELASTIC_RUNNER_ZYGOTE", "1") != "0" and names_our_worker(argv)
@@ -102,21 +102,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     name_agent()
     # Workers forked from the zygote see neither our command line nor torchrun's: tell them the node range.
     os.environ["ELASTIC_RUNNER_NNODES"] = flag_value(argv, "nnodes") or os.environ.get("PET_NNODES", "1")
-    from .agent.terminal import final_exit_code, log_to_stderr, startup_error_line
+    from .terminal import final_exit_code, log_to_stderr, startup_error_line
 
     log_to_stderr()
     args = apply_defaults(argv)
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher import api as launcher_api
-    from torch.distributed.run import config_from_args
-
-    from .agent.adopt import adopt
-
     # The same preamble as torch.distributed.run.run().
     import uuid
 
-    from torch.distributed.run import parse_min_max_nnodes
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher import api as launcher_api
+    from torch.distributed.run import config_from_args, parse_min_max_nnodes
+
+    from .adopt import adopt
 
     if args.standalone:
         args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())

@@ -4,7 +4,7 @@ Everything comes from the run's event log (``RUN_DIR/events``) and, when
 present, its audit trail. The picture (matplotlib, the ``report`` extra)
 shows loss and throughput over wall time, the world size as steps, restarts
 and snapshots as marks, and the gaps in which the job was recovering shaded. The summary includes the run's goodput and where
-the lost time went (:mod:`elastic_runner.goodput`).
+the lost time went (:mod:`elastic_runner.observe.goodput`).
 """
 
 from __future__ import annotations

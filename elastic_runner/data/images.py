@@ -31,8 +31,8 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.utils.data import Dataset
 
-from .batches import BadItem
-from .config import ConfigError, DataConfig
+from ..config import ConfigError, DataConfig
+from .sources import BadItem
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""Built-in small models (mlp, cnn; gpt in :mod:`elastic_runner.gpt`), and user models by import path.
+"""Built-in small models (mlp, cnn; gpt in :mod:`elastic_runner.workload.gpt`), and user models by import path.
 
 Models know nothing about distribution: no torch.distributed here.
 """
@@ -12,8 +12,8 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from .config import ConfigError, ModelConfig
-from .imports import call, resolve
+from ..config import ConfigError, ModelConfig
+from ..config.imports import call, resolve
 
 
 class MLP(nn.Module):

@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass
 from typing import Iterator, Sequence, TypeVar
 
-from .config import BatchConfig, ConfigError
+from ..config import BatchConfig, ConfigError
 
 T = TypeVar("T")
 

@@ -2,7 +2,7 @@
 
 An *attempt* is what runs between two rendezvous rounds. In order: rank 0 claims a new
 generation in the run directory (fencing older attempts' writers) → the event log, metrics and
-the :class:`~elastic_runner.checkpoint.Checkpointer` → the peer watchdog (liveness first, before
+the :class:`~elastic_runner.training.checkpointer.Checkpointer` → the peer watchdog (liveness first, before
 any slow set-up) → datasets, model, optimizer, schedule, sampler → resume from the newest state of
 either snapshot tier → the loop → the final snapshot.
 
@@ -10,11 +10,11 @@ How an attempt ends:
 
 - finished: final snapshot written, node memory dropped, ``end`` event;
 - a stop signal: the loop writes a snapshot (and keeps it in node memory) and raises
-  :class:`~elastic_runner.loop.GracefulStop`;
+  :class:`~elastic_runner.training.loop.GracefulStop`;
 - a failure (usually a peer died and a collective raised): the last completed step is kept in
   node memory for the next attempt;
 - a peer lost while this rank waits in a collective: :class:`AttemptEnd`, called from the
-  watchdog's thread, keeps the state and leaves with :data:`~elastic_runner.lifecycle.EXIT_PEER_LOST`.
+  watchdog's thread, keeps the state and leaves with :data:`~elastic_runner.worker.lifecycle.EXIT_PEER_LOST`.
 """
 
 from __future__ import annotations
@@ -28,28 +28,36 @@ from typing import Any, Callable
 
 import torch
 
-from . import __version__
-from .audit import AuditWriter
-from .batching import layout_for
-from .checkpoint import Checkpointer, FinalSnapshotFailed, StopSnapshotFailed
-from .config import Config, ConfigError, write_effective_config
-from .batches import BatchSource, LoaderSource, TensorSource
-from .data import TensorPairDataset
+from .. import __version__
+from ..config import Config, ConfigError, write_effective_config
+from ..config.imports import resolve
+from ..data.datasets import TensorPairDataset
+from ..data.sampler import ElasticSampler
+from ..data.sources import BatchSource, LoaderSource, TensorSource
+from ..files import makedirs
+from ..observe.audit import AuditWriter
+from ..observe.events import EventLog, furthest_step_reached
+from ..observe.goodput import publish_goodput
+from ..observe.logs import say
+from ..observe.metrics import Metrics
+from ..snapshot import LocalStore, SnapshotError, open_store
+from ..training.checkpointer import Checkpointer, FinalSnapshotFailed, StopSnapshotFailed
+from ..training.layout import layout_for
+from ..training.loop import (
+    Components,
+    GracefulStop,
+    Trainer,
+    TrainState,
+    planned_total_steps,
+    refresh_schedule,
+    rescale_lr,
+)
+from ..workload.spec import Workload, check, check_batchnorm, from_config
 from .dist import Dist
 from .env import WorkerEnv
-from .events import EventLog, furthest_step_reached
-from .goodput import publish_goodput
-from .fsmode import makedirs
-from .imports import resolve
 from .lifecycle import EXIT_PEER_LOST, StopRequest, exit_now
-from .logs import say
 from .preflight import largest_world_size, parent_cmdline
-from .loop import Components, GracefulStop, Trainer, TrainState, planned_total_steps, refresh_schedule, rescale_lr
-from .metrics import Metrics
-from .sampler import ElasticSampler
-from .snapshot import LocalStore, SnapshotError, open_store
 from .watchdog import PeerWatchdog, start_watchdog
-from .workload import Workload, check, check_batchnorm, from_config
 
 log = logging.getLogger("elastic_runner.train")
 

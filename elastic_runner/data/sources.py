@@ -23,9 +23,9 @@ from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence
 import torch
 from torch.utils.data import DataLoader, Dataset, default_collate
 
-from .config import ConfigError
-from .lifecycle import LoaderWorkersDieWithTrainer
-from .tasks import describe
+from ..config import ConfigError
+from ..worker.lifecycle import LoaderWorkersDieWithTrainer
+from ..workload.tasks import describe
 
 Collate = Callable[[list[Any]], Any]
 

@@ -14,8 +14,8 @@ import signal
 import sys
 import threading
 import time
-from typing import Callable
 from types import FrameType
+from typing import Callable
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ import importlib
 import inspect
 from typing import Any, Callable
 
-from .config import ConfigError, is_import_path
+from . import ConfigError, is_import_path
 
 
 def resolve(reference: str, key: str) -> Callable[..., Any]:

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
-from .fsmode import makedirs, open_file
+from ..files import makedirs, open_file
 
 EVENTS_DIR = "events"
 

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .tasks import LossOutputError
+from ..workload.tasks import LossOutputError
 
 
 class NonFiniteGradient(RuntimeError):

@@ -26,8 +26,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from .config import BUILTIN_LOSSES, ConfigError, EvalConfig, ModelConfig
-from .imports import resolve
+from ..config import BUILTIN_LOSSES, ConfigError, EvalConfig, ModelConfig
+from ..config.imports import resolve
 
 LossFn = Callable[[nn.Module, Any], Any]
 MetricFn = Callable[[nn.Module, Any], dict[str, torch.Tensor]]

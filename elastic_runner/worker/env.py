@@ -32,7 +32,7 @@ def _int(environ: Mapping[str, str], name: str, default: int) -> int:
 #: Set by elastic_runner's agent (both paths) for its workers: ``HOST-PID-STARTTIME`` of the agent process.
 AGENT_ID_VAR = "ELASTIC_RUNNER_AGENT_ID"
 #: Set by elastic_runner's agent: a file in its private directory where local rank 0 leaves the job's live
-#: goodput clock for the agent's own metric (elastic_runner.goodput).
+#: goodput clock for the agent's own metric (elastic_runner.observe.goodput).
 GOODPUT_FILE_VAR = "ELASTIC_RUNNER_GOODPUT_FILE"
 
 

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .config import ConfigError
+from ..config import ConfigError
 
 
 class CausalSelfAttention(nn.Module):

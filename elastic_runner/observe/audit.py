@@ -32,8 +32,8 @@ from typing import Any, Iterator, TextIO
 
 import numpy as np
 
-from .fsmode import makedirs, open_file
-from .sampler import epoch_permutation
+from ..data.sampler import epoch_permutation
+from ..files import makedirs, open_file
 
 AUDIT_DIR = "audit"
 

@@ -3,8 +3,8 @@
 Modelled on torchtitan's ``CheckpointManager``. It owns
 
 - every stateful part of training: model, optimizer, schedule, gradient scaler, sampler,
-  :class:`~elastic_runner.loop.TrainState` and the random generators
-  (:class:`~elastic_runner.rng.RNGState`), each with ``state_dict()``/``load_state_dict()``;
+  :class:`~elastic_runner.training.loop.TrainState` and the random generators
+  (:class:`~elastic_runner.training.rng.RNGState`), each with ``state_dict()``/``load_state_dict()``;
 - the **step lock** (:class:`StateGuard`): the loop changes the saved state only inside
   :meth:`Checkpointer.mutating`, so a thread that keeps the state of a failing attempt sees a whole
   step, and a step that an exception interrupted half-way is never kept;
@@ -32,23 +32,23 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 
-from . import __version__
-from .config import Config, diff_configs, resume_free_keys
-from .events import read_events
+from .. import __version__
+from ..config import Config, diff_configs, resume_free_keys
+from ..observe.events import read_events
+from ..snapshot import Loaded, SnapshotError, SnapshotWriter, require_ok
+from ..snapshot.interval import AutoSchedule
+from ..snapshot.memory import MemoryTier, memory_root, sweep_abandoned_memory
+from ..snapshot.selection import select_newest
+from ..snapshot.space import room_warning, space_note, state_bytes
 from .rng import RNGState
-from .snapshot import Loaded, SnapshotError, SnapshotWriter, require_ok
-from .snapshot.interval import AutoSchedule
-from .snapshot.memory import MemoryTier, memory_root, sweep_abandoned_memory
-from .snapshot.selection import select_newest
-from .snapshot.space import room_warning, space_note, state_bytes
 
 if TYPE_CHECKING:
-    from .dist import Dist
-    from .env import WorkerEnv
-    from .events import EventLog
+    from ..observe.events import EventLog
+    from ..observe.metrics import Metrics
+    from ..snapshot import LocalStore, SnapshotRef
+    from ..worker.dist import Dist
+    from ..worker.env import WorkerEnv
     from .loop import TrainState
-    from .metrics import Metrics
-    from .snapshot import LocalStore, SnapshotRef
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ class StopSnapshotFailed(SnapshotError):
 
 class FinalSnapshotFailed(SnapshotError):
     """Training finished but its final snapshot could not be written; the message says where the state is
-    kept and how to write it out (the worker exits with :data:`~elastic_runner.lifecycle.EXIT_NOT_DURABLE`)."""
+    kept and how to write it out (the worker exits with :data:`~elastic_runner.worker.lifecycle.EXIT_NOT_DURABLE`)."""
 
 
 # -- does a snapshot fit this configuration ----------------------------------------------------------

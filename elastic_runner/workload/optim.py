@@ -8,8 +8,8 @@ from typing import Any, Iterable
 import torch
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler
 
-from .config import ConfigError, OptimConfig, ScheduleConfig
-from .imports import call, resolve
+from ..config import ConfigError, OptimConfig, ScheduleConfig
+from ..config.imports import call, resolve
 
 
 def build_optimizer(cfg: OptimConfig, params: Iterable[torch.nn.Parameter], lr_scale: float = 1.0) -> torch.optim.Optimizer:

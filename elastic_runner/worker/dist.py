@@ -272,9 +272,9 @@ class Dist:
         training-mode forward normalises by the batch's own statistics). ``ddp(EMPTY)`` joins the
         gradient sync of a micro-step in which this rank has no sample (see :class:`Replica`).
         """
-        from torch.nn.parallel import DistributedDataParallel
-
         import inspect
+
+        from torch.nn.parallel import DistributedDataParallel
 
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         # torch 2.13 renamed the switch (broadcast_buffers is deprecated there; older torch lacks the new name).
