@@ -51,9 +51,9 @@ def fit(model: nn.Module, train_data: Any, *, loss: Callable[..., Any] | str = "
     ``schedule``: ``fn(optimizer, total_steps) -> LRScheduler`` (default: the config's ``schedule``).
     """
     from .observe.logs import say
-    from .train import run
     from .worker.env import EnvError, WorkerEnv
     from .worker.lifecycle import EXIT_USAGE
+    from .worker.process import run
 
     try:
         cfg = config if isinstance(config, Config) else load_config(config, list(overrides))

@@ -148,8 +148,8 @@ def worker_main(*argv: str) -> None:
     if alive is not None:
         os.close(alive)
         forkserver._forkserver._forkserver_alive_fd = None
-    from elastic_runner import lifecycle
     from elastic_runner.train import main
+    from elastic_runner.worker import lifecycle
 
     sys.argv = [WORKER_MODULE, *argv]
     try:

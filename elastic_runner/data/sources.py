@@ -25,7 +25,6 @@ from torch.utils.data import DataLoader, Dataset, default_collate
 
 from ..config import ConfigError
 from ..worker.lifecycle import LoaderWorkersDieWithTrainer
-from ..workload.tasks import describe
 
 Collate = Callable[[list[Any]], Any]
 
@@ -257,3 +256,22 @@ class _Once:
 def shard(n: int, rank: int, world: int) -> range:
     """Evaluation shard of rank r: every world-th index, so shards cover [0, n) once."""
     return range(rank, n, world)
+
+
+def describe(obj: Any, depth: int = 0) -> str:
+    """A short structural description of a batch or an item: ``{input_ids: Tensor[12] int64, ...}``."""
+    if isinstance(obj, torch.Tensor):
+        return f"Tensor{list(obj.shape)} {str(obj.dtype).removeprefix('torch.')}"
+    if depth > 3:
+        return "..."
+    if isinstance(obj, dict):
+        return "{" + ", ".join(f"{k}: {describe(v, depth + 1)}" for k, v in list(obj.items())[:8]) + "}"
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return f"{type(obj).__name__}(" + ", ".join(f"{k}={describe(getattr(obj, k), depth + 1)}" for k in obj._fields) + ")"
+    if isinstance(obj, (list, tuple)):
+        inner = ", ".join(describe(v, depth + 1) for v in obj[:8])
+        return f"({inner})" if isinstance(obj, tuple) else f"[{inner}]"
+    if hasattr(obj, "__dataclass_fields__"):
+        return f"{type(obj).__name__}(" + ", ".join(
+            f"{k}={describe(getattr(obj, k), depth + 1)}" for k in obj.__dataclass_fields__) + ")"
+    return type(obj).__name__

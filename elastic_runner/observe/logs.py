@@ -1,8 +1,9 @@
-"""Logging set-up, rank-0 side effects, and progress output.
+"""Logging set-up and progress output.
 
 All ranks log warnings and errors (prefixed with their rank); progress lines,
-the progress bar and other chatter come from rank 0 only, through
-:class:`RankZero`, so that N workers do not print N copies. Every line goes
+the progress bar and other chatter come from rank 0 only (the logger level of
+other ranks is WARNING, and the step's bookkeeping writes progress on rank 0),
+so that N workers do not print N copies. Every line goes
 out in one write (:func:`say`, logging's handler, :class:`Progress`), so the
 lines of ranks that share a terminal never interleave mid-line.
 """
@@ -13,7 +14,7 @@ import json
 import logging
 import sys
 import time
-from typing import Any, Callable, TextIO, TypeVar
+from typing import Any, TextIO, TypeVar
 
 T = TypeVar("T")
 
@@ -39,16 +40,6 @@ def setup_logging(level: str, rank: int, world_size: int) -> None:
     root.setLevel(logging.WARNING)
     # Non-zero ranks only speak up for warnings: one copy of the progress is enough.
     logging.getLogger("elastic_runner").setLevel(level if rank == 0 else max(logging.WARNING, logging.getLevelName(level)))
-
-
-class RankZero:
-    """The one place where rank-0-only side effects happen."""
-
-    def __init__(self, rank: int) -> None:
-        self.active = rank == 0
-
-    def __call__(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T | None:
-        return fn(*args, **kwargs) if self.active else None
 
 
 class Progress:

@@ -184,8 +184,8 @@ def _error(exc: BaseException) -> dict[str, Any]:
 def serve(sock: socket.socket) -> None:
     """Write each job's state, publish it, prune, and answer with the outcome, until the socket closes."""
     from ..files import set_sharing
+    from .publish import write_and_publish
     from .store import LocalStore, SnapshotRef
-    from .writer import write_and_publish
 
     shm.send(sock, ("ready", {}))
     init, _ = shm.receive(sock)

@@ -1,11 +1,12 @@
 """The Checkpointer: the one owner of the state a training attempt leaves to the next.
 
-Modelled on torchtitan's ``CheckpointManager``. It owns
+Modelled on torchtitan's ``CheckpointManager``. It keeps
 
-- every stateful part of training: model, optimizer, schedule, gradient scaler, sampler,
-  :class:`~elastic_runner.training.loop.TrainState` and the random generators
-  (:class:`~elastic_runner.training.rng.RNGState`), each with ``state_dict()``/``load_state_dict()``;
-- the **step lock** (:class:`StateGuard`): the loop changes the saved state only inside
+- a reference to the :class:`~elastic_runner.training.parts.TrainingParts` (model, optimizer, schedule,
+  gradient scaler, sampler, :class:`~elastic_runner.training.state.TrainState`, random generators),
+  which it reads to save and writes to restore — and never hands back: the loop and the worker hold
+  the same parts object;
+- the **step lock** (:class:`~elastic_runner.training.boundary.StateGuard`): the loop changes the saved state only inside
   :meth:`Checkpointer.mutating`, so a thread that keeps the state of a failing attempt sees a whole
   step, and a step that an exception interrupted half-way is never kept;
 - the **durable tier**: the asynchronous :class:`~elastic_runner.snapshot.SnapshotWriter` (rank 0
@@ -27,20 +28,20 @@ import contextlib
 import logging
 import threading
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
 from .. import __version__
-from ..config import Config, diff_configs, resume_free_keys
+from ..config import Config
 from ..observe.events import read_events
 from ..snapshot import Loaded, SnapshotError, SnapshotWriter, require_ok
 from ..snapshot.interval import AutoSchedule
 from ..snapshot.memory import MemoryTier, memory_root, sweep_abandoned_memory
 from ..snapshot.selection import select_newest
 from ..snapshot.space import room_warning, space_note, state_bytes
-from .rng import RNGState
+from .boundary import Keeper, StateGuard, StepBoundary
+from .compatibility import Compatibility, ResumeError, check_compatible
 
 if TYPE_CHECKING:
     from ..observe.events import EventLog
@@ -48,16 +49,10 @@ if TYPE_CHECKING:
     from ..snapshot import LocalStore, SnapshotRef
     from ..worker.dist import Dist
     from ..worker.env import WorkerEnv
-    from .loop import TrainState
+    from .parts import TrainingParts
+    from .state import TrainState
 
 log = logging.getLogger(__name__)
-
-Capture = Callable[[], "tuple[dict[str, Any], dict[str, Any]]"]
-
-
-class ResumeError(RuntimeError):
-    """The snapshot cannot be resumed with this configuration."""
-
 
 class StopSnapshotFailed(SnapshotError):
     """A stop was requested but its snapshot could not be written: not a clean stop."""
@@ -66,155 +61,6 @@ class StopSnapshotFailed(SnapshotError):
 class FinalSnapshotFailed(SnapshotError):
     """Training finished but its final snapshot could not be written; the message says where the state is
     kept and how to write it out (the worker exits with :data:`~elastic_runner.worker.lifecycle.EXIT_NOT_DURABLE`)."""
-
-
-# -- does a snapshot fit this configuration ----------------------------------------------------------
-
-
-@dataclass
-class Compatibility:
-    differing: list[str]
-    model_ok: bool
-    data_ok: bool
-    optim_ok: bool
-
-    @property
-    def exact(self) -> bool:
-        return self.model_ok and self.data_ok and self.optim_ok
-
-
-def compatibility(meta: dict[str, Any], cfg: Config, identity: dict[str, Any] | None = None) -> Compatibility:
-    theirs = meta.get("fingerprint", {})
-    ours = cfg.fingerprint(identity)
-    saved_cfg = meta.get("config", {})
-    current = cfg.to_dict()
-    sections = ("model", "data", "optim", "schedule", "batch")
-    free = resume_free_keys()
-    differing = [k for k in diff_configs({s: saved_cfg.get(s, {}) for s in sections}, {s: current[s] for s in sections})
-                 if k not in free]
-    if saved_cfg.get("run", {}).get("seed") != cfg.run.seed:
-        differing.append("run.seed")
-    differing += [f"the script's {part} ({meta.get('script', {}).get(part)} -> {value})"
-                  for part, value in (identity or {}).items() if meta.get("script", {}).get(part) != value]
-    return Compatibility(differing=differing, model_ok=theirs.get("model") == ours["model"],
-                         data_ok=theirs.get("data") == ours["data"], optim_ok=theirs.get("optim") == ours["optim"])
-
-
-def check_compatible(loaded: Loaded, cfg: Config, identity: dict[str, Any] | None = None) -> Compatibility:
-    compat = compatibility(loaded.meta, cfg, identity)
-    if compat.exact:
-        return compat
-    keys = ", ".join(compat.differing) or "the config fingerprint"
-    if not cfg.snapshot.allow_mismatch:
-        raise ResumeError(
-            f"snapshot {loaded.ref.name} in {cfg.snapshot_dir} was written with a different configuration "
-            f"({keys} differ). To resume it anyway (e.g. fine-tuning) set snapshot.allow_mismatch: true; "
-            "to start from scratch, use a new run.dir"
-        )
-    log.warning("resuming %s although %s differ (snapshot.allow_mismatch: true)", loaded.ref.name, keys)
-    return compat
-
-
-# -- the step lock and the memory keeper ---------------------------------------------------------------
-
-
-class StateGuard:
-    """The lock the loop holds while it changes the saved state, and a ``dirty`` mark that stays set
-    when an exception escapes that window (a half-applied step is never kept)."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.dirty = False
-
-    @contextlib.contextmanager
-    def mutating(self) -> Iterator[None]:
-        with self.lock:
-            self.dirty = True
-            yield
-            self.dirty = False  # not reached when the block raised: the state stays "dirty"
-
-
-class Keeper:
-    """Writes the last *completed* step into the node's memory tier, from whichever thread."""
-
-    def __init__(self, memory: MemoryTier | None, capture: Capture, guard: StateGuard, state: Any,
-                 events: EventLog) -> None:
-        self.memory = memory
-        self.capture = capture
-        self.guard = guard
-        self.state = state
-        self.events = events
-        #: The step this attempt resumed at: that state is already stored where it came from.
-        self.resumed_step: int | None = None
-        self._kept_step: int | None = None
-
-    def keep(self, reason: str, lock_timeout: float = 10.0) -> bool:
-        """Keep the newest completed step in node memory; True if the node holds it."""
-        if self.memory is None or self.state.step == 0 or self.state.step == self.resumed_step:
-            return False
-        if self._kept_step == self.state.step:
-            return True
-        started = time.perf_counter()
-        if not self.guard.lock.acquire(timeout=lock_timeout):
-            log.warning("could not keep the state in memory: the training step did not finish within %.0fs", lock_timeout)
-            return False
-        try:
-            if self.guard.dirty:
-                log.error("not keeping step %d in memory: an error interrupted the optimizer step, so the "
-                          "state is half-applied; the next attempt resumes from the previous snapshot", self.state.step)
-                return False
-            step = self.state.step
-            ok = self.memory.save(step, self.capture)
-        finally:
-            self.guard.lock.release()
-        if ok:
-            self._kept_step = step
-            self.events.emit("kept_in_memory", step=step, reason=reason, seconds=time.perf_counter() - started)
-            log.info("kept step %d in node memory (%s) in %.3fs", step, reason, time.perf_counter() - started)
-        return ok
-
-
-class StepBoundary:
-    """The model's persistent buffers as they were at the last step boundary.
-
-    A forward updates some buffers in place (BatchNorm's running statistics and its batch counter,
-    a user's running averages), and not always through an operation that bumps the tensor's
-    version (BatchNorm's kernel writes its statistics directly). When an attempt ends in the middle
-    of a step, those buffers already hold part of a step that will never complete. So at every
-    boundary (the end of each optimizer step, a restore) the buffers that a snapshot holds are
-    copied aside, and a snapshot always takes them from that copy: one ``_foreach_copy_`` per step
-    of the persistent buffers' bytes (a few KB for a ResNet; nothing for a model without buffers).
-    """
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.model = model
-        persistent = set(model.state_dict(keep_vars=True))
-        self.names = [name for name, _ in model.named_buffers() if name in persistent]
-        self.copies: list[torch.Tensor] = []
-        self.mark()
-
-    def live(self) -> list[torch.Tensor]:
-        if not self.names:
-            return []
-        named = dict(self.model.named_buffers())  # looked up each time: a module may replace a buffer
-        return [named[name] for name in self.names]
-
-    def mark(self) -> None:
-        buffers = self.live()
-        if [t.shape for t in buffers] != [t.shape for t in self.copies] or \
-                [(t.dtype, t.device) for t in buffers] != [(t.dtype, t.device) for t in self.copies]:
-            self.copies = [t.detach().clone() for t in buffers]
-        elif buffers:
-            torch._foreach_copy_(self.copies, [t.detach() for t in buffers])
-
-    def overlay(self, model_state: dict[str, Any]) -> dict[str, Any]:
-        """``model_state`` with every persistent buffer as of the last boundary."""
-        for name, copy in zip(self.names, self.copies):
-            model_state[name] = copy
-        return model_state
-
-
-# -- the Checkpointer ----------------------------------------------------------------------------------------
 
 
 class Checkpointer:
@@ -228,7 +74,6 @@ class Checkpointer:
         self.generation, self.run_uid = generation, run_uid
         self.events, self.metrics = events, metrics
         self.state = state
-        self.rng = RNGState()
         self.guard = StateGuard()
         self.identity = identity or {}
         self.fingerprint = cfg.fingerprint(self.identity)
@@ -244,12 +89,8 @@ class Checkpointer:
         if self.memory is not None and env.is_local_leader:
             self.memory.sweep()
             sweep_abandoned_memory()
-        self.model: torch.nn.Module | None = None
+        self.parts: TrainingParts | None = None
         self.boundary: StepBoundary | None = None
-        self.optimizer: torch.optim.Optimizer | None = None
-        self.scheduler: Any = None
-        self.scaler: Any = None
-        self.sampler: Any = None
         self.writer: SnapshotWriter | None = None
         #: ``snapshot.every_steps: auto`` on rank 0 (:mod:`elastic_runner.snapshot.interval`).
         self.auto: AutoSchedule | None = None
@@ -261,28 +102,26 @@ class Checkpointer:
         self._keeper = Keeper(self.memory, self.capture, self.guard, self.state, events)
         self._last_save = time.monotonic()
 
-    def track(self, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, scaler: Any,
-              sampler: Any) -> None:
-        """The parts a snapshot holds besides the TrainState and the generators."""
-        self.model, self.optimizer, self.scheduler, self.scaler, self.sampler = model, optimizer, scheduler, scaler, sampler
-        self.boundary = StepBoundary(model)
+    def track(self, parts: TrainingParts) -> None:
+        """The parts a snapshot holds (their TrainState is the one this Checkpointer was built with)."""
+        if parts.state is not self.state:
+            raise ValueError("the parts' TrainState must be the Checkpointer's own")
+        self.parts = parts
+        self.boundary = StepBoundary(parts.model)
 
     # -- state ---------------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
         """The complete training state after the last completed step, with live tensors."""
-        assert self.model is not None and self.boundary is not None, "track() the training parts first"
-        return {
-            "model": self.boundary.overlay(self.model.state_dict()), "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
-            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
-            "train": self.state.state_dict(), "sampler": self.sampler.state_dict(), "rng": self.rng.state_dict(),
-        }
+        assert self.parts is not None and self.boundary is not None, "track() the training parts first"
+        return self.parts.state_dict(model_state=self.boundary.overlay(self.parts.model.state_dict()))
 
     def metadata(self) -> dict[str, Any]:
         """What ``meta.json`` carries besides what the writer adds (step, size, checksum)."""
+        assert self.parts is not None, "track() the training parts first"
+        sampler = self.parts.sampler
         return {
-            "epoch": self.sampler.epoch, "consumed": self.sampler.consumed, "world_size": self.env.world_size,
+            "epoch": sampler.epoch, "consumed": sampler.consumed, "world_size": self.env.world_size,
             "world_history": self.state.world_history, "fingerprint": self.fingerprint, "config": self._config,
             "writer": {"rank": self.env.rank, "host": self.env.hostname}, "torch": torch.__version__,
             "elastic_runner": __version__, "samples_total": self.state.samples_total, "run_uid": self.run_uid,
@@ -294,7 +133,7 @@ class Checkpointer:
 
     @contextlib.contextmanager
     def mutating(self) -> Iterator[None]:
-        """Hold the step lock while the loop changes the saved state (see :class:`StateGuard`); leaving
+        """Hold the step lock while the loop changes the saved state (see ``StateGuard``); leaving
         the block normally is a step boundary."""
         if self.writer is not None:
             self.writer.wait_staged()  # a snapshot's copy of these tensors may still be under way
@@ -339,25 +178,26 @@ class Checkpointer:
 
     def _load(self, loaded: Loaded, compat: Compatibility) -> list[str]:
         """Apply a loaded snapshot; returns the parts that were skipped (allow_mismatch)."""
-        s = loaded.state
+        assert self.parts is not None, "track() the training parts first"
+        parts, s = self.parts, loaded.state
         skipped: list[str] = []
         try:
-            self.model.load_state_dict(s["model"])  # type: ignore[union-attr]
+            parts.model.load_state_dict(s["model"])
         except RuntimeError as exc:
             raise ResumeError(
                 f"snapshot {loaded.ref.name} does not fit this model: {str(exc).splitlines()[0]} "
                 "(the architecture changed; use a new run.dir or export and fine-tune explicitly)"
             ) from exc
         if compat.optim_ok:
-            self.optimizer.load_state_dict(s["optimizer"])  # type: ignore[union-attr]
-            self.scheduler.load_state_dict(s["scheduler"])
-            if self.scaler is not None and s.get("scaler"):
-                self.scaler.load_state_dict(s["scaler"])
+            parts.optimizer.load_state_dict(s["optimizer"])
+            parts.scheduler.load_state_dict(s["scheduler"])
+            if parts.scaler is not None and s.get("scaler"):
+                parts.scaler.load_state_dict(s["scaler"])
         else:
             skipped.append("optimizer/schedule state (optimisation config changed)")
         if compat.data_ok:
             try:
-                self.sampler.load_state_dict(s["sampler"])
+                parts.sampler.load_state_dict(s["sampler"])
             except ValueError as exc:
                 raise ResumeError(
                     f"snapshot {loaded.ref.name} does not fit this dataset: {exc}. The data changed under the same "
@@ -366,7 +206,7 @@ class Checkpointer:
         else:
             skipped.append("data position (data config changed: the epoch restarts)")
         self.state.load_state_dict(s["train"])
-        self.rng.load_state_dict(s.get("rng", {}))
+        parts.rng.load_state_dict(s.get("rng", {}))
         return skipped
 
     # -- durable snapshots ------------------------------------------------------------------------------------
@@ -388,7 +228,7 @@ class Checkpointer:
     def check_space(self) -> bool:
         """Warn once, at the start, when the snapshot volume cannot hold ``keep_last + 1`` snapshots."""
         low = room_warning(self.store, self.cfg.snapshot.keep_last,
-                           state_bytes(self.state_dict()) if self.model is not None else 0)
+                           state_bytes(self.state_dict()) if self.parts is not None else 0)
         if low is not None:
             log.warning("%s", low[0])
             self.events.emit("snapshot_space_low", free_bytes=low[1], needed_bytes=low[2])
@@ -490,5 +330,4 @@ class Checkpointer:
             self.memory.drop()
 
 
-__all__ = ["Checkpointer", "Compatibility", "FinalSnapshotFailed", "Keeper", "ResumeError", "StateGuard", "StepBoundary", "StopSnapshotFailed",
-           "check_compatible", "compatibility"]
+__all__ = ["Checkpointer", "FinalSnapshotFailed", "ResumeError", "StopSnapshotFailed"]

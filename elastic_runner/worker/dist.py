@@ -1,7 +1,7 @@
 """Process group up and down, device choice, and the few collectives we use.
 
-Besides the training loop, this is the only module that touches
-``torch.distributed``. A world of size 1 still gets a (gloo, in-memory store)
+The process group and its collectives are here; the model's replication and gradient sync are in
+:mod:`elastic_runner.training.parallel`. A world of size 1 still gets a (gloo, in-memory store)
 process group so that the loop has one code path for every launch mode.
 
 Process-group creation is guarded by a hard deadline: a worker whose peers
@@ -260,55 +260,3 @@ class Dist:
 
     def _object_device(self) -> torch.device:
         return self.device if self.backend == "nccl" else torch.device("cpu")
-
-    # -- models --------------------------------------------------------------------------
-
-    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
-        """DDP around the model (also at world size 1: one code path).
-
-        Buffers are not broadcast before every forward (DDP's default): the loop makes every rank
-        take rank 0's buffers once per step, at the step boundary (Checkpointer.sync_buffers), so
-        that the state a survivor keeps is the job's. The gradient is the same either way (a
-        training-mode forward normalises by the batch's own statistics). ``ddp(EMPTY)`` joins the
-        gradient sync of a micro-step in which this rank has no sample (see :class:`Replica`).
-        """
-        import inspect
-
-        from torch.nn.parallel import DistributedDataParallel
-
-        device_ids = [self.device.index] if self.device.type == "cuda" else None
-        # torch 2.13 renamed the switch (broadcast_buffers is deprecated there; older torch lacks the new name).
-        accepted = inspect.signature(DistributedDataParallel.__init__).parameters
-        no_forward_sync = {"forward_sync_buffers": False} if "forward_sync_buffers" in accepted else {"broadcast_buffers": False}
-        return DistributedDataParallel(Replica(model), device_ids=device_ids, **no_forward_sync)
-
-
-
-#: The input of a micro-step in which this rank has no sample: ``ddp(EMPTY)`` is a zero loss.
-EMPTY = object()
-
-
-class Replica(torch.nn.Module):
-    """The module DDP wraps: the model, or a zero loss over its parameters for :data:`EMPTY`.
-
-    A rank without samples in a micro-step must still join the gradient all-reduce, with zero
-    gradients and without running the model: a user's model or loss need not handle an empty
-    batch, and BatchNorm refuses one in training mode. The zero loss reaches every parameter, so
-    DDP's hooks fire exactly as after a real forward. Attribute lookups the model answers (a loss
-    function reading ``model.module.config``) are passed through.
-    """
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if len(args) == 1 and args[0] is EMPTY and not kwargs:
-            return sum(p.sum() for p in self.model.parameters() if p.requires_grad) * 0.0
-        return self.model(*args, **kwargs)
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            return getattr(super().__getattr__("model"), name)

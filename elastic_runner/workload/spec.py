@@ -24,8 +24,8 @@ from torch.utils.data import Dataset
 from ..config import BatchConfig, Config, ConfigError
 from ..config.imports import resolve
 from ..data.datasets import DatasetBundle, build_datasets
+from ..data.layout import split_even
 from ..data.sources import Collate, collate_items, to_device
-from ..training.layout import split_even
 from .models import build_model
 from .optim import build_optimizer, build_schedule
 from .tasks import Task, build_task
@@ -140,7 +140,7 @@ def check_batchnorm(model: nn.Module, device: torch.device, batch: BatchConfig, 
 
 def smallest_micro_batch(count: int, world: int, micro_size: int | None) -> int:
     """The fewest samples (> 0) any rank runs through the model at once when ``count`` samples of a
-    step are shared by ``world`` ranks (as elastic_runner.training.layout lays them out); 0 if none gets any."""
+    step are shared by ``world`` ranks (as elastic_runner.data.layout lays them out); 0 if none gets any."""
     shares = [count // world + (1 if r < count % world else 0) for r in range(world)]
     accumulation = math.ceil(max(shares) / (micro_size or max(shares) or 1)) or 1
     sizes = [len(part) for share in shares for part in split_even(range(share), accumulation) if len(part)]

@@ -28,6 +28,7 @@ from torch import nn
 
 from ..config import BUILTIN_LOSSES, ConfigError, EvalConfig, ModelConfig
 from ..config.imports import resolve
+from ..data.sources import describe
 
 LossFn = Callable[[nn.Module, Any], Any]
 MetricFn = Callable[[nn.Module, Any], dict[str, torch.Tensor]]
@@ -234,22 +235,3 @@ def build_task(model_cfg: ModelConfig, eval_cfg: EvalConfig, *, language_model: 
                               "Compute them in your own metric function: 'package.module:fn' -> {name: values [B]}")
     task.metric_fns.update(metric_fns or {})
     return task
-
-
-def describe(obj: Any, depth: int = 0) -> str:
-    """A short structural description of a batch or an item: ``{input_ids: Tensor[12] int64, ...}``."""
-    if isinstance(obj, torch.Tensor):
-        return f"Tensor{list(obj.shape)} {str(obj.dtype).removeprefix('torch.')}"
-    if depth > 3:
-        return "..."
-    if isinstance(obj, dict):
-        return "{" + ", ".join(f"{k}: {describe(v, depth + 1)}" for k, v in list(obj.items())[:8]) + "}"
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return f"{type(obj).__name__}(" + ", ".join(f"{k}={describe(getattr(obj, k), depth + 1)}" for k in obj._fields) + ")"
-    if isinstance(obj, (list, tuple)):
-        inner = ", ".join(describe(v, depth + 1) for v in obj[:8])
-        return f"({inner})" if isinstance(obj, tuple) else f"[{inner}]"
-    if hasattr(obj, "__dataclass_fields__"):
-        return f"{type(obj).__name__}(" + ", ".join(
-            f"{k}={describe(getattr(obj, k), depth + 1)}" for k in obj.__dataclass_fields__) + ")"
-    return type(obj).__name__

@@ -137,9 +137,9 @@ def _worker_gradient(rank: int, world: int, micro: int, store_path: str, out: st
     import torch._dynamo  # noqa: F401 - before the process group, as Dist.up does (gloo threads end with it)
     import torch.distributed as tdist
 
+    from elastic_runner.data.layout import split_even
     from elastic_runner.training.gradients import StepGradients
-    from elastic_runner.training.layout import split_even
-    from elastic_runner.worker.dist import EMPTY, Replica
+    from elastic_runner.training.parallel import EMPTY, Replica
     from elastic_runner.workload.tasks import per_sample
 
     tdist.init_process_group("gloo", store=tdist.FileStore(store_path, world), rank=rank, world_size=world)

@@ -9,7 +9,7 @@ import stat
 from pathlib import Path
 
 from elastic_runner.observe.goodput import agent_goodput, publish_goodput
-from elastic_runner.training.loop import TrainState
+from elastic_runner.training.state import TrainState
 
 
 def test_a_recovery_counts_its_gap_and_the_steps_it_redoes_as_lost() -> None:

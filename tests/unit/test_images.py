@@ -14,7 +14,7 @@ from elastic_runner.config import BatchConfig, ConfigError, DataConfig
 from elastic_runner.data.datasets import build_datasets
 from elastic_runner.data.images import read_cifar_batch, sample_seed
 from elastic_runner.data.sources import LoaderSource, collate_items
-from elastic_runner.training.checkpointer import StepBoundary
+from elastic_runner.training.boundary import StepBoundary
 from elastic_runner.training.loop import state_digest
 from elastic_runner.workload.spec import check_batchnorm
 

@@ -23,8 +23,9 @@ from elastic_runner.snapshot import (
     require_ok,
 )
 from elastic_runner.snapshot.memory import MemoryTier
-from elastic_runner.training.checkpointer import Keeper, StateGuard
-from elastic_runner.training.loop import TrainState, planned_total_steps, refresh_schedule, rescale_lr
+from elastic_runner.training.adapt import planned_total_steps, refresh_schedule, rescale_lr
+from elastic_runner.training.boundary import Keeper, StateGuard
+from elastic_runner.training.state import TrainState
 from elastic_runner.worker.watchdog import PeerWatchdog
 from elastic_runner.workload.optim import build_schedule
 

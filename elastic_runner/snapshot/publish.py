@@ -1,0 +1,81 @@
+"""Write one snapshot and publish it: fenced by generation, atomic, with old snapshots pruned.
+
+Runs wherever the bytes are written: in the writer process (:mod:`.writer_process`) or in the
+worker's writer thread (:mod:`.writer`); both import it, and it imports neither.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .format import write_snapshot_files
+from .store import AlreadyCommittedError, LocalStore, SnapshotRef, StaleWriterError
+
+
+@dataclass
+class Written:
+    """What :func:`write_and_publish` did, for the worker to report."""
+
+    meta: dict[str, Any]
+    already_committed: bool = False
+    prune_errors: list[str] = field(default_factory=list)
+
+
+def write_and_publish(store: LocalStore, generation: int, keep_last: int, ref: SnapshotRef, state: dict[str, Any],
+                      meta: dict[str, Any]) -> Written:
+    """Write ``state`` as snapshot ``ref``, publish it unless a newer generation owns the run, and delete
+    snapshots beyond ``keep_last``. Runs in the writer process or the writer thread. On failure the
+    staging directory is gone and the published snapshots are as they were."""
+    staging = None
+    try:
+        store.check_fence(generation)
+        staging = store.staging(ref)
+        written = Written(write_snapshot_files(staging, state, meta))
+        # Fence again right before publishing: a newer round may have started meanwhile.
+        store.check_fence(generation)
+        try:
+            store.publish(staging, ref)
+            staging = None
+        except AlreadyCommittedError:
+            written.already_committed = True
+        written.prune_errors = _prune(store, keep_last, ref)
+        return written
+    except Exception as exc:
+        if staging is not None:  # first: the space it took is part of what the report measures
+            store.discard(staging)
+            staging = None
+        stale = _stale_instead(store, generation, exc)
+        if stale is exc:
+            raise
+        raise stale from exc
+    finally:
+        if staging is not None:  # Ctrl-C during a synchronous save
+            store.discard(staging)
+
+
+def _stale_instead(store: LocalStore, generation: int, exc: Exception) -> Exception:
+    """A write that failed because a newer round started meanwhile (its start sweeps older
+    rounds' staging directories) is the stale-writer error, not a disk problem to retry."""
+    if isinstance(exc, StaleWriterError):
+        return exc
+    try:
+        store.check_fence(generation)
+    except StaleWriterError as stale:
+        return stale
+    except Exception:  # noqa: BLE001 - the store itself failing: report the original error
+        return exc
+    return exc
+
+
+def _prune(store: LocalStore, keep_last: int, newest: SnapshotRef) -> list[str]:
+    complete = store.complete()
+    keep = set(complete[-keep_last:])
+    errors = []
+    for ref in complete:
+        if ref not in keep and ref < newest:
+            try:
+                store.remove(ref)
+            except OSError as exc:
+                errors.append(f"could not delete old snapshot {ref.name}: {exc}")
+    return errors

@@ -1,0 +1,128 @@
+"""What is recorded about each step, apart from its arithmetic: audit, metrics, goodput clock, progress.
+
+:class:`StepBooks` hangs off the step: :meth:`~StepBooks.before` writes the audit record (before any
+collective: see :mod:`elastic_runner.observe.audit` for why the order matters),
+:meth:`~StepBooks.count_productive` moves the goodput clock inside the step lock (the clock is part
+of the saved state and rolls back with it), :meth:`~StepBooks.after` observes the metrics, and
+:meth:`~StepBooks.report_progress` writes the progress line every ``logging.every_steps``. Only rank 0
+writes progress lines and events that speak for the whole job.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..observe.goodput import publish_goodput
+from ..observe.logs import Progress
+
+if TYPE_CHECKING:
+    from ..config import Config
+    from ..data.layout import BatchLayout
+    from ..data.sampler import StepPlan
+    from ..observe.audit import AuditWriter
+    from ..observe.events import EventLog
+    from ..observe.metrics import Metrics
+    from ..worker.dist import Dist
+    from .state import TrainState
+    from .step import StepResult
+
+
+class StepBooks:
+    def __init__(self, cfg: Config, dist: Dist, state: TrainState, layout: BatchLayout, total_steps: int, *,
+                 events: EventLog, metrics: Metrics, audit: AuditWriter | None) -> None:
+        self.cfg, self.dist, self.state, self.layout = cfg, dist, state, layout
+        self.events, self.metrics, self.audit = events, metrics, audit
+        self.rank0 = dist.rank == 0
+        self.progress = Progress(total_steps, cfg.logging.every_steps, cfg.logging.format, cfg.logging.progress_bar)
+        self._window_loss = torch.zeros(2, dtype=torch.float64, device=dist.device)
+        self._window_started = time.monotonic()
+        self._window_samples = 0
+        self._window_first_step = state.step
+        self._productive_mark = time.monotonic()  #: end of the time already counted as productive
+        self._published_at: float | None = None  #: when local rank 0 last left the clock for its agent
+        self._step_started = 0.0
+
+    # -- around each step ----------------------------------------------------------------------------------
+
+    def start_training(self) -> None:
+        """Start-up and restore are not training: the productive clock starts here."""
+        self._productive_mark = time.monotonic()
+
+    def before(self, step: int, plan: StepPlan) -> None:
+        self._step_started = time.perf_counter()
+        if self.audit is not None:
+            self.audit.step(step=step, epoch=plan.epoch, start=plan.start, global_count=plan.global_count,
+                            indices=plan.indices, micro_batch=self.layout.micro_size,
+                            accumulation=self.layout.accumulation)
+
+    def count_productive(self) -> None:
+        """The time since the last mark was training (called under the step lock, with the step's commit)."""
+        now = time.monotonic()
+        self.state.productive_s += now - self._productive_mark
+        self._productive_mark = now
+
+    def not_productive(self, seconds: float) -> None:
+        """Time that held the step without training (a snapshot's blocking copy) is lost time."""
+        self._productive_mark += seconds
+
+    def after(self, step: int, plan: StepPlan, result: StepResult) -> None:
+        m = self.metrics
+        self._window_loss += result.loss
+        self._window_samples += plan.global_count
+        if not result.apply:
+            m.nonfinite.inc()
+            if self.rank0:
+                self.events.emit("nonfinite_skipped", step=step)
+        m.steps.inc()
+        m.samples.inc(len(plan.indices))
+        m.step_duration.observe(time.perf_counter() - self._step_started)
+        m.data_wait.observe(result.data_wait_s)
+
+    # -- between steps ---------------------------------------------------------------------------------------
+
+    def tick(self, step: int) -> None:
+        if self.rank0:
+            self.progress.tick(step, None, None)
+
+    def report_progress(self, step: int, epoch: int, lr: float) -> None:
+        """The loss over the window since the last report (a collective), the rate, goodput: a progress line."""
+        m, state = self.metrics, self.state
+        loss_sum, count = self.dist.all_reduce_sum(self._window_loss.clone()).tolist()
+        self._window_loss.zero_()
+        window_steps = step - self._window_first_step
+        self._window_first_step = step
+        now = time.monotonic()
+        rate = self._window_samples / max(1e-9, now - self._window_started)
+        self._window_started, self._window_samples = now, 0
+        loss = loss_sum / max(1.0, count)
+        m.loss.set(loss)
+        m.lr.set(lr)
+        m.step.set(step)
+        m.epoch.set(epoch)
+        goodput = state.goodput(time.time())
+        if goodput is not None:
+            m.goodput.set(goodput)
+            if self.dist.env.local_rank == 0:
+                every = now - self._published_at if self._published_at is not None else None
+                publish_goodput(state.productive_s, state.goodput_wall_s(time.time()), every_s=every)
+                self._published_at = now
+        fields = {
+            "step": step, "epoch": epoch, "loss": loss, "samples_per_s": round(rate, 1),
+            "world_size": self.dist.world_size, "lr": lr,
+        } | ({"goodput": round(goodput, 4)} if goodput is not None else {})
+        if self.rank0:
+            # window_steps: how many steps the loss averages (fewer right after a restart)
+            self.events.emit("progress", window_steps=window_steps, **fields)
+            self.progress.line(fields)
+
+    def report_eval(self, step: int, result: dict[str, Any]) -> None:
+        if self.rank0:
+            self.events.emit("eval", step=step, **result)
+            self.progress.line({"step": step} | {k: v for k, v in result.items() if k != "eval_samples"})
+
+    def close(self) -> None:
+        if self.rank0:
+            self.progress.close()

@@ -1,0 +1,106 @@
+"""One optimizer step's mathematics: forward, loss, backward, gradient sync, update.
+
+:meth:`TrainStep.compute` runs the micro-batches of this rank's share (the task's loss on each
+batch as collated, gradient sync on the last one only) and turns the gradients into the exact mean
+over the global batch (:mod:`.gradients`); :meth:`TrainStep.update` applies them. The loop calls
+the two around the step lock; what is recorded about a step (audit, metrics, goodput) is not here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from ..data.layout import BatchLayout, split_even
+from ..data.sampler import StepPlan
+from ..workload.tasks import Task
+from .gradients import StepGradients
+from .parallel import EMPTY
+from .parts import TrainingParts
+from .rng import seed_step, step_seed
+
+AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class StepResult:
+    loss: torch.Tensor  #: float64 (this rank's (weighted) loss sum, its weight or sample count)
+    apply: bool  #: False: a non-finite gradient that ``train.on_nonfinite: skip`` skips
+    data_wait_s: float  #: time spent waiting for batches
+
+
+class TrainStep:
+    """The arithmetic of a step on one rank; every rank runs the same collectives in the same order."""
+
+    def __init__(self, parts: TrainingParts, wrapped: nn.Module, task: Task, layout: BatchLayout,
+                 gradients: StepGradients, *, seed: int, rank: int, device: torch.device, precision: str) -> None:
+        self.parts, self.wrapped, self.task, self.layout, self.gradients = parts, wrapped, task, layout, gradients
+        self.seed, self.rank, self.device = seed, rank, device
+        self.autocast_dtype = AUTOCAST.get(precision)
+        self._training = False
+
+    def compute(self, step: int, plan: StepPlan, batches: Iterator[Any]) -> StepResult:
+        """Forward and backward over this rank's micro-batches; the gradient is then the global mean."""
+        seed_step(step_seed(self.seed, step, self.rank), self.device)  # dropout, augmentation: as uninterrupted
+        if not self._training:  # (a walk over every module: only after an evaluation switched it off)
+            self.wrapped.train()
+            self._training = True
+        micro_lists = list(split_even(plan.indices, self.layout.accumulation))
+        loss = torch.zeros(2, dtype=torch.float64, device=self.device)
+        weighted, data_wait = None, 0.0
+        for i, micro in enumerate(micro_lists):
+            last = i == len(micro_lists) - 1
+            with contextlib.nullcontext() if last else self.wrapped.no_sync():  # type: ignore[operator]
+                if micro:
+                    t0 = time.perf_counter()
+                    batch = next(batches)
+                    data_wait += time.perf_counter() - t0
+                    with self.autocast():
+                        losses, weights = self.task.compute_loss(self.wrapped, batch, len(micro))
+                        scaled = self.gradients.loss_for_backward(losses, weights, plan.global_count, self.task.where)
+                    weighted = weights is not None
+                    loss += _loss_sums(losses, weights, len(micro))
+                else:
+                    # No sample for this rank in this micro-step: join the gradient sync with zeros.
+                    scaled = self.wrapped(EMPTY)
+                self.backward(scaled)
+        apply = self.gradients.finish(step, weighted, loss, self.parts.optimizer)
+        return StepResult(loss, apply, data_wait)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        scaler = self.parts.scaler
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+
+    def update(self, result: StepResult) -> None:
+        """Apply the gradient (unless skipped) and advance the schedule; the caller holds the step lock."""
+        parts = self.parts
+        if result.apply and parts.scaler is not None:
+            parts.scaler.step(parts.optimizer)
+            parts.scaler.update()
+        elif result.apply:
+            parts.optimizer.step()
+        parts.scheduler.step()
+        parts.optimizer.zero_grad(set_to_none=True)
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+    def evaluating(self) -> None:
+        """An evaluation switched the model to eval mode: the next step switches it back."""
+        self._training = False
+
+
+def _loss_sums(losses: torch.Tensor, weights: torch.Tensor | None, count: int) -> torch.Tensor:
+    """(loss sum, weight) of one micro-batch, for the logged loss: weighted by the task's weights if any."""
+    detached = losses.detach().double()
+    if weights is None:
+        return torch.stack([detached.sum(), torch.tensor(float(count), dtype=torch.float64, device=detached.device)])
+    w = weights.detach().double()
+    return torch.stack([(detached * w).sum(), w.sum()])

@@ -1,0 +1,96 @@
+"""How an attempt ends: the one place that decides its ``end`` event, what is kept, and the exit status.
+
+Every way out of an attempt passes through :func:`ending_for`, the attempt records it
+(:meth:`~elastic_runner.worker.attempt.Attempt.run`), and the process returns its exit status
+(:func:`elastic_runner.worker.process.run`):
+
+============================  ==================  =====================  =============================
+what happened                 ``end`` status      exit status            state left for the next attempt
+============================  ==================  =====================  =============================
+training finished             finished            0                      final snapshot (node memory dropped)
+a stop signal, honoured       stopped             0                      stop snapshot + node memory
+a stop signal, but peers      stopped             0                      stop snapshot + node memory
+stopped first and broke a
+collective
+config / resume / set-up      failed              2 (not restarted)      nothing changed
+NaN or inf gradient           failed              3 (not restarted)      snapshots as they were
+final snapshot not written    finished_not_durable  4 (not restarted)    node memory (``snapshot persist``)
+a newer generation owns the   failed              1                      nothing (fenced)
+run; a stop snapshot failed;
+run.dir not ready (I/O)
+anything else (a peer died)   failed              1, with traceback      the last completed step, in
+                                                                         node memory
+============================  ==================  =====================  =============================
+
+A peer lost while this rank waits in a collective is detected on the watchdog's thread, which
+cannot raise into the main thread: :func:`peer_lost_exit` gives its exit status.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..config import ConfigError
+from ..snapshot import StaleWriterError
+from ..training.checkpointer import FinalSnapshotFailed, ResumeError, StopSnapshotFailed
+from ..training.gradients import NonFiniteGradient
+from ..training.loop import GracefulStop
+from .dist import DistError
+from .lifecycle import EXIT_DIVERGED, EXIT_FAILED, EXIT_NOT_DURABLE, EXIT_OK, EXIT_PEER_LOST, EXIT_USAGE
+
+
+class SetupError(RuntimeError):
+    """Rank 0 could not prepare the run; every rank stops with its message."""
+
+
+class RetryableSetupError(RuntimeError):
+    """Rank 0 could not prepare the run for a reason that may pass (I/O): the attempt is retried."""
+
+
+@dataclass(frozen=True)
+class Ending:
+    status: str  #: the ``end`` event's status: finished, stopped, finished_not_durable or failed
+    exit_code: int | None  #: None: re-raise, so that torchrun's ``@record`` reports the traceback (exit 1)
+    say: bool = False  #: print the exception's message as one line (it says what to fix)
+    say_on_rank0_only: bool = False  #: every rank saw the same thing: one line is enough
+    #: If the loop had started: the last completed step is kept for the next attempt (in node memory,
+    #: or as a stop snapshot when a stop was requested), and the peers' watchdogs are told at once.
+    keeps_state: bool = False
+    #: A stop was requested and peers that stopped first broke a collective: the stop we were asked for.
+    peers_stopped_first: bool = False
+
+    @property
+    def stopped(self) -> bool:
+        return self.status == "stopped"
+
+
+FINISHED = Ending("finished", EXIT_OK)
+
+_KNOWN: tuple[tuple[tuple[type[BaseException], ...], Ending], ...] = (
+    ((GracefulStop,), Ending("stopped", EXIT_OK)),
+    ((ConfigError, ResumeError, SetupError, DistError), Ending("failed", EXIT_USAGE, say=True)),
+    ((NonFiniteGradient,), Ending("failed", EXIT_DIVERGED, say=True, say_on_rank0_only=True)),
+    ((FinalSnapshotFailed,), Ending("finished_not_durable", EXIT_NOT_DURABLE, say=True)),
+    ((StaleWriterError, StopSnapshotFailed, RetryableSetupError), Ending("failed", EXIT_FAILED, say=True)),
+)
+
+
+def ending_for(exc: BaseException | None, stop_requested: bool) -> Ending:
+    """How an attempt that raised ``exc`` (None: returned normally) ends."""
+    if exc is None:
+        return FINISHED
+    for kinds, ending in _KNOWN:
+        if isinstance(exc, kinds):
+            if isinstance(exc, (GracefulStop, FinalSnapshotFailed)):
+                return ending  # their snapshot is written (or the state already kept) on the way out
+            return Ending(ending.status, ending.exit_code, ending.say, ending.say_on_rank0_only, keeps_state=True)
+    if stop_requested and isinstance(exc, Exception):
+        # Peers stopping at the same time broke our collective after we kept our state: that is the
+        # stop we were asked for, not a failure.
+        return Ending("stopped", EXIT_OK, keeps_state=True, peers_stopped_first=True)
+    return Ending("failed", None, keeps_state=True)
+
+
+def peer_lost_exit(stop_requested: bool) -> int:
+    """The watchdog found a peer gone while this rank waits in a collective: leave at once."""
+    return EXIT_OK if stop_requested else EXIT_PEER_LOST

@@ -1,0 +1,56 @@
+"""The run directory at the start of an attempt: rank 0 claims the next generation, every rank learns how it went.
+
+Claiming a generation fences every older attempt's snapshot writer (:mod:`elastic_runner.snapshot.store`);
+rank 0 also sweeps what older attempts left half-written and writes the effective config. A problem
+that cannot pass (permissions, a file where the directory should be) stops every rank with one line
+(:class:`~elastic_runner.worker.ending.SetupError`, exit 2); an I/O error may pass and retries the attempt.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from typing import Any
+
+from ..config import Config, write_effective_config
+from ..files import makedirs
+from ..snapshot import LocalStore, SnapshotError, open_store
+from .dist import Dist
+from .ending import RetryableSetupError, SetupError
+from .env import WorkerEnv
+
+# errno values that mean "this run directory cannot work" rather than "try again".
+_PERMANENT_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EEXIST, errno.ENAMETOOLONG}
+
+
+def prepare_run_dir(cfg: Config, env: WorkerEnv, dist: Dist) -> tuple[LocalStore, int, str]:
+    """Rank 0 claims the generation and writes the effective config; all ranks learn the outcome."""
+    store = open_store(cfg.snapshot_dir)
+    outcome: tuple[str, Any, str] = ("ok", 0, "")
+    if dist.rank == 0:
+        try:
+            if os.path.exists(cfg.run.dir) and not os.path.isdir(cfg.run.dir):
+                raise NotADirectoryError(errno.ENOTDIR, "it exists and is not a directory")
+            makedirs(cfg.run.dir)
+            if not os.access(cfg.run.dir, os.W_OK | os.X_OK):
+                raise PermissionError(errno.EACCES, f"not writable by uid {os.getuid()}")
+            store.ensure()
+            run_uid = store.run_uid()
+            generation = store.claim_generation({"world_size": env.world_size, "run_id": env.run_id,
+                                                 "restart_count": env.restart_count})
+            store.sweep(generation)
+            write_effective_config(cfg, cfg.run.dir)
+            outcome = ("ok", generation, run_uid)
+        except (OSError, SnapshotError) as exc:
+            cause = exc if isinstance(exc, OSError) else exc.__cause__
+            permanent = not isinstance(cause, OSError) or cause.errno in _PERMANENT_ERRNOS
+            fix = ("; choose another run.dir (or remove that file)" if isinstance(cause, NotADirectoryError) else
+                   "; fix its permissions or choose another run.dir" if permanent else "; retrying with the next attempt")
+            message = f"cannot prepare run.dir {cfg.run.dir!r}: {exc}{fix}"
+            outcome = ("usage" if permanent else "retry", message, "")
+    status, value, run_uid = dist.broadcast_object(outcome)
+    if status == "usage":
+        raise SetupError(value)
+    if status == "retry":
+        raise RetryableSetupError(value)
+    return store, int(value), run_uid
