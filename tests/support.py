@@ -1,4 +1,6 @@
-"""Helpers for tests that run real processes."""
+"""Plain helpers the tests share: paths, configs, small volumes, and running and watching real processes.
+
+Fixtures live in the ``conftest.py`` files; anything a test imports by name lives here."""
 
 from __future__ import annotations
 
@@ -11,11 +13,46 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+import pytest
 import torch
+import yaml
 
 from elastic_runner.observe.audit import latest_step
 from elastic_runner.observe.events import read_events
 from elastic_runner.testing.localjob import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+QUICKSTART = ROOT / "configs" / "quickstart.yaml"
+
+
+
+def mount_small_volume(path: Path, size: str) -> None:
+    """A small tmpfs at ``path`` (a real ENOSPC when it is full); skips the test where mounting needs root."""
+    path.mkdir(parents=True, exist_ok=True)
+    try:
+        mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(path)],
+                                 capture_output=True, text=True)
+    except OSError as exc:
+        pytest.skip(f"a small tmpfs cannot be mounted here (no mount command: {exc})")
+    if mounted.returncode != 0:
+        pytest.skip(f"a small tmpfs cannot be mounted here (needs root): {mounted.stderr.strip()}")
+
+
+def unmount(path: Path) -> None:
+    subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+def write_config(path: Path, **sections: dict) -> Path:
+    """A quickstart-derived config with some sections replaced/extended."""
+    data = yaml.safe_load(QUICKSTART.read_text())
+    for name, values in sections.items():
+        data.setdefault(name, {}).update(values)
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def python() -> str:
+    return sys.executable
 
 
 def torchrun_standalone(config: Path | str, run_dir: Path, nproc: int = 2, overrides: Sequence[str] = (),
@@ -212,3 +249,8 @@ def assert_no_tracebacks(job: Any) -> None:
     """A failure the job recovered from leaves no traceback on the terminal (torch's included)."""
     for word in ("Traceback", "ProcessExitedException"):
         assert not told(job, word), f"{word} on the terminal\n" + job.logs_tail()
+
+
+def capture(step: int) -> Callable[[], tuple[dict[str, Any], dict[str, Any]]]:
+    """What a Checkpointer hands its writers and keeper: a tiny state at ``step`` and its metadata."""
+    return lambda: ({"model": {"w": torch.full((4,), float(step))}}, {"fingerprint": {"model": "m"}, "run_uid": "run-a"})

@@ -3,4 +3,14 @@ faster rendezvous completion, and agent-level metrics.
 
 Everything here runs in the torchrun agent process (or the zygote it forks
 workers from), never in the training loop.
+
+- ``launch``           ``elastic-runner launch``: torchrun's flags, elastic defaults, our agent.
+- ``torchrun_hook``    a plain ``torchrun -m elastic_runner.train`` gets the same agent (entry point).
+- ``adopt``            the one set-up both of those run.
+- ``agent``            ``ElasticRunnerAgent``: torch's ``LocalElasticAgent`` with corrections and observers.
+- ``fast_rendezvous``  rendezvous rounds that complete as soon as everyone known is back.
+- ``zygote``, ``warm`` workers forked from a pre-imported process.
+- ``metrics``          the agent's Prometheus metrics and events.
+- ``terminal``         what the agent prints, and what it keeps quiet.
+- ``torch_patches``    every private torch internal we change or rely on, with its canary.
 """

@@ -1,7 +1,7 @@
 """Every private torch internal elastic_runner changes or relies on, and whether it still can.
 
 torch's elastic agent and rendezvous have no public extension points for what we correct
-(README, "torch 2.13 behaviours"), so a few classes subclass or replace private names. A torch
+(docs/torch-behaviours.md), so a few classes subclass or replace private names. A torch
 upgrade that renames or reshapes one of them must not silently turn our behaviour off: each patch
 here lists the private symbols it needs, :func:`problems` says which are missing or changed, and
 

@@ -1,5 +1,14 @@
-"""Typed run configuration: dataclass sections (:mod:`.sections`) and their loading from YAML and
-``--set`` overrides (:mod:`.loader`). Everything a caller needs is importable from here."""
+"""Typed run configuration: dataclass sections that validate themselves and say how to fix a mistake.
+
+- ``root``        the whole :class:`~.root.Config`: its sections, the fingerprint a snapshot must match,
+                  the keys a resume may change.
+- ``training``    the sections that define the mathematics of a run (model, data, batch, optim, ...).
+- ``operations``  the sections that define how it is operated (snapshots, audit, metrics, logging, dist).
+- ``base``        what every section shares: the one-line error, field help.
+- ``loader``      defaults < YAML file < ``--set`` overrides, then validation; the generated reference.
+- ``imports``     ``package.module:callable`` references from a config.
+
+Everything a caller needs is importable from here."""
 
 from .loader import (
     coerce,

@@ -272,10 +272,12 @@ def write_effective_config(config: Config, run_dir: str) -> Path:
 
 
 def reference_markdown() -> str:
-    """The config reference table for the README, generated from the field docs."""
-    lines = ["| key | type | default | meaning |", "|---|---|---|---|"]
+    """The configuration reference (docs/reference/configuration.md), generated from the sections' field docs."""
+    lines: list[str] = []
     for section_name, cls in SECTIONS.items():
         hints = _resolve_hints(cls)
+        lines += [f"## `{section_name}`", "", (cls.__doc__ or "").strip(), "",
+                  "| key | type | default | meaning |", "|---|---|---|---|"]
         for f in dataclasses.fields(cls):
             if f.default is not dataclasses.MISSING:
                 default = f.default
@@ -285,7 +287,8 @@ def reference_markdown() -> str:
             lines.append(
                 f"| `{section_name}.{f.name}` | {_type_name(hints[f.name])} | `{shown}` | {f.metadata.get('help', '')} |"
             )
-    return "\n".join(lines)
+        lines.append("")
+    return "\n".join(lines).rstrip() + "\n"
 
 
 def diff_configs(a: dict[str, Any], b: dict[str, Any], prefix: str = "") -> list[str]:

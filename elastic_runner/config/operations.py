@@ -13,6 +13,8 @@ from .base import ConfigError, _help
 
 @dataclass
 class SnapshotConfig:
+    """Snapshots: where, how often, how many, and the node-memory tier."""
+
     every_steps: int | Literal["auto"] = _help(
         "Write a durable snapshot every N steps (0: off), or 'auto': the interval that minimises snapshot cost plus "
         "expected redone work (Young/Daly), from the measured cost of a snapshot and the mean time between losses "
@@ -71,6 +73,8 @@ class SnapshotConfig:
 
 @dataclass
 class AuditConfig:
+    """The audit trail of consumed samples."""
+
     samples: bool = _help(
         "Append one JSON line per rank per step with the dataset indices it consumed "
         "(RUN_DIR/audit/); 'elastic-runner audit RUN_DIR' checks exactly-once delivery.",
@@ -80,6 +84,8 @@ class AuditConfig:
 
 @dataclass
 class MetricsConfig:
+    """The worker's Prometheus endpoint."""
+
     port: int = _help(
         "Serve Prometheus /metrics on port + LOCAL_RANK (0: off).", default=0
     )
@@ -96,6 +102,8 @@ class MetricsConfig:
 
 @dataclass
 class LoggingConfig:
+    """Log level and progress output."""
+
     level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = _help("Log level.", default="INFO")
     every_steps: int = _help("One progress line every N steps.", default=10)
     format: Literal["text", "json"] = _help("Progress line format.", default="text")
@@ -110,6 +118,8 @@ class LoggingConfig:
 
 @dataclass
 class DistConfig:
+    """The process group: backend, device, timeouts and the peer watchdog."""
+
     backend: Literal["auto", "gloo", "nccl"] = _help(
         "Process-group backend: auto picks nccl when the device is a GPU, gloo otherwise.",
         default="auto",
@@ -128,8 +138,17 @@ class DistConfig:
         "ends the attempt on every rank, also with NCCL whose own timeout is minutes. 0: off.",
         default=5.0,
     )
+    gradient_sync: Literal["ordered", "ddp"] = _help(
+        "How the gradients are summed over the ranks. ordered: in a bucket layout fixed by the model, so a "
+        "resumed run does exactly the arithmetic of an uninterrupted one at every world size; ddp: torch's "
+        "DistributedDataParallel, whose first step after every (re)start uses a bucket layout of its own "
+        "(bitwise resume below three ranks only).",
+        default="ordered",
+    )
 
     def validate(self) -> None:
+        if self.gradient_sync not in ("ordered", "ddp"):
+            raise ConfigError("dist.gradient_sync", f"got {self.gradient_sync!r}", "Use ordered (default) or ddp")
         if self.heartbeat_seconds < 0:
             raise ConfigError("dist.heartbeat_seconds", f"got {self.heartbeat_seconds}, must be >= 0", "Set it to e.g. 5, or 0 to disable")
         for key in ("timeout_seconds", "init_timeout_seconds"):

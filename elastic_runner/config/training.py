@@ -1,6 +1,6 @@
 """The sections that define the mathematics of a run: what is trained on what, and how.
 
-Every field carries a ``help`` text (the README's config reference is generated from them:
+Every field carries a ``help`` text (docs/reference/configuration.md is generated from them:
 ``elastic-runner config --docs``) and every section a ``validate()`` that says what to set instead.
 """
 
@@ -15,6 +15,8 @@ from .base import ConfigError, _help, is_import_path
 
 @dataclass
 class RunConfig:
+    """Where the run lives and how it is seeded."""
+
     dir: str = _help(
         "Directory for everything the run writes: snapshots, audit trail, event log, "
         "effective config. Shared by all nodes (a shared filesystem or PVC in production).",
@@ -34,6 +36,8 @@ class RunConfig:
 
 @dataclass
 class DataConfig:
+    """The training and test data: a built-in dataset or an import path, and how it is sampled and loaded."""
+
     name: str = _help(
         "Dataset: digits (8x8 handwritten digits shipped with the package), synthetic, "
         "tokens (token files from 'elastic-runner data prepare-text'), image_folder, cifar10, fake_images "
@@ -47,7 +51,7 @@ class DataConfig:
     )
     params: dict[str, Any] = _help(
         "Keyword arguments for the dataset builder (synthetic: size, shape, num_classes, test_size; "
-        "tokens: block_size; image_folder: image_size; fake_images: size, test_size, num_classes, "
+        "tokens: block_size, text (a UTF-8 file prepared into data.path on first use); image_folder: image_size; fake_images: size, test_size, num_classes, "
         "image_size, noise; import paths: anything the callable accepts).",
         default_factory=dict,
     )
@@ -105,10 +109,16 @@ class DataConfig:
                     "data.path", f"is required for data.name={self.name}",
                     "Set data.path to the dataset directory",
                 )
-            if not Path(self.path).is_dir():
+            text = self.params.get("text") if self.name == "tokens" and isinstance(self.params, dict) else None
+            if text is not None and not Path(str(text)).is_file():
+                raise ConfigError("data.params.text", f"no such text file {text!r}",
+                                  "Point data.params.text at a UTF-8 text file, e.g. examples/data/shakespeare.txt")
+            if not Path(self.path).is_dir() and text is None:
                 raise ConfigError(
                     "data.path", f"directory {self.path!r} does not exist",
-                    "Point data.path at an existing dataset directory",
+                    f"Build the token files once with: elastic-runner data prepare-text TEXT.txt --out {self.path} "
+                    "(or set data.params.text to the text file to prepare them on first use)"
+                    if self.name == "tokens" else "Point data.path at an existing dataset directory",
                 )
         if not 0.0 < self.test_fraction < 1.0:
             raise ConfigError(
@@ -143,6 +153,8 @@ BUILTIN_METRICS = ("loss", "accuracy", "mse", "r2", "perplexity")
 
 @dataclass
 class ModelConfig:
+    """The model (built-in or an import path) and the loss it is trained with."""
+
     name: str = _help(
         "Model: mlp, cnn, gpt (decoder-only transformer for the tokens dataset), or an import path "
         "such as 'torchvision.models:resnet18'.",
@@ -180,6 +192,8 @@ class ModelConfig:
 
 @dataclass
 class EvalConfig:
+    """What an evaluation over the test set reports."""
+
     metrics: list[str] | str = _help(
         "Metrics of an evaluation, averaged exactly over the test set across ranks: auto (by task: "
         "classification: loss and accuracy; regression: loss and r2; language model: loss and "
@@ -203,6 +217,8 @@ class EvalConfig:
 
 @dataclass
 class OptimConfig:
+    """The optimizer, and gradient clipping."""
+
     name: str = _help(
         "Optimizer: sgd, adamw, or an import path to a torch.optim.Optimizer subclass.",
         default="sgd",
@@ -242,6 +258,8 @@ class OptimConfig:
 
 @dataclass
 class ScheduleConfig:
+    """The learning-rate schedule."""
+
     name: str = _help(
         "Learning-rate schedule: constant, step, cosine, or an import path to a callable "
         "(optimizer, total_steps, **params) -> LRScheduler.",
@@ -269,6 +287,8 @@ class ScheduleConfig:
 
 @dataclass
 class BatchConfig:
+    """The optimisation contract: the global batch, and how it splits over ranks and micro-batches."""
+
     global_size: int | None = _help(
         "Samples per optimizer step across all ranks. Kept constant when the world size "
         "changes: each rank takes its share and the loss is normalised by this size, so "
@@ -319,6 +339,8 @@ class BatchConfig:
 
 @dataclass
 class TrainConfig:
+    """How long to train, evaluation cadence, precision and what to do with a non-finite gradient."""
+
     max_steps: int | None = _help("Stop after this many optimizer steps (counted from 1).", default=None)
     epochs: int | None = _help("Stop after this many epochs. With max_steps, whichever comes first.", default=None)
     eval_every_steps: int = _help("Evaluate on the test split every N steps (0: only at the end).", default=0)

@@ -1,4 +1,4 @@
-"""Datasets from config.
+"""Datasets from config: the shipped digits, synthetic data, token files, images, and import paths.
 
 Built in:
 - ``digits``: the UCI optical-recognition digits (1,797 8x8 images, CC BY 4.0),
@@ -173,13 +173,17 @@ def bundle_of(train: Any, test: Any, description: str) -> DatasetBundle:
 
 
 def _tokens(cfg: DataConfig) -> DatasetBundle:
-    from .tokens import token_datasets
+    from .tokens import prepare_once, token_datasets
 
-    unknown = set(cfg.params) - {"block_size"}
+    unknown = set(cfg.params) - {"block_size", "text"}
     if unknown:
-        raise ConfigError("data.params", f"unknown tokens parameter(s) {sorted(unknown)}", "Valid parameters: block_size")
+        raise ConfigError("data.params", f"unknown tokens parameter(s) {sorted(unknown)}",
+                          "Valid parameters: block_size, text")
     block_size = cfg.params.get("block_size", 128)
-    train, val, meta = token_datasets(Path(cfg.path or ""), block_size)
+    directory = Path(cfg.path or "")
+    if "text" in cfg.params:
+        prepare_once(cfg.params["text"], directory)  # the first worker to get here writes it; the rest reuse it
+    train, val, meta = token_datasets(directory, block_size)
     return DatasetBundle(train, val, None, None, f"tokens {cfg.path} ({train.tokens:,} train tokens, "
                          f"{len(train):,} windows of {block_size}; vocabulary {meta['vocab_size']})",
                          vocab_size=meta["vocab_size"], block_size=block_size, language_model=True)

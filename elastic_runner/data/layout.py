@@ -4,10 +4,10 @@
 takes its share of the step's window (sizes differ by at most one when W does
 not divide the global batch), splits it into ``accumulation`` micro-batches of
 at most ``batch.micro_size`` samples, and scales its summed per-sample loss by
-``W / global_count``. DDP averages gradients over W ranks, so the applied
+``1 / global_count``. The gradients are summed over the W ranks, so the applied
 gradient is exactly the mean over the global batch, independent of W and of
 how the share was split (DeepSpeed-elasticity's idea, without its restriction
-to world sizes that divide the batch).
+to world sizes that divide the batch; :mod:`elastic_runner.training.gradients`).
 """
 
 from __future__ import annotations

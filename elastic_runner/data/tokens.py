@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -125,6 +127,31 @@ def prepare_text(source: str | os.PathLike[str], out: str | os.PathLike[str], va
         _write_atomically(target / name, data.tobytes())
     _write_atomically(target / META, json.dumps(meta, indent=1).encode())
     return meta
+
+
+def prepare_once(source: str | os.PathLike[str], out: str | os.PathLike[str]) -> bool:
+    """``prepare_text(source, out)`` unless ``out`` already holds token files; True when this call wrote them.
+
+    ``data.params.text`` prepares a config's corpus on first use: every worker of every node may get here at
+    once, so each writes into a private directory beside ``out`` and renames it into place; the first rename
+    wins and the others drop their copy (same text, same files)."""
+    target = Path(out)
+    if (target / META).is_file():
+        return False
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        prepare_text(source, staging)
+        try:
+            os.rename(staging, target)
+        except OSError as exc:
+            if not (target / META).is_file():
+                raise ConfigError("data.path", f"cannot create {target} ({exc.strerror})",
+                                  "Point data.path at a directory that can be created, or remove what is there") from exc
+            return False  # another worker put the same files in place first
+        return True
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def decode(ids: Any, meta: dict[str, Any]) -> str:

@@ -30,6 +30,7 @@ it at the next collective).
 from __future__ import annotations
 
 import bisect
+import contextlib
 import json
 import os
 import statistics
@@ -137,7 +138,8 @@ def publish_goodput(productive_s: float, wall_s: float, path: str | None = None,
                        "every_s": every_s}, fh)
         os.replace(staging, path)
     except OSError:
-        pass
+        with contextlib.suppress(OSError):
+            os.unlink(staging)  # never leave a half-published clock behind
 
 
 def agent_goodput(path: str, now: float, training: bool) -> float | None:

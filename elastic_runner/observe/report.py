@@ -257,6 +257,23 @@ def _broken(points: list[tuple[float, float]], gaps: list[tuple[float, float]]) 
     return xs, ys
 
 
+def plain_log_scale(ax: Any) -> None:
+    """A log-scale y axis whose tick labels read as plain numbers (3, 0.4), not ``3×10^0``: matplotlib
+    still decides which ticks get a label; only how a label is written changes."""
+    from matplotlib import ticker
+
+    ax.set_yscale("log")
+    for which in ("major", "minor"):
+        scientific = ax.yaxis.get_major_formatter() if which == "major" else ax.yaxis.get_minor_formatter()
+
+        def plain(value: float, pos: int | None = None, scientific: Any = scientific) -> str:
+            return f"{value:g}" if scientific(value, pos) else ""
+
+        formatter = ticker.FuncFormatter(plain)
+        formatter.set_locs = scientific.set_locs  # type: ignore[method-assign]  # the scientific one decides which ticks
+        (ax.yaxis.set_major_formatter if which == "major" else ax.yaxis.set_minor_formatter)(formatter)
+
+
 def _main_metric(evals: list[dict[str, Any]]) -> str | None:
     """The evaluation's main metric besides the loss: accuracy if there is one, else the first other."""
     keys = [k for k in (evals[-1] if evals else {}) if k.startswith("eval_") and k not in ("eval_loss", "eval_samples")
@@ -327,7 +344,7 @@ def timeline_figure(run_dir: str, events: list[dict[str, Any]] | None = None, x_
     if evals:
         ax_loss.plot([x(e) for e in evals], [e["eval_loss"] for e in evals], "o", color="#ff7f0e", ms=4, label="test loss")
     ax_loss.set_ylabel("loss")
-    ax_loss.set_yscale("log")
+    plain_log_scale(ax_loss)
     metric = _main_metric(evals)
     if metric is not None:
         ax_metric = ax_loss.twinx()

@@ -129,7 +129,7 @@ class CheckedStates(RendezvousBackend):
         except StateContentError as exc:
             raise RendezvousStateError(
                 f"The rendezvous state in etcd key '{self.backend.key}' is refused unread: {exc}. Something other "
-                f"than an elastic_runner agent wrote it: check who can write the key prefix (README, 'Trust'), "
+                f"than an elastic_runner agent wrote it: check who can write the key prefix (docs/trust.md), "
                 f"then delete the key ('etcdctl del {self.backend.key}').") from exc
         return state
 

@@ -2,7 +2,7 @@
 
 One table (``OPTIONS``) is the source of truth for names, defaults and meanings; the parser reads
 it with ``RendezvousParameters``' typed getters and ``python -m elastic_runner.rendezvous.options``
-prints it as the Markdown table in the README. torchrun splits ``--rdzv_conf`` at commas, so no
+prints it as the Markdown table of docs/reference/etcd-options.md. torchrun splits ``--rdzv_conf`` at commas, so no
 value here can contain one; a list of etcd members goes into ``--rdzv_endpoint`` instead
 (``--rdzv_endpoint=10.0.0.1:2379,10.0.0.2:2379,10.0.0.3:2379``).
 
@@ -70,7 +70,7 @@ OPTIONS: tuple[Option, ...] = (
            "reads only bounded JSON, and `protocol=state` unpickles states with a rendezvous state's classes only."),
     Option("protocol", "leases",
            "`leases`: each node writes only its own key, on a lease that is its heartbeat, and one transaction seals "
-           "a round (scales to 1,024 nodes, see README). `state`: torch's protocol (one shared state that every node "
+           "a round (scales to 1,024 nodes, see docs/benchmarks.md). `state`: torch's protocol (one shared state that every node "
            "rewrites), the only one of builds before the lease protocol; set it on every node while a job mixes "
            "such builds."),
     Option("insecure_loopback_auth", "false",

@@ -270,7 +270,7 @@ class Codec:
 
     def round(self, kv: KeyValue) -> Round:
         key = kv.key.decode(errors="replace")
-        hint = (f"Check who else can write the key prefix (README, 'Trust') and that every node runs the same "
+        hint = (f"Check who else can write the key prefix (docs/trust.md) and that every node runs the same "
                 f"elastic_runner version with the same auth_key_file; 'etcdctl del {key}' starts the rendezvous "
                 "afresh.")
         try:

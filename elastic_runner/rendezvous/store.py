@@ -114,7 +114,7 @@ class EtcdStore(dist.Store):
         except AuthError as exc:
             raise EtcdStoreAuthError(
                 f"The etcd store value at '{kv.key.decode(errors='replace')}' is refused: {exc}. Check that every "
-                "node has the same auth_key_file and who else can write the key prefix (README, 'Trust').") from exc
+                "node has the same auth_key_file and who else can write the key prefix (docs/trust.md).") from exc
 
     def _error(self, action: str, exc: EtcdError) -> EtcdStoreConnectionError:
         return EtcdStoreConnectionError(f"The etcd store under '{self.prefix}' could not {action}. {exc}")

@@ -1,4 +1,18 @@
-"""Durable training snapshots: atomic, asynchronous, verified, fenced."""
+"""Durable training snapshots: atomic, asynchronous, verified, fenced; and the node-memory tier.
+
+- ``store``           where snapshots live: naming, atomic commit, generation fencing, quarantine.
+- ``format``          what is inside a snapshot, how it is written and verified (checksums, ``weights_only``).
+- ``publish``         write one snapshot and publish it, fenced, pruning the old ones.
+- ``writer``          save without stalling training: the writer thread, or the writer process through
+- ``shm``             a shared-memory arena,
+- ``writer_process``  the process that serialises, hashes, fsyncs and publishes off the training interpreter.
+- ``loader``          the newest complete and intact snapshot.
+- ``memory``          the node-memory tier: the newest state kept on every node that survives.
+- ``selection``       which state a (re)started job resumes from: the newest of every node's memory and the disk.
+- ``space``           room for snapshots on the volume.
+- ``interval``        ``snapshot.every_steps: auto`` (Young/Daly).
+- ``cli``             ``elastic-runner snapshot inspect|export|persist|gc``.
+"""
 
 from .format import load_snapshot, read_meta
 from .loader import Loaded, find_newest, load_exact

@@ -1,19 +1,20 @@
 """From the gradients of one step's backward passes to the update: exact mean, clipping, finiteness.
 
-Each rank backpropagates ``sum(losses) * W / global_count`` for per-sample losses, so DDP's
-average over the W ranks is the mean over the global batch. A weighted loss ``(losses, weights)``
-cannot be normalised before its weights are known on every rank: each rank backpropagates
-``sum(weights * losses) * W``, and once the backward passes are done (DDP has averaged the
-gradients) one all-reduce of the weight sum gives the global weight, by which the gradient is
-divided. Either way the gradient is the exact (weighted) mean over the global batch, whatever the
-world size and however a rank's share is split into micro-batches.
+The gradient sync (:mod:`.parallel`) sums the gradients over the W ranks (torch's DDP, if chosen,
+averages them: the factor ``A`` below is W for DDP and 1 for a sum). Each rank backpropagates
+``sum(losses) * A / global_count`` for per-sample losses, so the synchronised gradient is the mean
+over the global batch. A weighted loss ``(losses, weights)`` cannot be normalised before its weights
+are known on every rank: each rank backpropagates ``sum(weights * losses) * A``, and once the
+gradients are synchronised one all-reduce of the weight sum gives the global weight, by which the
+gradient is divided. Either way the gradient is the exact (weighted) mean over the global batch,
+whatever the world size and however a rank's share is split into micro-batches.
 
 Which of the two a loss is, every rank learns in the first step of an attempt (one all-reduce, so
 that a rank whose micro-batches were all empty learns it too); after that a per-sample loss costs
 no collective and a weighted one one scalar all-reduce per step.
 
 Then the gradient is clipped (``optim.grad_clip_norm``) and checked: a non-finite gradient (a NaN
-or inf loss on any rank reaches every rank through DDP's all-reduce, so all ranks agree without
+or inf loss on any rank reaches every rank through the gradient sum, so all ranks agree without
 another collective) stops the run (:class:`NonFiniteGradient`) or, with
 ``train.on_nonfinite: skip``, skips the update on every rank. With fp16 the gradient scaler skips
 such steps itself.
@@ -43,8 +44,10 @@ class NonFiniteGradient(RuntimeError):
 
 
 class StepGradients:
-    def __init__(self, dist: Any, model: nn.Module, clip_norm: float | None, on_nonfinite: str, scaler: Any) -> None:
+    def __init__(self, dist: Any, model: nn.Module, clip_norm: float | None, on_nonfinite: str, scaler: Any,
+                 averages_over: int = 1) -> None:
         self.dist = dist
+        self.averages_over = averages_over  #: what the gradient sync divides by (DDP: the world size)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.clip_norm = clip_norm
         self.on_nonfinite = on_nonfinite
@@ -59,10 +62,10 @@ class StepGradients:
             raise LossOutputError(where, "returned " + ("(losses, weights)" if form else "losses without weights")
                                   + " after returning " + ("(losses, weights)" if self.weighted else "losses only"),
                                   "Return the same form for every batch")
-        world = self.dist.world_size
+        factor = self.averages_over
         if weights is None:
-            return losses.sum() * (world / global_count)
-        return (losses * weights.detach()).sum() * world
+            return losses.sum() * (factor / global_count)
+        return (losses * weights.detach()).sum() * factor
 
     def finish(self, step: int, weighted_here: bool | None, step_loss: torch.Tensor,
                optimizer: torch.optim.Optimizer) -> bool:
@@ -83,7 +86,7 @@ class StepGradients:
             norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))) if grads else torch.zeros(())
         if self.scaler is not None or bool(torch.isfinite(norm)):
             return True
-        # Every rank sees the same non-finite gradient (DDP averaged it): all take this path.
+        # Every rank sees the same non-finite gradient (the sync summed it): all take this path.
         losses = self.dist.all_gather_object(float(step_loss[0]))
         bad = [r for r, value in enumerate(losses) if not math.isfinite(value)]
         if self.on_nonfinite == "stop":

@@ -14,13 +14,12 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
-from torch import nn
 
 from ..data.layout import BatchLayout, split_even
 from ..data.sampler import StepPlan
 from ..workload.tasks import Task
 from .gradients import StepGradients
-from .parallel import EMPTY
+from .parallel import GradientSync
 from .parts import TrainingParts
 from .rng import seed_step, step_seed
 
@@ -37,38 +36,39 @@ class StepResult:
 class TrainStep:
     """The arithmetic of a step on one rank; every rank runs the same collectives in the same order."""
 
-    def __init__(self, parts: TrainingParts, wrapped: nn.Module, task: Task, layout: BatchLayout,
+    def __init__(self, parts: TrainingParts, sync: GradientSync, task: Task, layout: BatchLayout,
                  gradients: StepGradients, *, seed: int, rank: int, device: torch.device, precision: str) -> None:
-        self.parts, self.wrapped, self.task, self.layout, self.gradients = parts, wrapped, task, layout, gradients
+        self.parts, self.sync, self.task, self.layout, self.gradients = parts, sync, task, layout, gradients
         self.seed, self.rank, self.device = seed, rank, device
         self.autocast_dtype = AUTOCAST.get(precision)
         self._training = False
 
     def compute(self, step: int, plan: StepPlan, batches: Iterator[Any]) -> StepResult:
-        """Forward and backward over this rank's micro-batches; the gradient is then the global mean."""
+        """Forward and backward over this rank's micro-batches, the gradient sync after the last one; the
+        gradient is then the mean over the global batch."""
         seed_step(step_seed(self.seed, step, self.rank), self.device)  # dropout, augmentation: as uninterrupted
         if not self._training:  # (a walk over every module: only after an evaluation switched it off)
-            self.wrapped.train()
+            self.sync.module.train()
             self._training = True
         micro_lists = list(split_even(plan.indices, self.layout.accumulation))
         loss = torch.zeros(2, dtype=torch.float64, device=self.device)
         weighted, data_wait = None, 0.0
         for i, micro in enumerate(micro_lists):
             last = i == len(micro_lists) - 1
-            with contextlib.nullcontext() if last else self.wrapped.no_sync():  # type: ignore[operator]
+            with contextlib.nullcontext() if last else self.sync.no_sync():
                 if micro:
                     t0 = time.perf_counter()
                     batch = next(batches)
                     data_wait += time.perf_counter() - t0
                     with self.autocast():
-                        losses, weights = self.task.compute_loss(self.wrapped, batch, len(micro))
+                        losses, weights = self.task.compute_loss(self.sync.module, batch, len(micro))
                         scaled = self.gradients.loss_for_backward(losses, weights, plan.global_count, self.task.where)
                     weighted = weights is not None
                     loss += _loss_sums(losses, weights, len(micro))
+                    self.backward(scaled)
                 else:
-                    # No sample for this rank in this micro-step: join the gradient sync with zeros.
-                    scaled = self.wrapped(EMPTY)
-                self.backward(scaled)
+                    self.sync.empty_micro_step()  # no sample for this rank here: it joins the sync all the same
+        self.sync.finish()  # every gradient is now the sum over the ranks
         apply = self.gradients.finish(step, weighted, loss, self.parts.optimizer)
         return StepResult(loss, apply, data_wait)
 

@@ -268,15 +268,16 @@ class Attempt:
                 "partial_batch": cfg.data.partial_batch, "global_batch": self.layout.global_size,
                 "sampler": cfg.data.sampler,
             })
-        wrapped = parallel.wrap(parts.model, dist.device)
-        ckpt.at_boundary()  # the wrapper made every rank's parameters and buffers rank 0's
-        gradients = StepGradients(dist, parts.model, cfg.optim.grad_clip_norm, cfg.train.on_nonfinite, parts.scaler)
-        step = TrainStep(parts, wrapped, w.task, self.layout, gradients, seed=cfg.run.seed, rank=dist.rank,
+        sync = parallel.replicate(parts.model, dist.device, cfg.dist.gradient_sync)
+        ckpt.at_boundary()  # every rank's parameters and buffers are now rank 0's
+        gradients = StepGradients(dist, parts.model, cfg.optim.grad_clip_norm, cfg.train.on_nonfinite, parts.scaler,
+                                  averages_over=sync.averages_over)
+        step = TrainStep(parts, sync, w.task, self.layout, gradients, seed=cfg.run.seed, rank=dist.rank,
                          device=dist.device, precision=cfg.train.precision)
         books = StepBooks(cfg, dist, self.state, self.layout, self.total_steps, events=self.events,
                           metrics=self.metrics, audit=audit)
         test_size = len(w.test) if w.test is not None else 0  # type: ignore[arg-type]
-        evaluator = Evaluator(dist, wrapped, parts.model, w.task,
+        evaluator = Evaluator(dist, sync.module, parts.model, w.task,
                               self._source(w.test, cfg.run.seed) if w.test is not None else None, test_size,
                               cfg.data.eval_batch_size, self.metrics)
         trainer = Trainer(cfg, dist, parts, step, books, evaluator,
@@ -289,6 +290,7 @@ class Attempt:
             self.keep_for_next_attempt(ending_for(exc, self.stop.requested))
             raise
         finally:
+            sync.close()
             ckpt.close()
             if audit is not None:
                 audit.close()

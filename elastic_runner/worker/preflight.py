@@ -1,6 +1,6 @@
 """Start-up checks for launch setups known to fail (warnings, not errors).
 
-Measured with torch 2.13 (see README, "Launching"): with the rendezvous TCP
+Measured with torch 2.13 (see docs/getting-started.md, "Launching"): with the rendezvous TCP
 store shared between agent and workers, a node joining a running job makes the
 rank-0 agent fail with ``DistStoreError ... role_info`` and the job dies, and
 restarted gloo workers can read the previous round's addresses and hang.

@@ -1,6 +1,6 @@
 """What a step optimises and what an evaluation reports: losses and metrics.
 
-The contract with a user's code (README, "Bring your own model and data"):
+The contract with a user's code (docs/guides/bring-your-own.md):
 
 - A **loss** is ``fn(model, batch)``: the batch exactly as collated, already on the device, and the
   model to call (the DDP-wrapped one while training). It returns per-sample losses, shape ``[B]``,

@@ -9,8 +9,7 @@ import pytest
 
 from elastic_runner.testing.localjob import LocalJob
 
-from ..conftest import write_config
-from ..support import exported_model
+from ..support import exported_model, write_config
 
 #: Long enough to be interrupted mid-run (a few seconds at world size 2), short enough for CI.
 RESUME_SECTIONS = dict(

@@ -13,8 +13,7 @@ import pytest
 
 from elastic_runner.observe.events import read_events
 
-from ..conftest import mount_small_volume, unmount, write_config
-from ..support import run_bounded
+from ..support import mount_small_volume, run_bounded, unmount, write_config
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(420)]
 

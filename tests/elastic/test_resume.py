@@ -12,7 +12,6 @@ import pytest
 from elastic_runner.observe.audit import check_audit
 from elastic_runner.snapshot import LocalStore
 
-from ..conftest import write_config
 from ..support import (
     assert_bitwise_equal,
     assert_no_tracebacks,
@@ -24,6 +23,7 @@ from ..support import (
     start_agent_while_paused,
     stop_workers_at_step,
     told,
+    write_config,
 )
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]

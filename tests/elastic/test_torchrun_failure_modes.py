@@ -15,8 +15,7 @@ from elastic_runner.observe.audit import check_audit
 from elastic_runner.snapshot import LocalStore
 from elastic_runner.testing.localjob import free_port
 
-from ..conftest import write_config
-from ..support import events, run_bounded, wait_for_step
+from ..support import events, run_bounded, wait_for_step, write_config
 
 pytestmark = [pytest.mark.multiprocess]
 

@@ -13,17 +13,16 @@ import shutil
 import subprocess
 import time
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
 import pytest
 
-from elastic_runner.rendezvous.gateway import EtcdGatewayClient
 from elastic_runner.rendezvous.kv import KVClient, Put
-from elastic_runner.rendezvous.options import EtcdOptions, parse_endpoints
 from elastic_runner.testing.contracts import KVEnv
 from elastic_runner.testing.etcd_server import EtcdServer, ServerTLS
+
+from .etcd_support import Certs, gateway_client
 
 
 @pytest.fixture(scope="session")
@@ -52,12 +51,6 @@ def etcd_factory(etcd_binary: str, tmp_path: Path) -> Iterator[Callable[..., Etc
         server.kill()
 
 
-def gateway_client(server: EtcdServer, **kwargs: object) -> EtcdGatewayClient:
-    kwargs.setdefault("request_timeout", 5)
-    kwargs.setdefault("retry_timeout", 10)
-    return EtcdGatewayClient(EtcdOptions(parse_endpoints(server.url), **kwargs))  # type: ignore[arg-type]
-
-
 @pytest.fixture
 def etcd_env(etcd_server: EtcdServer) -> Iterator[KVEnv]:
     """The contract suites' view of the real server: a fresh key prefix per test."""
@@ -78,16 +71,6 @@ def etcd_env(etcd_server: EtcdServer) -> Iterator[KVEnv]:
 
 
 # -- TLS ------------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Certs:
-    ca: str
-    server_cert: str
-    server_key: str
-    client_cert: str
-    client_key: str
-    other_ca: str  #: a CA that signed nothing here (for mismatch tests)
 
 
 def _openssl(*args: str, cwd: Path) -> None:

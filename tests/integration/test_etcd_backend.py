@@ -20,7 +20,7 @@ from elastic_runner.testing.localjob import free_port
 
 from ..unit.test_etcd_fake import params
 from ..unit.test_lease_rendezvous import together as at_once
-from .conftest import Certs, gateway_client
+from .etcd_support import Certs, gateway_client
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -28,7 +28,7 @@ from ..support import (
     stop_workers_at_step,
     wait_for_step,
 )
-from .conftest import gateway_client
+from .etcd_support import gateway_client
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
 

@@ -22,10 +22,9 @@ from elastic_runner.rendezvous.seal import Sealer
 from elastic_runner.testing.etcd_server import EtcdServer, ServerTLS
 from elastic_runner.testing.localjob import LocalJob
 
-from ..conftest import ROOT
-from ..support import run_bounded, wait_for_step
+from ..support import ROOT, run_bounded, wait_for_step
 from ..unit.test_etcd_fake import params
-from .conftest import Certs, gateway_client
+from .etcd_support import Certs, gateway_client
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(180)]
 

@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from elastic_runner.testing import debian
 from elastic_runner.testing.localjob import descendants, free_port
 
-from ..conftest import write_config
+from ..support import write_config
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 

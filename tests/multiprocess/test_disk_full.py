@@ -14,8 +14,7 @@ import pytest
 
 from elastic_runner.worker.lifecycle import EXIT_NOT_DURABLE
 
-from ..conftest import mount_small_volume, unmount
-from ..support import events, run_bounded
+from ..support import events, mount_small_volume, run_bounded, unmount
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
 

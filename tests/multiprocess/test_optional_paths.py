@@ -16,8 +16,7 @@ from elastic_runner.config import DataConfig, ModelConfig
 from elastic_runner.data.datasets import build_datasets
 from elastic_runner.workload.models import build_model
 
-from ..conftest import write_config
-from ..support import end_events, run_bounded
+from ..support import end_events, run_bounded, write_config
 
 pytestmark = pytest.mark.multiprocess
 

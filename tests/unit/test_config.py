@@ -159,8 +159,18 @@ def test_reference_documents_every_key() -> None:
         assert f"`{key}`" in text
 
 
-def test_the_readme_shows_the_current_reference() -> None:
-    from ..conftest import ROOT
+def test_yaml_1_2_floats_and_on_off_words_are_understood(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("optim: {lr: 3e-4, weight_decay: 1e-2}\nschedule: {gamma: 1.5E+3}\n"
+                    "logging: {progress_bar: off}\ntrain: {epochs: 1}\n")
+    cfg = load_config(path)
+    assert (cfg.optim.lr, cfg.optim.weight_decay, cfg.schedule.gamma) == (3e-4, 1e-2, 1500.0)
+    assert cfg.logging.progress_bar == "off"
+    assert load_config(path, ["logging.progress_bar=on", "optim.lr=5e-5"]).logging.progress_bar == "on"
+    assert load_config(path, ["optim.lr=5e-5"]).optim.lr == 5e-5
+    assert load_config({"optim": {"lr": "3e-4"}, "train": {"epochs": 1}}).optim.lr == 3e-4  # a mapping built in Python
 
-    assert reference_markdown() in (ROOT / "README.md").read_text(), (
-        "README's configuration table is out of date: paste `elastic-runner config --docs`")
+
+def test_memory_settings_do_not_change_the_fingerprint(quickstart: Path) -> None:
+    base = load_config(quickstart).fingerprint()
+    assert load_config(quickstart, ["batch.micro_size=4", "batch.uneven=refuse"]).fingerprint() == base

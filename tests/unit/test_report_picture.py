@@ -4,6 +4,7 @@ metric went, the world size only when it changed; against wall time or steps."""
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -77,3 +78,22 @@ def test_a_world_size_that_never_changed_gets_no_panel_and_steps_can_be_the_x_ax
 ])
 def test_each_recovery_is_named_by_what_ended_the_attempt(events: list[dict[str, Any]], cause: str) -> None:
     assert gap_cause(events) == cause
+
+
+@pytest.mark.parametrize("low, high", [(2.5, 4.5), (0.04, 2.3), (0.9, 1.2)])
+def test_the_loss_axis_reads_as_plain_numbers(low: float, high: float) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from elastic_runner.observe.report import plain_log_scale
+
+    fig, ax = plt.subplots()
+    ax.plot([0, 1, 2], [high, (low + high) / 2, low])
+    plain_log_scale(ax)
+    fig.canvas.draw()
+    labels = [t.get_text() for t in ax.get_yticklabels(minor=False) + ax.get_yticklabels(minor=True) if t.get_text()]
+    plt.close(fig)
+    assert labels, "the loss axis has labelled ticks"
+    assert all(re.fullmatch(r"[0-9.]+", text) for text in labels), labels

@@ -1,4 +1,4 @@
-"""Offline helpers for tests/integration/test_k8s.py: render kustomize overlays, validate
+"""Offline helpers for the deployment checks (tests/deploy): render kustomize overlays, validate
 documents against Kubernetes and custom-resource schemas, rebuild each pod's torchrun command
 from its environment (as the kubelet and, for PyTorchJobs, the Kubeflow training operator
 would set it), and find the tools (kubectl, promtool) the tests need.
@@ -300,8 +300,8 @@ class Command:
 
 
 def documented_command_source() -> Path:
-    """README.md: its Kubernetes section carries the command between the k8s-command markers."""
-    return ROOT / "README.md"
+    """The Kubernetes guide carries the command between the k8s-command markers."""
+    return ROOT / "docs" / "guides" / "kubernetes.md"
 
 
 def parse_documented_command(text: str) -> Command:

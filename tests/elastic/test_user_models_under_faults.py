@@ -14,8 +14,8 @@ import yaml
 from elastic_runner.observe.audit import check_audit
 from elastic_runner.testing.localjob import LocalJob
 
-from ..conftest import ROOT
 from ..support import (
+    ROOT,
     assert_bitwise_equal,
     end_events,
     events,

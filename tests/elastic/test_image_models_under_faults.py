@@ -15,8 +15,7 @@ import yaml
 from elastic_runner.observe.audit import check_audit
 from elastic_runner.testing.localjob import LocalJob
 
-from ..conftest import QUICKSTART
-from ..support import assert_bitwise_equal, continue_workers, events, exported_model, stop_workers_at_step
+from ..support import QUICKSTART, assert_bitwise_equal, continue_workers, events, exported_model, stop_workers_at_step
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 

@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ..conftest import ROOT
-from ..support import events, run_bounded
+from ..support import ROOT, events, run_bounded
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
 

@@ -1,26 +1,20 @@
-"""The Kubernetes deployment (k8s/, Dockerfile), checked offline.
+"""The Kubernetes manifests (k8s/), checked offline: no cluster is needed.
 
 Every overlay renders with ``kubectl kustomize`` and every document in it validates strictly
 (unknown fields are errors) against the Kubernetes schemas of the oldest and newest supported
 versions, or, for the custom resources, against k8s/schemas/. Each training pod, as its
-controller creates it, runs exactly the torchrun command documented in the README. The
-workload, config, rendezvous, volume, grace period and monitoring fit together, and the alerts
-fire (and stay quiet) on synthetic series under ``promtool test rules``.
-
-Needs kubectl >= 1.27 (skipped with the reason otherwise); the alert tests need promtool
-(Debian's ``prometheus``, installed as root when missing).
+controller creates it, runs exactly the torchrun command documented in the docs. The workload,
+config, rendezvous, volume, grace period and network policies fit together. Needs kubectl >= 1.27
+(skipped with the reason otherwise).
 """
 
 from __future__ import annotations
 
 import copy
 import json
-import re
-import subprocess
 from pathlib import Path
 from typing import Any
 
-import pytest
 import yaml
 
 from elastic_runner.config import load_config
@@ -28,7 +22,6 @@ from elastic_runner.config import load_config
 from .k8s_support import (
     K8S,
     KUBERNETES_VERSIONS,
-    OVERLAYS,
     ROOT,
     Peer,
     Schemas,
@@ -39,14 +32,9 @@ from .k8s_support import (
     container_argv,
     describe,
     dockerfile_entrypoint,
-    dockerfile_instructions,
     documented_command,
     documented_command_source,
-    exported_metric_names,
-    find_kubectl,
-    find_promtool,
     ingress_admits,
-    metric_names_in,
     one,
     render,
     resolve_env,
@@ -56,41 +44,9 @@ from .k8s_support import (
 )
 
 MONITORING = K8S / "components" / "monitoring"
-RULES = MONITORING / "prometheusrule.yaml"
 DASHBOARD = MONITORING / "dashboards" / "elastic-runner.json"
 # The manifests' own margin: the agent needs this long after its workers stopped.
 AGENT_EXIT_MARGIN_SECONDS = 15
-
-
-# -- fixtures ----------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def kubectl() -> str:
-    binary, why = find_kubectl()
-    if binary is None:
-        pytest.skip(why)
-    return binary
-
-
-@pytest.fixture(scope="module")
-def promtool() -> str:
-    binary, why = find_promtool()
-    if binary is None:
-        pytest.skip(why)
-    return binary
-
-
-@pytest.fixture(scope="module", params=OVERLAYS)
-def overlay(request: pytest.FixtureRequest, kubectl: str) -> tuple[str, list[dict[str, Any]]]:
-    return request.param, render(kubectl, K8S / "overlays" / request.param)
-
-
-@pytest.fixture(scope="module")
-def schemas() -> dict[str, Schemas]:
-    pytest.importorskip("kubernetes_validate", reason="kubernetes-validate (test extra) is not installed")
-    return {version: Schemas(version) for version in KUBERNETES_VERSIONS}
-
 
 def pods_of(docs: list[dict[str, Any]]) -> list[WorkerPod]:
     pods = worker_pods(docs)
@@ -191,7 +147,7 @@ def test_custom_resource_schemas_reject_what_their_operators_reject(schemas: dic
 
 def test_each_training_pod_runs_the_documented_torchrun_command(overlay: tuple[str, list[dict[str, Any]]]) -> None:
     """Rebuild each pod's command from its container args and environment (PyTorchJob: plus what
-    the training operator adds) with torchrun's parser, and compare it with the README's."""
+    the training operator adds) with torchrun's parser, and compare it with the Kubernetes guide's."""
     name, docs = overlay
     documented = documented_command()
     source = documented_command_source().relative_to(ROOT)
@@ -483,216 +439,3 @@ def test_the_pytorchjob_variant_runs_the_gpu_overlays_pods(kubectl: str) -> None
     assert pytorchjob["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] == job["spec"]["parallelism"]
 
 
-# -- monitoring ----------------------------------------------------------------------------------
-
-
-def rule_groups() -> list[dict[str, Any]]:
-    return yaml.safe_load(RULES.read_text())["spec"]["groups"]
-
-
-def alerts() -> dict[str, dict[str, Any]]:
-    return {r["alert"]: r for g in rule_groups() for r in g["rules"] if "alert" in r}
-
-
-def dashboard_exprs() -> list[tuple[str, str]]:
-    dashboard = json.loads(DASHBOARD.read_text())
-    return [(p["title"], t["expr"]) for p in dashboard["panels"] for t in p.get("targets", [])]
-
-
-def test_the_required_alerts_exist_and_explain_themselves() -> None:
-    rules = alerts()
-    required = {"ElasticRunnerNoProgress", "ElasticRunnerRestartsRising", "ElasticRunnerSnapshotStale",
-                "ElasticRunnerWorldSizeBelowMin"}
-    assert required <= rules.keys()
-    for name, rule in rules.items():
-        assert rule["labels"]["severity"] in {"critical", "warning", "info"}, name
-        assert {"summary", "description"} <= rule["annotations"].keys(), name
-        assert re.search(r"by \(namespace, training_job", rule["expr"]), f"{name} must be per job"
-
-
-def test_alerts_and_dashboard_use_only_exported_metrics() -> None:
-    exported = exported_metric_names()
-    used = {name: metric_names_in(r["expr"]) for name, r in alerts().items()}
-    used |= {f"panel {title!r}": metric_names_in(expr) for title, expr in dashboard_exprs()}
-    unknown = {where: sorted(names - exported) for where, names in used.items() if names - exported}
-    assert not unknown, f"metrics nobody exports: {unknown}"
-    assert all(used.values()), "every alert and panel reads an elastic_runner metric"
-
-
-def test_the_dashboard_shows_throughput_loss_world_size_restarts_snapshot_age_and_recovery() -> None:
-    dashboard = json.loads(DASHBOARD.read_text())
-    exprs = " ".join(expr for _, expr in dashboard_exprs())
-    for metric in ("elastic_runner_samples_total", "elastic_runner_loss", "elastic_runner_world_size",
-                   "elastic_runner_restarts_total", "elastic_runner_last_snapshot_timestamp_seconds",
-                   "elastic_runner_recovery_duration_seconds"):
-        assert metric in exprs, metric
-    assert "time() - max by (training_job) (elastic_runner_last_snapshot_timestamp_seconds" in exprs, "snapshot age"
-    ids = [p["id"] for p in dashboard["panels"]]
-    assert len(ids) == len(set(ids))
-    variables = {v["name"] for v in dashboard["templating"]["list"]}
-    assert {"datasource", "namespace", "training_job"} <= variables
-    for title, expr in dashboard_exprs():
-        if "elastic_runner_" in expr:
-            assert 'namespace="$namespace", training_job=~"$training_job"' in expr, f"panel {title!r} ignores the variables"
-    assert all(p["datasource"]["uid"] == "${datasource}" for p in dashboard["panels"] if p["type"] != "row")
-
-
-def promql_rule_file(tmp_path: Path, with_annotations: bool = True) -> Path:
-    groups = copy.deepcopy(rule_groups())
-    if not with_annotations:
-        for group in groups:
-            for rule in group["rules"]:
-                rule.pop("annotations", None)
-    path = tmp_path / "rules.yaml"
-    path.write_text(yaml.safe_dump({"groups": groups}))
-    return path
-
-
-def test_alert_rules_and_dashboard_queries_are_valid_promql(promtool: str, tmp_path: Path) -> None:
-    # Dashboard queries as recording rules, with Grafana's variables filled in, so promtool parses them too.
-    panels = [{"record": f"dashboard:panel_{i}", "expr": expr.replace("$__rate_interval", "1m")
-               .replace("$namespace", "ml").replace("$training_job", ".+")}
-              for i, (_, expr) in enumerate(dashboard_exprs())]
-    (tmp_path / "dashboard.yaml").write_text(yaml.safe_dump({"groups": [{"name": "dashboard", "rules": panels}]}))
-    result = subprocess.run([promtool, "check", "rules", str(promql_rule_file(tmp_path)), str(tmp_path / "dashboard.yaml")],
-                            capture_output=True, text=True, timeout=60)
-    assert result.returncode == 0, result.stdout + result.stderr
-
-
-JOB = 'namespace="ml",training_job="digits"'
-
-
-def series(metric: str, values: str, **labels: str) -> dict[str, str]:
-    extra = "".join(f',{k}="{v}"' for k, v in labels.items())
-    return {"series": f"{metric}{{{JOB}{extra}}}", "values": values}
-
-
-def fired(severity: str, **labels: str) -> dict[str, Any]:
-    """An alert of the test job firing, with its labels (alertname is implied)."""
-    return {"exp_labels": {"namespace": "ml", "training_job": "digits", "severity": severity, **labels}}
-
-
-def case(alert: str, input_series: list[dict[str, str]], expectations: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
-    """One promtool test: the series, then for each eval time the alerts expected to fire."""
-    return {"interval": "1m", "input_series": input_series,
-            "alert_rule_test": [{"eval_time": t, "alertname": alert, "exp_alerts": exp} for t, exp in expectations.items()]}
-
-
-def test_alerts_fire_when_they_should_and_only_then(promtool: str, tmp_path: Path) -> None:
-    step, restarts = "elastic_runner_step", "elastic_runner_restarts_total"
-    snapshot = "elastic_runner_last_snapshot_timestamp_seconds"
-    agents, world = "elastic_runner_agent_remaining_restarts", "elastic_runner_world_size"
-    tests = [
-        # Steps advance for 30 minutes, then stop.
-        case("ElasticRunnerNoProgress", [series(step, "0+10x30 300x40", pod="p0", rank="0")],
-             {"40m": [], "60m": [fired("critical")]}),
-        # Crash-looping: every attempt resumes at step 200 and dies around 300.
-        case("ElasticRunnerNoProgress", [series(step, " ".join(["200+10x10"] * 6), pod="p0", rank="0")],
-             {"60m": [fired("critical")]}),
-        # Healthy, also across a restart of one rank (its step restarts from the snapshot).
-        case("ElasticRunnerNoProgress", [series(step, "0+10x70", pod="p0", rank="0"),
-                                         series(step, "0+10x20 150+10x50", pod="p1", rank="1")],
-             {"60m": []}),
-        # One pod's workers fail 5 times within an hour.
-        case("ElasticRunnerRestartsRising", [series(restarts, "0x30 1x5 2x5 3x5 4x5 5x20", pod="p0", rank="0")],
-             {"20m": [], "60m": [fired("warning")]}),
-        # Two group-wide restarts: every pod restarts twice. Counted per pod, not summed.
-        case("ElasticRunnerRestartsRising", [series(restarts, "0x30 1x15 2x25", pod=f"p{i}", rank=str(i)) for i in range(4)],
-             {"60m": []}),
-        # Snapshots each minute until 20 min, then none; rank 1 never writes one (0).
-        case("ElasticRunnerSnapshotStale", [series(snapshot, "0+60x20 1200x40", pod="p0", rank="0"),
-                                            series(snapshot, "0x60", pod="p1", rank="1")],
-             {"30m": [], "50m": [fired("warning")]}),
-        case("ElasticRunnerSnapshotStale", [series(snapshot, "0+60x60", pod="p0", rank="0")], {"50m": []}),
-        case("ElasticRunnerSnapshotFailing", [series("elastic_runner_snapshot_failures_total", "0x10 1x20", pod="p0", rank="0")],
-             {"5m": [], "20m": [fired("warning")]}),
-        # Two agents up, no worker: waiting for the minimum number of pods.
-        case("ElasticRunnerWorldSizeBelowMin", [series(agents, "100x30", pod="p0"), series(agents, "100x30", pod="p1")],
-             {"5m": [], "20m": [fired("critical")]}),
-        case("ElasticRunnerWorldSizeBelowMin", [series(agents, "100x30", pod="p0"), series(world, "1x30", pod="p0", rank="0")],
-             {"20m": []}),
-        # 4 ranks, then 2 for 40 minutes.
-        case("ElasticRunnerWorldSizeDegraded", [series(world, "4x30 2x40", pod="p0", rank="0")],
-             {"45m": [], "65m": [fired("info")]}),
-        case("ElasticRunnerRestartBudgetLow", [series(agents, "100x10 5x10", pod="p0")],
-             {"5m": [], "15m": [fired("warning", pod="p0")]}),
-    ]
-    tested = {t["alert_rule_test"][0]["alertname"] for t in tests}
-    assert tested == set(alerts()), f"alerts without a test: {set(alerts()) - tested}"
-    rules = promql_rule_file(tmp_path, with_annotations=False)
-    (tmp_path / "tests.yaml").write_text(yaml.safe_dump({"rule_files": [rules.name], "evaluation_interval": "1m",
-                                                         "tests": tests}))
-    result = subprocess.run([promtool, "test", "rules", "tests.yaml"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stdout + result.stderr
-
-
-# -- the image -------------------------------------------------------------------------------------
-
-
-def final_stage() -> list[tuple[str, str]]:
-    instructions = dockerfile_instructions()
-    last_from = max(i for i, (word, _) in enumerate(instructions) if word == "FROM")
-    return instructions[last_from:]
-
-
-def test_the_dockerfile_builds_cpu_and_cuda_images_from_one_file() -> None:
-    instructions = dockerfile_instructions()
-    first_from = next(i for i, (word, _) in enumerate(instructions) if word == "FROM")
-    global_args = {args.split("=")[0]: args.partition("=")[2] for word, args in instructions[:first_from] if word == "ARG"}
-    assert global_args.get("BASE") == "cpu", "BASE selects the base image; CPU by default"
-    stages = {args.split()[-1]: args.split()[0] for word, args in instructions if word == "FROM" and " AS " in args.upper()}
-    assert {"base-cpu", "base-cuda"} <= stages.keys()
-    assert "CUDA_IMAGE" in stages["base-cuda"] and "nvidia/cuda" in global_args["CUDA_IMAGE"]
-    assert final_stage()[0] == ("FROM", "base-${BASE}")
-    cuda_stage = [args for word, args in instructions if word in ("ARG", "ENV")]
-    assert any("whl/${TORCH_CUDA}" in a for a in cuda_stage) and any("whl/cpu" in a for a in cuda_stage)
-
-
-def test_the_dockerfile_installs_torch_first_then_the_pinned_package() -> None:
-    runs = [args for word, args in final_stage() if word == "RUN"]
-    torch_step = next(i for i, r in enumerate(runs) if '"torch==${TORCH_VERSION}"' in r and "--index-url" in r)
-    package_step = next(i for i, r in enumerate(runs) if "-c constraints.txt" in r)
-    assert torch_step < package_step, "torch must come from the chosen index before pip resolves the package"
-    version = next(args.split("=")[1] for word, args in final_stage() if word == "ARG" and args.startswith("TORCH_VERSION="))
-    pin = re.search(r"^torch==(\S+)", (ROOT / "constraints-torch-2.13.txt").read_text(), re.M)
-    assert pin and pin.group(1) == version, "the image's torch is the version constraints-torch-2.13.txt pins"
-
-
-def test_the_image_runs_elastic_runner_as_the_manifests_user(kubectl: str) -> None:
-    user = [args for word, args in final_stage() if word == "USER"]
-    assert user and re.fullmatch(r"\d+:\d+", user[-1]), "a numeric user: runAsNonRoot can only verify numbers"
-    uid, gid = (int(x) for x in user[-1].split(":"))
-    assert uid != 0
-    entrypoint = dockerfile_entrypoint()
-    assert entrypoint[:2] == ["tini", "--"] and entrypoint[-1] == "elastic-runner"
-    for name in OVERLAYS:
-        for pod in worker_pods(render(kubectl, K8S / "overlays" / name)):
-            context = pod.spec["securityContext"]
-            assert (context["runAsUser"], context["runAsGroup"], context["fsGroup"]) == (uid, gid, gid), name
-
-
-def test_the_overlays_use_the_images_the_dockerfile_documents(kubectl: str) -> None:
-    header = (ROOT / "Dockerfile").read_text()
-    builds = {m.group(2): m.group(1) for m in re.finditer(r"^#\s+docker build (.*?)-t (\S+) \.", header, re.M)}
-    assert builds, "the Dockerfile's header documents its build commands"
-    for name in OVERLAYS:
-        for pod in worker_pods(render(kubectl, K8S / "overlays" / name)):
-            image = pod.container()["image"]
-            assert image in builds, f"{name} uses {image}; the Dockerfile builds {sorted(builds)}"
-            cuda = "BASE=cuda" in builds[image]
-            assert cuda == ("nvidia.com/gpu" in pod.container()["resources"].get("limits", {})), (
-                f"{name}: {image} is {'a CUDA' if cuda else 'a CPU'} image")
-
-
-def test_the_build_context_holds_what_the_dockerfile_copies() -> None:
-    ignore = [line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
-              if line.strip() and not line.startswith("#")]
-    assert ignore[0] == "*", "an allow-list: only what is listed reaches the build"
-    allowed = {line[1:].rstrip("/") for line in ignore if line.startswith("!")}
-    copied = [src for word, args in dockerfile_instructions() if word == "COPY" for src in args.split()[:-1]
-              if not src.startswith("--")]
-    assert copied
-    for src in copied:
-        assert (ROOT / src).exists(), f"COPY {src}: no such file"
-        assert src.rstrip("/") in allowed, f"COPY {src}: excluded by .dockerignore"
-    assert "README.md" in allowed, "pyproject.toml's readme must be in the build context"
