@@ -128,14 +128,15 @@ def room_of(module: str) -> str:
     return parts[1] if len(parts) > 1 and (PACKAGE / parts[1]).is_dir() else "(top)"
 
 
-def runtime_imports(path: Path) -> set[str]:
-    """The elastic_runner modules ``path`` imports outside ``if TYPE_CHECKING:`` blocks."""
+def imported_modules(path: Path, runtime_only: bool = True) -> set[str]:
+    """The elastic_runner names ``path`` imports (modules, and names in them), resolved to absolute dotted
+    form; ``runtime_only``: outside ``if TYPE_CHECKING:`` blocks. (tests/unit/test_architecture.py uses it too.)"""
     module = module_name(path)
     package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
     tree = ast.parse(path.read_text())
     skipped: set[int] = set()
     for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+        if runtime_only and isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
             skipped.update(id(n) for child in node.body for n in ast.walk(child))
     found: set[str] = set()
     for node in ast.walk(tree):
@@ -159,7 +160,7 @@ def room_dependencies(room: str) -> list[str]:
     folder = PACKAGE / room
     rooms: set[str] = set()
     for path in folder.glob("*.py"):
-        for target in runtime_imports(path):
+        for target in imported_modules(path):
             other = room_of(target)
             if other not in (room, "(top)"):
                 rooms.add(other)

@@ -102,7 +102,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     name_agent()
     # Workers forked from the zygote see neither our command line nor torchrun's: tell them the node range.
     os.environ["ELASTIC_RUNNER_NNODES"] = flag_value(argv, "nnodes") or os.environ.get("PET_NNODES", "1")
-    from .terminal import final_exit_code, log_to_stderr, startup_error_line
+    from .terminal import agent_exit_status, log_to_stderr
 
     log_to_stderr()
     args = apply_defaults(argv)
@@ -127,24 +127,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     entrypoint, worker_args = adopt(launcher_api, config, cmd, cmd_args, zygote_wanted)
     try:
         launcher_api.elastic_launch(config=config, entrypoint=entrypoint)(*worker_args)
-    except ChildFailedError as exc:
-        code = final_exit_code(exc)
-        if code is not None:
-            # The worker printed why in one line (a config error, a diverged gradient): no table.
-            return code
-        log.error("%s", exc)
-        return 1
     except SignalException as exc:
         # SIGTERM/SIGINT: workers were stopped (and saved a snapshot). Never exit 0 on a
         # signal: Kubernetes' Job success rule relies on 0 meaning "training complete".
         log.warning("stopped by %s", signal.Signals(exc.sigval).name)
         return 128 + int(exc.sigval)
     except Exception as exc:
-        line = startup_error_line(exc)
-        if line is None:
-            raise
-        print(line, file=sys.stderr)
-        return 1
+        code = agent_exit_status(exc)
+        if code is not None:
+            return code
+        if isinstance(exc, ChildFailedError):
+            log.error("%s", exc)
+            return 1
+        raise
     return 0
 
 

@@ -30,6 +30,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from .. import __version__
 from ..observe.events import EventLog
 from ..worker.env import GOODPUT_FILE_VAR
+from .torch_patches import torch_version
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +66,7 @@ class AgentMetrics:
                                             ["operation"], buckets=DURATION_BUCKETS, registry=r)
         self.operations = Counter(PREFIX + "operations", "torch agent operations by outcome.", ["operation", "outcome"], registry=r)
         Info(PREFIX + "build", "Versions of this agent.", registry=r).info({
-            "version": __version__, "python": platform.python_version(), "torch": _torch_version(),
+            "version": __version__, "python": platform.python_version(), "torch": torch_version(),
         })
         self._server: Any = None
 
@@ -165,12 +166,3 @@ def install_bridge(metrics: AgentMetrics) -> None:
 def _short(operation: str) -> str:
     """``SimpleElasticAgent._rendezvous`` -> ``rendezvous`` (a bounded label set)."""
     return operation.rsplit(".", 1)[-1].lstrip("_")
-
-
-def _torch_version() -> str:
-    try:
-        import torch
-
-        return str(torch.__version__)
-    except ImportError:
-        return "unknown"

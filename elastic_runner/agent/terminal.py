@@ -69,6 +69,22 @@ def final_exit_code(exc: Any) -> int | None:
     return first.exitcode if first.exitcode in EXIT_FINAL and codes <= EXIT_FINAL | {-15, 143} else None
 
 
+def agent_exit_status(exc: BaseException) -> int | None:
+    """How an adopted agent (``launch`` or plain torchrun) ends on ``exc``, once it has said what it must:
+    the final status of workers that restarting cannot fix (they printed their one line; torch's failure
+    table would only bury it), 1 after one line for a start-up failure that says what to fix, or None:
+    torch reports it, as it always has."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    if isinstance(exc, ChildFailedError):
+        return final_exit_code(exc)
+    line = startup_error_line(exc)
+    if line is None:
+        return None
+    print(line, file=sys.stderr)
+    return 1
+
+
 def startup_error_line(exc: BaseException) -> str | None:
     """One line for a start-up failure whose message already says what to fix; None for anything else
     (torch's traceback is then the best help there is)."""

@@ -181,14 +181,15 @@ def usable(patch: TorchPatch, logger: logging.Logger = log) -> bool:
     found = patch.problems()
     if found:
         logger.warning("cannot apply %s (%s) to torch %s: %s; running with torch's behaviour instead: %s",
-                       patch.name, patch.where, _torch_version(), "; ".join(found), patch.without)
+                       patch.name, patch.where, torch_version(), "; ".join(found), patch.without)
     return not found
 
 
-def _torch_version() -> str:
+def torch_version() -> str:
+    """The installed torch's version, for logs and metrics ("unknown" where torch does not import)."""
     try:
         import torch
 
         return str(torch.__version__)
     except ImportError:
-        return "(not importable)"
+        return "unknown"

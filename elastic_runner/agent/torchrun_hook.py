@@ -76,28 +76,19 @@ def _wrap(api: ModuleType) -> None:
         return
 
     def launch_agent(config: Any, entrypoint: Any, args: list[Any], *more: Any, **options: Any) -> Any:
-        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-
         from .adopt import adopt
-        from .terminal import final_exit_code, log_to_stderr, startup_error_line
+        from .terminal import agent_exit_status, log_to_stderr
 
         log_to_stderr()
         zygote_wanted = os.environ.get("ELASTIC_RUNNER_ZYGOTE", "1") != "0"
         entrypoint, args = adopt(api, config, entrypoint, args, zygote_wanted)
         try:
             return original(config, entrypoint, args, *more, **options)
-        except ChildFailedError as exc:
-            code = final_exit_code(exc)
-            if code is None:
-                raise  # torchrun prints its failure table, as it always has
-            # The worker printed why in one line; torchrun's table and traceback would only bury it.
-            raise SystemExit(code) from None
         except Exception as exc:
-            line = startup_error_line(exc)
-            if line is None:
-                raise
-            print(line, file=sys.stderr)
-            raise SystemExit(1) from None
+            code = agent_exit_status(exc)
+            if code is None:
+                raise  # torchrun prints its failure table or traceback, as it always has
+            raise SystemExit(code) from None
 
     launch_agent.__elastic_runner__ = True  # type: ignore[attr-defined]
     launch_agent.__wrapped__ = original  # type: ignore[attr-defined]

@@ -61,3 +61,32 @@ def test_a_line_is_one_write() -> None:
     pipe = Pipe()
     say("elastic_runner: config error: x", pipe)  # type: ignore[arg-type]
     assert pipe.writes == ["elastic_runner: config error: x\n"]
+
+
+def test_no_module_imports_itself_back() -> None:
+    """No import circle between modules, however indirect (a package importing its own modules aside)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gen_docs", ROOT / "scripts" / "gen_docs.py")
+    assert spec is not None and spec.loader is not None
+    gen_docs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen_docs)
+    modules = {gen_docs.module_name(path): path for path in PACKAGE.rglob("*.py")}
+    edges = {m: {t for t in gen_docs.imported_modules(p, runtime_only=False)
+                 if t in modules and t != m and not m.startswith(t + ".")} for m, p in modules.items()}
+    circles = []
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = 1
+        for target in sorted(edges[module]):
+            if state.get(target) == 1:
+                circles.append(path[path.index(target):] + [target])
+            elif target not in state:
+                visit(target, path + [target])
+        state[module] = 2
+
+    for module in sorted(modules):
+        if module not in state:
+            visit(module, [module])
+    assert not circles, "import circles: " + "; ".join(" -> ".join(c) for c in circles)
