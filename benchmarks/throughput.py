@@ -13,7 +13,10 @@ with other load:
 
 - ``baseline``: benchmarks/baseline_ddp.py under tuned torchrun, checkpoint every 50 steps;
 - ``elastic-runner``: defaults (snapshot every 50 steps, in-memory tier, peer watchdog);
-- ``elastic-runner-bare``: snapshots, memory tier and watchdog off — the cost of those features.
+- ``elastic-runner-bare``: snapshots, memory tier and watchdog off — the cost of those features;
+- ``elastic-runner-ddp``: defaults but ``dist.gradient_sync: ddp`` (torch's DistributedDataParallel instead of the
+  ordered gradient sum that makes a resume bitwise at every world size) — the cost of the ordered sync, as the
+  median of per-repeat pair ratios (``ordered_vs_ddp_sync``; the two run back to back in every repeat).
 
     .venv/bin/python benchmarks/throughput.py --repeats 3 --out results/throughput.json
 """
@@ -30,6 +33,7 @@ from common import Workload, make_job, median, read_events, scratch_dir, steady_
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "baseline": ("torchrun-tuned", {}),
     "elastic-runner": ("elastic-runner", {}),
+    "elastic-runner-ddp": ("elastic-runner", {"dist.gradient_sync": "ddp"}),  # right after: a pair per repeat
     "elastic-runner-bare": ("elastic-runner", {"snapshot.every_steps": 0, "snapshot.in_memory": False,
                                                "dist.heartbeat_seconds": 0}),
 }
@@ -53,14 +57,19 @@ def one_run(name: str, workload: Workload, workdir: Path, steps: int, skip: int)
 def measure(name: str, workload: Workload, workdir: Path, repeats: int, steps: int, skip: int) -> dict[str, Any]:
     rates: dict[str, list[float]] = {variant: [] for variant in VARIANTS}
     blocking: list[float] = []
+    pairs: list[float] = []  #: ordered / ddp gradient sync, each pair from one repeat
     for _ in range(repeats):
+        this: dict[str, float] = {}
         for variant in VARIANTS:
             rate, blocked = one_run(variant, workload, workdir, steps, skip)
             if variant == "elastic-runner":
                 blocking += blocked
             if rate is not None:
+                this[variant] = rate
                 rates[variant].append(round(rate * workload.sample_unit, 1))
             print(f"{name} {variant}: {rates[variant]}", flush=True)
+        if this.get("elastic-runner") and this.get("elastic-runner-ddp"):
+            pairs.append(this["elastic-runner"] / this["elastic-runner-ddp"])
     med = {variant: median(values) for variant, values in rates.items()}
     base = med.get("baseline")
     ratios = {}
@@ -70,6 +79,9 @@ def measure(name: str, workload: Workload, workdir: Path, repeats: int, steps: i
                 ratios[f"{variant}_vs_baseline"] = round(med[variant] / base, 3)
     if med.get("elastic-runner") and med.get("elastic-runner-bare"):
         ratios["features_on_vs_off"] = round(med["elastic-runner"] / med["elastic-runner-bare"], 3)
+    if pairs:
+        ratios["ordered_vs_ddp_sync"] = round(median(pairs), 3)
+        ratios["ordered_vs_ddp_sync_range"] = [round(min(pairs), 3), round(max(pairs), 3)]
     unit = "tokens_per_s" if workload.sample_unit > 1 else "samples_per_s"
     return {"unit": unit, "rates": rates, "medians": med, "ratios": ratios, "steps": steps, "skip": skip,
             "snapshot_blocking_ms_median": round(1000 * median(blocking), 1) if blocking else None,

@@ -67,7 +67,7 @@ first items (`workload/spec.py`) → rank 0 claims a generation in the run direc
 event log, metrics, `Checkpointer`, peer watchdog → `TrainingParts` (model, optimizer, schedule, scaler,
 sampler, `TrainState`, RNG; `training/parts.py`), handed once to the `Checkpointer` →
 `Checkpointer.restore()`: the newest of every node's memory tier and the disk, adapted to this world size
-(`training/adapt.py`), the sampler resharded → DDP (`training/parallel.py`) → the loop (`training/loop.py`)
+(`training/adapt.py`), the sampler resharded → the replicated model and its ordered gradient sync (`training/parallel.py`) → the loop (`training/loop.py`)
 → SIGTERM or the end: a snapshot, synchronously → how the attempt ended, and the exit status
 (`worker/ending.py`) → process group down.
 
@@ -77,11 +77,12 @@ sampler, `TrainState`, RNG; `training/parts.py`), handed once to the `Checkpoint
 train.main                       arguments → Config, WorkerEnv
 └ worker.process.run             logging, signals, Dist.up → exit status from worker.ending
   └ Attempt.run                  prepare → run_dir → Checkpointer, watchdog → build → resume → train
-    └ Attempt.train              builds TrainStep, StepBooks, Evaluator, Trainer from TrainingParts
+    └ Attempt.train              replicate → GradientSync; TrainStep, StepBooks, Evaluator, Trainer from TrainingParts
       └ Trainer.fit              epochs, plans from the sampler, batches from the source
         └ Trainer.train_step(plan: StepPlan, batches)
           ├ StepBooks.before     audit record (before any collective)
-          ├ TrainStep.compute    seed → micro-batches: forward, loss, backward → StepGradients.finish → StepResult
+          ├ TrainStep.compute    seed → micro-batches: forward, loss, backward (buckets summed as they fill)
+          │                      → GradientSync.finish → StepGradients.finish (exact mean, clip, check) → StepResult
           ├ Checkpointer.sync_buffers
           ├ with Checkpointer.mutating():        the step lock: the saved state changes only here
           │   TrainStep.update(result)           optimizer, scaler, schedule
@@ -95,7 +96,7 @@ part back: the loop and the attempt hold the same object.
 
 ## Rules the rooms keep
 
-- The workload never imports `torch.distributed`; training wraps the model (a test checks it).
+- The workload never imports `torch.distributed`; training replicates the model (a test checks it).
 - `worker/lifecycle.py` (exit statuses, signals, leaving at once) and `worker/env.py` are the process's
   primitives: the agent, the data loaders, the observers and the test tools import them too.
 - Nothing that training imports comes from `testing/` or `chaos/` (a test checks it).

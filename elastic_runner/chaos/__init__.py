@@ -51,6 +51,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                    help="keep --agents agents running: replace a killed or preempted agent after SECONDS, as a "
                         "Kubernetes Job restarts a lost pod (default: lost agents stay lost)")
     p.add_argument("--reference", action="store_true", help="first run the config without faults and compare the final models")
+    p.add_argument("--bitwise", action="store_true",
+                   help="require the final model to be bitwise the reference's (implies --reference): for runs that "
+                        "train at one world size throughout; off by default, as soaks that change it match in distribution")
     p.add_argument("--loss-tolerance", type=float, default=None, help="relative final-loss tolerance when the world size changed (default 0.1)")
     p.add_argument("--timeout", type=float, default=None, help="give up after this many seconds (default 600)")
 
@@ -91,6 +94,10 @@ def build_scenario(args: argparse.Namespace) -> Scenario:
     if args.count is not None:
         scenario.count = args.count
     if args.reference:
+        scenario.reference = True
+    if args.bitwise:
+        scenario.bitwise = True
+    if scenario.bitwise:
         scenario.reference = True
     if not scenario.faults and not scenario.random_types:
         raise ScenarioError("no faults to inject: give --at, --faults or a scenario with faults/random")

@@ -263,8 +263,12 @@ class ChaosRun:
     # -- judging ----------------------------------------------------------------------------------
 
     def _compare(self, reference: dict[str, Any], events: list[dict[str, Any]]) -> dict[str, Any]:
-        sizes = {e["world_size"] for e in events if e["kind"] == "world"}
-        ref_sizes = {e["world_size"] for e in reference["events"] if e["kind"] == "world"}
+        sizes = stepping_world_sizes(events)
+        ref_sizes = stepping_world_sizes(reference["events"])
+        if self.s.bitwise and not (len(sizes) == 1 and sizes == ref_sizes):
+            return {"ok": False, "mode": "bitwise", "detail": f"bitwise asked for, but the job trained at world "
+                    f"size(s) {sorted(sizes)} and the reference at {sorted(ref_sizes)}: only a run that trains at "
+                    "the reference's world size throughout can match it bitwise"}
         if len(sizes) == 1 and sizes == ref_sizes:
             import torch
 
@@ -332,6 +336,13 @@ def _goodput_of(run_dir: Path, events: list[dict[str, Any]]) -> dict[str, Any] |
     except (ValueError, KeyError) as exc:  # a run that never stepped has no goodput
         return {"error": str(exc)}
     return summary.goodput.to_dict() if summary.goodput is not None else None
+
+
+def stepping_world_sizes(events: list[dict[str, Any]]) -> set[int]:
+    """The world sizes of the generations that took a step (a round that ended before its first step, e.g. a
+    node lost right after it formed and replaced at once, does not change the arithmetic)."""
+    stepped = {e["generation"] for e in events if e["kind"] in ("first_step", "progress")}
+    return {e["world_size"] for e in events if e["kind"] == "world" and e["generation"] in stepped}
 
 
 def _final_loss(events: list[dict[str, Any]]) -> tuple[float | None, str]:

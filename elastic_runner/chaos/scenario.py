@@ -60,6 +60,10 @@ class Scenario:
     supervise: float | None = None
     settle_seconds: float = 1.0  #: after a recovery, before the next fault
     reference: bool = False
+    #: Require the final model to be bitwise the reference's (implies ``reference``): for runs whose every step
+    #: trained at the reference's world size (worker kills, graceful stops, a lost node replaced before the job
+    #: trains without it); off by default, as soaks that change the world size match in distribution only.
+    bitwise: bool = False
     #: Agents of the fault-free reference run (default: ``agents``); the final losses are compared unless
     #: both runs kept one world size.
     reference_agents: int | None = None
@@ -85,6 +89,9 @@ class Scenario:
             raise ScenarioError(f"nnodes {self.nnodes!r}: need 1 <= MIN <= MAX")
         if not lo <= self.agents <= hi:
             raise ScenarioError(f"agents={self.agents} must lie within nnodes {self.nnodes}")
+        if self.bitwise and self.reference_agents is not None and self.reference_agents != self.agents:
+            raise ScenarioError(f"bitwise needs the reference at the job's own size: reference_agents="
+                                f"{self.reference_agents} differs from agents={self.agents}")
         if self.reference_agents is not None and not lo <= self.reference_agents <= hi:
             raise ScenarioError(f"reference_agents={self.reference_agents} must lie within nnodes {self.nnodes}")
         wanted = [f.type for f in self.faults] + list(self.random_types)

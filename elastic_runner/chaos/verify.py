@@ -238,7 +238,8 @@ def verify(*, audit: AuditReport, events: list[dict[str, Any]], faults: list[Inj
                        f"none saved after the fill at {not_back[0].offset} s"))
     verdict.add("no orphan processes", not leftover, f"left running: {leftover}" if leftover else "none left")
     if reference is not None:
-        verdict.add("matches the reference run", reference["ok"], reference["detail"])
+        name = "bitwise at the end" if reference.get("mode") == "bitwise" else "matches the reference run"
+        verdict.add(name, reference["ok"], reference["detail"])
     return verdict
 
 

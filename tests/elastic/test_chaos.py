@@ -109,3 +109,16 @@ def test_a_full_snapshot_volume_is_ridden_out_and_snapshots_resume_once_space_is
     assert check["ok"] and not check["detail"].startswith("0 "), check["detail"]
     failed = [e for e in read_events(run_dir) if e["kind"] == "snapshot_failed"]
     assert failed and all("No space left" in e["error"] or "disk full" in e["error"] for e in failed), failed[:2]
+
+
+def test_bitwise_at_the_end_holds_for_worker_kills_at_world_four(chaos_config: Path, tmp_path: Path) -> None:
+    """--bitwise: a fault-free reference first, then two worker kills at 2 agents x 2 processes; the final model
+    is exactly the reference's (the world size never changed)."""
+    run_dir = tmp_path / "run"
+    result = paced_chaos(chaos_config, run_dir, "--agents", "2", "--nnodes", "2:2", "--nproc-per-node", "2",
+                         "--at", "step:60:kill-worker,step:150:kill-worker", "--bitwise", epochs=3)
+    assert result.returncode == 0, result.stdout[-4000:]
+    report = json.loads((run_dir / "chaos" / "report.json").read_text())
+    assert report["checks"]["bitwise at the end"]["ok"], report["checks"]
+    assert report["reference"]["mode"] == "bitwise"
+    assert [f["outcome"] for f in report["faults"]] == ["recovered", "recovered"]

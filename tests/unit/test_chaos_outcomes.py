@@ -3,6 +3,7 @@ landed as the job finished (and never waited for as a recovery that cannot come)
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -176,3 +177,26 @@ def test_a_scenario_file_sets_the_job_and_its_faults_and_the_command_line_overri
     path.write_text(f"config: {config}\nrun_dir: x\nfaults_at: 3\n")
     with pytest.raises(ScenarioError, match=r"unknown option\(s\) \['faults_at'\]"):
         build_scenario(parser.parse_args(["chaos", "--scenario", str(path)]))
+
+
+def test_only_generations_that_stepped_count_for_a_bitwise_comparison() -> None:
+    from elastic_runner.chaos.runner import stepping_world_sizes
+
+    history = [
+        {"kind": "world", "generation": 1, "world_size": 4}, {"kind": "first_step", "generation": 1},
+        {"kind": "world", "generation": 2, "world_size": 2},  # a node lost, replaced before this round stepped
+        {"kind": "world", "generation": 3, "world_size": 4}, {"kind": "progress", "generation": 3},
+    ]
+    assert stepping_world_sizes(history) == {4}
+    assert stepping_world_sizes(history + [{"kind": "first_step", "generation": 2}]) == {2, 4}
+
+
+def test_bitwise_needs_the_reference_at_the_jobs_own_size(tmp_path: Path) -> None:
+    from elastic_runner.chaos.scenario import Scenario, ScenarioError
+
+    config = tmp_path / "c.yaml"
+    config.write_text("train: {epochs: 1}\n")
+    scenario = Scenario(config=str(config), run_dir=str(tmp_path / "run"), nnodes="1:3", agents=2, reference=True,
+                        bitwise=True, reference_agents=3, random_types=["kill-worker"])
+    with pytest.raises(ScenarioError, match="reference_agents=3 differs from agents=2"):
+        scenario.validate()
