@@ -20,14 +20,14 @@ everything else; its ``data``/``model``/``optim`` names are not used (the snapsh
 objects' classes and shapes instead, so that a changed model is refused on resume). Returns the
 worker's exit status (:mod:`elastic_runner.worker.lifecycle`).
 
-:func:`load_model` rebuilds a run's model from its effective config and loads the newest snapshot's
-weights (or loads them into the model you pass, for a script's own model).
+:func:`load_model` rebuilds a run's built-in model from its snapshot's config and loads the newest
+snapshot's weights, or loads them into the model you pass (a script's own model, or one named by an
+import path: a snapshot never chooses code to run).
 """
 
 from __future__ import annotations
 
 import os
-import sys
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
@@ -103,27 +103,40 @@ def fit(model: nn.Module, train_data: Any, *, loss: Callable[..., Any] | str = "
 
 
 def load_model(run_dir: str | os.PathLike[str], model: nn.Module | None = None, *,
-               map_location: str | torch.device = "cpu", snapshot: str | None = None) -> nn.Module:
+               map_location: str | torch.device = "cpu", snapshot: str | None = None,
+               trust_import_path: str | None = None) -> nn.Module:
     """The model of a run with the weights of its newest intact snapshot (or ``snapshot``), in eval mode.
 
-    Without ``model`` it is rebuilt from the snapshot's own config (built-in models and import
-    paths; for ``model.name: gpt`` the vocabulary and block size the data had). A script's own
-    model cannot be rebuilt from a config: pass it (``load_model(run_dir, MyNet())``).
+    Without ``model`` a *built-in* model (``mlp``, ``cnn``, ``gpt``) is rebuilt from the snapshot's own config
+    (for ``gpt`` with the vocabulary and block size the data had). Nothing read from a run directory chooses code
+    to run: a model named by an import path is built only when the caller names that same path as one they trust
+    (``trust_import_path="mypkg.models:Net"``, imported with the working directory on ``sys.path`` for the call
+    only); otherwise build it yourself and pass it (``load_model(run_dir, Net())``), as for a script's own model.
     """
     from .config import config_from_dict
+    from .config.imports import working_directory_on_path
     from .snapshot.cli import load_for_export
-    from .workload.models import build_model
+    from .workload.models import BUILTIN, build_model
 
     ref, meta, state = load_for_export(str(run_dir), snapshot, map_location=map_location)
     if model is None:
         cfg = config_from_dict(meta.get("config", {}))
         build = meta.get("model_build")
-        if not build or cfg.model.name.startswith("(script)"):
-            raise ConfigError("load_model", f"{ref.name} was trained from a script's own model ({cfg.model.name})",
+        name = cfg.model.name
+        if not build or name.startswith("(script)"):
+            raise ConfigError("load_model", f"{ref.name} was trained from a script's own model ({name})",
                               "Build that model and pass it: load_model(run_dir, model)")
-        if os.getcwd() not in sys.path:
-            sys.path.insert(0, os.getcwd())  # an import-path model from the working directory, as in training
-        model = build_model(cfg.model, **build)
+        if name in BUILTIN or name == "gpt":
+            model = build_model(cfg.model, **build)
+        elif trust_import_path is not None and trust_import_path == name:
+            with working_directory_on_path():
+                model = build_model(cfg.model, **build)
+        else:
+            offered = f" (you named {trust_import_path!r})" if trust_import_path is not None else ""
+            raise ConfigError("load_model", f"{ref.name} names its model by the import path {name!r}{offered}, and "
+                              "a snapshot never chooses code to run",
+                              "Build the model and pass it: load_model(run_dir, model), or name the import path you "
+                              f"trust: load_model(run_dir, trust_import_path={name!r})")
     try:
         model.load_state_dict(state["model"])
     except RuntimeError as exc:

@@ -7,9 +7,12 @@ config key, the reference and the likely fix.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
-from typing import Any, Callable
+import os
+import sys
+from typing import Any, Callable, Iterator
 
 from . import ConfigError, is_import_path
 
@@ -72,3 +75,18 @@ def check_references(cfg: Any) -> None:
     """Import every import path of ``cfg``; the first that does not import or is not callable raises."""
     for key, reference in references(cfg):
         resolve(reference, key)
+
+
+@contextlib.contextmanager
+def working_directory_on_path() -> Iterator[None]:
+    """The working directory first on ``sys.path`` for the duration (import paths find a user's modules there, as
+    in a worker), then ``sys.path`` as it was: nothing is left behind for the rest of the caller's process."""
+    cwd = os.getcwd()
+    added = cwd not in sys.path
+    if added:
+        sys.path.insert(0, cwd)
+    try:
+        yield
+    finally:
+        if added and cwd in sys.path:
+            sys.path.remove(cwd)

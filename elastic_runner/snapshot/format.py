@@ -4,7 +4,12 @@
 loads with ``weights_only=True``: a tampered file cannot run code. ``meta.json``
 is the completion marker and carries what ``snapshot inspect`` shows without
 reading tensors: step, epoch, position, generation, world-size history, config
-fingerprint, size and the SHA-256 of ``state.pt``.
+fingerprint, size and the SHA-256 of ``state.pt``. Its own SHA-256 (``meta_sha256``,
+over the canonical JSON of every other field) covers the rest of it, so a
+``meta.json`` changed after the fact is a damaged snapshot like a changed
+``state.pt`` (format 2; format 1 snapshots, written before, load without it).
+Nothing in either file ever chooses code to run: a model is rebuilt from a
+snapshot's config only when it is a built-in one (:func:`elastic_runner.load_model`).
 """
 
 from __future__ import annotations
@@ -24,7 +29,15 @@ import torch
 from ..files import open_file
 from .store import META, STATE, CorruptSnapshotError, SnapshotError, SnapshotUnavailableError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+#: Formats this version reads: 1 lacks ``meta_sha256``.
+READABLE_FORMATS = (1, 2)
+
+
+def meta_digest(meta: dict[str, Any]) -> str:
+    """SHA-256 of ``meta`` without its own digest, as canonical JSON (sorted keys, no spaces)."""
+    body = {k: v for k, v in meta.items() if k != "meta_sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 class _HashingWriter:
@@ -71,6 +84,7 @@ def write_snapshot_files(directory: Path, state: dict[str, Any], meta: dict[str,
             "size_bytes": writer.size,
             "written_at": time.time(),
         }
+        full_meta["meta_sha256"] = meta_digest(full_meta)
         tmp_meta = directory / (META + ".tmp")
         with open_file(tmp_meta, "w", exclusive=True) as fh:
             json.dump(full_meta, fh, indent=1, sort_keys=True)
@@ -116,9 +130,9 @@ def read_meta(directory: Path) -> dict[str, Any]:
         raise SnapshotUnavailableError(f"{directory.name}: cannot read {META} ({exc.strerror}); is the filesystem healthy?") from exc
     if not isinstance(meta, dict) or "sha256" not in meta:
         raise CorruptSnapshotError(f"{directory.name}: {META} lacks its checksum")
-    if meta.get("format") != FORMAT_VERSION and isinstance(meta.get("format"), int):
-        raise SnapshotError(f"{directory.name}: format {meta.get('format')} is not supported (expected {FORMAT_VERSION}); "
-                            "resume with the elastic_runner version that wrote it")
+    if meta.get("format") not in READABLE_FORMATS and isinstance(meta.get("format"), int):
+        raise SnapshotError(f"{directory.name}: format {meta.get('format')} is not supported (this version reads "
+                            f"{', '.join(map(str, READABLE_FORMATS))}); resume with the elastic_runner version that wrote it")
     for fields, required in ((_META_FIELDS, True), (_OPTIONAL_FIELDS, False)):
         for name, kind in fields.items():
             if name not in meta and not required:
@@ -134,6 +148,15 @@ def read_meta(directory: Path) -> dict[str, Any]:
     fingerprint = meta.get("fingerprint", {})
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in fingerprint.items()):
         raise CorruptSnapshotError(f"{directory.name}: {META} field 'fingerprint' is not a mapping of strings")
+    if meta["format"] >= 2:
+        if not isinstance(meta.get("meta_sha256"), str):
+            raise CorruptSnapshotError(f"{directory.name}: {META} lacks its own checksum (meta_sha256)")
+        try:
+            digest = meta_digest(meta)
+        except (TypeError, ValueError, RecursionError) as exc:
+            raise CorruptSnapshotError(f"{directory.name}: {META} cannot be checked ({type(exc).__name__})") from exc
+        if digest != meta["meta_sha256"]:
+            raise CorruptSnapshotError(f"{directory.name}: {META} was modified or damaged (its checksum does not match)")
     return meta
 
 

@@ -116,7 +116,7 @@ def test_bitwise_at_the_end_holds_for_worker_kills_at_world_four(chaos_config: P
     is exactly the reference's (the world size never changed)."""
     run_dir = tmp_path / "run"
     result = paced_chaos(chaos_config, run_dir, "--agents", "2", "--nnodes", "2:2", "--nproc-per-node", "2",
-                         "--at", "step:60:kill-worker,step:150:kill-worker", "--bitwise", epochs=3)
+                         "--at", "step:50:kill-worker,step:140:kill-worker", "--bitwise", epochs=5)
     assert result.returncode == 0, result.stdout[-4000:]
     report = json.loads((run_dir / "chaos" / "report.json").read_text())
     assert report["checks"]["bitwise at the end"]["ok"], report["checks"]

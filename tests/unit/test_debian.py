@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 from pathlib import Path
 
@@ -57,3 +58,23 @@ def test_two_installs_at_once_never_run_apt_get_together(fake_apt: Path) -> None
     # Every start is followed by its own end: no apt-get began while another was running.
     assert all(a.startswith("start") and b == "end" for a, b in zip(lines[::2], lines[1::2])), lines
     assert (debian.LOCK.stat().st_mode & 0o777) == 0o600
+
+
+def test_the_lock_is_never_opened_through_a_planted_link_or_in_a_directory_others_can_write(tmp_path: Path) -> None:
+    target = tmp_path / "precious"
+    target.write_text("keep")
+    safe = tmp_path / "safe"
+    safe.mkdir(mode=0o700)
+    (safe / "apt.lock").symlink_to(target)
+    with pytest.raises(OSError):
+        debian.open_root_lock(safe / "apt.lock")
+    assert target.read_text() == "keep"
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o1777)  # like /run/lock
+    with pytest.raises(PermissionError, match="only root can write"):
+        debian.open_root_lock(shared / "apt.lock")
+    assert not (shared / "apt.lock").exists()
+    fd = debian.open_root_lock(safe / "fresh.lock")
+    os.close(fd)
+    assert ((safe / "fresh.lock").stat().st_mode & 0o777) == 0o600
