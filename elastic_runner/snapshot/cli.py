@@ -149,7 +149,18 @@ def persist(run_dir: str, shm_dir: str | None = None) -> dict[str, Any]:
     meta = read_meta(tier.path(ref))
     read_verified_bytes(tier.path(ref), meta, True)
     run_id = Path(location) / "run-id"
-    if run_id.is_file() and meta.get("run_uid") and run_id.read_text().strip() != meta["run_uid"]:
+    try:
+        ours = run_id.read_text().strip() if run_id.is_file() else ""
+    except OSError as exc:
+        raise SnapshotError(f"cannot read {run_id} ({exc.strerror}); nothing was written") from exc
+    theirs = meta.get("run_uid") or ""
+    if not ours or not theirs:
+        # Without both ids nothing proves that this copy is this run's: a copy of another run that used the
+        # same path (or a planted one) must never become the newest durable snapshot.
+        missing = f"{run_id} is missing" if not ours else f"the in-memory copy {ref.name} carries no run id"
+        raise SnapshotError(f"cannot prove that the in-memory copy {ref.name} belongs to the run in {location}: "
+                            f"{missing}; nothing was written")
+    if ours != theirs:
         raise SnapshotError(f"the in-memory copy {ref.name} belongs to another run that used {location}; "
                             "nothing was written")
     durable = store.complete()

@@ -91,8 +91,8 @@ def test_an_import_path_model_is_built_only_when_the_caller_names_it(trained: Pa
     for the call only."""
     (tmp_path / "usermodels.py").write_text(
         "from elastic_runner.workload.models import SmallCNN\n"
-        "def build(input_shape, num_classes=10, **kw):\n"
-        "    return SmallCNN(input_shape, num_classes=num_classes, **kw)\n")
+        "def build(num_classes=10, **params):\n"
+        "    return SmallCNN((1, 8, 8), num_classes=num_classes, **params)\n")
     run_dir = tmp_path / "run"
     shutil.copytree(trained, run_dir)
     (newest,) = LocalStore(run_dir / "snapshots").complete()

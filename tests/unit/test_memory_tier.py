@@ -7,6 +7,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from elastic_runner.snapshot.memory import MemoryTier
 
 from ..support import capture
@@ -43,3 +45,38 @@ def test_copies_of_another_run_on_the_same_path_are_swept(tmp_path: Path) -> Non
     new = MemoryTier(tmp_path / "mem", 1, "run-new")
     new.sweep()
     assert new.newest(0) is None
+
+
+def _persistable(tmp_path: Path, run_uid_on_disk: str | None, run_uid_in_copy: str) -> tuple[Path, Path]:
+    """A run directory (its snapshots dir with or without run-id) and a node-memory copy of step 9."""
+    import torch
+
+    from elastic_runner.snapshot.memory import memory_root
+
+    run_dir = tmp_path / "run"
+    snapshots = run_dir / "snapshots"
+    snapshots.mkdir(parents=True)
+    if run_uid_on_disk is not None:
+        (snapshots / "run-id").write_text(run_uid_on_disk)
+    shm = tmp_path / "shm"
+    shm.mkdir(mode=0o700)
+    tier = MemoryTier(memory_root(str(snapshots), str(shm)), generation=3, run_uid=run_uid_in_copy)
+    state = {"model": {"w": torch.ones(2)}}
+    assert tier.save(9, lambda: (state, {"run_uid": run_uid_in_copy} if run_uid_in_copy else {}))
+    return run_dir, shm
+
+
+def test_persist_writes_only_a_copy_proven_to_be_this_runs(tmp_path: Path) -> None:
+    from elastic_runner.snapshot import LocalStore, SnapshotError
+    from elastic_runner.snapshot.cli import persist
+
+    for on_disk, in_copy, why in ((None, "run-a", "run-id is missing"), ("run-a", "", "carries no run id"),
+                                  ("run-b", "run-a", "belongs to another run")):
+        case = tmp_path / f"{on_disk}-{in_copy}"
+        run_dir, shm = _persistable(case, on_disk, in_copy)
+        with pytest.raises(SnapshotError, match=why):
+            persist(str(run_dir), str(shm))
+        assert not LocalStore(run_dir / "snapshots").complete(), "nothing was written"
+    run_dir, shm = _persistable(tmp_path / "same", "run-a", "run-a")
+    assert persist(str(run_dir), str(shm))["step"] == 9
+    assert [r.step for r in LocalStore(run_dir / "snapshots").complete()] == [9]
