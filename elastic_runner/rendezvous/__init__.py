@@ -12,7 +12,10 @@ losing that node loses the job. This package puts the rendezvous and its store o
                local etcd server for tests live in :mod:`elastic_runner.testing`.)
 - ``rounds``   the lease protocol (``protocol=leases``, the default): keys, values, sealing rules,
                and why two rounds can never both be current.
-- ``leases``   its handler (torch's ``RendezvousHandler``): join, seal, keep-alive thread.
+- ``values``   its values: strict JSON, signed with the job's key and bound to their round, incarnation and
+               lease, so that a value captured earlier and put back is void; rate-limited warnings.
+- ``leases``   its handler (torch's ``RendezvousHandler``): join, take the seat, close; ``sealing``: what an agent
+               does as a round's sealer; ``heartbeat``: its liveness lease.
 - ``watch``    what an agent that trains watches (``num_nodes_waiting`` answers from it).
 - ``store``    ``torch.distributed.Store`` on the same prefix; waits use etcd watches.
 - ``backend``  torch's protocol (``protocol=state``): ``RendezvousBackend`` with the state under one

@@ -46,6 +46,7 @@ from .options import DEFAULT_KEY_PREFIX, DEFAULTS, parse_options
 if TYPE_CHECKING:
     from .options import EtcdOptions
 from .seal import Sealer, StateContentError, check_state_pickle, inflate
+from .values import WarnLimiter
 
 if TYPE_CHECKING:
     from .store import EtcdStore
@@ -66,6 +67,20 @@ def encode_state(state: bytes, sealer: Sealer | None = None, key: str = "") -> b
         return _HEADER.pack(_MAGIC, _FORMAT, zlib.crc32(payload)) + payload
     head = _MAGIC + bytes([_SIGNED])
     return head + sealer.tag(key.encode(), head + payload) + payload
+
+
+class ForeignStateError(RendezvousStateError):
+    """The state is not signed with the job's key (written without it, with another, or changed): with a key
+    configured such a state is ignored — taken as an empty state that the next write replaces — never fatal."""
+
+
+def empty_state() -> bytes:
+    """torch's state of a rendezvous nobody has joined yet, as its handler stores it."""
+    import pickle
+
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _RendezvousState
+
+    return pickle.dumps(_RendezvousState())
 
 
 def decode_state(blob: bytes, key: str, sealer: Sealer | None = None) -> bytes:
@@ -89,14 +104,14 @@ def decode_state(blob: bytes, key: str, sealer: Sealer | None = None) -> bytes:
         raise RendezvousStateError(f"The rendezvous state in etcd key '{key}' is signed, but this agent has no key: "
                                    "give every node the same --rdzv_conf auth_key_file.")
     if version == _FORMAT and signing:
-        raise RendezvousStateError(f"The rendezvous state in etcd key '{key}' is not signed, but this agent requires "
+        raise ForeignStateError(f"The rendezvous state in etcd key '{key}' is not signed, but this agent requires "
                                    "states signed with the job's key (auth_key_file): it was written by an agent "
                                    f"without the key, or planted. Give every node the same auth_key_file. {hint}")
     if version == _SIGNED:
         assert sealer is not None
         head, tag, payload = blob[:5], blob[5:5 + 32], blob[5 + 32:]
         if len(tag) < 32 or not hmac.compare_digest(tag, sealer.tag(key.encode(), head + payload)):
-            raise RendezvousStateError(f"The rendezvous state in etcd key '{key}' does not carry a valid signature "
+            raise ForeignStateError(f"The rendezvous state in etcd key '{key}' does not carry a valid signature "
                                        "of the job's key: it was written with another key, changed or planted. "
                                        f"Check that every node has the same auth_key_file. {hint}")
     else:
@@ -158,6 +173,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
         if "/" in run_id:
             raise ValueError(f"The run id '{run_id}' must not contain '/' (it becomes one etcd key segment).")
         self._client = client
+        self._warnings = WarnLimiter()
         self._run_id = run_id
         self._key_text = f"{run_prefix(key_prefix, run_id)}/state"
         self._key = self._key_text.encode()
@@ -205,7 +221,17 @@ class EtcdRendezvousBackend(RendezvousBackend):
             raise self._connection_error("read", exc) from exc
         if kv is None:
             return None
-        return decode_state(kv.value, self._key_text, self._sealer), kv.mod_revision
+        return self._decoded(kv.value), kv.mod_revision
+
+    def _decoded(self, blob: bytes) -> bytes:
+        """The state in ``blob``; with the job's key, a state not signed with it is ignored (an empty state,
+        whose compare-and-set by the next write replaces it) with one warning a minute."""
+        try:
+            return decode_state(blob, self._key_text, self._sealer)
+        except ForeignStateError as exc:
+            self._warnings.warn("state", "Ignoring the rendezvous state in '%s': %s", self._key_text,
+                                str(exc).split(": ", 1)[-1])
+            return empty_state()
 
     def set_state(self, state: bytes, token: Token | None = None) -> tuple[bytes, Token, bool] | None:
         if token is not None and not isinstance(token, int):
@@ -238,7 +264,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
             self._sleep(random.uniform(0, window))
             current = self.get_state()
             return None if current is None else (*current, False)
-        return decode_state(kv.value, self._key_text, self._sealer), kv.mod_revision, False
+        return self._decoded(kv.value), kv.mod_revision, False
 
 
 def parse(params: RendezvousParameters) -> "EtcdOptions":

@@ -317,9 +317,9 @@ class EtcdGatewayClient(KVClient):
         kvs = answer.get("kvs") or []
         return (_kv(kvs[0]) if kvs else None), int(answer.get("header", {}).get("revision", 0))
 
-    def get_prefix(self, prefix: bytes) -> tuple[list[KeyValue], int]:
-        answer = self._post("/kv/range", {"key": _b64(prefix), "range_end": _b64(_prefix_end(prefix))},
-                            "read keys")
+    def get_prefix(self, prefix: bytes, limit: int = 0) -> tuple[list[KeyValue], int]:
+        body = {"key": _b64(prefix), "range_end": _b64(_prefix_end(prefix))} | ({"limit": str(limit)} if limit else {})
+        answer = self._post("/kv/range", body, "read keys")
         return [_kv(kv) for kv in answer.get("kvs") or []], int(answer.get("header", {}).get("revision", 0))
 
     def count_prefix(self, prefix: bytes) -> int:

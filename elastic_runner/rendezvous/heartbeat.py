@@ -36,6 +36,8 @@ class Heartbeat:
         self._thread: threading.Thread | None = None
         #: the value of our node key as last written (registering again writes it back)
         self.value = b""
+        #: the node key's value for a given lease (a bound value names its lease: a new lease, a new value)
+        self.encoder: Callable[[int], bytes] | None = None
         #: the round this agent is seated in (its record's lease is refreshed too)
         self.record: Round | None = None
 
@@ -60,11 +62,21 @@ class Heartbeat:
             if self._lease != lost:
                 return  # someone already did
             self._lease = self._client.grant_lease(self._settings.lease_ttl)
+            if self.encoder is not None and self.value:
+                self.value = self.encoder(self._lease)
             lease, value = self._lease, self.value
         log.warning("The liveness lease of node '%s' expired (etcd was out of reach for longer than the %.0f s "
                     "window); it registers again.", self._node, self._settings.window)
         if value:  # only if it is gone: a join meanwhile wrote a newer value on the new lease
             self._client.txn([Compare.absent(self._key)], [Put(self._key, value, lease)])
+
+    def restore(self) -> None:
+        """Put our node key back as we last wrote it if anything else is there (a value of ours from an earlier
+        join, put back on our live lease, would hold the sealer back) or it is gone: one request."""
+        with self._lock:
+            lease, value = self._lease, self.value
+        if lease and value:
+            self._client.txn([Compare.value(self._key, value)], [], [Put(self._key, value, lease)])
 
     def stop(self) -> None:
         """Stop refreshing; etcd expires the lease a window from the last refresh."""

@@ -199,8 +199,9 @@ class KVClient(ABC):
         """
 
     @abstractmethod
-    def get_prefix(self, prefix: bytes) -> tuple[list[KeyValue], int]:
-        """Every key that starts with ``prefix`` (in key order) and the store revision of the read."""
+    def get_prefix(self, prefix: bytes, limit: int = 0) -> tuple[list[KeyValue], int]:
+        """Every key that starts with ``prefix`` (in key order; at most ``limit`` of them unless 0) and the store
+        revision of the read."""
 
     @abstractmethod
     def revoke_lease(self, lease_id: int) -> None:

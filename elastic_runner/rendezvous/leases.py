@@ -40,25 +40,23 @@ from .kv import (
     WatchEvent,
 )
 from .rounds import (
-    Codec,
     NodeId,
+    RendezvousRefusedError,
     Round,
     Settings,
-    View,
-    choose_members,
     closed_error,
     new_node,
     other_protocol_error,
-    quorum,
-    ready_to_seal,
 )
 from .seal import Sealer
+from .sealing import SealerRole
+from .values import Codec, shown
 from .watch import MemberWatch
 
 log = logging.getLogger(__name__)
 
 
-class LeaseRendezvousHandler(RendezvousHandler):
+class LeaseRendezvousHandler(SealerRole, RendezvousHandler):
     """torch's ``RendezvousHandler`` on the lease protocol (:mod:`elastic_runner.rendezvous.rounds`)."""
 
     def __init__(self, client: KVClient, run_prefix: str, settings: Settings, store: Store,
@@ -85,6 +83,10 @@ class LeaseRendezvousHandler(RendezvousHandler):
         self._last_seat: tuple[int, int] = (-1, -1)  #: and its (round, incarnation)
         self._watch: MemberWatch | None = None  #: the watch of the round this agent trains in
         self._tcp_server: Any = None
+        self._claim_value = b""  #: our sealer claim's value as written (dropping it compares it)
+        #: This agent cannot take part (the run's values are signed with a key it lacks, or belong to another
+        #: protocol): it must not close a run it was never part of.
+        self._refused = False
         #: True when the last round this agent joined was sealed without the last call, because every node of
         #: the round before was back or dead (the agent reports it)
         self.completed_early = False
@@ -124,6 +126,9 @@ class LeaseRendezvousHandler(RendezvousHandler):
             record = self._join(deadline)
         except EtcdError as exc:
             raise self._connection_error("join the rendezvous", exc) from exc
+        except RendezvousRefusedError:
+            self._refused = True
+            raise
         rank = record.names().index(self._node.name)
         self._heartbeat.record = record
         self._last_round = record.round
@@ -137,15 +142,26 @@ class LeaseRendezvousHandler(RendezvousHandler):
 
     def is_closed(self) -> bool:
         try:
-            kv, _ = self._client.get(self._closed_key)
+            closed, record_kv = self._client.txn((), [Get(self._closed_key), Get(self._round_key)]).results
         except EtcdError as exc:
             raise self._connection_error("read whether the rendezvous is closed", exc) from exc
-        return self._codec.control(kv)
+        return self._closed(closed, record_kv)
 
     def set_closed(self) -> None:
+        """Close the run, for its current round record (with the job's key a close names it, and counts only for
+        it and from one of its members: a close replayed into a later round or run closes nothing)."""
         try:
-            self._leases.run(lambda lease: self._client.txn(
-                (), [Put(self._closed_key, self._codec.encode(self._closed_key, {"by": self._node.name}), lease)]))
+            for _ in range(3):
+                (record_kv,) = self._client.txn((), [Get(self._round_key)]).results
+                rev = record_kv.mod_revision if record_kv is not None else 0
+                compare = [Compare.mod_revision(self._round_key, rev)]
+
+                def close(lease: int, rev: int = rev, compare: list[Compare] = compare) -> Any:
+                    value = self._codec.encode(self._closed_key, {"by": self._node.name}, after=rev, lease=lease)
+                    return self._client.txn(compare, [Put(self._closed_key, value, lease)])
+
+                if self._leases.run(close).succeeded:
+                    break  # else a round was sealed meanwhile: close that one
         except EtcdError as exc:
             raise self._connection_error("close the rendezvous", exc) from exc
         log.info("The node '%s' has closed the rendezvous '%s'.", self._node, self._settings.run_id)
@@ -157,6 +173,10 @@ class LeaseRendezvousHandler(RendezvousHandler):
     def shutdown(self) -> bool:
         self._stop_watcher()
         try:
+            if self._refused:
+                log.info("The node '%s' leaves the rendezvous '%s' without closing it: it could not take part.",
+                         self._node, self._settings.run_id)
+                return True
             self.set_closed()
             return True
         except Exception as exc:  # noqa: BLE001 - torch's contract: report, do not raise
@@ -198,7 +218,8 @@ class LeaseRendezvousHandler(RendezvousHandler):
                 if joined is None:
                     continue  # a round was sealed meanwhile: join the one after it
                 sealer_present, revision = joined
-                self._wait_for_round(want, sealer_present, revision, float("inf") if spare else deadline)
+                self._wait_for_round(want, sealer_present, revision, float("inf") if spare else deadline,
+                                     record, record_rev)
             except EtcdLeaseNotFound:
                 self._heartbeat.regrant(self._heartbeat.current)  # etcd lost our lease while we joined: register again
                 continue
@@ -212,10 +233,12 @@ class LeaseRendezvousHandler(RendezvousHandler):
         None when the record changed since we read it. Returns whether a sealer exists, and the revision."""
         node = self._node
         offer = {} if self.use_agent_store else {"port": get_free_port()}  # MASTER_PORT if it becomes rank 0
-        value = self._codec.encode(self._my_key, {"node": node.name, "addr": node.addr, "pid": node.pid,
-                                                  "local_id": node.local_id, "nonce": node.nonce, "want": want,
-                                                  **offer})
-        self._heartbeat.value = value
+        body = {"node": node.name, "addr": node.addr, "pid": node.pid, "local_id": node.local_id,
+                "nonce": node.nonce, "want": want, **offer}
+
+        def encoder(lease: int) -> bytes:  # bound to the record it joins after and to its lease
+            return self._codec.encode(self._my_key, body, after=record_rev, lease=lease)
+
         next_key = self._ctl + f"next/{want}".encode()
         sealer_key = self._ctl + f"sealer/{want}".encode()
         record_compare = Compare.mod_revision(self._round_key, record_rev) if record_rev else \
@@ -223,6 +246,8 @@ class LeaseRendezvousHandler(RendezvousHandler):
         signal = not signalled and record is not None and (self._node.name in record.names() or
                                                            len(record.members) < self._settings.max_nodes)
         lease = self._heartbeat.lease()
+        value = encoder(lease)
+        self._heartbeat.value, self._heartbeat.encoder = value, encoder
         try:
             return self._put_join_with(lease, value, want, record, record_rev, signal, next_key, sealer_key,
                                        record_compare)
@@ -235,7 +260,8 @@ class LeaseRendezvousHandler(RendezvousHandler):
                        ) -> tuple[bool, int] | None:
         puts: list[Any] = [Put(self._my_key, value, lease)]
         if signal:
-            puts.append(Put(next_key, self._codec.encode(next_key, {"round": want, "by": self._node.name}), lease))
+            puts.append(Put(next_key, self._codec.encode(next_key, {"round": want, "by": self._node.name},
+                                                         after=record_rev, lease=lease), lease))
         compare = [record_compare] + ([Compare.absent(next_key)] if signal else [])
         result = self._client.txn(compare, puts + [Get(sealer_key)], [Get(self._round_key), Get(next_key)])
         if not result.succeeded:
@@ -247,18 +273,20 @@ class LeaseRendezvousHandler(RendezvousHandler):
                                           [Get(self._round_key)])
                 if not result.succeeded:
                     return None
-        return self._codec.claim(result.results[-1]), result.revision
+        return self._codec.claim(result.results[-1], record_rev), result.revision
 
-    def _wait_for_round(self, want: int, sealer_present: bool, revision: int, deadline: float) -> Round | None:
-        """Seal round ``want`` or wait until a record newer than the one we read appears, the run is closed,
-        or the watch's history is gone; our own seal, or None (the caller reads the record)."""
+    def _wait_for_round(self, want: int, sealer_present: bool, revision: int, deadline: float,
+                        record: Round | None = None, record_rev: int = 0) -> Round | None:
+        """Seal round ``want`` or wait until a record newer than the one we read (``record`` at ``record_rev``)
+        appears, the run is closed, or the watch's history is gone; our own seal, or None (the caller reads the
+        record)."""
         seen = revision
         while True:
             if self._clock() >= deadline:
                 self._give_up(want)
-            claim = 0 if sealer_present else self._claim_sealer(want)
+            claim = 0 if sealer_present else self._claim_sealer(want, record_rev)
             if claim:
-                sealed = self._seal_round(want, deadline, claim)
+                sealed = self._seal_round(want, deadline, claim, record_rev)
                 if sealed is None:
                     self._drop_sealer_claim(want)  # someone else sealed it, or it closed: the claim would linger
                 return sealed
@@ -274,9 +302,10 @@ class LeaseRendezvousHandler(RendezvousHandler):
                     elif event.kv.key == sealer_key and event.kind == "delete":
                         state["sealer_gone"] = True
                     elif event.kv.key == self._closed_key and event.kind == "put":
-                        state["closed"] = self._codec.control(event.kv)
+                        state["closed"] = self._codec.closed(event.kv, record, record_rev)
                 return bool(state["record"] or state["sealer_gone"] or state["closed"])
 
+            self._heartbeat.restore()  # our key as we wrote it: a value of ours put back would hold the sealer
             end = self._client.watch_prefix(self._ctl, seen + 1,
                                             max(0.0, min(deadline - self._clock(), WATCH_SLICE_SECONDS)), handle)
             if state["closed"] or state["record"] is not None or end == "compacted":
@@ -284,114 +313,33 @@ class LeaseRendezvousHandler(RendezvousHandler):
             if state["sealer_gone"]:
                 sealer_present = False
 
-    def _claim_sealer(self, want: int) -> int:
-        """The revision of our claim to seal round ``want`` (0: another node holds a valid claim). A claim
-        without a lease, or one the job's key did not sign, is replaced: it would block the round for ever."""
+    def _claim_sealer(self, want: int, record_rev: int) -> int:
+        """The revision of our claim to seal round ``want`` after the record at ``record_rev`` (0: another node holds
+        a valid claim). A claim without a lease, one the job's key did not sign, or one from another round, is
+        replaced: it would block the round for ever."""
         key = self._ctl + f"sealer/{want}".encode()
-        value = self._codec.encode(key, {"by": self._node.name})
-        result = self._client.txn([Compare.absent(key)], [Put(key, value, self._heartbeat.lease())], [Get(key)])
+        lease = self._heartbeat.lease()
+        value = self._claim_value = self._codec.encode(key, {"by": self._node.name}, after=record_rev, lease=lease)
+        result = self._client.txn([Compare.absent(key)], [Put(key, value, lease)], [Get(key)])
         if result.succeeded:
             return result.revision
         (current,) = result.results
-        if current is None or self._codec.claim(current):
+        if current is None or self._codec.claim(current, record_rev):
             return 0
-        result = self._client.txn([Compare.mod_revision(key, current.mod_revision)],
-                                  [Put(key, value, self._heartbeat.lease())])
+        result = self._client.txn([Compare.mod_revision(key, current.mod_revision)], [Put(key, value, lease)])
         return result.revision if result.succeeded else 0
 
     def _drop_sealer_claim(self, want: int) -> None:
-        key = self._ctl + f"sealer/{want}".encode()
-        self._client.txn([Compare.value(key, self._codec.encode(key, {"by": self._node.name}))], [Delete(key)])
-
-    def _seal_round(self, want: int, deadline: float, claim: int) -> Round | None:
-        """As the sealer of round ``want``: follow the node keys until the round can be sealed, seal it."""
-        view = View()
-        kvs, revision = self._client.get_prefix(self._prefix)
-        for kv in kvs:
-            self._apply(view, kv, "put")
-        settings = self._settings
-        open_since: float | None = None  # when min_nodes wanted the round and the previous one was accounted for
-        sealer_key = self._ctl + f"sealer/{want}".encode()
-
-        def is_open() -> bool:
-            count, accounted, _ = quorum(view, want, settings)
-            return accounted and count >= settings.min_nodes
-
-        while True:
-            if view.closed or (view.record is not None and view.record.round >= want):
-                return None  # closed, or sealed by someone else (a sealer we thought dead)
-            now = self._clock()
-            open_since = (now if open_since is None else open_since) if is_open() else None
-            ready, why = ready_to_seal(view, want, settings, open_since, now)
-            if ready:
-                # None: the record changed, or our claim expired (we stalled: the view may be stale): start over
-                return self._write_round(want, view, why, sealer_key, claim)
-            if now >= deadline:
-                self._give_up(want)
-            due = min(deadline, now + WATCH_SLICE_SECONDS)
-            if open_since is not None:
-                due = min(due, open_since + settings.last_call_timeout)
-
-            def handle(events: list[WatchEvent]) -> bool:
-                nonlocal revision
-                for event in events:
-                    revision = max(revision, event.kv.mod_revision)
-                    self._apply(view, event.kv, event.kind)
-                if view.closed or (view.record is not None and view.record.round >= want):
-                    return True
-                if is_open() != (open_since is not None):
-                    return True  # the last call starts, or stops (a node left)
-                return ready_to_seal(view, want, settings, open_since, self._clock())[0] or self._clock() >= due
-
-            if self._client.watch_prefix(self._prefix, revision + 1, max(0.0, due - now), handle) == "compacted":
-                return None
-
-    def _write_round(self, want: int, view: View, why: str, sealer_key: bytes, claim: int) -> Round | None:
-        candidates = [j for j in view.nodes.values() if j.want == want]
-        previous = view.record if view.record is not None and view.record.round == want - 1 else None
-        members = choose_members(candidates, previous, self._settings.max_nodes)
-        # Revisions as read (0: absent, for etcd a missing key's), and our claim still the one we made.
-        compare = [Compare.mod_revision(self._round_key, view.record_revision),
-                   Compare.mod_revision(self._closed_key, view.closed_revision), Compare.created(sealer_key, claim)]
-
-        first = members[0]
-        master = {"master": [first.node.addr, first.port]} if first.port else {}
-
-        def write(lease: int) -> Any:  # on the lasting lease, which every member refreshes while it lives
-            value = self._codec.encode(self._round_key, {
-                "round": want, "members": [[j.node.name, j.ticket] for j in members], "lease": lease,
-                "sealed_by": self._node.name, "reason": why, **master})
-            return self._client.txn(compare, [Put(self._round_key, value, lease), Delete(sealer_key),
-                                              Delete(self._ctl + f"next/{want}".encode()),
-                                              Delete(self._ctl + f"next/{want - 1}".encode())])
-
-        if not self._leases.run(write).succeeded:
-            return None
-        log.info("rendezvous '%s': sealed round %d with %d node(s) (%s)", self._settings.run_id, want,
-                 len(members), why)
-        if previous is not None and want >= 2:
-            self._forget_store_of(want - 2, previous.incarnation)
-        return Round(want, tuple((j.node.name, j.ticket) for j in members))
-
-    def _store_prefix(self, round_: int, incarnation: int) -> str:
-        return f"torch.rendezvous.{self._settings.run_id}.{incarnation}.{round_}"
-
-    def _forget_store_of(self, round_: int, incarnation: int) -> None:
-        """Delete the store keys of a round two back (~2 per node): all its members left it before round+1."""
-        prefix = getattr(self._store, "prefix", None)
-        if not isinstance(prefix, str):
-            return
-        try:
-            self._client.delete_prefix(f"{prefix}{self._store_prefix(round_, incarnation)}/".encode())
-        except EtcdError as exc:
-            log.debug("could not delete the store keys of round %d: %s", round_, exc)
+        if self._claim_value:
+            self._client.txn([Compare.value(self._ctl + f"sealer/{want}".encode(), self._claim_value)],
+                             [Delete(self._ctl + f"sealer/{want}".encode())])
 
     def _take_seat(self, want: int, counted_key_only: bool = False) -> Round | None:
         """Our seat in round ``want`` or later from the newest record and our key, read together; None: join again
         (also, with ``counted_key_only``, when our key is not the one the record counted)."""
         result = self._client.txn((), [Get(self._round_key), Get(self._my_key), Get(self._closed_key)])
         record_kv, mine, closed = result.results
-        if self._codec.control(closed):
+        if self._closed(closed, record_kv):
             raise self._closed_error()
         record = self._codec.round(record_kv) if record_kv is not None else None
         if record is None or record.round < want:
@@ -427,32 +375,47 @@ class LeaseRendezvousHandler(RendezvousHandler):
     def _read_control(self, guess: int) -> tuple[Round | None, int, bool, int]:
         """The newest record, its revision, whether the run is closed, and ``guess`` if the "waiting" signal for
         round ``guess`` exists (-1 if not): after a restart all members signal at once, and all but one would
-        lose that race and pay a request for it."""
+        lose that race and pay a request for it. A record no agent of this job can take (not signed with the job's
+        key, or a replayed older one) is deleted first, as an etcd writer could anyway: numbering starts over."""
         next_key = self._ctl + f"next/{guess}".encode()
-        result = self._client.txn((), [Get(self._round_key), Get(self._closed_key), Get(self._legacy_key),
-                                       Get(next_key)])
-        record_kv, closed, legacy, signal = result.results
-        if legacy is not None:
-            raise other_protocol_error(self._legacy_key.decode())
-        record = self._codec.round(record_kv) if record_kv is not None else None
-        return (record, (record_kv.mod_revision if record_kv is not None else 0), self._codec.control(closed),
-                guess if self._codec.control(signal) else -1)
+        for _ in range(8):
+            result = self._client.txn((), [Get(self._round_key), Get(self._closed_key), Get(self._legacy_key),
+                                           Get(next_key)])
+            record_kv, closed, legacy, signal = result.results
+            self._codec.seen_revision(result.revision)
+            if legacy is not None:
+                self._legacy_state(legacy)
+            record = self._codec.round(record_kv) if record_kv is not None else None
+            if record_kv is not None and record is None:
+                log.warning("The round record in '%s' is void for this job; it is deleted and the rendezvous starts a "
+                            "new incarnation.", shown(self._round_key))
+                self._client.txn([Compare.mod_revision(self._round_key, record_kv.mod_revision)],
+                                 [Delete(self._round_key)])
+                continue
+            rev = record_kv.mod_revision if record_kv is not None else 0
+            return (record, rev, self._closed(closed, record_kv),
+                    guess if self._codec.control(signal, rev, leased=True) else -1)
+        raise RendezvousRefusedError(f"The round record in etcd key '{shown(self._round_key)}' is replaced by values "
+                                     "this job cannot take as fast as it is deleted: check who can write the key "
+                                     "prefix (docs/trust.md).")
 
-    def _apply(self, view: View, kv: KeyValue, kind: str) -> None:
-        key = kv.key
-        if key.startswith(self._node_prefix):
-            name = key[len(self._node_prefix):].decode(errors="replace")
-            if kind == "delete":
-                view.nodes.pop(name, None)
+    def _legacy_state(self, legacy: KeyValue) -> None:
+        """The ``state`` protocol's key under the run: another build's rendezvous of this run (an error that says
+        so), unless a job key is configured and the value is not signed with it (planted: ignored)."""
+        if self._codec.bound:
+            try:
+                self._codec.signer.open(legacy.key, legacy.value)
+            except Exception as exc:  # noqa: BLE001 - not ours: ignore it, with a warning
+                self._codec.ignore("state key", legacy, exc)
                 return
-            joiner = self._codec.node(kv)
-            if joiner is not None:
-                view.nodes[name] = joiner
-        elif key == self._round_key and kind == "put":
-            view.record, view.record_revision = self._codec.round(kv), kv.mod_revision
-        elif key == self._closed_key:
-            view.closed, view.closed_revision = (self._codec.control(kv), kv.mod_revision) if kind == "put" \
-                else (False, 0)
+        raise other_protocol_error(self._legacy_key.decode())
+
+    def _closed(self, closed: KeyValue | None, record_kv: KeyValue | None) -> bool:
+        """Whether ``closed`` closes the run whose record is ``record_kv`` (both read together)."""
+        if closed is None:
+            return False
+        record = self._codec.round(record_kv) if record_kv is not None else None
+        return self._codec.closed(closed, record, record_kv.mod_revision if record_kv is not None else 0)
 
     def _closed_error(self) -> RendezvousClosedError:
         return closed_error(self._settings.run_id, self._closed_key.decode())

@@ -198,8 +198,8 @@ def parse_options(params: "RendezvousParameters") -> EtcdOptions:
     if user and password is None:
         raise ValueError(f"The etcd user '{user}' needs a password: set password_file=PATH in --rdzv_conf.")
     endpoints = parse_endpoints(params.endpoint, tls=bool(cacert or cert))
+    loopback = all(e.host in LOOPBACK_HOSTS for e in endpoints)
     if user and any(e.scheme == "http" for e in endpoints):
-        loopback = all(e.host in ("127.0.0.1", "::1", "localhost") for e in endpoints)
         if not (params.get_as_bool("insecure_loopback_auth", False) and loopback):
             raise ValueError(f"The etcd user '{user}' would send its password over plain http to "
                              f"{', '.join(str(e) for e in endpoints)}; use https:// endpoints (set cacert=PATH to the "
@@ -213,6 +213,10 @@ def parse_options(params: "RendezvousParameters") -> EtcdOptions:
     for secret in (password_file, key, auth_key_file):
         if secret and (problem := loose_permissions(secret)):
             log.warning("%s", problem)
+    if not auth_key_file and not loopback:
+        log.warning("The etcd-v3 rendezvous at %s runs without the job's key: anyone who can write its key prefix "
+                    "can seat agents, close the run or plant values. Give every node the same secret with "
+                    "--rdzv_conf auth_key_file=PATH (docs/trust.md).", ", ".join(str(e) for e in endpoints))
     return EtcdOptions(
         endpoints=endpoints,
         key_prefix=prefix,
@@ -222,6 +226,10 @@ def parse_options(params: "RendezvousParameters") -> EtcdOptions:
         auth_key=read_key(auth_key_file) if auth_key_file else None,
         protocol=protocol,
     )
+
+
+#: Hosts that are this machine: a rendezvous there needs no key to keep other machines out.
+LOOPBACK_HOSTS = ("127.0.0.1", "::1", "localhost")
 
 
 def markdown_table(options: Sequence[Option] = OPTIONS) -> str:

@@ -64,28 +64,43 @@ snapshot fencing keeps that stale group off the disk. If ``ctl/round`` itself di
 hand, etcd data loss), numbering starts over in a new *incarnation* (the record key's creation
 revision, part of every round's store prefix) and every member sees the deletion and rejoins.
 
-With the job's key (``auth_key_file``) every value is signed over its etcd key (see ``seal``);
-without it values are still only JSON, parsed strictly and bounded in size: nothing is unpickled.
+With the job's key (``auth_key_file``) every value is signed over its etcd key (see ``seal``) and *bound*
+to what it means, so that a signed value captured earlier cannot be put back to mean it again:
+
+- every value carries ``after``, the ``mod_revision`` of the round record its writer acted on (0: there was
+  none). A record's mod_revision is unique in etcd's history: it pins the incarnation and the round;
+- a value that lives on a lease carries that lease, and counts only on it (``kv.lease == value.lease``): it
+  cannot be moved onto another lease, or onto none, and a departed node's lease is gone;
+- ``ctl/round`` also carries ``inc``, the record key's creation revision (0: the put created the key). An agent
+  takes a record only if it follows the newest one it has seen (``after`` at least that record's revision, or
+  that very record), so a replayed older record is void for every agent that saw a newer one, and a replayed
+  first record of an incarnation no longer fits the key once it was recreated;
+- a node wants round R only with ``after`` the current record; a sealer's claim and a "waiting" signal count
+  only for the current record; ``ctl/closed`` counts only if it names the current record and its writer is a
+  member of it (or no record exists).
+
+A value that fails a check is *void*: ignored, with one warning per kind and minute, never an error and never
+a reason to close the run; a void round record is deleted by the next agent that joins (an etcd writer can
+delete it anyway), which starts a new incarnation. Without the job's key values are only JSON — parsed strictly
+(no floats, bounded nesting) and bounded in size: nothing is unpickled, and nothing is bound either: anyone
+who can write the prefix can write anything.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
 import secrets
 import socket
 import threading
-import zlib
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 from urllib.parse import quote
 
 from torch.distributed.elastic.rendezvous import RendezvousClosedError, RendezvousStateError
 
 from .kv import KeyValue
-from .seal import AuthError, Sealer, StateContentError, inflate
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.rendezvous import RendezvousParameters
@@ -96,6 +111,8 @@ PROTOCOL = "leases"
 #: The largest value accepted from etcd (a round record of 1,024 members is ~70 KB).
 MAX_VALUE_BYTES = 4 << 20
 _DEFLATED = b"z"  #: first byte of a compressed value (JSON starts with "{")
+#: The format of values bound to their record and lease (written with the job's key).
+BOUND_FORMAT = 2
 
 
 class RendezvousRefusedError(RendezvousStateError):
@@ -175,6 +192,11 @@ class Joiner:
     want: int
     ticket: int  #: the key's create_revision
     port: int = 0  #: a free port it found when it joined: MASTER_PORT if it becomes rank 0 (0: none offered)
+    after: int = -1  #: the record revision it joined after (-1: unbound, without the job's key)
+
+    def wants(self, round_: int, record_revision: int) -> bool:
+        """It wants ``round_``, joined after the current record (a replayed older value wants nothing)."""
+        return self.want == round_ and (self.after < 0 or self.after == record_revision)
 
 
 @dataclass(frozen=True)
@@ -199,8 +221,9 @@ class View:
     nodes: dict[str, Joiner] = field(default_factory=dict)
     record: Round | None = None
     record_revision: int = 0
-    closed: bool = False
+    closed_kv: KeyValue | None = None  #: the closed key as read (valid or not): whether it counts depends on the record
     closed_revision: int = 0  #: of the closed key as read, valid or not (0: absent): sealing compares it
+    void_record: bool = False  #: the record key holds a value no agent of this job can take (it is deleted first)
     sealer_present: bool = True
 
 
@@ -215,11 +238,12 @@ def choose_members(candidates: list[Joiner], previous: Round | None, max_nodes: 
 def quorum(view: View, want: int, settings: Settings) -> tuple[int, bool, bool]:
     """For round ``want``: how many live nodes want it, whether the previous round is accounted for (each of
     its members wants ``want`` too or is dead: no live key), and whether at least one of them is back."""
-    count = sum(1 for j in view.nodes.values() if j.want == want)
+    rev = view.record_revision
+    count = sum(1 for j in view.nodes.values() if j.wants(want, rev))
     previous = view.record if view.record is not None and view.record.round == want - 1 else None
     if previous is None:
         return count, True, False
-    states = [view.nodes[n].want == want for n in previous.names() if n in view.nodes]
+    states = [view.nodes[n].wants(want, rev) for n in previous.names() if n in view.nodes]
     return count, all(states), any(states)
 
 
@@ -241,99 +265,6 @@ def ready_to_seal(view: View, want: int, settings: Settings, open_since: float |
     if open_since is not None and now - open_since >= settings.last_call_timeout:
         return True, "last call"
     return False, ""
-
-
-class Codec:
-    """The values of the protocol: JSON, signed with the job's key when there is one, bounded in size."""
-
-    def __init__(self, signer: Sealer, node_prefix: bytes) -> None:
-        self.signer = signer
-        self.node_prefix = node_prefix
-        self._warned: set[bytes] = set()
-
-    def open(self, kv: KeyValue) -> Any:
-        if len(kv.value) > MAX_VALUE_BYTES:
-            raise ValueError(f"{len(kv.value)} bytes is more than any rendezvous value")
-        try:
-            data = self.signer.open(kv.key, kv.value)
-        except AuthError as exc:
-            raise PermissionError(str(exc)) from exc
-        if data[:1] == _DEFLATED:
-            try:
-                data = inflate(data[1:], MAX_VALUE_BYTES)
-            except StateContentError as exc:
-                raise ValueError(str(exc)) from exc
-        try:
-            return json.loads(data)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise ValueError(f"it is not the JSON this rendezvous writes ({exc})") from exc
-
-    def round(self, kv: KeyValue) -> Round:
-        key = kv.key.decode(errors="replace")
-        hint = (f"Check who else can write the key prefix (docs/trust.md) and that every node runs the same "
-                f"elastic_runner version with the same auth_key_file; 'etcdctl del {key}' starts the rendezvous "
-                "afresh.")
-        try:
-            obj = self.open(kv)
-            members = tuple((str(name), int(ticket)) for name, ticket in obj["members"])
-            master = obj.get("master")
-            record = Round(int(obj["round"]), members, int(obj.get("lease", 0)), str(obj.get("sealed_by", "")),
-                           str(obj.get("reason", "")), kv.mod_revision, kv.create_revision,
-                           None if master is None else (str(master[0]), int(master[1])))
-            if record.round < 0 or not members or len({name for name, _ in members}) != len(members):
-                raise ValueError("its round or member list is not valid")
-            if record.master is not None and not 0 < record.master[1] < 65536:
-                raise ValueError(f"its master port {record.master[1]} is not a port")
-            return record
-        except PermissionError as exc:
-            raise RendezvousRefusedError(f"The rendezvous record in etcd key '{key}' is refused: {exc}. {hint}") \
-                from exc
-        except (ValueError, KeyError, TypeError) as exc:
-            raise RendezvousRefusedError(f"The rendezvous record in etcd key '{key}' is not valid: {exc}. {hint}") \
-                from exc
-
-    def node(self, kv: KeyValue) -> Joiner | None:
-        try:
-            obj = self.open(kv)
-            node = NodeId(str(obj["addr"]), int(obj["pid"]), int(obj["local_id"]), str(obj.get("nonce", "")))
-            if node.name != kv.key[len(self.node_prefix):].decode():
-                raise ValueError("its content names another node")
-            return Joiner(node, int(obj["want"]), kv.create_revision, int(obj.get("port", 0)))
-        except (PermissionError, ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
-            self._ignore("node key", kv, exc)
-            return None
-
-    def control(self, kv: KeyValue | None) -> bool:
-        """Whether a control key (closed, a sealer claim, a "waiting" signal) holds a value this job's agents
-        wrote: with the job's key, a value anyone else put there is ignored (with a warning) instead of closing
-        the run, blocking its sealing or restarting its members."""
-        if kv is None:
-            return False
-        try:
-            self.open(kv)
-            return True
-        except (PermissionError, ValueError) as exc:
-            self._ignore("key", kv, exc)
-            return False
-
-    def _ignore(self, what: str, kv: KeyValue, exc: Exception) -> None:
-        """Warn once per key about a value this job's agents did not write."""
-        if kv.key not in self._warned:
-            self._warned.add(kv.key)
-            log.warning("Ignoring the rendezvous %s '%s': %s. Something other than an elastic_runner agent of this "
-                        "job wrote it; check who can write the key prefix.", what, kv.key.decode(errors="replace"), exc)
-
-    def claim(self, kv: KeyValue | None) -> bool:
-        """A sealer's claim that counts: on a lease (it dies with its node) and written by this job's agents."""
-        return kv is not None and kv.lease != 0 and self.control(kv)
-
-    def encode(self, key: bytes, obj: dict[str, Any]) -> bytes:
-        data = json.dumps(obj, separators=(",", ":")).encode()
-        if len(data) > 1024:
-            # A round record (about 60 bytes a member) reaches every agent, twice: compressed it is a fifth.
-            data = _DEFLATED + zlib.compress(data, 6)
-        return self.signer.seal(key, data)
-
 
 
 def closed_error(run_id: str, key: str) -> RendezvousClosedError:

@@ -35,6 +35,8 @@ MAX_STATE_BYTES = 16 << 20
 MIN_KEY_BYTES = 32
 
 _VALUE_MAGIC = b"ERS1"
+#: How every signed value begins (an agent without the key recognises a keyed run by it).
+SIGNED_MAGIC = _VALUE_MAGIC
 _TAG = 32  # HMAC-SHA256
 
 

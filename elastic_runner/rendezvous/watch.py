@@ -18,8 +18,9 @@ import time
 
 from torch.distributed.elastic.rendezvous import RendezvousStateError
 
-from .kv import EtcdError, KVClient, WatchEvent
-from .rounds import Codec, Round
+from .kv import EtcdError, Get, KVClient, WatchEvent
+from .rounds import Round
+from .values import Codec
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +37,7 @@ class MemberWatch:
         self._ctl = ctl
         self._round_key = ctl + b"round"
         self._closed_key = ctl + b"closed"
+        self._next_key = ctl + f"next/{record.round + 1}".encode()
         self._record = record
         self._node = node
         self._run_id = run_id
@@ -64,18 +66,21 @@ class MemberWatch:
                 if key == self._round_key:  # the record was deleted: numbering starts over, rejoin it
                     self.waiting = 1
                 continue
-            if key.startswith(self._ctl + b"next/"):
-                try:
-                    wanted = int(key[len(self._ctl) + 5:].decode())
-                except ValueError:
-                    continue
-                if wanted > mine and self._codec.control(event.kv):
+            if key == self._next_key:
+                # Only the signal for the round after ours, written for our round's record, restarts us.
+                if self._codec.control(event.kv, self._record.revision, leased=True):
                     self.waiting = 1
             elif key == self._round_key:
                 try:
                     newer = self._codec.round(event.kv)
-                except RendezvousStateError as exc:
+                except RendezvousStateError as exc:  # signed with a key this agent lacks: it cannot follow the run
                     log.warning("%s", exc)
+                    self.waiting = 1
+                    continue
+                if newer is None:
+                    # Our round's record was overwritten with a value nobody can take: the next join deletes it and
+                    # numbering starts over, as after a deletion.
+                    self.waiting = 1
                     continue
                 if newer.round > mine or newer.incarnation != self._record.incarnation:
                     if self._node not in newer.names():
@@ -84,13 +89,14 @@ class MemberWatch:
                                     self._node, mine)
                     self.waiting = 1
             elif key == self._closed_key:
-                self.closed = self._codec.control(event.kv)
+                self.closed = self._codec.closed(event.kv, self._record, self._record.revision)
         return self._stop.is_set()
 
     def _read(self) -> None:
-        kvs, revision = self._client.get_prefix(self._ctl)
-        self._revision = revision
-        self._handle([WatchEvent("put", kv) for kv in kvs])
+        """The three keys a member follows, by name (a prefix read would take whatever was planted under it)."""
+        result = self._client.txn((), [Get(self._round_key), Get(self._closed_key), Get(self._next_key)])
+        self._revision = result.revision
+        self._handle([WatchEvent("put", kv) for kv in result.results if kv is not None])
 
     def _follow(self) -> None:
         fresh = not self._revision  # without the seal's revision: read the ctl/ keys as they are, then watch

@@ -197,12 +197,13 @@ class MemoryKV(KVClient):
             s._check()
             return s._data.get(key), s.revision
 
-    def get_prefix(self, prefix: bytes) -> tuple[list[KeyValue], int]:
+    def get_prefix(self, prefix: bytes, limit: int = 0) -> tuple[list[KeyValue], int]:
         self._reach()
         s = self.server
         with s._cond:
             s._check()
             found = [kv for k, kv in sorted(s._data.items()) if k.startswith(prefix)]
+            found = found[:limit] if limit else found
             self._count(1, sum(len(kv.key) + len(kv.value) for kv in found))
             return found, s.revision
 

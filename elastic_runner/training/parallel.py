@@ -32,8 +32,10 @@ import torch
 import torch.distributed as tdist
 from torch import nn
 
-#: The largest bucket, in bytes (DDP's default bucket cap, 25 MiB).
+#: The largest bucket, in bytes (DDP's default bucket cap, 25 MiB), and the first one's (DDP's: 1 MiB, so that
+#: communication starts early in the backward pass).
 BUCKET_BYTES = 25 << 20
+FIRST_BUCKET_BYTES = 1 << 20
 
 
 class GradientSync(Protocol):
@@ -43,17 +45,26 @@ class GradientSync(Protocol):
     #: The factor by which the sync divides the summed gradients (DDP averages over the world: W; a sum: 1).
     averages_over: int
 
+    def begin_step(self) -> None: ...
     def no_sync(self) -> contextlib.AbstractContextManager[None]: ...
     def empty_micro_step(self) -> None: ...
     def finish(self) -> None: ...
 
 
 class _Bucket:
+    """Consecutive parameters whose gradients live in one flat buffer (each ``.grad`` a view of it during a step,
+    so the backward pass accumulates into it and nothing is copied to send or to read the sum)."""
+
     def __init__(self, index: int, params: list[nn.Parameter]) -> None:
         self.index = index
         self.params = params
         self.numel = sum(p.numel() for p in params)
-        self.buffer = torch.empty(self.numel, dtype=params[0].dtype, device=params[0].device)
+        self.buffer = torch.zeros(self.numel, dtype=params[0].dtype, device=params[0].device)
+        self.views: list[torch.Tensor] = []
+        offset = 0
+        for p in params:
+            self.views.append(self.buffer[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
         self.ready = 0
         self.work: Any = None
 
@@ -68,7 +79,8 @@ class OrderedGradientSync:
 
     averages_over = 1
 
-    def __init__(self, model: nn.Module, *, bucket_bytes: int = BUCKET_BYTES, group: Any = None) -> None:
+    def __init__(self, model: nn.Module, *, bucket_bytes: int = BUCKET_BYTES,
+                 first_bucket_bytes: int = FIRST_BUCKET_BYTES, group: Any = None) -> None:
         self.module = model
         self.group = group
         self.world = tdist.get_world_size(group)
@@ -78,12 +90,24 @@ class OrderedGradientSync:
             if p.requires_grad and id(p) not in seen:  # a shared (tied) parameter is summed once
                 seen.add(id(p))
                 params.append(p)
-        self.buckets = _layout(list(reversed(params)), bucket_bytes)
+        self.buckets = _layout(list(reversed(params)), bucket_bytes, first_bucket_bytes)
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._sync = True
         self._next = 0  #: the first bucket not yet sent in this backward pass
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in params]
         _broadcast_state(model, group)
+
+    def begin_step(self) -> None:
+        """Before a step's first backward pass: every gradient a zeroed view of its bucket (the optimizer sets
+        them to None after each update), so the backward passes accumulate straight into what is sent."""
+        if self.world == 1:
+            return
+        for bucket in self.buckets:
+            bucket.buffer.zero_()
+            for p, view in zip(bucket.params, bucket.views):
+                if p.grad is not None and not _is(p.grad, view):
+                    view.copy_(p.grad)  # a gradient left from before (a user's loop that does not set it to None)
+                p.grad = view
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -105,8 +129,6 @@ class OrderedGradientSync:
             if bucket.work is not None:
                 bucket.work.wait()
                 bucket.work = None
-            if self.world > 1:
-                _scatter(bucket)
             bucket.ready = 0
         self._next = 0
 
@@ -158,6 +180,9 @@ class TorchDDPSync:
         """Join DDP's all-reduce with zero gradients, without running the model (see :class:`Replica`)."""
         self.module(EMPTY).backward()
 
+    def begin_step(self) -> None:
+        """DDP keeps its own buckets."""
+
     def finish(self) -> None:
         """DDP has averaged the gradients during the last backward pass."""
 
@@ -175,15 +200,16 @@ def replicate(model: nn.Module, device: torch.device, how: str = "ordered") -> O
 # -- the fixed layout ------------------------------------------------------------------------------------------
 
 
-def _layout(params: list[nn.Parameter], bucket_bytes: int) -> list[_Bucket]:
-    """Consecutive runs of ``params`` of one dtype and device, cut at ``bucket_bytes`` (a larger parameter
-    is a bucket of its own)."""
+def _layout(params: list[nn.Parameter], bucket_bytes: int, first_bucket_bytes: int | None = None) -> list[_Bucket]:
+    """Consecutive runs of ``params`` of one dtype and device, cut at ``first_bucket_bytes`` for the first bucket
+    and ``bucket_bytes`` after it (a larger parameter is a bucket of its own)."""
     buckets: list[_Bucket] = []
     current: list[nn.Parameter] = []
     size = 0
     for p in params:
         nbytes = p.numel() * p.element_size()
-        if current and (size + nbytes > bucket_bytes or (p.dtype, p.device) != (current[0].dtype, current[0].device)):
+        cap = first_bucket_bytes if first_bucket_bytes is not None and not buckets else bucket_bytes
+        if current and (size + nbytes > cap or (p.dtype, p.device) != (current[0].dtype, current[0].device)):
             buckets.append(_Bucket(len(buckets), current))
             current, size = [], 0
         current.append(p)
@@ -194,28 +220,19 @@ def _layout(params: list[nn.Parameter], bucket_bytes: int) -> list[_Bucket]:
 
 
 def _gather(bucket: _Bucket) -> None:
-    """The bucket's gradients, flat, into its buffer (a parameter without a gradient this step gives zeros)."""
-    offset = 0
-    for p in bucket.params:
-        n = p.numel()
-        view = bucket.buffer[offset:offset + n]
+    """Every gradient of the bucket in its buffer: a parameter without a gradient this step sends zeros, one whose
+    gradient autograd replaced (not our view) is copied in; afterwards each ``.grad`` is its view of the sum."""
+    for p, view in zip(bucket.params, bucket.views):
         if p.grad is None:
             view.zero_()
-        else:
-            view.copy_(p.grad.reshape(-1))
-        offset += n
+        elif not _is(p.grad, view):
+            view.copy_(p.grad)
+        p.grad = view
 
 
-def _scatter(bucket: _Bucket) -> None:
-    offset = 0
-    for p in bucket.params:
-        n = p.numel()
-        summed = bucket.buffer[offset:offset + n].view_as(p)
-        if p.grad is None:
-            p.grad = summed.clone()
-        else:
-            p.grad.copy_(summed)
-        offset += n
+def _is(grad: torch.Tensor, view: torch.Tensor) -> bool:
+    """``grad`` is ``view`` (the same memory and shape), not a tensor autograd put in its place."""
+    return grad.data_ptr() == view.data_ptr() and grad.shape == view.shape and grad.stride() == view.stride()
 
 
 def _broadcast_state(model: nn.Module, group: Any) -> None:

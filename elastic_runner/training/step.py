@@ -50,6 +50,7 @@ class TrainStep:
         if not self._training:  # (a walk over every module: only after an evaluation switched it off)
             self.sync.module.train()
             self._training = True
+        self.sync.begin_step()
         micro_lists = list(split_even(plan.indices, self.layout.accumulation))
         loss = torch.zeros(2, dtype=torch.float64, device=self.device)
         weighted, data_wait = None, 0.0

@@ -61,57 +61,61 @@ def torchrun(endpoint: str, run_id: str, conf: str, config: Path, run_dir: Path)
             "-m", "elastic_runner.train", "--config", str(config), "--set", f"run.dir={run_dir}"]
 
 
-@pytest.mark.parametrize("with_job_key", [False, True], ids=["no-job-key", "job-key"])
-def test_a_planted_rendezvous_state_runs_nothing_and_the_agent_stops_with_a_sentence(
-        etcd_server: EtcdServer, small_config: Path, tmp_path: Path, with_job_key: bool) -> None:
+def test_a_planted_rendezvous_state_runs_nothing_and_without_a_key_stops_the_agent_with_a_sentence(
+        etcd_server: EtcdServer, small_config: Path, tmp_path: Path) -> None:
     """torch's protocol (protocol=state) unpickles the state it reads; the lease protocol reads only JSON."""
-    run_id = f"planted-{int(with_job_key)}"
+    run_id = "planted-0"
     key = f"/trust/{run_id}/state"
     marker = tmp_path / "pwned"
     # Well framed (the CRC matches): only the content gives it away.
     plant(etcd_server, key, encode_state(pickle.dumps(_RunsCode(marker)), key=key))
     conf = "key_prefix=/trust,protocol=state"
-    if with_job_key:
-        conf += ",auth_key_file=" + secret_file(tmp_path / "job.key", "k" * 64)
     result = run_bounded(torchrun(etcd_server.endpoint, run_id, conf, small_config, tmp_path / "run"), timeout=90)
 
     assert result.returncode != 0, result.stdout[-3000:]
     assert not marker.exists(), "the planted pickle ran"
     assert f"etcd key '{key}'" in result.stdout and "etcdctl del" in result.stdout, result.stdout[-3000:]
-    expected = "is not signed, but this agent requires" if with_job_key else "is refused unread"
-    assert expected in result.stdout, result.stdout[-3000:]
+    assert "is refused unread" in result.stdout, result.stdout[-3000:]
     assert not list((tmp_path / "run").glob("events/gen-*")), "no worker started (the agent's own log may exist)"
 
 
-def test_a_state_signed_with_another_jobs_key_is_refused(etcd_server: EtcdServer, small_config: Path,
-                                                        tmp_path: Path) -> None:
-    """Harmless content, but not this job's: whoever holds a different key (another job sharing the etcd)
-    cannot steer this one."""
-    run_id, key = "other-key", "/trust/other-key/state"
-    plant(etcd_server, key, encode_state(pickle.dumps(None), Sealer(b"o" * 64), key=key))
+@pytest.mark.parametrize("content", ["code", "another-jobs-key"])
+def test_with_a_job_key_a_state_not_signed_with_it_is_ignored_and_replaced(
+        etcd_server: EtcdServer, small_config: Path, tmp_path: Path, content: str) -> None:
+    """A planted state (a pickle that runs code, unsigned; or harmless content signed with another job's key) is
+    ignored with one warning and replaced by the job's own: nothing runs, nothing stops, nothing closes."""
+    run_id = f"planted-state-{content}"
+    key = f"/trust/{run_id}/state"
+    marker = tmp_path / "pwned"
+    planted = encode_state(pickle.dumps(_RunsCode(marker)), key=key) if content == "code" else \
+        encode_state(pickle.dumps(None), Sealer(b"o" * 64), key=key)
+    plant(etcd_server, key, planted)
     conf = "key_prefix=/trust,protocol=state,auth_key_file=" + secret_file(tmp_path / "job.key", "k" * 64)
-    result = run_bounded(torchrun(etcd_server.endpoint, run_id, conf, small_config, tmp_path / "run"), timeout=90)
-    assert result.returncode != 0, result.stdout[-3000:]
-    assert "does not carry a valid signature of the job's key" in result.stdout, result.stdout[-3000:]
+    result = run_bounded(torchrun(etcd_server.endpoint, run_id, conf, small_config, tmp_path / "run"), timeout=120)
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert not marker.exists(), "the planted pickle ran"
+    warned = [line for line in result.stdout.splitlines() if f"Ignoring the rendezvous state in '{key}'" in line]
+    assert 1 <= len(warned) <= 2, result.stdout[-3000:]  # at most one a minute per agent process (and its workers')
+    assert "Traceback" not in result.stdout
 
 
 @pytest.mark.parametrize("signed_by", [None, b"o" * 64], ids=["unsigned", "another-jobs-key"])
-def test_a_planted_round_record_is_refused_with_a_sentence(etcd_server: EtcdServer, small_config: Path,
-                                                          tmp_path: Path, signed_by: bytes | None) -> None:
+def test_a_planted_round_record_seats_nobody_and_stops_nothing(etcd_server: EtcdServer, small_config: Path,
+                                                              tmp_path: Path, signed_by: bytes | None) -> None:
     """The lease protocol: a round record that seats a node of the planter's choosing, not signed with this job's
-    key, stops the agent before any worker starts."""
+    key, is void: the agent says so once, deletes it, and the job trains with its own record; nothing closes it."""
     run_id = f"planted-round-{'other' if signed_by else 'unsigned'}"
     key = f"/trust/{run_id}/rdzv/ctl/round"
     record = json.dumps({"round": 3, "members": [["10.9.9.9_1_0", 1]], "lease": 0}).encode()
     plant(etcd_server, key, Sealer(signed_by).seal(key.encode(), record) if signed_by else record)
     conf = "key_prefix=/trust,auth_key_file=" + secret_file(tmp_path / "job.key", "k" * 64)
-    result = run_bounded(torchrun(etcd_server.endpoint, run_id, conf, small_config, tmp_path / "run"), timeout=90)
-    assert result.returncode != 0, result.stdout[-3000:]
+    result = run_bounded(torchrun(etcd_server.endpoint, run_id, conf, small_config, tmp_path / "run"), timeout=120)
+    assert result.returncode == 0, result.stdout[-3000:]
     expected = "its signature does not verify" if signed_by else "it is not signed"
-    (line,) = [line for line in result.stdout.splitlines() if f"etcd key '{key}' is refused: {expected}" in line]
-    assert line.startswith("elastic-runner: ") and "etcdctl del" in line, result.stdout[-3000:]
-    assert "Traceback" not in result.stdout, "one line that says what to check"
-    assert not list((tmp_path / "run").glob("events/gen-*")), "no worker started"
+    ignored = [line for line in result.stdout.splitlines() if f"Ignoring the rendezvous record '{key}': {expected}" in line]
+    assert len(ignored) == 1, result.stdout[-3000:]
+    assert "10.9.9.9" not in "".join(line for line in result.stdout.splitlines() if "seated" in line)
+    assert "Traceback" not in result.stdout
 
 
 @pytest.mark.slow

@@ -1,0 +1,177 @@
+"""What an agent does as the sealer of a round in the lease protocol: follow the node keys, seal the round.
+
+A mixin of :class:`~elastic_runner.rendezvous.leases.LeaseRendezvousHandler` (the handler's state is its
+own): the sealer's view of the run (:class:`~elastic_runner.rendezvous.rounds.View`, read with bounded
+reads and followed on one watch), the sealing rules of :mod:`elastic_runner.rendezvous.rounds`, and the one
+transaction that writes the round record.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any, Callable
+
+from .kv import WATCH_SLICE_SECONDS, Compare, Delete, EtcdError, Get, KeyValue, KVClient, LeaseKeeper, Put, WatchEvent
+from .rounds import NodeId, Round, Settings, View, choose_members, quorum, ready_to_seal
+
+if TYPE_CHECKING:
+    from torch.distributed import Store
+
+    from .values import Codec
+
+log = logging.getLogger("elastic_runner.rendezvous.leases")
+
+
+class SealerRole:
+    _client: KVClient
+    _codec: Codec
+    _settings: Settings
+    _node: NodeId
+    _leases: LeaseKeeper
+    _store: Store
+    _clock: Callable[[], float]
+    _prefix: bytes
+    _node_prefix: bytes
+    _ctl: bytes
+    _round_key: bytes
+    _closed_key: bytes
+
+    def _give_up(self, want: int) -> None:  # the handler's
+        raise NotImplementedError
+
+    def _seal_round(self, want: int, deadline: float, claim: int, joined_after: int = 0) -> Round | None:
+        """As the sealer of round ``want`` (joined after the record at ``joined_after``): follow the node keys until
+        the round can be sealed, seal it."""
+        view = View()
+        revision = self._read_view(view)
+        settings = self._settings
+        open_since: float | None = None  # when min_nodes wanted the round and the previous one was accounted for
+        sealer_key = self._ctl + f"sealer/{want}".encode()
+
+        def is_open() -> bool:
+            count, accounted, _ = quorum(view, want, settings)
+            return accounted and count >= settings.min_nodes
+
+        def over() -> bool:  # closed, the record changed since we joined (sealed by someone else, a sealer we thought
+            # dead; or deleted: a new incarnation), or it holds a value nobody can take (the next join deletes it)
+            return self._view_closed(view) or view.record_revision != joined_after or view.void_record
+
+        while True:
+            if over():
+                return None
+            now = self._clock()
+            open_since = (now if open_since is None else open_since) if is_open() else None
+            ready, why = ready_to_seal(view, want, settings, open_since, now)
+            if ready:
+                # None: the record changed, or our claim expired (we stalled: the view may be stale): start over
+                return self._write_round(want, view, why, sealer_key, claim, revision)
+            if now >= deadline:
+                self._give_up(want)
+            due = min(deadline, now + WATCH_SLICE_SECONDS)
+            if open_since is not None:
+                due = min(due, open_since + settings.last_call_timeout)
+
+            def handle(events: list[WatchEvent]) -> bool:
+                nonlocal revision
+                for event in events:
+                    revision = max(revision, event.kv.mod_revision)
+                    self._apply(view, event.kv, event.kind)
+                if over():
+                    return True
+                if is_open() != (open_since is not None):
+                    return True  # the last call starts, or stops (a node left)
+                return ready_to_seal(view, want, settings, open_since, self._clock())[0] or self._clock() >= due
+
+            if self._client.watch_prefix(self._prefix, revision + 1, max(0.0, due - now), handle) == "compacted":
+                return None
+
+    def _write_round(self, want: int, view: View, why: str, sealer_key: bytes, claim: int,
+                     seen_revision: int = 0) -> Round | None:
+        """Seal round ``want`` from ``view``; ``seen_revision``: the newest store revision the sealer saw, which the
+        first record of an incarnation names as what it follows (it is past any deletion of the record before)."""
+        candidates = [j for j in view.nodes.values() if j.wants(want, view.record_revision)]
+        previous = view.record if view.record is not None and view.record.round == want - 1 else None
+        members = choose_members(candidates, previous, self._settings.max_nodes)
+        # Revisions as read (0: absent, for etcd a missing key's), and our claim still the one we made.
+        compare = [Compare.mod_revision(self._round_key, view.record_revision),
+                   Compare.mod_revision(self._closed_key, view.closed_revision), Compare.created(sealer_key, claim)]
+
+        first = members[0]
+        master = {"master": [first.node.addr, first.port]} if first.port else {}
+
+        after = view.record_revision if view.record is not None else max(seen_revision, self._codec.newest)
+        incarnation = view.record.incarnation if view.record is not None else 0  # 0: this put creates the key
+
+        def write(lease: int) -> Any:  # on the lasting lease, which every member refreshes while it lives
+            value = self._codec.encode(self._round_key, {
+                "round": want, "members": [[j.node.name, j.ticket] for j in members], "lease": lease,
+                "sealed_by": self._node.name, "reason": why, **master}, after=after, lease=lease,
+                incarnation=incarnation)
+            return self._client.txn(compare, [Put(self._round_key, value, lease), Delete(sealer_key),
+                                              Delete(self._ctl + f"next/{want}".encode()),
+                                              Delete(self._ctl + f"next/{want - 1}".encode())])
+
+        if not self._leases.run(write).succeeded:
+            return None
+        log.info("rendezvous '%s': sealed round %d with %d node(s) (%s)", self._settings.run_id, want,
+                 len(members), why)
+        if previous is not None and want >= 2:
+            self._forget_store_of(want - 2, previous.incarnation)
+        return Round(want, tuple((j.node.name, j.ticket) for j in members))
+
+    def _store_prefix(self, round_: int, incarnation: int) -> str:
+        return f"torch.rendezvous.{self._settings.run_id}.{incarnation}.{round_}"
+
+    def _forget_store_of(self, round_: int, incarnation: int) -> None:
+        """Delete the store keys of a round two back (~2 per node): all its members left it before round+1."""
+        prefix = getattr(self._store, "prefix", None)
+        if not isinstance(prefix, str):
+            return
+        try:
+            self._client.delete_prefix(f"{prefix}{self._store_prefix(round_, incarnation)}/".encode())
+        except EtcdError as exc:
+            log.debug("could not delete the store keys of round %d: %s", round_, exc)
+
+    def _read_view(self, view: View) -> int:
+        """The sealer's view: the control keys by name and the node keys, at most a bounded number of them (keys
+        planted by the thousand are not read); the store revision to watch on from."""
+        result = self._client.txn((), [Get(self._round_key), Get(self._closed_key)])
+        for kv in result.results:
+            if kv is not None:
+                self._apply(view, kv, "put")
+        kvs, revision = self._client.get_prefix(self._node_prefix, limit=node_read_limit(self._settings))
+        for kv in kvs:
+            self._apply(view, kv, "put")
+        previous = view.record.names() if view.record is not None else []
+        missing = [self._node_prefix + name.encode() for name in previous if name not in view.nodes]
+        if missing and len(kvs) >= node_read_limit(self._settings):  # never count a live member out for the limit
+            found, _ = self._client.get_many(missing)
+            for kv in found.values():
+                self._apply(view, kv, "put")
+        return result.revision  # the first read's: the watch replays what changed since (applying twice is harmless)
+
+    def _view_closed(self, view: View) -> bool:
+        return self._codec.closed(view.closed_kv, view.record, view.record_revision)
+
+    def _apply(self, view: View, kv: KeyValue, kind: str) -> None:
+        key = kv.key
+        if key.startswith(self._node_prefix):
+            name = key[len(self._node_prefix):].decode(errors="replace")
+            joiner = self._codec.node(kv) if kind == "put" else None
+            if joiner is None:  # deleted, or a value that does not count: as if absent
+                view.nodes.pop(name, None)
+            elif name in view.nodes or len(view.nodes) < node_read_limit(self._settings):
+                view.nodes[name] = joiner
+        elif key == self._round_key:
+            if kind == "put":
+                view.record, view.record_revision = self._codec.round(kv), kv.mod_revision
+                view.void_record = view.record is None
+            else:
+                view.record, view.record_revision, view.void_record = None, 0, False
+        elif key == self._closed_key:
+            view.closed_kv, view.closed_revision = (kv, kv.mod_revision) if kind == "put" else (None, 0)
+
+
+def node_read_limit(settings: Settings) -> int:
+    """The most node keys a sealer reads: every agent a job can have, several times over."""
+    return 4 * settings.max_nodes + 64
