@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
 # Create the three Secrets the manifests read, in namespace NAMESPACE (default: the current one):
-#   etcd-tls                    etcd's server and peer certificate (names etcd, etcd.NS.svc, *.etcd-peers...)
+#   etcd-tls                    etcd's server certificate (names etcd, etcd.NS.svc...) and, from a CA of their own,
+#                               its peer certificate (*.etcd-peers...) and that CA
 #   elastic-runner-etcd-client  the training pods' client certificate (etcd accepts no client without one)
 #   elastic-runner-rdzv-key     the job's secret: every rendezvous state and store value is signed with it
-# all signed by a CA made here (its key is left in $OUT, default ./k8s-secrets, mode 0700: keep it or
-# delete it). Idempotent: existing Secrets are replaced, the CA and the job key are kept. cert-manager
+# Two CAs made here (keys left in $OUT, default ./k8s-secrets, mode 0700: keep them or delete them): the client CA
+# signs the server and client certificates, the peer CA only the peer certificate, so a peer's certificate does not
+# open etcd's client port. etcd's server certificate must carry client auth too (etcd's HTTP gateway, which the
+# agents use, dials etcd with it): its key stays in the etcd pods; a writer without the job key can only delete
+# (docs/trust.md). Idempotent: existing Secrets are replaced, the CAs and the job key are kept. cert-manager
 # users create the same Secrets with Certificates instead (k8s/README.md).
 #
 #   k8s/make-secrets.sh [NAMESPACE]               files in $OUT, then the Secrets (kubectl apply)
@@ -21,14 +25,16 @@ umask 077
 mkdir -p "$OUT"
 cd "$OUT"
 
-if [ ! -f ca.key ]; then
-  openssl req -x509 -newkey rsa:3072 -nodes -days "$DAYS" -subj "/CN=elastic-runner-etcd-ca" \
-    -keyout ca.key -out ca.crt
-fi
+for ca in ca:elastic-runner-etcd-ca peer-ca:elastic-runner-etcd-peer-ca; do
+  if [ ! -f "${ca%%:*}.key" ]; then
+    openssl req -x509 -newkey rsa:3072 -nodes -days "$DAYS" -subj "/CN=${ca#*:}" \
+      -keyout "${ca%%:*}.key" -out "${ca%%:*}.crt"
+  fi
+done
 
-sign() {  # sign NAME SUBJECT EXTFILE
+sign() {  # sign NAME SUBJECT EXTFILE CA
   openssl req -newkey rsa:3072 -nodes -subj "/CN=$2" -keyout "$1.key" -out "$1.csr"
-  openssl x509 -req -in "$1.csr" -CA ca.crt -CAkey ca.key -CAcreateserial -days "$DAYS" -extfile "$3" -out "$1.crt"
+  openssl x509 -req -in "$1.csr" -CA "$4.crt" -CAkey "$4.key" -CAcreateserial -days "$DAYS" -extfile "$3" -out "$1.crt"
   rm -f "$1.csr"
 }
 
@@ -36,11 +42,16 @@ cat > server.ext <<EXT
 subjectAltName=DNS:etcd,DNS:etcd.$NS,DNS:etcd.$NS.svc,DNS:etcd.$NS.svc.cluster.local,DNS:*.etcd-peers,DNS:*.etcd-peers.$NS.svc,DNS:*.etcd-peers.$NS.svc.cluster.local,DNS:localhost,IP:127.0.0.1
 extendedKeyUsage=serverAuth,clientAuth
 EXT
+cat > peer.ext <<EXT
+subjectAltName=DNS:*.etcd-peers,DNS:*.etcd-peers.$NS.svc,DNS:*.etcd-peers.$NS.svc.cluster.local,DNS:localhost,IP:127.0.0.1
+extendedKeyUsage=serverAuth,clientAuth
+EXT
 cat > client.ext <<EXT
 extendedKeyUsage=clientAuth
 EXT
-sign server etcd server.ext
-sign client elastic-runner client.ext
+sign server etcd server.ext ca
+sign peer etcd-peer peer.ext peer-ca
+sign client elastic-runner client.ext ca
 [ -f rdzv.key ] || openssl rand -hex 32 > rdzv.key
 
 if $FILES_ONLY; then
@@ -48,7 +59,8 @@ if $FILES_ONLY; then
   exit 0
 fi
 apply() { kubectl -n "$NS" create secret generic "$@" --dry-run=client -o yaml | kubectl -n "$NS" apply -f -; }
-apply etcd-tls --from-file=ca.crt=ca.crt --from-file=tls.crt=server.crt --from-file=tls.key=server.key
+apply etcd-tls --from-file=ca.crt=ca.crt --from-file=tls.crt=server.crt --from-file=tls.key=server.key \
+  --from-file=peer-ca.crt=peer-ca.crt --from-file=peer.crt=peer.crt --from-file=peer.key=peer.key
 apply elastic-runner-etcd-client --from-file=ca.crt=ca.crt --from-file=tls.crt=client.crt --from-file=tls.key=client.key
 apply elastic-runner-rdzv-key --from-file=key=rdzv.key
 echo "Secrets etcd-tls, elastic-runner-etcd-client, elastic-runner-rdzv-key are in namespace $NS (CA in $OUT)."

@@ -115,6 +115,10 @@ def adopt(launcher_api: Any, config: Any, entrypoint: Any, args: Sequence[Any],
     from .torch_patches import AGENT_CORRECTIONS, PROCESS_GROUP_ABORT, usable
 
     worker_args = worker_program(entrypoint, args)
+    if worker_args is not None:
+        from ..rendezvous.ports import hold_for_our_workers
+
+        hold_for_our_workers()  # our worker binds MASTER_PORT with SO_REUSEPORT: the offered port stays held
     if zygote_wanted and worker_args is not None:
         zygote.start_warming()  # forked from this agent, which has imported torch by now
         entrypoint, args = zygote.worker_main, worker_args

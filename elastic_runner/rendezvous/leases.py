@@ -23,7 +23,6 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousTimeoutError,
 )
 from torch.distributed.elastic.rendezvous.api import RendezvousHandler, RendezvousStoreInfo
-from torch.distributed.elastic.utils.distributed import get_free_port
 
 from .heartbeat import Heartbeat
 from .kv import (
@@ -39,6 +38,7 @@ from .kv import (
     Put,
     WatchEvent,
 )
+from .ports import PortHold
 from .rounds import (
     NodeId,
     RendezvousRefusedError,
@@ -84,6 +84,7 @@ class LeaseRendezvousHandler(SealerRole, RendezvousHandler):
         self._watch: MemberWatch | None = None  #: the watch of the round this agent trains in
         self._tcp_server: Any = None
         self._claim_value = b""  #: our sealer claim's value as written (dropping it compares it)
+        self._ports = PortHold()  #: the port we offer as MASTER_PORT, held until our worker binds it
         #: This agent cannot take part (the run's values are signed with a key it lacks, or belong to another
         #: protocol): it must not close a run it was never part of.
         self._refused = False
@@ -135,6 +136,7 @@ class LeaseRendezvousHandler(SealerRole, RendezvousHandler):
         self._last_seat = (record.round, record.incarnation)
         self.completed_early = record.reason == "previous round accounted for"
         self._start_watcher(record)
+        self._ports.round_begins()
         log.info("The node '%s' has joined round %d of the rendezvous '%s' as rank %d in a world of size %d.",
                  self._node, record.round, self._settings.run_id, rank, len(record.members))
         store = dist.PrefixStore(self._store_prefix(record.round, record.incarnation), self._store)
@@ -185,6 +187,7 @@ class LeaseRendezvousHandler(SealerRole, RendezvousHandler):
             return False
         finally:
             self._heartbeat.release()
+            self._ports.release()
 
     # -- joining ------------------------------------------------------------------------------------------
 
@@ -232,7 +235,7 @@ class LeaseRendezvousHandler(SealerRole, RendezvousHandler):
         """Write our node key for round ``want`` (and the "waiting" signal when the running round must end);
         None when the record changed since we read it. Returns whether a sealer exists, and the revision."""
         node = self._node
-        offer = {} if self.use_agent_store else {"port": get_free_port()}  # MASTER_PORT if it becomes rank 0
+        offer = {} if self.use_agent_store else {"port": self._ports.offer()}  # MASTER_PORT if it becomes rank 0
         body = {"node": node.name, "addr": node.addr, "pid": node.pid, "local_id": node.local_id,
                 "nonce": node.nonce, "want": want, **offer}
 

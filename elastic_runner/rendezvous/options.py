@@ -12,6 +12,7 @@ This module imports nothing from torch at module level (the entry point must sta
 from __future__ import annotations
 
 import logging
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -186,6 +187,12 @@ def parse_options(params: "RendezvousParameters") -> EtcdOptions:
     if not prefix.startswith("/") or "\0" in prefix:
         raise ValueError(f"The rendezvous option 'key_prefix' must start with '/' (got '{prefix}'), e.g. "
                          f"key_prefix={DEFAULT_KEY_PREFIX}.")
+    scope = os.environ.get(SCOPE_VAR, "")
+    if scope:
+        if not re.fullmatch(r"[A-Za-z0-9._-]{1,128}", scope):
+            raise ValueError(f"{SCOPE_VAR} is '{scope[:40]}'; it must be 1 to 128 letters, digits, '.', '_' or '-' "
+                             "(on Kubernetes it is the Job's UID, from the pod's labels).")
+        prefix = f"{prefix}/scope/{scope}"  # this run's keys apart from every other run that uses the same --rdzv_id
     user = params.get("user")
     password = None
     password_file = _file(params, "password_file")
@@ -227,6 +234,11 @@ def parse_options(params: "RendezvousParameters") -> EtcdOptions:
         protocol=protocol,
     )
 
+
+#: Set (the same on every node of one run, different for every run), it puts the run's keys under a prefix of their
+#: own: a value of an earlier run under the same ``--rdzv_id`` can then never be put back into this one. The
+#: Kubernetes manifests set it to the Job's UID (downward API); elsewhere a new ``--rdzv_id`` per run does the same.
+SCOPE_VAR = "ELASTIC_RUNNER_RDZV_SCOPE"
 
 #: Hosts that are this machine: a rendezvous there needs no key to keep other machines out.
 LOOPBACK_HOSTS = ("127.0.0.1", "::1", "localhost")

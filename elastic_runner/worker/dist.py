@@ -17,6 +17,7 @@ import datetime
 import gc
 import json
 import logging
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -113,6 +114,37 @@ def _import_dynamo_first() -> None:
     import torch._dynamo  # noqa: F401
 
 
+def job_store(env: WorkerEnv, timeout: datetime.timedelta) -> Any:
+    """The job's TCPStore as ``env://`` would make it, except that rank 0 binds MASTER_PORT with ``SO_REUSEPORT``:
+    the agent that offered the port still holds it that way (:mod:`elastic_runner.rendezvous.ports`), so that no
+    other local user could take it meanwhile, and only a socket of the same user with the same option can share
+    it. None where that is not possible here (the caller then uses ``env://``)."""
+    reuse_port = getattr(socket, "SO_REUSEPORT", None)
+    if reuse_port is None or env.master_addr is None or env.master_port is None:
+        return None
+    if env.rank != 0:
+        return tdist.TCPStore(env.master_addr, env.master_port, env.world_size, False, timeout=timeout,
+                              multi_tenant=True)
+    try:
+        try:
+            sock = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+            address: tuple[str, int] = ("::", env.master_port)
+        except OSError:
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            address = ("0.0.0.0", env.master_port)
+        sock.setsockopt(socket.SOL_SOCKET, reuse_port, 1)
+        sock.bind(address)
+        sock.listen(512)
+    except OSError as exc:
+        log.debug("MASTER_PORT %s cannot be bound with SO_REUSEPORT (%s); env:// binds it", env.master_port, exc)
+        sock.close()
+        return None
+    # The store takes the listening socket over (and closes it with itself).
+    return tdist.TCPStore(env.master_addr, env.master_port, env.world_size, True, timeout=timeout,
+                          multi_tenant=True, master_listen_fd=sock.detach(), use_libuv=True)
+
+
 @dataclass
 class Dist:
     """The process group of one training attempt and its small collectives."""
@@ -160,10 +192,12 @@ class Dist:
                 kwargs: dict[str, Any] = {}
                 if dev.type == "cuda":
                     kwargs["device_id"] = dev
-                tdist.init_process_group(
-                    chosen, init_method="env://", rank=env.rank, world_size=env.world_size,
-                    timeout=timeout, **kwargs,
-                )
+                store = job_store(env, timeout)
+                if store is not None:
+                    kwargs["store"] = store
+                else:
+                    kwargs["init_method"] = "env://"
+                tdist.init_process_group(chosen, rank=env.rank, world_size=env.world_size, timeout=timeout, **kwargs)
             dist = cls(env=env, device=dev, backend=chosen)
             # The first collective proves every peer is reachable, not just registered.
             dist.all_reduce_sum(torch.zeros(1, device=dev))

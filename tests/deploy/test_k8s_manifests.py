@@ -282,6 +282,19 @@ def test_each_overlay_asks_for_the_hardware_its_config_uses(overlay: tuple[str, 
         assert limits.get("memory") == requests["memory"], "memory limit = request: no overcommitted training pods"
 
 
+def test_each_jobs_rendezvous_keys_are_its_own(overlay: tuple[str, list[dict[str, Any]]]) -> None:
+    """A Job's pods scope their etcd keys by the Job's UID (a label the Job controller sets on every pod): a signed
+    value of an earlier run under the same rdzv id can never be put back into this one (docs/trust.md)."""
+    _, docs = overlay
+    for pod in pods_of(docs):
+        if pod.owner["kind"] != "Job":
+            continue  # a PyTorchJob's pods carry no such label: give each run its own rdzvId
+        env = {e["name"]: e for e in pod.container().get("env", [])}
+        scope = env.get("ELASTIC_RUNNER_RDZV_SCOPE")
+        assert scope is not None, f"{describe(pod.owner)}: no ELASTIC_RUNNER_RDZV_SCOPE"
+        assert scope["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.labels['batch.kubernetes.io/controller-uid']"
+
+
 def test_pods_run_unprivileged(overlay: tuple[str, list[dict[str, Any]]]) -> None:
     """The Pod Security Standard "restricted" profile's requirements, for every pod."""
     name, docs = overlay

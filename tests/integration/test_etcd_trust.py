@@ -162,7 +162,7 @@ def test_make_secrets_gives_an_etcd_and_clients_that_accept_each_other_and_nobod
                             env=os.environ | {"OUT": str(out)}, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     assert stat.S_IMODE(out.stat().st_mode) == 0o700
-    for private in ("ca.key", "server.key", "client.key", "rdzv.key"):
+    for private in ("ca.key", "peer-ca.key", "server.key", "peer.key", "client.key", "rdzv.key"):
         assert stat.S_IMODE((out / private).stat().st_mode) == 0o600, private
     server = etcd_factory(tls=ServerTLS(str(out / "server.crt"), str(out / "server.key"), str(out / "ca.crt"),
                                         client_cert_auth=True, client_cert=str(out / "client.crt"),
@@ -174,3 +174,8 @@ def test_make_secrets_gives_an_etcd_and_clients_that_accept_each_other_and_nobod
     assert store.get("k") == b"v"
     with pytest.raises(RendezvousConnectionError, match="certificate"):
         create_backend(params(server.endpoint, "secrets", cacert=str(out / "ca.crt"), connect_timeout="3"))
+    # A peer's certificate (another CA) is no client's.
+    for name in ("peer",):
+        with pytest.raises(RendezvousConnectionError):
+            create_backend(params(server.endpoint, "secrets", cacert=str(out / "ca.crt"), cert=str(out / f"{name}.crt"),
+                                  key=str(out / f"{name}.key"), connect_timeout="3"))

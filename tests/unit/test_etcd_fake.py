@@ -303,3 +303,15 @@ def test_the_entry_point_module_imports_nothing_heavy() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                          env=os.environ | {"PYTHONPATH": str(Path(__file__).resolve().parents[2])})
     assert out.stdout.strip() == "False", out.stderr
+
+
+def test_a_scope_puts_a_runs_keys_apart_from_earlier_runs_under_the_same_id(monkeypatch: pytest.MonkeyPatch) -> None:
+    from elastic_runner.rendezvous.options import SCOPE_VAR, parse_options
+
+    monkeypatch.delenv(SCOPE_VAR, raising=False)
+    assert parse_options(params(key_prefix="/jobs")).key_prefix == "/jobs"
+    monkeypatch.setenv(SCOPE_VAR, "0b8e5c8e-6f7a-4f7e-9c55-3a1f0e8e2b1d")
+    assert parse_options(params(key_prefix="/jobs")).key_prefix == "/jobs/scope/0b8e5c8e-6f7a-4f7e-9c55-3a1f0e8e2b1d"
+    monkeypatch.setenv(SCOPE_VAR, "../x")
+    with pytest.raises(ValueError, match=SCOPE_VAR):
+        parse_options(params())

@@ -191,7 +191,7 @@ def test_a_record_without_the_address_falls_back_to_torchs_handover(cluster: Cal
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """A round sealed by an older build, or whose rank 0 is one, names no master: the store hands it over."""
     monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    monkeypatch.setattr("elastic_runner.rendezvous.leases.get_free_port", lambda: 0)  # nobody offers a port
+    monkeypatch.setattr("elastic_runner.rendezvous.ports.PortHold.offer", lambda self: 0)  # nobody offers a port
     c = cluster(min_nodes=2, max_nodes=2)
     agents = [c.agent(), c.agent()]
     infos = together(agents)
