@@ -114,6 +114,13 @@ def adopt(launcher_api: Any, config: Any, entrypoint: Any, args: Sequence[Any],
     from .terminal import quiet_handled_failures
     from .torch_patches import AGENT_CORRECTIONS, PROCESS_GROUP_ABORT, usable
 
+    key_file = (getattr(config, "rdzv_configs", None) or {}).get("auth_key_file")
+    if key_file:
+        from ..snapshot.format import KEY_FILE_VAR
+
+        # Its path (never the key) for the workers: they sign snapshot metadata with the job's key, and take only
+        # snapshots signed with it.
+        os.environ.setdefault(KEY_FILE_VAR, str(key_file))
     worker_args = worker_program(entrypoint, args)
     if worker_args is not None:
         from ..rendezvous.ports import hold_for_our_workers

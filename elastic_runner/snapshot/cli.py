@@ -13,7 +13,7 @@ from typing import Any
 import yaml
 
 from ..files import UnsafeDirectoryError, open_file, write_file_atomically
-from .format import load_snapshot, read_meta, read_verified_bytes
+from .format import load_snapshot, read_meta, read_verified_bytes, set_signing_key, signing_key_from_environment
 from .loader import find_newest
 from .store import LocalStore, SnapshotError, SnapshotRef, open_store
 
@@ -217,6 +217,7 @@ def gc(older_than: str, dry_run: bool, shm_dir: str | None) -> int:
 
 def run(args: argparse.Namespace) -> int:
     try:
+        set_signing_key(signing_key_from_environment())  # with the job's key, only snapshots signed with it count
         if args.snapshot_cmd == "gc":
             return gc(args.older_than, args.dry_run, args.shm_dir)
         if args.snapshot_cmd == "persist":

@@ -8,6 +8,12 @@ fingerprint, size and the SHA-256 of ``state.pt``. Its own SHA-256 (``meta_sha25
 over the canonical JSON of every other field) covers the rest of it, so a
 ``meta.json`` changed after the fact is a damaged snapshot like a changed
 ``state.pt`` (format 2; format 1 snapshots, written before, load without it).
+With the job's key (``ELASTIC_RUNNER_AUTH_KEY_FILE``: the rendezvous' ``auth_key_file``,
+which the agent passes on to its workers by path) ``meta.json`` is also signed
+(``meta_hmac``, HMAC-SHA256 over the same JSON, which holds ``state.pt``'s SHA-256):
+a reader that has the key takes no snapshot that is not signed with it, so whoever
+can write the snapshot directory but lacks the key cannot make a resuming job (or
+``load_model``) take numbers of their choosing.
 Nothing in either file ever chooses code to run: a model is rebuilt from a
 snapshot's config only when it is a built-in one (:func:`elastic_runner.load_model`).
 """
@@ -16,6 +22,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import hmac
 import io
 import json
 import os
@@ -38,6 +45,37 @@ def meta_digest(meta: dict[str, Any]) -> str:
     """SHA-256 of ``meta`` without its own digest, as canonical JSON (sorted keys, no spaces)."""
     body = {k: v for k, v in meta.items() if k != "meta_sha256"}
     return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+#: The environment variable that names the job's key file (a path, never the key itself).
+KEY_FILE_VAR = "ELASTIC_RUNNER_AUTH_KEY_FILE"
+_signing_key: bytes | None = None
+
+
+def set_signing_key(key: bytes | None) -> None:
+    """The job's key, for signing and checking snapshot metadata in this process (None: unsigned)."""
+    global _signing_key
+    _signing_key = key
+
+
+def signing_key_from_environment() -> bytes | None:
+    """The key named by :data:`KEY_FILE_VAR` (``SnapshotError`` naming the variable if it cannot be read)."""
+    path = os.environ.get(KEY_FILE_VAR)
+    if not path:
+        return None
+    from ..rendezvous.seal import read_key
+
+    try:
+        return read_key(path)
+    except (OSError, ValueError) as exc:
+        raise SnapshotError(f"{KEY_FILE_VAR}={path}: the job's key cannot be read ({exc}); fix the path or unset "
+                            "it") from exc
+
+
+def meta_signature(meta: dict[str, Any], key: bytes) -> str:
+    """HMAC-SHA256 under the job's key of ``meta`` without its digest and signature (canonical JSON)."""
+    body = {k: v for k, v in meta.items() if k not in ("meta_sha256", "meta_hmac")}
+    return hmac.new(key, json.dumps(body, sort_keys=True, separators=(",", ":")).encode(), hashlib.sha256).hexdigest()
 
 
 class _HashingWriter:
@@ -84,6 +122,8 @@ def write_snapshot_files(directory: Path, state: dict[str, Any], meta: dict[str,
             "size_bytes": writer.size,
             "written_at": time.time(),
         }
+        if _signing_key is not None:
+            full_meta["meta_hmac"] = meta_signature(full_meta, _signing_key)
         full_meta["meta_sha256"] = meta_digest(full_meta)
         tmp_meta = directory / (META + ".tmp")
         with open_file(tmp_meta, "w", exclusive=True) as fh:
@@ -157,6 +197,12 @@ def read_meta(directory: Path) -> dict[str, Any]:
             raise CorruptSnapshotError(f"{directory.name}: {META} cannot be checked ({type(exc).__name__})") from exc
         if digest != meta["meta_sha256"]:
             raise CorruptSnapshotError(f"{directory.name}: {META} was modified or damaged (its checksum does not match)")
+    if _signing_key is not None:
+        signature = meta.get("meta_hmac")
+        if not isinstance(signature, str) or not hmac.compare_digest(signature, meta_signature(meta, _signing_key)):
+            raise CorruptSnapshotError(f"{directory.name}: {META} is not signed with the job's key (written without "
+                                       f"it, with another, or changed); a reader with {KEY_FILE_VAR} takes only "
+                                       "snapshots signed with it")
     return meta
 
 

@@ -184,12 +184,14 @@ def _error(exc: BaseException) -> dict[str, Any]:
 def serve(sock: socket.socket) -> None:
     """Write each job's state, publish it, prune, and answer with the outcome, until the socket closes."""
     from ..files import set_sharing
+    from .format import set_signing_key, signing_key_from_environment
     from .publish import write_and_publish
     from .store import LocalStore, SnapshotRef
 
     shm.send(sock, ("ready", {}))
     init, _ = shm.receive(sock)
     set_sharing(init["sharing"])
+    set_signing_key(signing_key_from_environment())  # the worker's environment: the same key as the worker's
     store = LocalStore(init["root"])
     arena: shm.Arena | None = None
     while True:

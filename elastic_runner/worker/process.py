@@ -19,11 +19,13 @@ from .. import files
 from ..config import Config
 from ..observe.events import agent_stop_reason
 from ..observe.logs import say, setup_logging
+from ..snapshot import SnapshotError
+from ..snapshot.format import set_signing_key, signing_key_from_environment
 from .attempt import Attempt
 from .dist import Dist
 from .ending import ending_for
 from .env import WorkerEnv
-from .lifecycle import StopRequest, die_with_parent, name_process, process_start_time
+from .lifecycle import EXIT_USAGE, StopRequest, die_with_parent, name_process, process_start_time
 from .preflight import warn_known_bad_setups
 
 if TYPE_CHECKING:
@@ -37,6 +39,12 @@ def run(cfg: Config, env: WorkerEnv, make_workload: Callable[[], Workload] | Non
     started_at = process_start_time()
     setup_logging(cfg.logging.level, env.rank, env.world_size)
     files.set_sharing(cfg.snapshot.mode)  # every file the run writes: private unless the team shares
+    try:
+        set_signing_key(signing_key_from_environment())  # the job's key: snapshots signed, and only those taken
+    except SnapshotError as exc:
+        if env.local_rank == 0:
+            say(f"elastic_runner: {exc}")
+        return EXIT_USAGE
     if env.under_torchrun:
         die_with_parent()
         name_process(env.rank, env.local_rank)

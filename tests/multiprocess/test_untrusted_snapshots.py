@@ -109,3 +109,47 @@ def test_an_import_path_model_is_built_only_when_the_caller_names_it(trained: Pa
     assert sys.path == path_before
     assert not model.training and sum(p.numel() for p in model.parameters()) > 0
     sys.modules.pop("usermodels", None)
+
+
+def test_with_the_jobs_key_a_snapshot_whose_numbers_were_changed_is_not_taken(tmp_path: Path) -> None:
+    """A writer of the snapshot directory without the job's key rewrites state.pt and every checksum: a reader
+    with the key (a resuming job, load_model) refuses it; its own snapshots carry the signature."""
+    import hashlib
+    import io
+    import os
+
+    import torch
+
+    key = tmp_path / "job.key"
+    key.write_text("k" * 64 + "\n")
+    key.chmod(0o600)
+    signed_env = os.environ | {"ELASTIC_RUNNER_AUTH_KEY_FILE": str(key)}
+    run_dir = tmp_path / "run"
+    trained = run_bounded([sys.executable, "-m", "elastic_runner.train", "--config", str(QUICKSTART),
+                           "--set", f"run.dir={run_dir}", "--set", "train.max_steps=6", "--set", "train.epochs=1",
+                           "--set", "snapshot.keep_last=1"], timeout=180, env=signed_env)
+    assert trained.returncode == 0, trained.stdout[-3000:]
+    (newest,) = LocalStore(run_dir / "snapshots").complete()
+    folder = run_dir / "snapshots" / newest.name
+    meta = json.loads((folder / "meta.json").read_text())
+    assert len(meta["meta_hmac"]) == 64, "signed with the job's key"
+
+    state = torch.load(folder / "state.pt", weights_only=True)
+    state["model"] = {k: torch.zeros_like(v) for k, v in state["model"].items()}  # numbers of the writer's choosing
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    (folder / "state.pt").write_bytes(buffer.getvalue())
+    meta |= {"sha256": hashlib.sha256(buffer.getvalue()).hexdigest(), "size_bytes": len(buffer.getvalue())}
+    meta["meta_sha256"] = meta_digest(meta)
+    (folder / "meta.json").write_text(json.dumps(meta))
+
+    os.environ["ELASTIC_RUNNER_AUTH_KEY_FILE"] = str(key)
+    try:
+        with pytest.raises(SnapshotError, match="no intact snapshot"):
+            elastic_runner.load_model(run_dir)
+    finally:
+        del os.environ["ELASTIC_RUNNER_AUTH_KEY_FILE"]
+    resumed = run_bounded([sys.executable, "-m", "elastic_runner.train", "--config", str(QUICKSTART),
+                           "--set", f"run.dir={run_dir}", "--set", "train.max_steps=8", "--set", "train.epochs=1"],
+                          timeout=180, env=signed_env)
+    assert "is not signed with the job's key" in resumed.stdout, resumed.stdout[-3000:]
