@@ -555,3 +555,42 @@ def test_a_sealer_whose_claim_expired_while_it_stalled_cannot_seal_from_its_old_
     c.server.client().delete_prefix(sealer_key)  # its lease expired while it was paused; another may claim
     assert a._write_round(0, view, "last call", sealer_key, claim) is None
     assert c.server.client().get(f"{c.prefix}/rdzv/ctl/round".encode())[0] is None, "no round sealed"
+
+
+# == values: strict JSON, bounded, warnings that cannot flood or forge the log =================================
+
+@pytest.mark.parametrize("body", [b'{"round": 1e999, "members": [["a_1_0", 1]]}', b'{"round": NaN}',
+                                  b"[" * 200_000 + b"]" * 200_000, b'{"round": true, "members": [["a_1_0", 1]]}',
+                                  b'{"round": 1.0, "members": [["a_1_0", 1]]}', b'"a string"'])
+def test_malformed_json_of_every_kind_is_a_refused_value(body: bytes, caplog: pytest.LogCaptureFixture) -> None:
+    prefix = b"/p/run/rdzv/"
+    codec = Codec(Sealer(None), prefix + b"node/")
+    kv = KeyValue(prefix + b"ctl/round", body, 1, 1)
+    with caplog.at_level(logging.WARNING):
+        assert codec.round(kv) is None
+        assert codec.node(KeyValue(prefix + b"node/a_1_0", body, 1, 1)) is None
+        if not body.startswith(b'{"round": true') and not body.startswith(b'{"round": 1.0'):
+            assert codec.control(KeyValue(prefix + b"ctl/closed", body, 1, 1)) is False
+    assert "Ignoring the rendezvous" in caplog.text
+
+
+def test_warnings_about_planted_values_are_rate_limited_and_escape_the_key(caplog: pytest.LogCaptureFixture) -> None:
+    prefix = b"/p/run/rdzv/"
+    codec = Codec(Sealer(b"k" * 32), prefix + b"node/")
+    with caplog.at_level(logging.WARNING):
+        for i in range(200):
+            codec.node(KeyValue(prefix + f"node/x{i}\nFAKE LOG LINE".encode(), b"{}", 1, 1))
+    lines = [r for r in caplog.records if "Ignoring the rendezvous node key" in r.getMessage()]
+    assert len(lines) == 1, "one line a minute per kind, however many keys were planted"
+    assert "\\nFAKE LOG LINE" in lines[0].getMessage() and "\nFAKE" not in lines[0].getMessage()
+
+
+def test_without_a_key_a_rendezvous_off_this_machine_warns_once_at_start(caplog: pytest.LogCaptureFixture) -> None:
+    from elastic_runner.rendezvous.options import parse_options
+
+    with caplog.at_level(logging.WARNING):
+        parse_options(RendezvousParameters("etcd-v3", "127.0.0.1:2379", "job", 1, 2))
+    assert "without the job's key" not in caplog.text
+    with caplog.at_level(logging.WARNING):
+        parse_options(RendezvousParameters("etcd-v3", "etcd.example:2379", "job", 1, 2))
+    assert caplog.text.count("runs without the job's key") == 1
