@@ -19,6 +19,8 @@ with other load:
   median of per-repeat pair ratios (``ordered_vs_ddp_sync``; the two run back to back in every repeat).
 
     .venv/bin/python benchmarks/throughput.py --repeats 3 --out results/throughput.json
+    cd benchmarks && ../.venv-vision/bin/python throughput.py --workloads cnn,gpt \
+        --variants elastic-runner,elastic-runner-ddp --repeats 5      # the ordered gradient sync against DDP
 """
 
 from __future__ import annotations
@@ -54,13 +56,15 @@ def one_run(name: str, workload: Workload, workdir: Path, steps: int, skip: int)
     return steady_rate(variant, run_dir, skip, workload.batch_per_rank * workload.world), blocking
 
 
-def measure(name: str, workload: Workload, workdir: Path, repeats: int, steps: int, skip: int) -> dict[str, Any]:
-    rates: dict[str, list[float]] = {variant: [] for variant in VARIANTS}
+def measure(name: str, workload: Workload, workdir: Path, repeats: int, steps: int, skip: int,
+            variants: list[str] | None = None) -> dict[str, Any]:
+    chosen = [v for v in VARIANTS if variants is None or v in variants]
+    rates: dict[str, list[float]] = {variant: [] for variant in chosen}
     blocking: list[float] = []
     pairs: list[float] = []  #: ordered / ddp gradient sync, each pair from one repeat
     for _ in range(repeats):
         this: dict[str, float] = {}
-        for variant in VARIANTS:
+        for variant in chosen:
             rate, blocked = one_run(variant, workload, workdir, steps, skip)
             if variant == "elastic-runner":
                 blocking += blocked
@@ -94,31 +98,38 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=500)
     p.add_argument("--skip", type=int, default=100, help="steps excluded as warm-up")
     p.add_argument("--workloads", default="cnn,gpt,resnet18")
+    p.add_argument("--variants", default=",".join(VARIANTS),
+                   help=f"which of {', '.join(VARIANTS)} to run (default: all), e.g. elastic-runner,elastic-runner-ddp")
     p.add_argument("--workdir", default=None)
     p.add_argument("--out", default=None)
     args = p.parse_args()
     with scratch_dir(args.workdir, "er-bench-throughput-") as workdir:
         chosen = [w.strip() for w in args.workloads.split(",") if w.strip()]
+        variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+        unknown = sorted(set(variants) - set(VARIANTS))
+        if unknown:
+            p.error(f"--variants: unknown {unknown}; choose from {', '.join(VARIANTS)}")
         results: dict[str, Any] = {}
         if "cnn" in chosen:
             # A step of tens of milliseconds (3x32x32 images, 32-channel CNN): per-step overheads
             # are measured against real work, not against a 1 ms toy step.
             cnn = Workload(data="synthetic", synthetic_shape="3,32,32", channels=32, hidden=128)
-            results["cnn"] = measure("cnn", cnn, workdir, args.repeats, args.steps, args.skip)
+            results["cnn"] = measure("cnn", cnn, workdir, args.repeats, args.steps, args.skip, variants)
         if "gpt" in chosen:
             from elastic_runner.data.tokens import prepare_text
 
             tokens = workdir / "shakespeare-char"
             prepare_text(Path(__file__).resolve().parent.parent / "examples" / "data" / "shakespeare.txt", tokens)
             gpt = Workload(data="tokens", model="gpt", tokens_dir=str(tokens), optim="adamw", lr=2e-3)
-            results["gpt"] = measure("gpt", gpt, workdir, args.repeats, max(100, args.steps * 3 // 4), args.skip)
+            results["gpt"] = measure("gpt", gpt, workdir, args.repeats, max(100, args.steps * 3 // 4), args.skip,
+                                     variants)
         if "resnet18" in chosen:
             # torchvision's resnet18 (BatchNorm) on 3x32x32 images, random crop and flip in 2 DataLoader workers per
             # rank: elastic_runner seeds each sample's draws, the baseline uses the workers' generators.
             resnet = Workload(data="fake_images", model="resnet18", synthetic_size=2048, synthetic_shape="3,32,32",
                               workers=2, augment=True, lr=0.05)
             results["resnet18"] = measure("resnet18", resnet, workdir, args.repeats, max(60, args.steps // 4),
-                                          max(10, args.skip // 4))
+                                          max(10, args.skip // 4), variants)
         out: dict[str, Any] = {"benchmark": "throughput", "workloads": results, "repeats": args.repeats}
         if "cnn" in results:  # the summary table's row (benchmarks/run_all.py)
             out |= {"samples_per_s": results["cnn"]["rates"], "median_samples_per_s": results["cnn"]["medians"],
