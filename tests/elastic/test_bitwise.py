@@ -68,6 +68,16 @@ def uninterrupted(resume_config: Path, tmp_path_factory: pytest.TempPathFactory)
     yield model_of
 
 
+def stopped_at_a_random_step(local_job: Callable[..., LocalJob], config: Path, layout: str,
+                             fault: str) -> tuple[LocalJob, list[Any], int]:
+    """The job of ``layout`` running, every worker stopped (SIGSTOP) at the fault's random step, and the step."""
+    agents, nproc = LAYOUTS[layout]
+    job = layout_job(local_job, config, layout)
+    start(job, agents)
+    workers, reached = stop_workers_at_step(job, fault_step(f"{fault}-{layout}"), count=agents * nproc, timeout=150)
+    return job, workers, reached
+
+
 def assert_same_model(run_dir: Path, tmp_path: Path, reference: dict[str, torch.Tensor], what: str) -> None:
     ours = exported_model(run_dir, tmp_path)
     assert ours.keys() == reference.keys()
@@ -84,15 +94,11 @@ def assert_clean_audit(run_dir: Path, what: str) -> None:
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_a_worker_killed_at_a_random_step_ends_bitwise_identical(
         layout: str, resume_config: Path, uninterrupted: Callable[[str], Any], local_job, tmp_path: Path) -> None:  # noqa: ANN001
-    agents, nproc = LAYOUTS[layout]
-    job = layout_job(local_job, resume_config, layout)
-    start(job, agents)
-    step = fault_step(f"kill-{layout}")
-    workers, reached = stop_workers_at_step(job, step, count=agents * nproc, timeout=150)
+    job, workers, reached = stopped_at_a_random_step(local_job, resume_config, layout, "kill")
     victim = random.Random(f"{SEED}-victim-{layout}").choice(workers)
     job.signal_worker(victim, signal.SIGKILL)
     continue_workers(job, [w for w in workers if w is not victim])
-    assert job.wait(timeout=300) == [0] * agents, job.logs_tail()
+    assert job.wait(timeout=300) == [0] * LAYOUTS[layout][0], job.logs_tail()
     what = f"{layout}, rank {victim.rank} killed at step {reached}"
     resumed = [e for e in events(Path(job.run_dir), "resume") if e["generation"] > 1]
     assert resumed and resumed[0]["tier"] == "memory", f"{what}: a survivor's memory holds the newest step"
@@ -102,10 +108,7 @@ def test_a_worker_killed_at_a_random_step_ends_bitwise_identical(
 
 def test_a_graceful_stop_and_restart_ends_bitwise_identical(
         resume_config: Path, uninterrupted: Callable[[str], Any], local_job, tmp_path: Path) -> None:  # noqa: ANN001
-    job = layout_job(local_job, resume_config, "2x2")
-    start(job, 2)
-    step = fault_step("sigterm-2x2")
-    workers, reached = stop_workers_at_step(job, step, count=4, timeout=150)
+    job, workers, reached = stopped_at_a_random_step(local_job, resume_config, "2x2", "sigterm")
     continue_workers(job, workers)
     for agent in list(job.agents):
         agent.proc.send_signal(signal.SIGTERM)  # the whole job preempted, as Kubernetes does
@@ -124,10 +127,7 @@ def test_a_graceful_stop_and_restart_ends_bitwise_identical(
 
 def test_a_resume_from_disk_ends_bitwise_identical(
         resume_config: Path, uninterrupted: Callable[[str], Any], local_job, tmp_path: Path) -> None:  # noqa: ANN001
-    job = layout_job(local_job, resume_config, "3x1")
-    start(job, 3)
-    step = fault_step("disk-3x1")
-    workers, reached = stop_workers_at_step(job, step, count=3, timeout=150)
+    job, workers, reached = stopped_at_a_random_step(local_job, resume_config, "3x1", "disk")
     for worker in workers:  # no survivor keeps the newest step: the job goes back to the disk snapshot
         job.signal_worker(worker, signal.SIGKILL)
     assert job.wait(timeout=300) == [0, 0, 0], job.logs_tail()

@@ -117,15 +117,20 @@ def test_an_old_close_closes_no_new_run(etcd_server: EtcdServer, job_key: str, o
         shut(second)
 
 
-def test_an_old_sealer_claim_on_another_lease_blocks_no_round(etcd_server: EtcdServer, job_key: str) -> None:
-    run_id = f"sealer-{uuid.uuid4().hex[:6]}"
-    history = History(etcd_server, rdzv(run_id))
-    first = agents(etcd_server, run_id, 2, job_key)
+def captured_from_an_earlier_run(server: EtcdServer, run_id: str, job_key: str, key: str) -> KeyValue:
+    """The first value ``key`` held in a run of two agents that formed round 0, once that run's keys are gone."""
+    history = History(server, rdzv(run_id))
+    first = agents(server, run_id, 2, job_key)
     together(first)
     shut(first)
-    (claim, *_) = history.puts(rdzv(run_id, "ctl/sealer/0"))
-    delete_run(etcd_server, run_id)
+    (value, *_) = history.puts(rdzv(run_id, key))
+    delete_run(server, run_id)
+    return value
 
+
+def test_an_old_sealer_claim_on_another_lease_blocks_no_round(etcd_server: EtcdServer, job_key: str) -> None:
+    run_id = f"sealer-{uuid.uuid4().hex[:6]}"
+    claim = captured_from_an_earlier_run(etcd_server, run_id, job_key, "ctl/sealer/0")
     put_back(etcd_server, claim, "attacker")  # round 0's claim, alive on the attacker's lease
     second = agents(etcd_server, run_id, 2, job_key, join_timeout="10")
     try:
