@@ -113,7 +113,9 @@ def docstring(path: Path) -> str:
 def first_paragraph(text: str) -> str:
     """The docstring's first paragraph on one line, its reStructuredText roles and literals as Markdown."""
     line = " ".join(text.strip().split("\n\n")[0].split())
-    line = re.sub(r":\w+:`~?([^`]+)`", lambda m: f"`{m.group(1).split('.')[-1] if m.group(0)[m.group(0).index('`') + 1] == '~' else m.group(1)}`", line)
+    # :role:`~a.b.c` shows as `c`, :role:`a.b.c` as `a.b.c`
+    line = re.sub(r":\w+:`~([^`]+)`", lambda m: f"`{m.group(1).split('.')[-1]}`", line)
+    line = re.sub(r":\w+:`([^`]+)`", r"`\1`", line)
     return line.replace("``", "`")
 
 

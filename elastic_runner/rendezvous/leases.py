@@ -147,7 +147,7 @@ class LeaseRendezvousHandler(SealerRole, RendezvousHandler):
             closed, record_kv = self._client.txn((), [Get(self._closed_key), Get(self._round_key)]).results
         except EtcdError as exc:
             raise self._connection_error("read whether the rendezvous is closed", exc) from exc
-        return self._closed(closed, record_kv)
+        return self._closed(closed, self._codec.round(record_kv) if record_kv is not None else None, record_kv)
 
     def set_closed(self) -> None:
         """Close the run, for its current round record (with the job's key a close names it, and counts only for
@@ -342,9 +342,9 @@ class LeaseRendezvousHandler(SealerRole, RendezvousHandler):
         (also, with ``counted_key_only``, when our key is not the one the record counted)."""
         result = self._client.txn((), [Get(self._round_key), Get(self._my_key), Get(self._closed_key)])
         record_kv, mine, closed = result.results
-        if self._closed(closed, record_kv):
-            raise self._closed_error()
         record = self._codec.round(record_kv) if record_kv is not None else None
+        if self._closed(closed, record, record_kv):
+            raise self._closed_error()
         if record is None or record.round < want:
             return None
         ticket = dict(record.members).get(self._node.name)
@@ -396,7 +396,7 @@ class LeaseRendezvousHandler(SealerRole, RendezvousHandler):
                                  [Delete(self._round_key)])
                 continue
             rev = record_kv.mod_revision if record_kv is not None else 0
-            return (record, rev, self._closed(closed, record_kv),
+            return (record, rev, self._closed(closed, record, record_kv),
                     guess if self._codec.control(signal, rev, leased=True) else -1)
         raise RendezvousRefusedError(f"The round record in etcd key '{shown(self._round_key)}' is replaced by values "
                                      "this job cannot take as fast as it is deleted: check who can write the key "
@@ -413,12 +413,10 @@ class LeaseRendezvousHandler(SealerRole, RendezvousHandler):
                 return
         raise other_protocol_error(self._legacy_key.decode())
 
-    def _closed(self, closed: KeyValue | None, record_kv: KeyValue | None) -> bool:
-        """Whether ``closed`` closes the run whose record is ``record_kv`` (both read together)."""
-        if closed is None:
-            return False
-        record = self._codec.round(record_kv) if record_kv is not None else None
-        return self._codec.closed(closed, record, record_kv.mod_revision if record_kv is not None else 0)
+    def _closed(self, closed: KeyValue | None, record: Round | None, record_kv: KeyValue | None) -> bool:
+        """Whether ``closed`` closes the run whose record (``record``, decoded from ``record_kv``) was read with it."""
+        return closed is not None and self._codec.closed(closed, record,
+                                                         record_kv.mod_revision if record_kv is not None else 0)
 
     def _closed_error(self) -> RendezvousClosedError:
         return closed_error(self._settings.run_id, self._closed_key.decode())

@@ -19,17 +19,20 @@ import socket
 import threading
 
 
-def _hold_socket() -> socket.socket:
+def reuseport_socket(port: int = 0) -> socket.socket:
+    """A TCP socket bound to ``port`` (0: any free one) on every address with ``SO_REUSEPORT`` and not
+    ``SO_REUSEADDR``: dual-stack IPv6 where the host has IPv6, else IPv4. The agent's hold and rank 0's store (which
+    shares the held port) are both made here. ``OSError`` where that is not possible."""
     reuse_port = getattr(socket, "SO_REUSEPORT", None)
     if reuse_port is None:  # pragma: no cover - not Linux
         raise OSError("SO_REUSEPORT is not available")
     try:
         sock = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
         sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-        address: tuple[str, int] = ("::", 0)
+        address: tuple[str, int] = ("::", port)
     except OSError:
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        address = ("0.0.0.0", 0)
+        address = ("0.0.0.0", port)
     try:
         sock.setsockopt(socket.SOL_SOCKET, reuse_port, 1)
         sock.set_inheritable(False)
@@ -60,7 +63,7 @@ class PortHold:
         with self._lock:
             self._close()
             try:
-                self._sock = _hold_socket()
+                self._sock = reuseport_socket()
                 return int(self._sock.getsockname()[1])
             except OSError:  # no SO_REUSEPORT: torch's way (found free, then released)
                 from torch.distributed.elastic.utils.distributed import get_free_port

@@ -35,9 +35,7 @@ class SealerRole:
     _ctl: bytes
     _round_key: bytes
     _closed_key: bytes
-
-    def _give_up(self, want: int) -> None:  # the handler's
-        raise NotImplementedError
+    _give_up: Callable[[int], None]  #: the handler's: roll back our join and raise the timeout
 
     def _seal_round(self, want: int, deadline: float, claim: int, joined_after: int = 0) -> Round | None:
         """As the sealer of round ``want`` (joined after the record at ``joined_after``): follow the node keys until

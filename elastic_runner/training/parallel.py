@@ -49,6 +49,7 @@ class GradientSync(Protocol):
     def no_sync(self) -> contextlib.AbstractContextManager[None]: ...
     def empty_micro_step(self) -> None: ...
     def finish(self) -> None: ...
+    def close(self) -> None: ...
 
 
 class _Bucket:
@@ -237,19 +238,23 @@ def _is(grad: torch.Tensor, view: torch.Tensor) -> bool:
 
 def _broadcast_state(model: nn.Module, group: Any) -> None:
     """Every rank takes rank 0's parameters and buffers (as DDP's constructor does)."""
-    if tdist.get_world_size(group) == 1:
-        return
-    tensors = [t.detach() for t in list(model.parameters()) + list(model.buffers())]
-    by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-    for t in tensors:
-        by_kind.setdefault((t.dtype, t.device), []).append(t)
+    if tdist.get_world_size(group) > 1:
+        src = tdist.get_global_rank(group, 0) if group is not None else 0
+        broadcast_coalesced(list(model.parameters()) + list(model.buffers()), src, group)
+
+
+def broadcast_coalesced(tensors: list[torch.Tensor], src: int = 0, group: Any = None) -> None:
+    """Overwrite ``tensors`` with rank ``src``'s, in one broadcast per dtype and device."""
     from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-    for group_tensors in by_kind.values():
-        flat = _flatten_dense_tensors(group_tensors)
-        tdist.broadcast(flat, src=tdist.get_global_rank(group, 0) if group is not None else 0, group=group)
-        if tdist.get_rank(group) != 0:
-            torch._foreach_copy_(group_tensors, list(_unflatten_dense_tensors(flat, group_tensors)))
+    by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for t in tensors:
+        by_kind.setdefault((t.dtype, t.device), []).append(t.detach())
+    for same in by_kind.values():
+        flat = _flatten_dense_tensors(same)
+        tdist.broadcast(flat, src=src, group=group)
+        if tdist.get_rank() != src:
+            torch._foreach_copy_(same, list(_unflatten_dense_tensors(flat, same)))
 
 
 #: The input of a micro-step in which this rank has no sample: ``ddp(EMPTY)`` is a zero loss.

@@ -65,7 +65,7 @@ class TrainStep:
                         losses, weights = self.task.compute_loss(self.sync.module, batch, len(micro))
                         scaled = self.gradients.loss_for_backward(losses, weights, plan.global_count, self.task.where)
                     weighted = weights is not None
-                    loss += _loss_sums(losses, weights, len(micro))
+                    _add_loss_sums(loss, losses, weights, len(micro))
                     self.backward(scaled)
                 else:
                     self.sync.empty_micro_step()  # no sample for this rank here: it joins the sync all the same
@@ -98,10 +98,14 @@ class TrainStep:
         self._training = False
 
 
-def _loss_sums(losses: torch.Tensor, weights: torch.Tensor | None, count: int) -> torch.Tensor:
-    """(loss sum, weight) of one micro-batch, for the logged loss: weighted by the task's weights if any."""
+def _add_loss_sums(into: torch.Tensor, losses: torch.Tensor, weights: torch.Tensor | None, count: int) -> None:
+    """Add one micro-batch's (loss sum, weight) to ``into``, for the logged loss: weighted by the task's weights if
+    any (in place: no tensor is made per micro-batch)."""
     detached = losses.detach().double()
     if weights is None:
-        return torch.stack([detached.sum(), torch.tensor(float(count), dtype=torch.float64, device=detached.device)])
-    w = weights.detach().double()
-    return torch.stack([(detached * w).sum(), w.sum()])
+        into[0] += detached.sum()
+        into[1] += count
+    else:
+        w = weights.detach().double()
+        into[0] += (detached * w).sum()
+        into[1] += w.sum()

@@ -17,7 +17,6 @@ import datetime
 import gc
 import json
 import logging
-import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as tdist
 
+from ..training.parallel import broadcast_coalesced
 from .env import WorkerEnv
 from .lifecycle import EXIT_PEER_TIMEOUT, exit_now
 
@@ -119,26 +119,23 @@ def job_store(env: WorkerEnv, timeout: datetime.timedelta) -> Any:
     the agent that offered the port still holds it that way (:mod:`elastic_runner.rendezvous.ports`), so that no
     other local user could take it meanwhile, and only a socket of the same user with the same option can share
     it. None where that is not possible here (the caller then uses ``env://``)."""
-    reuse_port = getattr(socket, "SO_REUSEPORT", None)
-    if reuse_port is None or env.master_addr is None or env.master_port is None:
+    from ..rendezvous.ports import reuseport_socket
+
+    if env.master_addr is None or env.master_port is None:
         return None
     if env.rank != 0:
         return tdist.TCPStore(env.master_addr, env.master_port, env.world_size, False, timeout=timeout,
                               multi_tenant=True)
     try:
-        try:
-            sock = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
-            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-            address: tuple[str, int] = ("::", env.master_port)
-        except OSError:
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            address = ("0.0.0.0", env.master_port)
-        sock.setsockopt(socket.SOL_SOCKET, reuse_port, 1)
-        sock.bind(address)
-        sock.listen(512)
+        sock = reuseport_socket(env.master_port)
     except OSError as exc:
         log.debug("MASTER_PORT %s cannot be bound with SO_REUSEPORT (%s); env:// binds it", env.master_port, exc)
+        return None
+    try:
+        sock.listen(512)
+    except OSError as exc:
         sock.close()
+        log.debug("MASTER_PORT %s cannot be listened on (%s); env:// binds it", env.master_port, exc)
         return None
     # The store takes the listening socket over (and closes it with itself).
     return tdist.TCPStore(env.master_addr, env.master_port, env.world_size, True, timeout=timeout,
@@ -278,16 +275,7 @@ class Dist:
 
     def broadcast_tensors(self, tensors: list[torch.Tensor], src: int = 0) -> None:
         """Overwrite ``tensors`` with ``src``'s, in one broadcast per dtype and device (coalesced)."""
-        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-
-        groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-        for t in tensors:
-            groups.setdefault((t.dtype, t.device), []).append(t)
-        for group in groups.values():
-            flat = _flatten_dense_tensors([t.detach() for t in group])
-            tdist.broadcast(flat, src=src)
-            if self.rank != src:
-                torch._foreach_copy_([t.detach() for t in group], list(_unflatten_dense_tensors(flat, group)))
+        broadcast_coalesced(tensors, src)
 
     def barrier(self) -> None:
         self.all_reduce_sum(torch.zeros(1, device=self.device))
