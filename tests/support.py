@@ -137,7 +137,10 @@ def c10d_rendezvous_state(endpoint: str, run_id: str) -> Any:
     import torch.distributed as dist
 
     host, port = endpoint.rsplit(":", 1)
-    store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=10))
+    try:
+        store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=10))
+    except dist.DistNetworkError as exc:
+        raise AssertionError(f"no rendezvous store at {endpoint}: the agent that hosts it has ended") from exc
     key = "torch.rendezvous." + run_id
     if not store.check([key]):
         return None
@@ -148,16 +151,25 @@ def c10d_rendezvous_state(endpoint: str, run_id: str) -> Any:
         return None
 
 
-def stop_workers_at_step(job: Any, step: int, count: int, timeout: float = 90) -> tuple[list[Any], int]:
+def stop_workers_at_step(job: Any, step: int, count: int, timeout: float = 90,
+                         replacing: Sequence[Any] = ()) -> tuple[list[Any], int]:
     """Stop (SIGSTOP) the job's ``count`` workers as soon as some rank has started ``step``; return
     them and the step reached. Between checks they run for a few milliseconds only, so the job stops
     within a step or two of ``step`` however fast this machine trains: waiting for the step and then
     stopping lets a fast job run on for as long as the test process takes to react (on a loaded CI
-    machine, long enough to finish a short run). Let them go with :func:`continue_workers`."""
+    machine, long enough to finish a short run). ``replacing``: workers just killed; their successors
+    are the ones stopped (call this right after the kill: waiting for the restart first and then
+    stopping leaves the same free-running window). Let them go with :func:`continue_workers`."""
     import signal
 
     deadline = time.monotonic() + timeout
-    workers = job.wait_for_workers(count, timeout=timeout)
+    gone = {w.pid for w in replacing}
+    while True:
+        workers = [w for w in job.wait_for_workers(count, timeout=max(0.1, deadline - time.monotonic()))
+                   if w.pid not in gone]
+        if len(workers) >= count:
+            break
+        time.sleep(0.005)
     while True:
         for w in workers:
             job.signal_worker(w, signal.SIGSTOP)
@@ -189,11 +201,13 @@ def kill_worker_at_step(job: Any, step: int, rank: int = 1, count: int = 2, time
     return victim
 
 
-def start_agent_while_paused(job: Any, at_step: int, count: int, timeout: float = 90) -> Any:
+def start_agent_while_paused(job: Any, at_step: int, count: int, timeout: float = 90,
+                             replacing: Sequence[Any] = ()) -> Any:
     """Once the c10d job has reached ``at_step``, start one more agent while its ``count`` workers
     are stopped, and let them go once the new agent waits to join. However fast this machine trains,
-    the job cannot finish before the new agent arrives (its start-up takes seconds)."""
-    paused, _ = stop_workers_at_step(job, at_step, count, timeout)
+    the job cannot finish before the new agent arrives (its start-up takes seconds). ``replacing``: as
+    for :func:`stop_workers_at_step`."""
+    paused, _ = stop_workers_at_step(job, at_step, count, timeout, replacing=replacing)
 
     def waiting() -> bool:
         state = c10d_rendezvous_state(job.rdzv_endpoint, job.rdzv_id)
