@@ -12,6 +12,8 @@ rendezvous store of torch's defaults makes joins hang) and ends that variant.
     .venv/bin/python benchmarks/recovery.py --repeats 3 --out results/recovery.json
     .venv/bin/python benchmarks/recovery.py --variants elastic-runner,elastic-runner-torchrun-tuned \
         --scenarios worker_kill --loader-workers 0,2          # recovery with DataLoader workers vs without
+    .venv/bin/python benchmarks/recovery.py --variants elastic-runner --scenarios worker_kill \
+        --compile 0,1                                         # a compiled model's recovery vs the same uncompiled
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from common import (
+    OURS,
     SAME_SETTINGS,
     VARIANTS,
     Workload,
@@ -36,9 +39,9 @@ from common import (
 
 
 def measure(variant: str, repeats: int, hang_after: float, workdir: Path, scenarios: list[str],
-            loader_workers: int = 0) -> dict[str, Any]:
-    run_dir = workdir / (variant + (f"@loader{loader_workers}" if loader_workers else ""))
-    job = make_job(variant, Workload(workers=loader_workers), run_dir)
+            loader_workers: int = 0, compiled: bool = False) -> dict[str, Any]:
+    run_dir = workdir / variant_key(variant, loader_workers, compiled)
+    job = make_job(variant, Workload(workers=loader_workers), run_dir, **({"model.compile": True} if compiled else {}))
     result: dict[str, Any] = {"worker_kill": [], "node_loss": [], "node_join": [], "steps_lost": [], "hangs": []}
     try:
         job.start_agent()
@@ -80,6 +83,10 @@ def measure(variant: str, repeats: int, hang_after: float, workdir: Path, scenar
         return result
     finally:
         job.close()
+
+
+def variant_key(variant: str, loader_workers: int, compiled: bool) -> str:
+    return variant + (f"@loader{loader_workers}" if loader_workers else "") + ("@compiled" if compiled else "")
 
 
 def summarize(raw: dict[str, dict[str, Any]], hang_after: float) -> dict[str, Any]:
@@ -128,27 +135,34 @@ def main() -> None:
     p.add_argument("--loader-workers", default="0",
                    help="data.num_workers (DataLoader processes per rank), comma-separated: each variant runs once "
                         "per value, e.g. 0,2 to compare recovery with and without loader workers in one run")
+    p.add_argument("--compile", default="0",
+                   help="model.compile, comma-separated 0/1: each of our variants runs once per value, e.g. 0,1 to "
+                        "compare a compiled model's recovery with the same model uncompiled (the baselines: 0 only)")
     p.add_argument("--workdir", default=None)
     p.add_argument("--out", default=None, help="write the JSON result here too")
     args = p.parse_args()
     with scratch_dir(args.workdir, "er-bench-recovery-") as workdir:
         raw = {}
         loader_counts = [int(n) for n in args.loader_workers.split(",") if n.strip()]
+        compiles = [bool(int(n)) for n in args.compile.split(",") if n.strip()]
         for variant in [v.strip() for v in args.variants.split(",") if v.strip()]:
             for workers in loader_counts:
-                key = variant + (f"@loader{workers}" if workers else "")
-                started = time.monotonic()
-                repeats = args.default_repeats if variant == "torchrun-default" and args.default_repeats else args.repeats
-                raw[key] = measure(variant, repeats, args.hang_after, workdir, args.scenarios.split(","), workers)
-                raw[key]["wall_s"] = round(time.monotonic() - started, 1)
-                print(f"{key}: {raw[key]}", flush=True)
+                for compiled in compiles if variant in OURS else [False]:
+                    key = variant_key(variant, workers, compiled)
+                    started = time.monotonic()
+                    repeats = (args.default_repeats if variant == "torchrun-default" and args.default_repeats
+                               else args.repeats)
+                    raw[key] = measure(variant, repeats, args.hang_after, workdir, args.scenarios.split(","), workers,
+                                       compiled)
+                    raw[key]["wall_s"] = round(time.monotonic() - started, 1)
+                    print(f"{key}: {raw[key]}", flush=True)
         result = summarize(raw, args.hang_after)
-        # Loader processes must not slow recovery: each variant with loader workers against itself without them.
+        # Loader processes and compiling must not slow recovery: each such variant against itself without them.
         for key, medians in result["medians"].items():
-            variant, _, loader = key.partition("@")
+            variant, _, extra = key.partition("@")
             base = result["medians"].get(variant, {})
             for scenario in ("worker_kill_s", "node_loss_s", "node_join_s"):
-                if loader and isinstance(medians.get(scenario), float) and isinstance(base.get(scenario), float):
+                if extra and isinstance(medians.get(scenario), float) and isinstance(base.get(scenario), float):
                     result["ratios"][f"{key}:{scenario[:-2]}_vs_{variant}"] = round(medians[scenario] / base[scenario], 3)
         write_json(args.out, {"benchmark": "recovery", "repeats": args.repeats, "workdir": args.workdir, "raw": raw} | result)
 

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from .config import Config, ConfigError, load_config
+from .training.compiling import unwrap_compiled, without_compile_prefix
 
 Optimizer = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
@@ -42,13 +43,17 @@ def fit(model: nn.Module, train_data: Any, *, loss: Callable[..., Any] | str = "
         optimizer: Optimizer | None = None, eval_data: Any = None,
         metrics: Sequence[str | Callable[..., Any]] | None = None, collate: Callable[[list[Any]], Any] | None = None,
         schedule: Callable[[torch.optim.Optimizer, int], Any] | None = None,
-        config: str | os.PathLike[str] | Mapping[str, Any] | Config | None = None, overrides: Sequence[str] = ()) -> int:
+        config: str | os.PathLike[str] | Mapping[str, Any] | Config | None = None, overrides: Sequence[str] = (),
+        compile: bool | None = None) -> int:  # noqa: A002 - torch's own word for it
     """Train ``model`` on ``train_data`` as an elastic, fault-tolerant job; see the module docstring.
 
     ``loss``: ``fn(model, batch)`` or a built-in name (``cross_entropy``, ``mse`` for (input,
     target) items). ``optimizer``: ``fn(parameters) -> Optimizer`` (default: the config's ``optim``
     section). ``metrics``: built-in names and ``fn(model, batch) -> {name: values [B]}``.
     ``schedule``: ``fn(optimizer, total_steps) -> LRScheduler`` (default: the config's ``schedule``).
+    ``compile``: ``torch.compile`` the forward pass (default: the config's ``model.compile``). A model the script
+    compiled itself (``torch.compile(model)``) is trained through its compiled wrapper, with the script's options,
+    and saved as the plain model: snapshots load with or without compiling.
     """
     from .observe.logs import say
     from .worker.env import EnvError, WorkerEnv
@@ -65,6 +70,14 @@ def fit(model: nn.Module, train_data: Any, *, loss: Callable[..., Any] | str = "
         if metrics is not None:
             cfg.eval.metrics = [m for m in metrics if isinstance(m, str)] or ["loss"]
             cfg.eval.validate()
+        model, compiled = unwrap_compiled(model)
+        if compile is not None:
+            if not isinstance(compile, bool):
+                raise ConfigError("fit(compile=...)", f"got {compile!r}", "Pass compile=True or compile=False")
+            cfg.model.compile = compile
+        if compiled is not None and compile is False:
+            raise ConfigError("fit(compile=False)", "the model passed is compiled already (torch.compile)",
+                              "Pass the plain model, or leave compile out")
     except (ConfigError, EnvError) as exc:
         say(f"elastic_runner: config error: {exc}")
         return EXIT_USAGE
@@ -97,7 +110,8 @@ def fit(model: nn.Module, train_data: Any, *, loss: Callable[..., Any] | str = "
         probe = optimizer([nn.Parameter(torch.zeros(1))]) if optimizer is not None else None
         return Workload(train=train_data, test=eval_data, model=model, task=task, make_optimizer=make_optimizer,
                         make_schedule=make_schedule, description=f"{type(train_data).__qualname__} "
-                        f"({len(train_data)} samples)", collate=collate, identity=identity_of(model, train_data, probe))
+                        f"({len(train_data)} samples)", collate=collate, identity=identity_of(model, train_data, probe),
+                        compiled=compiled)
 
     return run(cfg, env, make_workload=make_workload)
 
@@ -139,8 +153,9 @@ def load_model(run_dir: str | os.PathLike[str], model: nn.Module | None = None, 
                               "a snapshot never chooses code to run",
                               "Build the model and pass it: load_model(run_dir, model), or name the import path you "
                               f"trust: load_model(run_dir, trust_import_path={name!r})")
+    plain, _ = unwrap_compiled(model)
     try:
-        model.load_state_dict(state["model"])
+        plain.load_state_dict(without_compile_prefix(state["model"]))
     except RuntimeError as exc:
         raise ConfigError("load_model", f"the weights of {ref.name} do not fit this model: "
                           f"{str(exc).splitlines()[0]}", "Pass the model the run trained") from exc

@@ -79,7 +79,7 @@ class Config:
             return {k: v for k, v in d[section].items() if k not in RESUME_FREE.get(section, ())}
 
         parts = {
-            "model": d["model"] | ({"script": extra["model"]} if "model" in extra else {}),
+            "model": kept("model") | ({"script": extra["model"]} if "model" in extra else {}),
             "data": kept("data") | {"seed": d["run"]["seed"]} | ({"script": extra["data"]} if "data" in extra else {}),
             "optim": {"optim": d["optim"], "schedule": d["schedule"], "batch": kept("batch")}
             | ({"script": extra["optim"]} if "optim" in extra else {}),
@@ -95,6 +95,7 @@ SECTIONS: dict[str, type] = typing.get_type_hints(Config)
 #: Keys of the fingerprinted sections that may change between attempts of one run: they change
 #: speed or memory use, not the mathematics (the data order, the gradient, the model).
 RESUME_FREE: dict[str, frozenset[str]] = {
+    "model": frozenset({"compile"}),
     "data": frozenset({"num_workers", "eval_batch_size"}),
     "batch": frozenset({"micro_size", "uneven"}),
 }

@@ -170,6 +170,14 @@ class ModelConfig:
         "of each rank's share (needs CUDA devices).",
         default=False,
     )
+    compile: bool = _help(
+        "Compile the model's forward pass with torch.compile (static shapes: a resumed run runs the kernels of an "
+        "uninterrupted one and ends bitwise identical). Snapshots hold the plain model (no '_orig_mod.' keys): they "
+        "load compiled or not. Compiled code is cached per node, in a directory of this user's only "
+        "(TORCHINDUCTOR_CACHE_DIR overrides it), so a restarted worker does not generate it again. May change "
+        "between attempts of a run.",
+        default=False,
+    )
     loss: str = _help(
         "Training loss: cross_entropy or mse for (input, target) items, or an import path to "
         "fn(model, batch) returning per-sample losses [B], or (losses [B], weights [B]) for a "

@@ -81,8 +81,8 @@ class OrderedGradientSync:
     averages_over = 1
 
     def __init__(self, model: nn.Module, *, bucket_bytes: int = BUCKET_BYTES,
-                 first_bucket_bytes: int = FIRST_BUCKET_BYTES, group: Any = None) -> None:
-        self.module = model
+                 first_bucket_bytes: int = FIRST_BUCKET_BYTES, group: Any = None, forward: nn.Module | None = None) -> None:
+        self.module = forward if forward is not None else model
         self.group = group
         self.world = tdist.get_world_size(group)
         seen: set[int] = set()
@@ -162,7 +162,7 @@ class OrderedGradientSync:
 class TorchDDPSync:
     """torch's ``DistributedDataParallel`` (``dist.gradient_sync: ddp``): it averages over the world."""
 
-    def __init__(self, model: nn.Module, device: torch.device) -> None:
+    def __init__(self, model: nn.Module, device: torch.device, forward: nn.Module | None = None) -> None:
         from torch.nn.parallel import DistributedDataParallel
 
         device_ids = [device.index] if device.type == "cuda" else None
@@ -171,7 +171,7 @@ class TorchDDPSync:
         # the switch (broadcast_buffers is deprecated there; older torch lacks the new name).
         accepted = inspect.signature(DistributedDataParallel.__init__).parameters
         no_forward_sync = {"forward_sync_buffers": False} if "forward_sync_buffers" in accepted else {"broadcast_buffers": False}
-        self.module = DistributedDataParallel(Replica(model), device_ids=device_ids, **no_forward_sync)
+        self.module = DistributedDataParallel(Replica(model, forward), device_ids=device_ids, **no_forward_sync)
         self.averages_over = tdist.get_world_size()
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
@@ -191,11 +191,14 @@ class TorchDDPSync:
         pass
 
 
-def replicate(model: nn.Module, device: torch.device, how: str = "ordered") -> OrderedGradientSync | TorchDDPSync:
-    """The model replicated on every rank (rank 0's parameters and buffers), with its gradient sync."""
+def replicate(model: nn.Module, device: torch.device, how: str = "ordered",
+              forward: nn.Module | None = None) -> OrderedGradientSync | TorchDDPSync:
+    """The model replicated on every rank (rank 0's parameters and buffers), with its gradient sync. ``forward``:
+    what the loss calls instead of ``model`` (its compiled wrapper, :mod:`.compiling`); the gradients are
+    ``model``'s all the same."""
     if how == "ddp":
-        return TorchDDPSync(model, device)
-    return OrderedGradientSync(model)
+        return TorchDDPSync(model, device, forward)
+    return OrderedGradientSync(model, forward=forward)
 
 
 # -- the fixed layout ------------------------------------------------------------------------------------------
@@ -271,14 +274,16 @@ class Replica(torch.nn.Module):
     function reading ``model.module.config``) are passed through.
     """
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, forward: torch.nn.Module | None = None) -> None:
         super().__init__()
         self.model = model
+        # Not a submodule: the compiled wrapper holds the same parameters under other names.
+        self.__dict__["_forward"] = forward if forward is not None else model
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if len(args) == 1 and args[0] is EMPTY and not kwargs:
             return sum(p.sum() for p in self.model.parameters() if p.requires_grad) * 0.0
-        return self.model(*args, **kwargs)
+        return self.__dict__["_forward"](*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
         try:

@@ -45,6 +45,7 @@ from ..training import parallel
 from ..training.adapt import planned_total_steps, refresh_schedule, rescale_lr
 from ..training.bookkeeping import StepBooks
 from ..training.checkpointer import Checkpointer
+from ..training.compiling import compiled_forward, use_private_cache
 from ..training.evaluation import Evaluator
 from ..training.gradients import StepGradients
 from ..training.loop import AttemptStart, Trainer
@@ -178,6 +179,8 @@ class Attempt:
             self.layout = layout_for(cfg.batch, env.world_size)
             self.model = self.workload.model.to(dist.device)
             check(self.workload, dist.device, self.layout.micro_size)
+            if cfg.model.compile or self.workload.compiled is not None:
+                use_private_cache()
             largest = largest_world_size(os.environ, env.world_size, env.local_world_size, parent_cmdline())
             check_batchnorm(self.model, dist.device, cfg.batch, largest, env.world_size, self.workload.num_train,
                             cfg.data.partial_batch == "partial")
@@ -268,7 +271,8 @@ class Attempt:
                 "partial_batch": cfg.data.partial_batch, "global_batch": self.layout.global_size,
                 "sampler": cfg.data.sampler,
             })
-        sync = parallel.replicate(parts.model, dist.device, cfg.dist.gradient_sync)
+        forward = compiled_forward(parts.model, cfg.model.compile, w.compiled)
+        sync = parallel.replicate(parts.model, dist.device, cfg.dist.gradient_sync, forward=forward)
         ckpt.at_boundary()  # every rank's parameters and buffers are now rank 0's
         gradients = StepGradients(dist, parts.model, cfg.optim.grad_clip_norm, cfg.train.on_nonfinite, parts.scaler,
                                   averages_over=sync.averages_over)

@@ -48,6 +48,8 @@ class Workload:
     model_build: dict[str, Any] = field(default_factory=dict)
     #: Fingerprint parts for objects no config describes (a script's own model and data).
     identity: dict[str, Any] = field(default_factory=dict)
+    #: The script's own ``torch.compile`` wrapper of ``model`` (``model`` is then the plain module inside it).
+    compiled: nn.Module | None = None
 
     @property
     def num_train(self) -> int:

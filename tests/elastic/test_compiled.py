@@ -1,0 +1,68 @@
+"""A compiled model (``model.compile: true``) under faults: a worker killed at a random step, and the job ends with
+exactly the model of an uninterrupted compiled run; its snapshots load into the model uncompiled."""
+
+from __future__ import annotations
+
+import random
+import signal
+import time
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+import torch
+
+from elastic_runner import load_model
+from elastic_runner.observe.audit import check_audit
+from elastic_runner.testing.localjob import LocalJob
+
+from ..support import assert_bitwise_equal, continue_workers, events, exported_model, stop_workers_at_step, write_config
+from .conftest import RESUME_SECTIONS
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.timeout(600)]
+
+STEPS = 200
+SEED = int(time.time()) % 10_000
+
+
+@pytest.fixture(scope="module")
+def compiled_config(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    sections = RESUME_SECTIONS | {"model": {"compile": True}, "train": RESUME_SECTIONS["train"] | {"max_steps": STEPS}}
+    return write_config(tmp_path_factory.mktemp("cfg") / "compiled.yaml", **sections)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_compiled(compiled_config: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
+    run_dir = tmp_path_factory.mktemp("uninterrupted-compiled") / "run"
+    job = LocalJob(config=str(compiled_config), run_dir=str(run_dir), nnodes="2:2")
+    try:
+        job.start_agent()
+        job.start_agent()
+        assert job.wait(timeout=300) == [0, 0], job.logs_tail()
+    finally:
+        job.close()
+    yield exported_model(run_dir, tmp_path_factory.mktemp("export"))
+
+
+def test_a_compiled_model_recovers_from_a_worker_kill_bitwise_and_loads_uncompiled(
+        compiled_config: Path, uninterrupted_compiled: dict, local_job, tmp_path: Path) -> None:  # noqa: ANN001
+    job = local_job(config=str(compiled_config), nnodes="2:2")
+    job.start_agent()
+    job.start_agent()
+    at = random.Random(SEED).randint(30, STEPS - 40)
+    workers, reached = stop_workers_at_step(job, at, count=2, timeout=240)
+    victim = next(w for w in workers if w.rank == 1)
+    job.signal_worker(victim, signal.SIGKILL)
+    continue_workers(job, [w for w in workers if w is not victim])
+    assert job.wait(timeout=300) == [0, 0], job.logs_tail()
+    run_dir = Path(job.run_dir)
+    what = f"rank 1 killed at step {reached} (seed {SEED})"
+    resumed = [e for e in events(run_dir, "resume") if e["generation"] > 1]
+    assert resumed and resumed[0]["tier"] == "memory", f"{what}: the survivor's memory seeded the restart"
+    report = check_audit(run_dir)
+    assert report.ok and report.finished and report.final_step == STEPS, f"{what}: {report.render()}"
+    ours = exported_model(run_dir, tmp_path)
+    assert_bitwise_equal(ours, uninterrupted_compiled)
+    plain = load_model(run_dir)  # the built-in model, uncompiled, from the snapshot's own config
+    assert type(plain).__name__ != "OptimizedModule"
+    assert all(torch.equal(v, ours[k]) for k, v in plain.state_dict().items())
