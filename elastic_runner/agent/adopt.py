@@ -126,13 +126,15 @@ def adopt(launcher_api: Any, config: Any, entrypoint: Any, args: Sequence[Any],
         from ..rendezvous.ports import hold_for_our_workers
 
         hold_for_our_workers()  # our worker binds MASTER_PORT with SO_REUSEPORT: the offered port stays held
+    worker_cfg = worker_config(worker_args) if worker_args is not None else None
     if zygote_wanted and worker_args is not None:
-        zygote.start_warming()  # forked from this agent, which has imported torch by now
+        # forked from this agent, which has imported torch by now
+        zygote.start_warming(compiled=worker_cfg is not None and worker_cfg.model.compile)
         entrypoint, args = zygote.worker_main, worker_args
         config.start_method = "forkserver"
     fast_rendezvous.install()
     quiet_handled_failures()
-    agent_metrics = AgentMetrics(agent_events(worker_args) if worker_args is not None else None)
+    agent_metrics = AgentMetrics(agent_events(worker_cfg) if worker_cfg is not None else None)
     agent_metrics.serve()
     install_bridge(agent_metrics)
     if usable(AGENT_CORRECTIONS, log):
@@ -144,12 +146,10 @@ def adopt(launcher_api: Any, config: Any, entrypoint: Any, args: Sequence[Any],
     return entrypoint, list(args)
 
 
-def agent_events(worker_args: Sequence[str]) -> Any:
-    """The agent's own event log in the worker's run directory (if its config loads)."""
-    import socket
-
+def worker_config(worker_args: Sequence[str]) -> Any:
+    """The config the workers will load (``--config`` and ``--set`` of their command line), or None if it does not
+    load (the workers then say why)."""
     from ..config import ConfigError, load_config
-    from ..observe.events import EventLog
 
     rest = list(worker_args)
     config_path, overrides = None, []
@@ -163,8 +163,20 @@ def agent_events(worker_args: Sequence[str]) -> Any:
     if config_path is None:
         return None
     try:
-        cfg = load_config(config_path, overrides)
-        return EventLog(cfg.run.dir, f"agent-{socket.gethostname()}-{os.getpid()}", role="agent")
+        return load_config(config_path, overrides)
     except (ConfigError, OSError) as exc:
+        log.debug("the workers' config does not load here: %s", exc)
+        return None
+
+
+def agent_events(cfg: Any) -> Any:
+    """The agent's own event log in the workers' run directory."""
+    import socket
+
+    from ..observe.events import EventLog
+
+    try:
+        return EventLog(cfg.run.dir, f"agent-{socket.gethostname()}-{os.getpid()}", role="agent")
+    except OSError as exc:
         log.debug("no agent event log: %s", exc)
         return None

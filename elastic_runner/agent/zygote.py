@@ -29,19 +29,24 @@ import threading
 log = logging.getLogger(__name__)
 
 PRELOAD = ["elastic_runner.agent.warm"]
+#: Preloaded too when the workers compile their model (``model.compile``): torch.compile's code generator (0.85 s
+#: of imports here, which every restarted worker would pay again; nothing else pays it).
+COMPILE_PRELOAD = ["elastic_runner.agent.warm_compile"]
 WORKER_MODULE = "elastic_runner.train"
 
 _warming: threading.Thread | None = None
 
 
-def start_warming() -> None:
+def start_warming(compiled: bool = False) -> None:
     """Start the zygote now (idempotent): forked from this process when it has imported torch already
-    (:func:`fork_zygote`), else a new interpreter, warming in the background."""
+    (:func:`fork_zygote`), else a new interpreter, warming in the background. ``compiled``: the workers compile
+    their model (:data:`COMPILE_PRELOAD`)."""
     global _warming
     if _warming is not None:
         return
-    forkserver.set_forkserver_preload(PRELOAD)
-    if "torch" in sys.modules and fork_zygote():
+    preload = PRELOAD + (COMPILE_PRELOAD if compiled else [])
+    forkserver.set_forkserver_preload(preload)
+    if "torch" in sys.modules and fork_zygote(preload):
         _warming = threading.current_thread()
         return
     _warming = threading.Thread(target=forkserver.ensure_running, name="zygote-warmup", daemon=True)
@@ -63,7 +68,7 @@ def _fork_supported() -> bool:
             and server._forkserver_pid is None and threading.active_count() == 1)
 
 
-def fork_zygote() -> bool:
+def fork_zygote(preload: list[str] = PRELOAD) -> bool:
     """Start the zygote as a fork of this agent, which has imported torch already; False (nothing done)
     where this Python's forkserver differs or this process runs other threads.
 
@@ -102,7 +107,7 @@ def fork_zygote() -> bool:
             ours = logging.getLogger("elastic_runner")
             ours.handlers.clear()
             ours.propagate, ours.level = True, logging.NOTSET
-            forkserver.main(listener.fileno(), alive_r, PRELOAD)
+            forkserver.main(listener.fileno(), alive_r, preload)
         except SystemExit:
             pass  # the agent is gone (the "alive" pipe closed): the normal end
         except BaseException:  # noqa: BLE001 - never return into the agent's code in this process
