@@ -8,11 +8,12 @@
   (:data:`elastic_runner.worker.lifecycle.EXIT_USAGE`: invalid config, incompatible
   snapshot) or 3 (the gradient became NaN or inf) would fail identically on
   every restart; the agent stops instead of burning ``--max-restarts`` restarts.
-- **A round a member never starts in is left, not fatal.** A node that dies right after a round is
-  sealed (a SIGKILL between the seal and its workers' rank assignment) never writes its part of
-  the round's store; torch's agent waits ``read_timeout`` (60 s) for it and then raises, and every
-  other agent of the round with it: the whole job ended (seen in a 1,000-fault soak). The agent
-  joins the next round instead, which forms without the dead node.
+- **A round a member never starts in is left, not fatal, and not waited out.** A node that dies right
+  after a round is sealed (a SIGKILL between the seal and its workers' rank assignment) never writes
+  its part of the round's store; torch's agent waits ``read_timeout`` (60 s) for it and then raises,
+  and every other agent of the round with it: the whole job ended (seen in a 1,000-fault soak). The
+  agent joins the next round instead, which forms without the dead node, and it stops waiting as
+  soon as the rendezvous counts that node dead (:mod:`elastic_runner.agent.round_members`).
 - **No lazy imports on the recovery path.** torch's log formatter imports
   ``torch._dynamo`` (~2.5 s) the first time it formats an exception, and
   torch logs one exactly when a worker fails; that record goes to our DEBUG
@@ -41,6 +42,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 
 from ..worker.lifecycle import EXIT_DIVERGED, EXIT_FINAL, EXIT_NOT_DURABLE, EXIT_USAGE, proc_state, process_start_time
 from . import fast_rendezvous
+from .round_members import WatchfulStore, gone_check
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +111,13 @@ class ElasticRunnerAgent(LocalElasticAgent):
         early = getattr(worker_group.spec.rdzv_handler, "completed_early", fast_rendezvous.completed_early)
         self._notify("rendezvous", seconds=time.monotonic() - started, world_size=worker_group.group_world_size,
                      group_rank=worker_group.group_rank, completed_early=bool(early), **startup)
+
+    def _assign_worker_ranks(self, store: Any, group_rank: int, group_world_size: int, spec: Any) -> Any:
+        """torch's rank assignment, with waits that end once a member of the round is gone
+        (:mod:`elastic_runner.agent.round_members`)."""
+        gone = gone_check(spec.rdzv_handler)
+        return super()._assign_worker_ranks(WatchfulStore(store, gone) if gone is not None else store, group_rank,
+                                            group_world_size, spec)
 
     # -- stopping ------------------------------------------------------------------------------
 

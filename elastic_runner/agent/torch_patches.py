@@ -159,6 +159,8 @@ AGENT_CORRECTIONS = TorchPatch(
         Need(LOCAL_AGENT, "LocalElasticAgent._shutdown", params=("death_sig", "timeout")),
         Need(LOCAL_AGENT, "LocalElasticAgent._monitor_workers", params=("worker_group",)),
         Need(LOCAL_AGENT, "LocalElasticAgent._restart_workers", params=("worker_group",)),
+        Need(LOCAL_AGENT, "LocalElasticAgent._assign_worker_ranks",
+             params=("store", "group_rank", "group_world_size", "spec")),
         Need(LOCAL_AGENT, "LocalElasticAgent._pcontext", init_attr=True),
         Need(AGENT_API, "SimpleElasticAgent._remaining_restarts", init_attr=True),
         Need(LAUNCHER, "LocalElasticAgent"),

@@ -168,6 +168,22 @@ class LeaseRendezvousHandler(SealerRole, RendezvousHandler):
             raise self._connection_error("close the rendezvous", exc) from exc
         log.info("The node '%s' has closed the rendezvous '%s'.", self._node, self._settings.run_id)
 
+    def member_gone(self) -> str | None:
+        """A member of the round this agent is seated in whose node key is gone (its liveness lease expired: the
+        rule by which a round counts a node dead), or None. The agent asks while it waits for the members' parts
+        of the rank assignment (:mod:`elastic_runner.agent.round_members`)."""
+        record = self.seated_in
+        if record is None:
+            return None
+        others = [name for name in record.names() if name != self._node.name]
+        if not others:
+            return None
+        try:
+            found = self._client.txn((), [Get(self._node_prefix + name.encode()) for name in others]).results
+        except EtcdError as exc:
+            raise self._connection_error("read the round's members", exc) from exc
+        return next((f"'{name}'" for name, kv in zip(others, found) if kv is None), None)
+
     def num_nodes_waiting(self) -> int:
         watch = self._watch
         return 0 if watch is None else watch.waiting

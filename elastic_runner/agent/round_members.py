@@ -1,0 +1,126 @@
+"""The rank assignment of a new round ends as soon as a member of the round is gone, not at torch's timeout.
+
+After a round is sealed every agent writes its part (``role_info``) into the round's store, the rank-0 agent reads
+them all and writes back each agent's ranks (``assigned_ranks``); each wait is a store read with torch's
+``read_timeout`` (60 s). A node killed within about a second of being seated never writes its part: the others
+waited the full 60 s before leaving the round for the next one (:mod:`elastic_runner.agent.agent`) — the five slowest
+recoveries of the 1,000-fault soak. :class:`WatchfulStore` waits in slices of :data:`SLICE_SECONDS` instead and
+between slices asks whether a member of the round is gone, by the rule the rendezvous itself counts a node dead:
+
+- ``c10d`` (torch's ``DynamicRendezvousHandler``): the member is no longer a participant of the shared state, or has
+  sent no heartbeat for ``keep_alive_interval * keep_alive_max_attempt`` (torch drops it then), or the round was
+  superseded;
+- ``etcd-v3`` (:class:`~elastic_runner.rendezvous.leases.LeaseRendezvousHandler`): the member's node key is gone
+  (its liveness lease expired).
+
+A live member that is merely slow is waited for as before, up to the store's own timeout.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+from torch.distributed import DistStoreError
+
+log = logging.getLogger(__name__)
+
+#: How often a wait looks at the round's members (a live round's parts arrive within milliseconds).
+SLICE_SECONDS = 0.5
+#: The keys are looked for after 5 ms, then at doubling intervals up to 100 ms.
+POLL_MIN_SECONDS = 0.005
+POLL_MAX_SECONDS = 0.1
+
+#: ``() -> name of a member of the round that is gone, or None``.
+GoneCheck = Callable[[], "str | None"]
+
+
+class MemberGoneError(DistStoreError):
+    """A member of the round is gone before it took its part: the agent leaves the round for the next one."""
+
+
+def gone_check(handler: Any) -> GoneCheck | None:
+    """How to tell, for the round ``handler`` has just seated this agent in, that a member is gone; None where the
+    handler offers no way (then the waits are torch's)."""
+    own = getattr(handler, "member_gone", None)
+    if callable(own):
+        return own  # type: ignore[no-any-return]
+    holder = getattr(handler, "_state_holder", None)
+    settings = getattr(handler, "_settings", None)
+    state = getattr(holder, "state", None)
+    if holder is None or state is None or not hasattr(settings, "keep_alive_max_attempt"):
+        return None
+    return _c10d_check(holder, dict(state.participants), state.round,
+                       settings.keep_alive_interval * settings.keep_alive_max_attempt)
+
+
+def _c10d_check(holder: Any, members: dict[Any, int], round_: int, window: timedelta) -> GoneCheck:
+    def gone() -> str | None:
+        holder.sync()
+        state = holder.state
+        if state.round != round_:
+            return f"(round {round_} was superseded by round {state.round})"
+        now = datetime.now(timezone.utc)
+        for node in members:
+            beat = state.last_heartbeats.get(node)
+            if node not in state.participants or beat is None or now - beat > window:
+                return str(node)
+        return None
+
+    return gone
+
+
+class WatchfulStore:
+    """The round's store as torch's rank assignment uses it (``set``, ``get``, ``multi_set``, ``multi_get``), with
+    reads that end with :class:`MemberGoneError` once ``gone`` names a member."""
+
+    def __init__(self, store: Any, gone: GoneCheck, slice_seconds: float = SLICE_SECONDS) -> None:
+        self._store = store
+        self._gone = gone
+        self._slice = slice_seconds
+        self.timeout = store.timeout
+
+    def set(self, key: str, value: Any) -> None:
+        self._store.set(key, value)
+
+    def multi_set(self, keys: list[str], values: list[Any]) -> None:
+        self._store.multi_set(keys, values)
+
+    def get(self, key: str) -> bytes:
+        self._wait([key])
+        return self._store.get(key)  # type: ignore[no-any-return]
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        self._wait(keys)
+        return self._store.multi_get(keys)  # type: ignore[no-any-return]
+
+    def _wait(self, keys: list[str]) -> None:
+        """Until every key is there (looked at every few milliseconds, then every :data:`POLL_MAX_SECONDS`: a
+        store's own timed-out wait logs a warning each time), the store's timeout, or a member gone."""
+        timeout = self.timeout.total_seconds() if isinstance(self.timeout, timedelta) else float(self.timeout)
+        started = time.monotonic()
+        looked = started
+        pause = POLL_MIN_SECONDS
+        while not self._store.check(keys):
+            now = time.monotonic()
+            if timeout and now - started >= timeout:
+                raise DistStoreError(f"waited {timeout:.0f} s for {', '.join(keys[:3])} in the round's store")
+            if now - looked >= self._slice:
+                looked = now
+                member = self._member_gone()
+                if member is not None:
+                    raise MemberGoneError(
+                        f"the member {member} of this round is gone before it took its part in the rank "
+                        f"assignment (noticed after {now - started:.1f} s, not at torch's {timeout:.0f} s)")
+            time.sleep(pause)
+            pause = min(POLL_MAX_SECONDS, pause * 2)
+
+    def _member_gone(self) -> str | None:
+        try:
+            return self._gone()
+        except Exception:  # noqa: BLE001 - a look that failed says nothing: wait on
+            log.debug("could not look at the round's members", exc_info=True)
+            return None
