@@ -19,7 +19,7 @@ import yaml
 
 from elastic_runner.observe.audit import latest_step
 from elastic_runner.observe.events import read_events
-from elastic_runner.testing.localjob import free_port
+from elastic_runner.testing.localjob import LocalJob, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 QUICKSTART = ROOT / "configs" / "quickstart.yaml"
@@ -268,3 +268,17 @@ def assert_no_tracebacks(job: Any) -> None:
 def capture(step: int) -> Callable[[], tuple[dict[str, Any], dict[str, Any]]]:
     """What a Checkpointer hands its writers and keeper: a tiny state at ``step`` and its metadata."""
     return lambda: ({"model": {"w": torch.full((4,), float(step))}}, {"fingerprint": {"model": "m"}, "run_uid": "run-a"})
+
+
+def run_uninterrupted(config: Path | str, run_dir: Path, agents: int = 2, nproc: int = 1, timeout: float = 300,
+                      **job: Any) -> Path:
+    """A job of ``agents`` agents of ``nproc`` workers each run to its end without a fault (the reference a faulted
+    run is compared with); its run directory."""
+    ran = LocalJob(config=str(config), run_dir=str(run_dir), nnodes=f"{agents}:{agents}", nproc_per_node=nproc, **job)
+    try:
+        for _ in range(agents):
+            ran.start_agent()
+        assert ran.wait(timeout=timeout) == [0] * agents, ran.logs_tail()
+    finally:
+        ran.close()
+    return run_dir

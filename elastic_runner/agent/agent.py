@@ -14,6 +14,10 @@
   and every other agent of the round with it: the whole job ended (seen in a 1,000-fault soak). The
   agent joins the next round instead, which forms without the dead node, and it stops waiting as
   soon as the rendezvous counts that node dead (:mod:`elastic_runner.agent.round_members`).
+- **A member gone is a membership change.** Workers whose peer died while they wait for it outside a
+  collective (in the process group's start, for a node killed right after it was seated) waited for
+  ``dist.init_timeout_seconds`` (30 s); the agent restarts them for the next round as soon as the
+  rendezvous counts the member dead (:class:`~elastic_runner.agent.round_members.MemberWatch`).
 - **No lazy imports on the recovery path.** torch's log formatter imports
   ``torch._dynamo`` (~2.5 s) the first time it formats an exception, and
   torch logs one exactly when a worker fails; that record goes to our DEBUG
@@ -42,7 +46,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 
 from ..worker.lifecycle import EXIT_DIVERGED, EXIT_FINAL, EXIT_NOT_DURABLE, EXIT_USAGE, proc_state, process_start_time
 from . import fast_rendezvous
-from .round_members import WatchfulStore, gone_check
+from .round_members import MemberWatch, WatchfulStore, gone_check
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +80,7 @@ class ElasticRunnerAgent(LocalElasticAgent):
         self._restart_reason = "a new rendezvous round"
         self._rounds = 0
         self._stopping_group = False
+        self._members = MemberWatch()
 
     def _notify(self, event: str, **fields: Any) -> None:
         for observer in self.observers:
@@ -107,10 +112,19 @@ class ElasticRunnerAgent(LocalElasticAgent):
         # node that joins a running job pays in full.
         startup = {"startup_s": round(began - _PROCESS_START, 3)} if not self._rounds else {}
         self._rounds += 1
+        self._members.watch(worker_group.spec.rdzv_handler, self._member_gone)
         # The etcd-v3 lease protocol says so itself; torch's handler through our patch of it.
         early = getattr(worker_group.spec.rdzv_handler, "completed_early", fast_rendezvous.completed_early)
         self._notify("rendezvous", seconds=time.monotonic() - started, world_size=worker_group.group_world_size,
                      group_rank=worker_group.group_rank, completed_early=bool(early), **startup)
+
+    def _member_gone(self, member: str) -> None:
+        """A member of this round is gone while this node's workers run: torch's loop restarts them for the next
+        round (as for a node waiting to join: not a failure, no restart counted)."""
+        log.warning("A member of this rendezvous round (%s) is gone: this node's workers stop for the next round "
+                    "(they may be waiting for it in the process group's start).", member)
+        self._restart_reason = f"a member of the round ({member}) is gone"
+        self._notify("member_gone", member=member)
 
     def _assign_worker_ranks(self, store: Any, group_rank: int, group_world_size: int, spec: Any) -> Any:
         """torch's rank assignment, with waits that end once a member of the round is gone

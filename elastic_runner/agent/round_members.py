@@ -14,10 +14,16 @@ between slices asks whether a member of the round is gone, by the rule the rende
   (its liveness lease expired).
 
 A live member that is merely slow is waited for as before, up to the store's own timeout.
+
+The same question, asked while the workers run (:class:`MemberWatch`: the handler's ``num_nodes_waiting``, which
+torch's agent asks every monitor interval, answers 1 once a member is gone), ends the other wait of a node killed
+right after it was seated: the new workers waiting for its worker in the process group's start, until
+``dist.init_timeout_seconds`` (30 s).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -54,13 +60,15 @@ def gone_check(handler: Any) -> GoneCheck | None:
     if holder is None or state is None or not hasattr(settings, "keep_alive_max_attempt"):
         return None
     return _c10d_check(holder, dict(state.participants), state.round,
-                       settings.keep_alive_interval * settings.keep_alive_max_attempt)
+                       settings.keep_alive_interval * settings.keep_alive_max_attempt,
+                       getattr(handler, "_heartbeat_lock", None) or contextlib.nullcontext())
 
 
-def _c10d_check(holder: Any, members: dict[Any, int], round_: int, window: timedelta) -> GoneCheck:
+def _c10d_check(holder: Any, members: dict[Any, int], round_: int, window: timedelta, lock: Any) -> GoneCheck:
     def gone() -> str | None:
-        holder.sync()
-        state = holder.state
+        with lock:  # torch's heartbeat thread syncs the same state holder under this lock
+            holder.sync()
+            state = holder.state
         if state.round != round_:
             return f"(round {round_} was superseded by round {state.round})"
         now = datetime.now(timezone.utc)
@@ -124,3 +132,45 @@ class WatchfulStore:
         except Exception:  # noqa: BLE001 - a look that failed says nothing: wait on
             log.debug("could not look at the round's members", exc_info=True)
             return None
+
+
+class MemberWatch:
+    """While the workers of a round run: the handler's ``num_nodes_waiting`` also answers 1 once a member of the
+    round is gone (looked at every :data:`SLICE_SECONDS` at most), and ``on_gone`` hears of it once a round."""
+
+    def __init__(self, slice_seconds: float = SLICE_SECONDS, clock: Callable[[], float] = time.monotonic) -> None:
+        self._gone: GoneCheck | None = None
+        self._found: str | None = None
+        self._looked = 0.0
+        self._slice = slice_seconds
+        self._clock = clock
+
+    def watch(self, handler: Any, on_gone: Callable[[str], None]) -> None:
+        """A new round of ``handler``: watch its members (the handler's ``num_nodes_waiting`` is wrapped once)."""
+        self._gone, self._found, self._looked = gone_check(handler), None, self._clock()
+        if self._gone is None or getattr(handler, "_members_watched", None) is self:
+            self._on_gone = on_gone
+            return
+        asked = handler.num_nodes_waiting
+        self._on_gone = on_gone
+
+        def num_nodes_waiting() -> int:
+            waiting = int(asked())
+            return waiting if waiting else int(self.member_gone() is not None)
+
+        handler.num_nodes_waiting = num_nodes_waiting
+        handler._members_watched = self
+
+    def member_gone(self) -> str | None:
+        if self._found is not None or self._gone is None or self._clock() - self._looked < self._slice:
+            return self._found
+        self._looked = self._clock()
+        try:
+            found = self._gone()
+        except Exception:  # noqa: BLE001 - a look that failed says nothing
+            log.debug("could not look at the round's members", exc_info=True)
+            return None
+        if found is not None:
+            self._found = found
+            self._on_gone(found)
+        return found

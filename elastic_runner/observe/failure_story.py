@@ -64,7 +64,9 @@ def failure_story(run_dir: str | os.PathLike[str], generation: int, world_size: 
         cause = (", ".join(parts[:3]) + (f" and {len(parts) - 3} more" if len(parts) > 3 else "")
                  + f" at step {step}")
     elif previous_world is not None and previous_world > world_size:
-        first_at = min((e["time"] for e, _ in failures), default=None)
+        # Detected by a worker's failure, or by an agent that saw the member gone (its workers were waiting for it).
+        gone = [e["time"] for e in events if e.get("kind") == "agent_member_gone" and began <= e["time"] <= now]
+        first_at = min([e["time"] for e, _ in failures] + gone, default=None)
         cause = f"a node left (world size {previous_world} → {world_size}) at step {step}"
     elif previous_world is not None and previous_world < world_size:
         first_at = None

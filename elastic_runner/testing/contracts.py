@@ -183,22 +183,30 @@ class BackendContract:
                 h.shutdown()
 
 
-def rendezvous_together(handlers: list[Any], timeout: float) -> list[Any]:
-    """Every handler's ``next_rendezvous`` at once (each blocks until the round is complete)."""
-    infos: list[Any] = [None] * len(handlers)
-    errors: list[BaseException] = []
+def each_in_a_thread(calls: list[Callable[[], Any]], timeout: float) -> list[Any]:
+    """Every call at once, each in a thread of its own (as agents are processes of their own); what each returned,
+    or the exception it raised, in order (None: still running after ``timeout``)."""
+    out: list[Any] = [None] * len(calls)
 
-    def join(i: int) -> None:
+    def run(i: int) -> None:
         try:
-            infos[i] = handlers[i].next_rendezvous()
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
+            out[i] = calls[i]()
+        except BaseException as exc:  # noqa: BLE001 - returned to the caller
+            out[i] = exc
 
-    threads = [threading.Thread(target=join, args=(i,)) for i in range(len(handlers))]
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(calls))]
     for t in threads:
         t.start()
+    deadline = time.monotonic() + timeout
     for t in threads:
-        t.join(timeout)
+        t.join(max(0.0, deadline - time.monotonic()))
+    return out
+
+
+def rendezvous_together(handlers: list[Any], timeout: float) -> list[Any]:
+    """Every handler's ``next_rendezvous`` at once (each blocks until the round is complete)."""
+    infos = each_in_a_thread([h.next_rendezvous for h in handlers], timeout)
+    errors = [i for i in infos if isinstance(i, BaseException)]
     assert not errors and all(infos), f"the round did not form: {errors or infos}"
     return infos
 

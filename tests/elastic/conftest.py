@@ -7,9 +7,7 @@ from typing import Iterator
 
 import pytest
 
-from elastic_runner.testing.localjob import LocalJob
-
-from ..support import exported_model, write_config
+from ..support import exported_model, run_uninterrupted, write_config
 
 #: Long enough to be interrupted mid-run (a few seconds at world size 2), short enough for CI.
 RESUME_SECTIONS = dict(
@@ -28,16 +26,7 @@ def resume_config(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def reference_run(resume_config: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """The uninterrupted run of ``resume_config``: two agents of one worker each, world size 2."""
-    run_dir = tmp_path_factory.mktemp("reference") / "run"
-    job = LocalJob(config=str(resume_config), run_dir=str(run_dir), nnodes="2:2")
-    try:
-        job.start_agent()
-        job.start_agent()
-        codes = job.wait(timeout=180)
-        assert codes == [0, 0], job.logs_tail()
-    finally:
-        job.close()
-    yield run_dir
+    yield run_uninterrupted(resume_config, tmp_path_factory.mktemp("reference") / "run", timeout=180)
 
 
 @pytest.fixture(scope="session")

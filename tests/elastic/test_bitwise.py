@@ -22,7 +22,7 @@ import torch
 from elastic_runner.observe.audit import check_audit
 from elastic_runner.testing.localjob import LocalJob
 
-from ..support import continue_workers, events, exported_model, stop_workers_at_step
+from ..support import continue_workers, events, exported_model, run_uninterrupted, stop_workers_at_step
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.timeout(420)]
 
@@ -54,14 +54,8 @@ def uninterrupted(resume_config: Path, tmp_path_factory: pytest.TempPathFactory)
     def model_of(layout: str) -> Any:
         if layout not in models:
             agents, nproc = LAYOUTS[layout]
-            run_dir = tmp_path_factory.mktemp(f"uninterrupted-{layout}") / "run"
-            job = LocalJob(config=str(resume_config), run_dir=str(run_dir), nnodes=f"{agents}:{agents}",
-                           nproc_per_node=nproc)
-            try:
-                start(job, agents)
-                assert job.wait(timeout=300) == [0] * agents, job.logs_tail()
-            finally:
-                job.close()
+            run_dir = run_uninterrupted(resume_config, tmp_path_factory.mktemp(f"uninterrupted-{layout}") / "run",
+                                        agents=agents, nproc=nproc)
             models[layout] = exported_model(run_dir, tmp_path_factory.mktemp(f"export-{layout}"))
         return models[layout]
 

@@ -14,9 +14,16 @@ import torch
 
 from elastic_runner import load_model
 from elastic_runner.observe.audit import check_audit
-from elastic_runner.testing.localjob import LocalJob
 
-from ..support import assert_bitwise_equal, continue_workers, events, exported_model, stop_workers_at_step, write_config
+from ..support import (
+    assert_bitwise_equal,
+    continue_workers,
+    events,
+    exported_model,
+    run_uninterrupted,
+    stop_workers_at_step,
+    write_config,
+)
 from .conftest import RESUME_SECTIONS
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.timeout(600)]
@@ -33,14 +40,7 @@ def compiled_config(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def uninterrupted_compiled(compiled_config: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
-    run_dir = tmp_path_factory.mktemp("uninterrupted-compiled") / "run"
-    job = LocalJob(config=str(compiled_config), run_dir=str(run_dir), nnodes="2:2")
-    try:
-        job.start_agent()
-        job.start_agent()
-        assert job.wait(timeout=300) == [0, 0], job.logs_tail()
-    finally:
-        job.close()
+    run_dir = run_uninterrupted(compiled_config, tmp_path_factory.mktemp("uninterrupted-compiled") / "run")
     yield exported_model(run_dir, tmp_path_factory.mktemp("export"))
 
 

@@ -13,9 +13,16 @@ import pytest
 import yaml
 
 from elastic_runner.observe.audit import check_audit
-from elastic_runner.testing.localjob import LocalJob
 
-from ..support import QUICKSTART, assert_bitwise_equal, continue_workers, events, exported_model, stop_workers_at_step
+from ..support import (
+    QUICKSTART,
+    assert_bitwise_equal,
+    continue_workers,
+    events,
+    exported_model,
+    run_uninterrupted,
+    stop_workers_at_step,
+)
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
@@ -52,14 +59,8 @@ def resnet_config(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def resnet_reference(resnet_config: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
-    run_dir = tmp_path_factory.mktemp("resnet-reference") / "run"
-    job = LocalJob(config=str(resnet_config), run_dir=str(run_dir), nnodes="2:2", launcher="elastic-runner")
-    try:
-        job.start_agent()
-        job.start_agent()
-        assert job.wait(timeout=240) == [0, 0], job.logs_tail()
-    finally:
-        job.close()
+    run_dir = run_uninterrupted(resnet_config, tmp_path_factory.mktemp("resnet-reference") / "run", timeout=240,
+                                launcher="elastic-runner")
     yield exported_model(run_dir, tmp_path_factory.mktemp("resnet-export"))
 
 

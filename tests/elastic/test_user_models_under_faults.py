@@ -11,7 +11,6 @@ import pytest
 import yaml
 
 from elastic_runner.observe.audit import check_audit
-from elastic_runner.testing.localjob import LocalJob
 
 from ..support import (
     ROOT,
@@ -20,6 +19,7 @@ from ..support import (
     events,
     exported_model,
     kill_worker_at_step,
+    run_uninterrupted,
     start_agent_while_paused,
     stop_workers_at_step,
 )
@@ -46,15 +46,8 @@ def hf_config(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def hf_reference(hf_config: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    run_dir = tmp_path_factory.mktemp("hf-reference") / "run"
-    job = LocalJob(config=str(hf_config), run_dir=str(run_dir), nnodes="2:2", launcher="elastic-runner", env=ENV)
-    try:
-        job.start_agent()
-        job.start_agent()
-        assert job.wait(timeout=180) == [0, 0], job.logs_tail()
-    finally:
-        job.close()
-    yield run_dir
+    yield run_uninterrupted(hf_config, tmp_path_factory.mktemp("hf-reference") / "run", timeout=180,
+                            launcher="elastic-runner", env=ENV)
 
 
 def test_dict_batch_transformer_survives_a_worker_kill_and_ends_bitwise_identical(

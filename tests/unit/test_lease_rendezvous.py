@@ -41,7 +41,7 @@ from elastic_runner.rendezvous.rounds import (
 from elastic_runner.rendezvous.seal import Sealer
 from elastic_runner.rendezvous.store import EtcdStore
 from elastic_runner.rendezvous.values import Codec
-from elastic_runner.testing.contracts import FakeClock
+from elastic_runner.testing.contracts import FakeClock, each_in_a_thread
 from elastic_runner.testing.memory_etcd import MemoryEtcd, MemoryKV
 
 pytestmark = pytest.mark.timeout(60)
@@ -95,19 +95,7 @@ def cluster() -> Any:
 
 def together(handlers: list[LeaseRendezvousHandler], timeout: float = 20) -> list[Any]:
     """Every handler's ``next_rendezvous`` at once; their RendezvousInfo (or the exception each raised)."""
-    out: list[Any] = [None] * len(handlers)
-
-    def run(i: int) -> None:
-        try:
-            out[i] = handlers[i].next_rendezvous()
-        except BaseException as exc:  # noqa: BLE001 - returned to the test
-            out[i] = exc
-
-    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(handlers))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout)
+    out = each_in_a_thread([h.next_rendezvous for h in handlers], timeout)
     assert all(o is not None for o in out), "a next_rendezvous did not return in time"
     return out
 

@@ -9,9 +9,9 @@ out.
 
 from __future__ import annotations
 
-import threading
 import uuid
 from datetime import timedelta
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -21,8 +21,9 @@ from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
 
 from elastic_runner.agent.agent import ElasticRunnerAgent
-from elastic_runner.agent.round_members import MemberGoneError, WatchfulStore, gone_check
-from elastic_runner.testing.contracts import rendezvous_together
+from elastic_runner.observe.events import read_events
+from elastic_runner.agent.round_members import MemberGoneError, MemberWatch, WatchfulStore, gone_check
+from elastic_runner.testing.contracts import each_in_a_thread, rendezvous_together
 
 from .test_lease_rendezvous import Cluster, together
 
@@ -39,20 +40,7 @@ def assign_ranks(handler: Any, info: Any) -> Any:
 
 
 def assign_in_threads(handlers: list[Any], infos: list[Any]) -> list[Any]:
-    out: list[Any] = [None] * len(handlers)
-
-    def run(i: int) -> None:
-        try:
-            out[i] = assign_ranks(handlers[i], infos[i])
-        except BaseException as exc:  # noqa: BLE001 - returned to the test
-            out[i] = exc
-
-    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(handlers))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    return out
+    return each_in_a_thread([lambda h=h, i=i: assign_ranks(h, i) for h, i in zip(handlers, infos)], timeout=60)
 
 
 def c10d_handlers(count: int) -> list[Any]:
@@ -151,3 +139,39 @@ def test_a_slow_member_that_is_alive_is_waited_for_and_a_failing_look_is_no_verd
     store = SlowStore(appear_after=40)  # about 3 s of looks at 5 ms doubling to 100 ms
     assert WatchfulStore(store, gone, slice_seconds=0.2).get("k") == b"part"
     assert looks, "the members were looked at while the part was late"
+
+
+def test_while_the_workers_run_a_member_gone_counts_as_a_node_waiting_once_a_round() -> None:
+    """Workers that wait for a dead member's worker outside a collective (in the process group's start) are
+    restarted by torch's agent for the next round, as for a node that waits to join."""
+    cluster = Cluster(min_nodes=2, max_nodes=2)
+    try:
+        handlers = [cluster.agent(), cluster.agent()]
+        together(handlers)
+        survivor, dead = handlers
+        heard: list[str] = []
+        watch = MemberWatch(slice_seconds=0.0)
+        watch.watch(survivor, heard.append)
+        assert survivor.num_nodes_waiting() == 0 and not heard
+        cluster.kill(dead)
+        assert survivor.num_nodes_waiting() == 1
+        assert survivor.num_nodes_waiting() == 1 and heard == [f"'{dead.node.name}'"], "told once a round"
+        watch.watch(survivor, heard.append)  # the next round (here: the same record, re-read)
+        assert survivor.num_nodes_waiting() == 1 and len(heard) == 2
+    finally:
+        cluster.close()
+
+
+def test_the_failure_story_of_a_node_whose_loss_an_agent_saw_says_how_long_recovery_took(tmp_path: Path) -> None:
+    from elastic_runner.observe.events import EventLog
+    from elastic_runner.observe.failure_story import failure_story
+
+    worker = EventLog(str(tmp_path), "gen-1-rank-0")
+    worker.emit("start", generation=1, world_size=2)
+    agent = EventLog(str(tmp_path), "agent-a", role="agent")
+    agent.emit("agent_member_gone", member="'b'")
+    gone_at = max(e["time"] for e in read_events(tmp_path))
+    story = failure_story(tmp_path, 2, 1, {"step": 40, "furthest_step": 40, "tier": "memory",
+                                           "steps_recomputed": 0}, now=gone_at + 1.5)
+    assert story == ("a node left (world size 2 → 1) at step 40 → recovered in 1.50 s at world size 1, resumed "
+                     "step 40 from memory, 0 steps lost")
