@@ -130,11 +130,11 @@ def load_model(run_dir: str | os.PathLike[str], model: nn.Module | None = None, 
     from .config import config_from_dict
     from .config.imports import working_directory_on_path
     from .snapshot.cli import load_for_export
-    from .snapshot.format import set_signing_key, signing_key_from_environment
+    from .snapshot.format import signing_key, signing_key_from_environment
     from .workload.models import BUILTIN, build_model
 
-    set_signing_key(signing_key_from_environment())  # with the job's key: only snapshots signed with it
-    ref, meta, state = load_for_export(str(run_dir), snapshot, map_location=map_location)
+    with signing_key(signing_key_from_environment()):  # with the job's key: only snapshots signed with it
+        ref, meta, state = load_for_export(str(run_dir), snapshot, map_location=map_location)
     if model is None:
         cfg = config_from_dict(meta.get("config", {}))
         build = meta.get("model_build")

@@ -20,6 +20,7 @@ snapshot's config only when it is a built-in one (:func:`elastic_runner.load_mod
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import hmac
@@ -29,6 +30,7 @@ import os
 import stat
 import time
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any, BinaryIO
 
 import torch
@@ -56,6 +58,18 @@ def set_signing_key(key: bytes | None) -> None:
     """The job's key, for signing and checking snapshot metadata in this process (None: unsigned)."""
     global _signing_key
     _signing_key = key
+
+
+@contextlib.contextmanager
+def signing_key(key: bytes | None) -> Iterator[None]:
+    """:func:`set_signing_key` for a block only (a library call must not change what the rest of the process
+    signs and accepts)."""
+    global _signing_key
+    before, _signing_key = _signing_key, key
+    try:
+        yield
+    finally:
+        _signing_key = before
 
 
 def signing_key_from_environment() -> bytes | None:

@@ -149,6 +149,9 @@ def test_with_the_jobs_key_a_snapshot_whose_numbers_were_changed_is_not_taken(tm
             elastic_runner.load_model(run_dir)
     finally:
         del os.environ["ELASTIC_RUNNER_AUTH_KEY_FILE"]
+    from elastic_runner.snapshot import format as snapshot_format
+
+    assert snapshot_format._signing_key is None, "load_model leaves no key behind for the rest of the process"
     resumed = run_bounded([sys.executable, "-m", "elastic_runner.train", "--config", str(QUICKSTART),
                            "--set", f"run.dir={run_dir}", "--set", "train.max_steps=8", "--set", "train.epochs=1"],
                           timeout=180, env=signed_env)
