@@ -16,11 +16,16 @@ with other load:
 - ``elastic-runner-bare``: snapshots, memory tier and watchdog off — the cost of those features;
 - ``elastic-runner-ddp``: defaults but ``dist.gradient_sync: ddp`` (torch's DistributedDataParallel instead of the
   ordered gradient sum that makes a resume bitwise at every world size) — the cost of the ordered sync, as the
-  median of per-repeat pair ratios (``ordered_vs_ddp_sync``; the two run back to back in every repeat).
+  median of per-repeat pair ratios (``ordered_vs_ddp_sync``; the two run back to back in every repeat);
+- ``elastic-runner-compiled``: defaults but ``model.compile: true`` — what torch.compile gains or costs, as the median
+  of per-repeat pair ratios with ``elastic-runner`` (``compiled_vs_uncompiled``); the compile itself happens before
+  the measured steps.
 
     .venv/bin/python benchmarks/throughput.py --repeats 3 --out results/throughput.json
     cd benchmarks && ../.venv-vision/bin/python throughput.py --workloads cnn,gpt \
         --variants elastic-runner,elastic-runner-ddp --repeats 5      # the ordered gradient sync against DDP
+    cd benchmarks && ../.venv-vision/bin/python throughput.py --workloads cnn,gpt \
+        --variants elastic-runner,elastic-runner-compiled --repeats 3 # a compiled model against the same uncompiled
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "baseline": ("torchrun-tuned", {}),
     "elastic-runner": ("elastic-runner", {}),
     "elastic-runner-ddp": ("elastic-runner", {"dist.gradient_sync": "ddp"}),  # right after: a pair per repeat
+    "elastic-runner-compiled": ("elastic-runner", {"model.compile": True}),  # likewise
     "elastic-runner-bare": ("elastic-runner", {"snapshot.every_steps": 0, "snapshot.in_memory": False,
                                                "dist.heartbeat_seconds": 0}),
 }
@@ -61,7 +67,8 @@ def measure(name: str, workload: Workload, workdir: Path, repeats: int, steps: i
     chosen = [v for v in VARIANTS if variants is None or v in variants]
     rates: dict[str, list[float]] = {variant: [] for variant in chosen}
     blocking: list[float] = []
-    pairs: list[float] = []  #: ordered / ddp gradient sync, each pair from one repeat
+    #: Ratios of two variants run back to back, one pair per repeat: ordered / DDP sync, compiled / uncompiled.
+    pairs: dict[str, list[float]] = {"ordered_vs_ddp_sync": [], "compiled_vs_uncompiled": []}
     for _ in range(repeats):
         this: dict[str, float] = {}
         for variant in chosen:
@@ -72,8 +79,10 @@ def measure(name: str, workload: Workload, workdir: Path, repeats: int, steps: i
                 this[variant] = rate
                 rates[variant].append(round(rate * workload.sample_unit, 1))
             print(f"{name} {variant}: {rates[variant]}", flush=True)
-        if this.get("elastic-runner") and this.get("elastic-runner-ddp"):
-            pairs.append(this["elastic-runner"] / this["elastic-runner-ddp"])
+        for key, (ours, other) in {"ordered_vs_ddp_sync": ("elastic-runner", "elastic-runner-ddp"),
+                                   "compiled_vs_uncompiled": ("elastic-runner-compiled", "elastic-runner")}.items():
+            if this.get(ours) and this.get(other):
+                pairs[key].append(this[ours] / this[other])
     med = {variant: median(values) for variant, values in rates.items()}
     base = med.get("baseline")
     ratios = {}
@@ -83,9 +92,10 @@ def measure(name: str, workload: Workload, workdir: Path, repeats: int, steps: i
                 ratios[f"{variant}_vs_baseline"] = round(med[variant] / base, 3)
     if med.get("elastic-runner") and med.get("elastic-runner-bare"):
         ratios["features_on_vs_off"] = round(med["elastic-runner"] / med["elastic-runner-bare"], 3)
-    if pairs:
-        ratios["ordered_vs_ddp_sync"] = round(median(pairs), 3)
-        ratios["ordered_vs_ddp_sync_range"] = [round(min(pairs), 3), round(max(pairs), 3)]
+    for key, values in pairs.items():
+        if values:
+            ratios[key] = round(median(values), 3)
+            ratios[f"{key}_range"] = [round(min(values), 3), round(max(values), 3)]
     unit = "tokens_per_s" if workload.sample_unit > 1 else "samples_per_s"
     return {"unit": unit, "rates": rates, "medians": med, "ratios": ratios, "steps": steps, "skip": skip,
             "snapshot_blocking_ms_median": round(1000 * median(blocking), 1) if blocking else None,
