@@ -98,3 +98,44 @@ def test_node_loss_survivor_keeps_the_newest_step(resume_config: Path, local_job
     assert resume["tier"] == "memory" and resume["steps_recomputed"] <= 1
     assert {e["world_size"] for e in events(run_dir, "world") if e["time"] > killed_at} == {1}
     assert check_audit(run_dir).ok
+
+
+SLOW_TO_START = """
+import os, sys, time
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+import elastic_runner
+
+if os.environ.get("SLOW_TO_START"):  # this node's script takes long before it reaches fit: it is killed meanwhile
+    time.sleep(600)
+torch.manual_seed(0)
+x = torch.randn(512, 8)
+sys.exit(elastic_runner.fit(nn.Linear(8, 2), TensorDataset(x, (x[:, 0] > 0).long()), config={
+    "run": {"dir": sys.argv[1]}, "batch": {"global_size": 32}, "train": {"epochs": 400},
+    "dist": {"init_timeout_seconds": 600}}))
+"""
+
+
+def test_a_node_lost_before_its_worker_joined_the_process_group_is_not_waited_for(local_job, tmp_path: Path) -> None:  # noqa: ANN001
+    """The fifth slow recovery of the 1,000-fault soak: the new workers of a round wait in the process group's start
+    for a worker of a node that died before it got there. They wait no longer than the rendezvous takes to count the
+    node dead (here 3 s), not ``dist.init_timeout_seconds`` (600 s here: a wait that long outlasts this test)."""
+    script = tmp_path / "slow_to_start.py"
+    script.write_text(SLOW_TO_START)
+    job = local_job(config="", nnodes="1:2", launcher="elastic-runner")
+    job.program = [str(script), job.run_dir]
+    survivor = job.start_agent()
+    job.wait_for_workers(1, timeout=120, agent=survivor)
+    job.env = {**job.env, "SLOW_TO_START": "1"}
+    doomed = job.start_agent()
+    job.wait_for_workers(1, timeout=120, agent=doomed)  # the round of two is sealed and its workers started
+    time.sleep(2)  # the survivor's new worker waits for the doomed one in the process group's start
+    job.kill_agent(doomed)
+    assert survivor.proc.wait(timeout=150) == 0, job.logs_tail()
+    assert "is gone: this node's workers stop for the next round" in survivor.log_text(), job.logs_tail()
+    # The attempt of the round of two never got past the process group's start: the events are the survivor's.
+    run_dir = Path(job.run_dir)
+    assert [e["world_size"] for e in events(run_dir, "world")][-1] == 1
+    assert [e["status"] for e in events(run_dir, "end")] == ["finished"]
+    assert not [e for e in events(run_dir, "failure") if "init_timeout" in str(e.get("error"))]
