@@ -4,8 +4,8 @@ After a round is sealed every agent writes its part (``role_info``) into the rou
 them all and writes back each agent's ranks (``assigned_ranks``); each wait is a store read with torch's
 ``read_timeout`` (60 s). A node killed within about a second of being seated never writes its part: the others
 waited the full 60 s before leaving the round for the next one (:mod:`elastic_runner.agent.agent`) — the five slowest
-recoveries of the 1,000-fault soak. :class:`WatchfulStore` waits in slices of :data:`SLICE_SECONDS` instead and
-between slices asks whether a member of the round is gone, by the rule the rendezvous itself counts a node dead:
+recoveries of the 1,000-fault soak. :class:`WatchfulStore` looks for the keys instead and every
+:data:`SLICE_SECONDS` asks whether a member of the round is gone, by the rule the rendezvous itself counts a node dead:
 
 - ``c10d`` (torch's ``DynamicRendezvousHandler``): the member is no longer a participant of the shared state, or has
   sent no heartbeat for ``keep_alive_interval * keep_alive_max_attempt`` (torch drops it then), or the round was
@@ -81,6 +81,15 @@ def _c10d_check(holder: Any, members: dict[Any, int], round_: int, window: timed
     return gone
 
 
+def look(gone: GoneCheck) -> str | None:
+    """``gone()``, where a look that failed (the rendezvous did not answer) says nothing: None."""
+    try:
+        return gone()
+    except Exception:  # noqa: BLE001 - no verdict either way: wait on
+        log.debug("could not look at the round's members", exc_info=True)
+        return None
+
+
 class WatchfulStore:
     """The round's store as torch's rank assignment uses it (``set``, ``get``, ``multi_set``, ``multi_get``), with
     reads that end with :class:`MemberGoneError` once ``gone`` names a member."""
@@ -118,20 +127,13 @@ class WatchfulStore:
                 raise DistStoreError(f"waited {timeout:.0f} s for {', '.join(keys[:3])} in the round's store")
             if now - looked >= self._slice:
                 looked = now
-                member = self._member_gone()
+                member = look(self._gone)
                 if member is not None:
                     raise MemberGoneError(
                         f"the member {member} of this round is gone before it took its part in the rank "
                         f"assignment (noticed after {now - started:.1f} s, not at torch's {timeout:.0f} s)")
             time.sleep(pause)
             pause = min(POLL_MAX_SECONDS, pause * 2)
-
-    def _member_gone(self) -> str | None:
-        try:
-            return self._gone()
-        except Exception:  # noqa: BLE001 - a look that failed says nothing: wait on
-            log.debug("could not look at the round's members", exc_info=True)
-            return None
 
 
 class MemberWatch:
@@ -140,6 +142,7 @@ class MemberWatch:
 
     def __init__(self, slice_seconds: float = SLICE_SECONDS, clock: Callable[[], float] = time.monotonic) -> None:
         self._gone: GoneCheck | None = None
+        self._on_gone: Callable[[str], None] = lambda member: None
         self._found: str | None = None
         self._looked = 0.0
         self._slice = slice_seconds
@@ -148,11 +151,10 @@ class MemberWatch:
     def watch(self, handler: Any, on_gone: Callable[[str], None]) -> None:
         """A new round of ``handler``: watch its members (the handler's ``num_nodes_waiting`` is wrapped once)."""
         self._gone, self._found, self._looked = gone_check(handler), None, self._clock()
+        self._on_gone = on_gone
         if self._gone is None or getattr(handler, "_members_watched", None) is self:
-            self._on_gone = on_gone
             return
         asked = handler.num_nodes_waiting
-        self._on_gone = on_gone
 
         def num_nodes_waiting() -> int:
             waiting = int(asked())
@@ -165,11 +167,7 @@ class MemberWatch:
         if self._found is not None or self._gone is None or self._clock() - self._looked < self._slice:
             return self._found
         self._looked = self._clock()
-        try:
-            found = self._gone()
-        except Exception:  # noqa: BLE001 - a look that failed says nothing
-            log.debug("could not look at the round's members", exc_info=True)
-            return None
+        found = look(self._gone)
         if found is not None:
             self._found = found
             self._on_gone(found)
