@@ -1,5 +1,6 @@
 """A compiled model (``model.compile: true``) under faults: a worker killed at a random step, and the job ends with
-exactly the model of an uninterrupted compiled run; its snapshots load into the model uncompiled."""
+exactly the model of an uninterrupted compiled run; its snapshots load into the model uncompiled. Two agents of two
+workers each (world 4): from three ranks on the order of the gradient sum matters, and two processes share a node."""
 
 from __future__ import annotations
 
@@ -40,23 +41,23 @@ def compiled_config(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def uninterrupted_compiled(compiled_config: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
-    run_dir = run_uninterrupted(compiled_config, tmp_path_factory.mktemp("uninterrupted-compiled") / "run")
+    run_dir = run_uninterrupted(compiled_config, tmp_path_factory.mktemp("uninterrupted-compiled") / "run", nproc=2)
     yield exported_model(run_dir, tmp_path_factory.mktemp("export"))
 
 
 def test_a_compiled_model_recovers_from_a_worker_kill_bitwise_and_loads_uncompiled(
         compiled_config: Path, uninterrupted_compiled: dict, local_job, tmp_path: Path) -> None:  # noqa: ANN001
-    job = local_job(config=str(compiled_config), nnodes="2:2")
+    job = local_job(config=str(compiled_config), nnodes="2:2", nproc_per_node=2)
     job.start_agent()
     job.start_agent()
     at = random.Random(SEED).randint(30, STEPS - 40)
-    workers, reached = stop_workers_at_step(job, at, count=2, timeout=240)
-    victim = next(w for w in workers if w.rank == 1)
+    workers, reached = stop_workers_at_step(job, at, count=4, timeout=240)
+    victim = random.Random(f"{SEED}-victim").choice(workers)
     job.signal_worker(victim, signal.SIGKILL)
     continue_workers(job, [w for w in workers if w is not victim])
     assert job.wait(timeout=300) == [0, 0], job.logs_tail()
     run_dir = Path(job.run_dir)
-    what = f"rank 1 killed at step {reached} (seed {SEED})"
+    what = f"rank {victim.rank} killed at step {reached} (seed {SEED})"
     resumed = [e for e in events(run_dir, "resume") if e["generation"] > 1]
     assert resumed and resumed[0]["tier"] == "memory", f"{what}: the survivor's memory seeded the restart"
     report = check_audit(run_dir)

@@ -112,7 +112,7 @@ if os.environ.get("SLOW_TO_START"):  # this node's script takes long before it r
 torch.manual_seed(0)
 x = torch.randn(512, 8)
 sys.exit(elastic_runner.fit(nn.Linear(8, 2), TensorDataset(x, (x[:, 0] > 0).long()), config={
-    "run": {"dir": sys.argv[1]}, "batch": {"global_size": 32}, "train": {"epochs": 400},
+    "run": {"dir": sys.argv[1]}, "batch": {"global_size": 32}, "train": {"epochs": 400}, "audit": {"samples": True},
     "dist": {"init_timeout_seconds": 600}}))
 """
 
@@ -139,3 +139,5 @@ def test_a_node_lost_before_its_worker_joined_the_process_group_is_not_waited_fo
     assert [e["world_size"] for e in events(run_dir, "world")][-1] == 1
     assert [e["status"] for e in events(run_dir, "end")] == ["finished"]
     assert not [e for e in events(run_dir, "failure") if "init_timeout" in str(e.get("error"))]
+    report = check_audit(run_dir)
+    assert report.ok and report.finished, report.render()
