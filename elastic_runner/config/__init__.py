@@ -36,6 +36,7 @@ from .root import (
     MetricsConfig,
     ModelConfig,
     OptimConfig,
+    ParallelConfig,
     RunConfig,
     ScheduleConfig,
     SnapshotConfig,
@@ -47,7 +48,7 @@ from .root import (
 __all__ = [
     "BUILTIN_LOSSES", "BUILTIN_METRICS", "RESUME_FREE", "SECTIONS", "AuditConfig", "BatchConfig", "Config",
     "ConfigError", "DataConfig", "DistConfig", "EvalConfig",
-    "LoggingConfig", "MetricsConfig", "ModelConfig", "OptimConfig", "RunConfig", "ScheduleConfig", "SnapshotConfig",
+    "LoggingConfig", "MetricsConfig", "ModelConfig", "OptimConfig", "ParallelConfig", "RunConfig", "ScheduleConfig", "SnapshotConfig",
     "TrainConfig", "coerce", "config_from_dict", "diff_configs", "dump_yaml", "is_import_path", "load_config",
     "parse_override", "reference_markdown", "resume_free_keys", "write_effective_config",
 ]

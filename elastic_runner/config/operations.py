@@ -155,3 +155,61 @@ class DistConfig:
             value = getattr(self, key)
             if not value > 0:
                 raise ConfigError(f"dist.{key}", f"got {value}, must be positive", f"Set dist.{key} to e.g. 30")
+
+
+@dataclass
+class ParallelConfig:
+    """How the model is spread over the ranks: replicated whole (ddp) or sharded (fsdp, hsdp)."""
+
+    strategy: Literal["ddp", "fsdp", "hsdp"] = _help(
+        "ddp: every rank holds the whole model, its gradients and optimizer state (dist.gradient_sync says how the "
+        "gradients are summed). fsdp: FSDP2 (torch.distributed.fsdp.fully_shard) over all ranks: each rank holds "
+        "1/W of the parameters, gradients and optimizer state, and a snapshot is written by every rank, its own "
+        "shards only. hsdp: shard within a node, replicate across nodes (a nodes x nproc_per_node mesh; every node "
+        "must run the same number of workers). A snapshot of any strategy resumes under any other, at any world size.",
+        default="ddp",
+    )
+    wrap: str | list[str] = _help(
+        "The modules sharded as one unit (fsdp, hsdp): a list of class names (e.g. [Block]), or auto: the gpt "
+        "model's blocks, a HuggingFace model's _no_split_modules, else each direct child that has parameters. "
+        "The root module is always sharded too (what is left).",
+        default="auto",
+    )
+    reshard_after_forward: bool = _help(
+        "Free the gathered parameters after each unit's forward pass and gather them again for the backward pass "
+        "(least memory); false keeps them to the backward pass (less communication).",
+        default=True,
+    )
+    mixed_precision: Literal["none", "bf16"] = _help(
+        "none: compute and reduce in the parameters' dtype. bf16: the gathered parameters are cast to bfloat16 for "
+        "forward and backward, the gradients reduced in float32 (sharded parameters and optimizer state stay "
+        "float32). For GPUs; on CPU bf16 is slow.",
+        default="none",
+    )
+    offload: bool = _help(
+        "Keep the sharded parameters, gradients and optimizer state in host memory (FSDP2's CPUOffloadPolicy), "
+        "moved to the GPU only while used; needs a CUDA device.",
+        default=False,
+    )
+
+    @property
+    def sharded(self) -> bool:
+        return self.strategy in ("fsdp", "hsdp")
+
+    def validate(self) -> None:
+        if self.strategy not in ("ddp", "fsdp", "hsdp"):
+            raise ConfigError("parallel.strategy", f"got {self.strategy!r}", "Use ddp (default), fsdp or hsdp")
+        if isinstance(self.wrap, str):
+            if self.wrap != "auto":
+                raise ConfigError("parallel.wrap", f"got {self.wrap!r}",
+                                  "Use auto, or a list of module class names such as [Block]")
+        elif not (isinstance(self.wrap, list) and self.wrap
+                  and all(isinstance(n, str) and n.isidentifier() for n in self.wrap)):
+            raise ConfigError("parallel.wrap", f"got {self.wrap!r}",
+                              "Use auto, or a non-empty list of module class names such as [Block]")
+        if self.mixed_precision not in ("none", "bf16"):
+            raise ConfigError("parallel.mixed_precision", f"got {self.mixed_precision!r}", "Use none or bf16")
+        if not self.sharded and (self.offload or self.mixed_precision != "none" or self.wrap != "auto"):
+            key = "offload" if self.offload else "mixed_precision" if self.mixed_precision != "none" else "wrap"
+            raise ConfigError(f"parallel.{key}", f"applies to parallel.strategy fsdp or hsdp, not {self.strategy}",
+                              f"Set parallel.strategy: fsdp, or remove parallel.{key}")

@@ -15,6 +15,7 @@ import yaml
 from ..files import UnsafeDirectoryError, open_file, write_file_atomically
 from .format import load_snapshot, read_meta, read_verified_bytes, set_signing_key, signing_key_from_environment
 from .loader import find_newest
+from .shards import verify_parts
 from .store import LocalStore, SnapshotError, SnapshotRef, open_store
 
 
@@ -58,6 +59,9 @@ def inspect(run_dir: str, verify: bool = False) -> dict[str, Any]:
             if size != meta["size_bytes"]:
                 raise SnapshotError(f"state.pt has {size if size is not None else 'no'} bytes, the marker says "
                                     f"{meta['size_bytes']} (torn or replaced)")
+            if "sharded" in meta:  # every rank's part there with its size (and with --verify its checksum)
+                verify_parts(store.path(ref), meta, verify)
+                entry["parts"] = len(meta["sharded"]["parts"])
             if verify:
                 read_verified_bytes(store.path(ref), meta, True)
                 entry["verified"] = True

@@ -163,7 +163,7 @@ _META_FIELDS: dict[str, type | tuple[type, ...]] = {
 }
 _OPTIONAL_FIELDS: dict[str, type | tuple[type, ...]] = {
     "fingerprint": dict, "run_uid": str, "config": dict, "world_history": list, "epoch": int, "consumed": int,
-    "world_size": int, "samples_total": int, "model_build": dict, "script": dict,
+    "world_size": int, "samples_total": int, "model_build": dict, "script": dict, "sharded": dict,
 }
 
 
@@ -260,6 +260,13 @@ def load_state_bytes(data: bytes, name: str, map_location: torch.device | str | 
 
 
 def load_snapshot(directory: Path, map_location: torch.device | str | None = "cpu", verify: bool = True) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(meta, state)`` with every tensor whole: a sharded snapshot's parts are verified and assembled."""
+    from .shards import PartReader, verify_parts, whole
+
     meta = read_meta(directory)
     data = read_verified_bytes(directory, meta, verify)
-    return meta, load_state_bytes(data, directory.name, map_location)
+    state = load_state_bytes(data, directory.name, map_location)
+    if "sharded" in meta:
+        verify_parts(directory, meta, verify)
+        state = whole(state, PartReader(directory, meta))
+    return meta, state

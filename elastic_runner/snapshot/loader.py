@@ -16,6 +16,7 @@ from typing import Any, Callable
 import torch
 
 from .format import load_state_bytes, read_meta, read_verified_bytes
+from .shards import PartReader, verify_parts
 from .store import CorruptSnapshotError, LocalStore, SnapshotError, SnapshotRef
 
 log = logging.getLogger(__name__)
@@ -27,6 +28,8 @@ class Loaded:
     meta: dict[str, Any]
     state: dict[str, Any]
     tier: str = "disk"  #: "disk" or "memory" (a node's shared-memory copy)
+    #: A sharded snapshot's parts (:mod:`.shards`): ``state`` holds markers that this reader resolves.
+    parts: PartReader | None = None
 
 
 def find_newest(store: LocalStore, *, map_location: torch.device | str = "cpu", verify: bool = True,
@@ -49,6 +52,8 @@ def find_newest(store: LocalStore, *, map_location: torch.device | str = "cpu", 
             meta = read_meta(directory)
             data = read_verified_bytes(directory, meta, verify)
             state = load_state_bytes(data, ref.name, map_location)
+            if "sharded" in meta:
+                verify_parts(directory, meta, verify)
         except CorruptSnapshotError as exc:
             reason = str(exc)
             log.error("snapshot %s is damaged and is moved aside: %s; trying the previous one", ref.name, reason)
@@ -57,7 +62,7 @@ def find_newest(store: LocalStore, *, map_location: torch.device | str = "cpu", 
             if on_rejected is not None:
                 on_rejected(ref, reason)
             continue
-        return Loaded(ref, meta, state)
+        return Loaded(ref, meta, state, parts=PartReader(directory, meta) if "sharded" in meta else None)
     if rejected:
         raise SnapshotError(
             f"all {len(rejected)} snapshot(s) in {store.location} are damaged and were moved aside as corrupt-*; "
@@ -71,4 +76,6 @@ def load_exact(store: LocalStore, ref: SnapshotRef, *, map_location: torch.devic
     directory = store.path(ref)
     meta = read_meta(directory)
     data = read_verified_bytes(directory, meta, verify)
-    return Loaded(ref, meta, load_state_bytes(data, ref.name, map_location))
+    # A sharded snapshot's parts were verified by rank 0, which chose it.
+    return Loaded(ref, meta, load_state_bytes(data, ref.name, map_location),
+                  parts=PartReader(directory, meta) if "sharded" in meta else None)

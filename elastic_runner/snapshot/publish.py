@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .format import write_snapshot_files
+from .shards import SHARD_FORMAT, wait_for_parts, write_part
 from .store import AlreadyCommittedError, LocalStore, SnapshotRef, StaleWriterError
 
 
@@ -52,6 +53,42 @@ def write_and_publish(store: LocalStore, generation: int, keep_last: int, ref: S
     finally:
         if staging is not None:  # Ctrl-C during a synchronous save
             store.discard(staging)
+
+
+def write_sharded(store: LocalStore, generation: int, keep_last: int, ref: SnapshotRef, state: dict[str, Any],
+                  meta: dict[str, Any], *, rank: int, writers: list[int]) -> Written:
+    """One rank's share of a sharded snapshot (:mod:`.shards`): its part, if it is one of ``writers``; rank 0
+    then waits for every writer's part, writes ``state.pt`` and ``meta.json`` (listing each part's SHA-256) and
+    publishes, fenced like :func:`write_and_publish`. Every rank writes into the same staging directory
+    (named by the snapshot, so that they meet there); only rank 0 publishes or gives it up."""
+    staging = None
+    try:
+        store.check_fence(generation)
+        staging = store.shared_staging(ref)
+        record = write_part(staging, rank, state["part"]) if rank in writers else None
+        if rank != 0:
+            return Written(meta={"part": record, "step": ref.step})
+        parts = wait_for_parts(staging, writers, still_wanted=lambda: store.check_fence(generation))
+        sharded = {"format": SHARD_FORMAT, "world_size": meta.get("world_size"), "writers": writers, "parts": parts}
+        written = Written(write_snapshot_files(staging, state["replicated"], meta | {"sharded": sharded}))
+        # What the snapshot takes on disk (meta.json's size_bytes stays that of state.pt, which it checks).
+        written.meta = written.meta | {"size_bytes": written.meta["size_bytes"] + sum(p["size_bytes"] for p in parts)}
+        store.check_fence(generation)
+        try:
+            store.publish(staging, ref)
+            staging = None
+        except AlreadyCommittedError:
+            written.already_committed = True
+        written.prune_errors = _prune(store, keep_last, ref)
+        return written
+    except Exception as exc:
+        if staging is not None and rank == 0:
+            store.discard(staging)
+        staging = None
+        stale = _stale_instead(store, generation, exc)
+        if stale is exc:
+            raise
+        raise stale from exc
 
 
 def _stale_instead(store: LocalStore, generation: int, exc: Exception) -> Exception:

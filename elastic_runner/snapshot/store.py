@@ -27,6 +27,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import socket
 import time
 import uuid
@@ -83,6 +84,21 @@ class SnapshotStore(Protocol):
     def incomplete(self) -> list[str]: ...
     def path(self, ref: SnapshotRef) -> Path: ...
     def staging(self, ref: SnapshotRef) -> Path: ...
+    def shared_staging(self, ref: SnapshotRef) -> Path:
+        """The staging directory every rank of a sharded snapshot writes its part into (named by the snapshot:
+        the ranks meet there); created by the first to arrive, and it must be a directory of this user's."""
+        path = self.root / f".tmp-{ref.name}-sharded"
+        try:
+            path.mkdir(mode=dir_mode())
+            os.chmod(path, dir_mode())
+        except FileExistsError:
+            info = os.lstat(path)
+            if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+                raise SnapshotError(f"{path} is not a directory of this user's (uid {os.getuid()}); remove it") from None
+        except OSError as exc:
+            raise SnapshotError(f"cannot create {path} ({exc.strerror}); check that {self.root} is writable and has space") from exc
+        return path
+
     def publish(self, staging: Path, ref: SnapshotRef) -> None: ...
     def discard(self, staging: Path) -> None: ...
     def remove(self, ref: SnapshotRef) -> None: ...
@@ -169,6 +185,21 @@ class LocalStore:
         try:
             path.mkdir(mode=dir_mode())
             os.chmod(path, dir_mode())
+        except OSError as exc:
+            raise SnapshotError(f"cannot create {path} ({exc.strerror}); check that {self.root} is writable and has space") from exc
+        return path
+
+    def shared_staging(self, ref: SnapshotRef) -> Path:
+        """The staging directory every rank of a sharded snapshot writes its part into (named by the snapshot:
+        the ranks meet there); created by the first to arrive, and it must be a directory of this user's."""
+        path = self.root / f".tmp-{ref.name}-sharded"
+        try:
+            path.mkdir(mode=dir_mode())
+            os.chmod(path, dir_mode())
+        except FileExistsError:
+            info = os.lstat(path)
+            if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+                raise SnapshotError(f"{path} is not a directory of this user's (uid {os.getuid()}); remove it") from None
         except OSError as exc:
             raise SnapshotError(f"cannot create {path} ({exc.strerror}); check that {self.root} is writable and has space") from exc
         return path

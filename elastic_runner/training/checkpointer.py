@@ -39,9 +39,12 @@ from ..snapshot import Loaded, SnapshotError, SnapshotWriter, require_ok
 from ..snapshot.interval import AutoSchedule
 from ..snapshot.memory import MemoryTier, memory_root, sweep_abandoned_memory
 from ..snapshot.selection import select_newest
+from ..snapshot.shards import split
+from ..snapshot.sharded_writer import ShardedSnapshotWriter
 from ..snapshot.space import room_warning, space_note, state_bytes
 from .boundary import Keeper, StateGuard, StepBoundary
 from .compatibility import Compatibility, ResumeError, check_compatible
+from .sharding import localize, part_writers
 
 if TYPE_CHECKING:
     from ..observe.events import EventLog
@@ -80,7 +83,12 @@ class Checkpointer:
         self._config = cfg.to_dict()
         self._model_build = model_build or {}
         self.memory: MemoryTier | None = None
-        if cfg.snapshot.in_memory:
+        #: fsdp/hsdp: every rank holds only its shards, and writes them (:mod:`elastic_runner.snapshot.shards`).
+        self.sharded = cfg.parallel.sharded
+        if self.sharded and cfg.snapshot.in_memory and dist.rank == 0:
+            log.info("parallel.strategy %s: node memory keeps no sharded state yet, so a failure resumes from the "
+                     "newest disk snapshot (snapshot.every_steps bounds the work redone)", cfg.parallel.strategy)
+        if cfg.snapshot.in_memory and not self.sharded:
             try:
                 self.memory = MemoryTier(memory_root(store.location), generation, run_uid)
             except OSError as exc:  # UnsafeDirectoryError: planted or shared by someone else
@@ -129,7 +137,12 @@ class Checkpointer:
         }
 
     def capture(self) -> tuple[dict[str, Any], dict[str, Any]]:
-        return self.state_dict(), self.metadata()
+        state, meta = self.state_dict(), self.metadata()
+        if self.sharded:  # this rank's slices apart; the rest (with a marker per slice) from rank 0 only
+            replicated, tensors, offsets = split(state)
+            state = {"replicated": replicated if self.dist.rank == 0 else None,
+                     "part": {"tensors": tensors, "offsets": offsets}}
+        return state, meta
 
     @contextlib.contextmanager
     def mutating(self) -> Iterator[None]:
@@ -180,6 +193,8 @@ class Checkpointer:
         """Apply a loaded snapshot; returns the parts that were skipped (allow_mismatch)."""
         assert self.parts is not None, "track() the training parts first"
         parts, s = self.parts, loaded.state
+        if loaded.parts is not None or self.sharded:  # each tensor in this rank's layout, whatever wrote it
+            s = localize(s, parts.model, parts.optimizer, loaded.parts)
         skipped: list[str] = []
         try:
             parts.model.load_state_dict(s["model"])
@@ -212,17 +227,23 @@ class Checkpointer:
     # -- durable snapshots ------------------------------------------------------------------------------------
 
     def open_writer(self) -> None:
-        """Rank 0 writes periodic and final snapshots; every node's first worker may write on a stop."""
+        """Rank 0 writes periodic and final snapshots; every node's first worker may write on a stop. Sharded:
+        every rank writes its part of each snapshot."""
+        snap = self.cfg.snapshot
+        opened = self.writer is None
+        if self.writer is None and self.sharded:
+            self.writer = ShardedSnapshotWriter(self.store, generation=self.generation, keep_last=snap.keep_last,
+                                                rank=self.dist.rank, writers=part_writers(self.cfg, self.env),
+                                                async_write=snap.async_write, observer=self)
         if self.writer is None and (self.dist.rank == 0 or self.env.is_local_leader):
-            snap = self.cfg.snapshot
             self.writer = SnapshotWriter(self.store, generation=self.generation, keep_last=snap.keep_last,
                                          async_write=snap.async_write, observer=self,
                                          writer=snap.writer)
-            if self.dist.rank == 0:
-                self.check_space()
-                if snap.every_steps == "auto":
-                    self.auto = AutoSchedule(snap.mtbf_hours, read_events(self.cfg.run.dir), self.state.step,
-                                             self.metrics.snapshot_interval.set)
+        if opened and self.writer is not None and self.dist.rank == 0:
+            self.check_space()
+            if snap.every_steps == "auto":
+                self.auto = AutoSchedule(snap.mtbf_hours, read_events(self.cfg.run.dir), self.state.step,
+                                         self.metrics.snapshot_interval.set)
         self._last_save = time.monotonic()
 
     def check_space(self) -> bool:
@@ -267,7 +288,7 @@ class Checkpointer:
                 self.keep("stop")
 
     def _save_durable(self, reason: str, sync: bool) -> None:
-        if self.writer is None or (reason in ("periodic", "final") and self.dist.rank != 0):
+        if self.writer is None or (reason in ("periodic", "final") and self.dist.rank != 0 and not self.sharded):
             return
         step = self.state.step
         if sync:

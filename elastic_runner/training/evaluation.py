@@ -16,10 +16,14 @@ if TYPE_CHECKING:
 
 class Evaluator:
     def __init__(self, dist: Dist, wrapped: torch.nn.Module, model: torch.nn.Module, task: Task,
-                 source: BatchSource | None, size: int, batch_size: int, metrics: Metrics) -> None:
+                 source: BatchSource | None, size: int, batch_size: int, metrics: Metrics,
+                 lockstep: Callable[[torch.nn.Module], Any] | None = None) -> None:
         self.dist, self.wrapped, self.model, self.task = dist, wrapped, model, task
         self.source, self.size = source, size
         self.batch_size, self.metrics = batch_size, metrics
+        #: A sharded model: every forward is a collective, so a rank with fewer batches than its peers runs this
+        #: stand-in (results discarded) until all ranks have run as many forwards.
+        self.lockstep = lockstep
 
     def evaluate(self, autocast: Callable[[], Any]) -> dict[str, float]:
         """``{eval_<metric>: value, eval_samples: n}``; empty without a test set. A collective."""
@@ -33,6 +37,11 @@ class Evaluator:
             for chunk, data in zip(chunks, self.source.batches(chunks)):
                 for key, value in self.task.eval_sums(self.model, data, len(chunk)).items():
                     sums[key] = sums.get(key, 0.0) + value
+            if self.lockstep is not None:
+                most = max(-(-len(shard(self.size, r, self.dist.world_size)) // self.batch_size)
+                           for r in range(self.dist.world_size))
+                for _ in range(most - len(chunks)):
+                    self.lockstep(self.model)
         totals: dict[str, float] = {}
         samples = 0.0
         for rank_sums, count in self.dist.all_gather_object((sums, len(indices))):

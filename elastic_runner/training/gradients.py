@@ -54,6 +54,8 @@ class StepGradients:
         self.scaler = scaler
         #: Whether the loss is weighted; None until the first step of this attempt tells.
         self.weighted: bool | None = None
+        #: FSDP/HSDP: the gradients are DTensors, each rank holding a shard (:mod:`.sharding`).
+        self.sharded = any(type(p).__name__ == "DTensor" for p in self.params)
 
     def loss_for_backward(self, losses: torch.Tensor, weights: torch.Tensor | None, global_count: int,
                           where: str) -> torch.Tensor:
@@ -76,10 +78,17 @@ class StepGradients:
         if self.weighted is None or self.weighted:
             total = self._global_weight(weighted_here, float(step_loss[1]) if weighted_here else 0.0)
             if self.weighted and total > 0:
-                torch._foreach_mul_([p.grad for p in self.params if p.grad is not None], 1.0 / total)
+                grads = [p.grad for p in self.params if p.grad is not None]
+                torch._foreach_mul_([g.to_local() for g in grads] if self.sharded else grads, 1.0 / total)
         if self.scaler is not None and self.clip_norm is not None:
             self.scaler.unscale_(optimizer)
-        if self.clip_norm is not None:
+        if self.sharded:  # DTensor gradients: the norm over every rank's shard (one collective), as a plain number
+            from .sharding import global_norm
+
+            norm = global_norm([p.grad for p in self.params if p.grad is not None])
+            if self.clip_norm is not None:
+                nn.utils.clip_grads_with_norm_(self.params, self.clip_norm, norm)
+        elif self.clip_norm is not None:
             norm = nn.utils.clip_grad_norm_(self.params, self.clip_norm)
         elif self.scaler is None:
             grads = [p.grad for p in self.params if p.grad is not None]

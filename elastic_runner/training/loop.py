@@ -170,7 +170,8 @@ class Trainer:
         result: dict[str, Any] = dict(self.evaluate())
         if self.watchdog is not None:
             self.watchdog.stop(done=True)  # the last collective: peers may now exit at any time
-        # Every rank records a digest of its replica: equal digests prove the replicas stayed identical.
+        # Every rank records a digest of its replica (equal digests prove the replicas stayed identical), or of
+        # its shards under fsdp/hsdp (a run ends as another when every rank's digest is the same).
         result["params_sha256"] = state_digest(self.parts.model)
         self.checkpointer.save("final", sync=True)
         if self.books.audit is not None and self.dist.rank == 0:
@@ -179,10 +180,12 @@ class Trainer:
 
 
 def state_digest(model: nn.Module) -> str:
-    """SHA-256 over the model's state_dict (names, dtypes, shapes, bytes), device independent."""
+    """SHA-256 over the model's state_dict (names, dtypes, shapes, bytes), device independent; of a sharded
+    tensor, this rank's slice (with the whole tensor's shape)."""
     sha = hashlib.sha256()
     for name, tensor in sorted(model.state_dict().items()):
-        t = tensor.detach().to("cpu").contiguous()
+        local = tensor.to_local() if hasattr(tensor, "device_mesh") else tensor
+        t = local.detach().to("cpu").contiguous()
         sha.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
         # reshape(-1): a 0-dim tensor (BatchNorm's num_batches_tracked) cannot be viewed as bytes
         sha.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")

@@ -35,7 +35,7 @@ from ..config.imports import resolve
 from ..data.datasets import TensorPairDataset
 from ..data.layout import layout_for
 from ..data.sampler import ElasticSampler
-from ..data.sources import BatchSource, LoaderSource, TensorSource
+from ..data.sources import BatchSource, LoaderSource, TensorSource, collate_items, to_device
 from ..observe.audit import AuditWriter
 from ..observe.events import EventLog, furthest_step_reached
 from ..observe.goodput import publish_goodput
@@ -50,6 +50,7 @@ from ..training.evaluation import Evaluator
 from ..training.gradients import StepGradients
 from ..training.loop import AttemptStart, Trainer
 from ..training.parts import TrainingParts
+from ..training.sharding import FSDPSync, check_shardable, shard_model
 from ..training.state import TrainState
 from ..training.step import TrainStep
 from ..workload.spec import Workload, check, check_batchnorm, from_config
@@ -179,6 +180,8 @@ class Attempt:
             self.layout = layout_for(cfg.batch, env.world_size)
             self.model = self.workload.model.to(dist.device)
             check(self.workload, dist.device, self.layout.micro_size)
+            if cfg.parallel.sharded:
+                check_shardable(cfg, self.workload)
             if cfg.model.compile or self.workload.compiled is not None:
                 use_private_cache()
             largest = largest_world_size(os.environ, env.world_size, env.local_world_size, parent_cmdline())
@@ -204,6 +207,8 @@ class Attempt:
                                   rank=env.rank, world_size=env.world_size)
         except ValueError as exc:
             raise ConfigError("batch.global_size", str(exc), "Adjust batch.global_size or data.partial_batch") from exc
+        if cfg.parallel.sharded:  # before the optimizer: it must hold this rank's shards only
+            shard_model(self.model, cfg.parallel, dist.device, env.world_size, env.local_world_size)
         optimizer = w.make_optimizer(self.model.parameters(), self.layout.lr_scale)
         self.total_steps = planned_total_steps(cfg, sampler, 0)
         scheduler = w.make_schedule(optimizer, self.total_steps)
@@ -271,8 +276,12 @@ class Attempt:
                 "partial_batch": cfg.data.partial_batch, "global_batch": self.layout.global_size,
                 "sampler": cfg.data.sampler,
             })
-        forward = compiled_forward(parts.model, cfg.model.compile, w.compiled)
-        sync = parallel.replicate(parts.model, dist.device, cfg.dist.gradient_sync, forward=forward)
+        sync: parallel.GradientSync
+        if cfg.parallel.sharded:
+            sync = FSDPSync(parts.model, self._stand_in())
+        else:
+            forward = compiled_forward(parts.model, cfg.model.compile, w.compiled)
+            sync = parallel.replicate(parts.model, dist.device, cfg.dist.gradient_sync, forward=forward)
         ckpt.at_boundary()  # every rank's parameters and buffers are now rank 0's
         gradients = StepGradients(dist, parts.model, cfg.optim.grad_clip_norm, cfg.train.on_nonfinite, parts.scaler,
                                   averages_over=sync.averages_over)
@@ -283,7 +292,8 @@ class Attempt:
         test_size = len(w.test) if w.test is not None else 0  # type: ignore[arg-type]
         evaluator = Evaluator(dist, sync.module, parts.model, w.task,
                               self._source(w.test, cfg.run.seed) if w.test is not None else None, test_size,
-                              cfg.data.eval_batch_size, self.metrics)
+                              cfg.data.eval_batch_size, self.metrics,
+                              lockstep=self._stand_in(evaluating=True) if cfg.parallel.sharded else None)
         trainer = Trainer(cfg, dist, parts, step, books, evaluator,
                           self._source(w.train, cfg.run.seed + parts.sampler.epoch), ckpt,
                           total_steps=self.total_steps, start=AttemptStart(self.started_at, resumed, self.resume_info),
@@ -298,6 +308,22 @@ class Attempt:
             ckpt.close()
             if audit is not None:
                 audit.close()
+
+    def _stand_in(self, evaluating: bool = False) -> Callable[[torch.nn.Module], torch.Tensor]:
+        """A sharded model's forward on the first training items, for a rank that has no sample where its peers
+        run the model (every forward gathers parameters: :mod:`elastic_runner.training.sharding`)."""
+        w = self.workload
+        n = max(1, min(2, w.num_train))  # BatchNorm in training mode needs two
+        batch = to_device(collate_items(w.train, list(range(n)), w.collate), self.dist.device)
+
+        def run(module: torch.nn.Module) -> torch.Tensor:
+            if evaluating:
+                w.task.eval_sums(module, batch, n)
+                return torch.zeros(())
+            losses, _ = w.task.compute_loss(module, batch, n)
+            return losses.sum()
+
+        return run
 
     def _source(self, dataset: Any, seed: int) -> BatchSource:
         w, device = self.workload, self.dist.device

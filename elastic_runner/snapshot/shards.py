@@ -1,0 +1,316 @@
+"""Sharded snapshots (``parallel.strategy: fsdp | hsdp``): every rank writes its own shards, nobody gathers the
+model, and a load takes exactly the slice the loading rank needs, at any world size and strategy.
+
+A sharded snapshot is a snapshot directory like any other (``state.pt``, ``meta.json`` last) plus one part
+file per writing rank:
+
+- ``state.pt`` (rank 0): the training state with each sharded tensor replaced by a *marker*
+  ``{"__shard__": key, "shape": [...], "dtype": "float32"}`` — the sampler, schedule, TrainState, random
+  generators, the optimizer's scalars and every unsharded tensor as today;
+- ``part-RRRRR.pt``: that rank's slices: ``{"tensors": {key: slice}, "offsets": {key: [row, col, ...]}}``,
+  where ``offsets`` is where the slice sits in the whole tensor (FSDP2's ``Shard(0)``: rows; any box works);
+- ``meta.json``: as always, plus ``sharded: {format, world_size, parts: [{file, sha256, size_bytes}]}``. Its
+  own checksum (and the job key's signature) covers every part's SHA-256, so a part cannot be swapped.
+
+Every file is a ``torch.save`` of plain containers and tensors and loads with ``weights_only=True``. (That is
+why this is not ``torch.distributed.checkpoint``'s file layout: its ``.metadata`` is a pickle that its reader
+unpickles, which our trust rule forbids for anything read from a shared disk.) The resharding is DCP's idea,
+box intersection: a loading rank asks for the box its new placement holds (:func:`target_box`), and each part
+that overlaps it contributes its rows (:class:`PartReader`, files memory-mapped: only the pages read count).
+
+HSDP's replicas hold the same shards: only the ranks of the first replica write parts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from ..files import open_file
+from .store import CorruptSnapshotError, SnapshotError, SnapshotUnavailableError
+
+MARKER = "__shard__"
+SHARD_FORMAT = 1
+#: How long rank 0 waits for the other ranks' parts before it gives the snapshot up.
+PART_WAIT_S = 600.0
+
+
+def part_name(rank: int) -> str:
+    return f"part-{rank:05d}.pt"
+
+
+# -- splitting a live state ---------------------------------------------------------------------------------------
+
+
+def _is_dtensor(value: Any) -> bool:
+    return type(value).__name__ == "DTensor" and hasattr(value, "device_mesh")
+
+
+def _box_of(tensor: Any) -> list[int]:
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    _, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+    return [int(o) for o in offset]
+
+
+def split(state: Any) -> tuple[Any, dict[str, torch.Tensor], dict[str, list[int]]]:
+    """``state`` with every DTensor replaced by a marker; this rank's slices and where they sit."""
+    tensors: dict[str, torch.Tensor] = {}
+    offsets: dict[str, list[int]] = {}
+
+    def walk(value: Any, path: tuple[str, ...]) -> Any:
+        if _is_dtensor(value):
+            key = "/".join(path)
+            tensors[key] = value.to_local().detach()
+            offsets[key] = _box_of(value)
+            return {MARKER: key, "shape": list(value.shape), "dtype": str(value.dtype).removeprefix("torch.")}
+        if isinstance(value, dict):
+            return {k: walk(v, (*path, str(k))) for k, v in value.items()}
+        if isinstance(value, list):
+            return [walk(v, (*path, str(i))) for i, v in enumerate(value)]
+        if isinstance(value, tuple):
+            return tuple(walk(v, (*path, str(i))) for i, v in enumerate(value))
+        return value
+
+    return walk(state, ()), tensors, offsets
+
+
+def is_marker(value: Any) -> bool:
+    return isinstance(value, dict) and isinstance(value.get(MARKER), str)
+
+
+# -- writing and finding parts -----------------------------------------------------------------------------------
+
+
+def write_part(directory: Path, rank: int, part: dict[str, Any]) -> dict[str, Any]:
+    """``part-RRRRR.pt`` and its record ``part-RRRRR.json`` (SHA-256, size), each written aside, fsynced and
+    renamed into place, so a reader never sees half of one; returns the record."""
+    name = part_name(rank)
+    tmp = directory / f".{name}.{os.getpid()}.tmp"
+    sha = hashlib.sha256()
+    size = 0
+
+    class _Hashing:
+        def write(self, data: bytes) -> int:
+            nonlocal size
+            sha.update(data)
+            size += len(data)
+            return fh.write(data)
+
+        def flush(self) -> None:
+            fh.flush()
+
+    try:
+        with open_file(tmp, "wb", exclusive=True) as fh:
+            torch.save({"format": SHARD_FORMAT, "rank": rank, "tensors": part["tensors"], "offsets": part["offsets"]},
+                       _Hashing())  # type: ignore[arg-type]
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, directory / name)
+        record = {"file": name, "sha256": sha.hexdigest(), "size_bytes": size}
+        tmp_record = directory / f".{name}.json.{os.getpid()}.tmp"
+        with open_file(tmp_record, "w", exclusive=True) as fh:
+            json.dump(record, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp_record, directory / (name.removesuffix(".pt") + ".json"))
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise SnapshotError(f"writing {name} into {directory} failed ({exc.strerror}); free space or fix the "
+                            "directory. The previous snapshots are untouched") from exc
+    return record
+
+
+def wait_for_parts(directory: Path, writers: list[int], *, timeout_s: float = PART_WAIT_S,
+                   still_wanted: Callable[[], None] = lambda: None) -> list[dict[str, Any]]:
+    """The records of every writer's part, once all are there (rank 0, before it publishes). ``still_wanted``
+    raises when the snapshot should be given up (a newer generation owns the run)."""
+    deadline = time.monotonic() + timeout_s
+    records: dict[int, dict[str, Any]] = {}
+    next_check = 0.0
+    while True:
+        for rank in writers:
+            if rank not in records:
+                path = directory / (part_name(rank).removesuffix(".pt") + ".json")
+                try:
+                    records[rank] = json.loads(path.read_text())
+                except (FileNotFoundError, ValueError):
+                    pass
+        if len(records) == len(writers):
+            return [records[r] for r in writers]
+        now = time.monotonic()
+        if now > deadline:
+            missing = [r for r in writers if r not in records]
+            raise SnapshotError(f"rank(s) {', '.join(map(str, missing))} did not write their part of "
+                                f"{directory.name} within {timeout_s:.0f} s; this snapshot is given up")
+        if now >= next_check:
+            still_wanted()
+            next_check = now + 1.0
+        time.sleep(0.02)
+
+
+def check_sharded_meta(name: str, meta: dict[str, Any]) -> list[dict[str, Any]]:
+    """The parts a sharded ``meta.json`` lists, each field checked (:class:`CorruptSnapshotError` if not)."""
+    sharded = meta.get("sharded")
+    if not isinstance(sharded, dict) or sharded.get("format") != SHARD_FORMAT or not isinstance(sharded.get("parts"), list):
+        raise CorruptSnapshotError(f"{name}: meta.json field 'sharded' is malformed")
+    parts = sharded["parts"]
+    for part in parts:
+        ok = isinstance(part, dict) and isinstance(part.get("file"), str) and isinstance(part.get("size_bytes"), int) \
+            and isinstance(part.get("sha256"), str) and len(part["sha256"]) == 64
+        if not ok or "/" in part["file"] or not part["file"].startswith("part-") or not part["file"].endswith(".pt"):
+            raise CorruptSnapshotError(f"{name}: meta.json lists a malformed part {str(part)[:80]!r}")
+    if not parts:
+        raise CorruptSnapshotError(f"{name}: meta.json lists no parts")
+    return parts
+
+
+def verify_parts(directory: Path, meta: dict[str, Any], verify: bool = True) -> None:
+    """Every part is there with its size, and (``verify``) its SHA-256; read in pieces, never whole."""
+    for part in check_sharded_meta(directory.name, meta):
+        path = directory / part["file"]
+        try:
+            with open(path, "rb", opener=lambda p, f: os.open(p, f | getattr(os, "O_NOFOLLOW", 0))) as fh:
+                size = os.fstat(fh.fileno()).st_size
+                if size != part["size_bytes"]:
+                    raise CorruptSnapshotError(f"{directory.name}: {part['file']} has {size} bytes, the marker says "
+                                               f"{part['size_bytes']} (truncated or replaced)")
+                if verify:
+                    sha = hashlib.sha256()
+                    while piece := fh.read(16 << 20):
+                        sha.update(piece)
+                    if sha.hexdigest() != part["sha256"]:
+                        raise CorruptSnapshotError(f"{directory.name}: checksum mismatch in {part['file']}, the file "
+                                                   "was modified or damaged")
+        except FileNotFoundError as exc:
+            raise CorruptSnapshotError(f"{directory.name}: {part['file']} is missing (a rank's part)") from exc
+        except OSError as exc:
+            raise SnapshotUnavailableError(f"{directory.name}: cannot read {part['file']} ({exc.strerror}); is the "
+                                           "filesystem healthy?") from exc
+
+
+# -- reading: the box a rank needs -------------------------------------------------------------------------------
+
+
+class PartReader:
+    """The parts of one sharded snapshot, memory-mapped on first use; :meth:`box` assembles any box of a tensor.
+
+    The parts were verified (size, SHA-256) by whoever selected the snapshot (:func:`verify_parts`)."""
+
+    def __init__(self, directory: Path, meta: dict[str, Any]) -> None:
+        self.directory = directory
+        self.names = [p["file"] for p in check_sharded_meta(directory.name, meta)]
+        self._parts: list[dict[str, Any]] | None = None
+
+    def _load(self) -> list[dict[str, Any]]:
+        if self._parts is None:
+            parts = []
+            for name in self.names:
+                try:
+                    part = torch.load(self.directory / name, map_location="cpu", weights_only=True, mmap=True)
+                except FileNotFoundError as exc:
+                    raise CorruptSnapshotError(f"{self.directory.name}: {name} is missing (a rank's part)") from exc
+                except Exception as exc:  # noqa: BLE001 - a damaged or foreign file
+                    raise CorruptSnapshotError(f"{self.directory.name}: {name} cannot be loaded safely "
+                                               f"({type(exc).__name__}: {str(exc)[:160]})") from exc
+                if not isinstance(part, dict) or not isinstance(part.get("tensors"), dict) \
+                        or not isinstance(part.get("offsets"), dict):
+                    raise CorruptSnapshotError(f"{self.directory.name}: {name} does not hold shards")
+                parts.append(part)
+            self._parts = parts
+        return self._parts
+
+    def box(self, marker: dict[str, Any], offset: list[int], shape: list[int]) -> torch.Tensor:
+        """The part ``[offset, offset + shape)`` of the tensor ``marker`` stands for, from every part that has
+        some of it; :class:`CorruptSnapshotError` if the parts do not cover it."""
+        key = marker[MARKER]
+        dtype = getattr(torch, str(marker.get("dtype")), None)
+        if not isinstance(dtype, torch.dtype):
+            raise CorruptSnapshotError(f"{self.directory.name}: shard {key} has an unknown dtype {marker.get('dtype')!r}")
+        out = torch.empty(shape, dtype=dtype)
+        covered = 0
+        for part in self._load():
+            piece, where = part["tensors"].get(key), part["offsets"].get(key)
+            if piece is None or where is None:
+                continue
+            if not isinstance(piece, torch.Tensor) or len(where) != len(shape) or piece.dim() != len(shape):
+                raise CorruptSnapshotError(f"{self.directory.name}: shard {key} has a malformed slice")
+            src, dst = [], []
+            for lo, n, plo, pn in zip(offset, shape, where, piece.shape):
+                a, b = max(lo, plo), min(lo + n, plo + pn)
+                if a >= b:
+                    break
+                src.append(slice(a - plo, b - plo))
+                dst.append(slice(a - lo, b - lo))
+            else:
+                block = piece[tuple(src)]
+                out[tuple(dst)] = block
+                covered += block.numel()
+        if covered != out.numel():
+            raise CorruptSnapshotError(f"{self.directory.name}: the parts hold {covered} of the {out.numel()} values of "
+                                       f"{key} this rank needs (a part is missing or does not belong to this snapshot)")
+        return out
+
+
+def target_box(like: Any, shape: list[int]) -> tuple[list[int], list[int]]:
+    """(offset, shape) of the slice a DTensor laid out like ``like`` holds of a tensor of ``shape`` here."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    local, offset = compute_local_shape_and_global_offset(torch.Size(shape), like.device_mesh, like.placements)
+    return [int(o) for o in offset], [int(n) for n in local]
+
+
+def place(value: Any, like: Any, reader: PartReader | None) -> Any:
+    """One saved value in the layout of ``like`` (this rank's live tensor, or None for a whole tensor):
+
+    a marker becomes this rank's box of it (a DTensor if ``like`` is one, else the whole tensor); a whole tensor
+    for a sharded ``like`` becomes this rank's slice of it (a replicated snapshot loading into a sharded model)."""
+    if is_marker(value):
+        if reader is None:
+            raise CorruptSnapshotError(f"shard {value[MARKER]} in a snapshot that lists no parts")
+        shape = [int(n) for n in value.get("shape", [])]
+        if _is_dtensor(like) and list(like.shape) == shape:
+            offset, local = target_box(like, shape)
+            return _as_dtensor(reader.box(value, offset, local), like, shape)
+        return reader.box(value, [0] * len(shape), shape)
+    if isinstance(value, torch.Tensor) and _is_dtensor(like) and list(like.shape) == list(value.shape):
+        offset, local = target_box(like, list(value.shape))
+        index = tuple(slice(o, o + n) for o, n in zip(offset, local))
+        return _as_dtensor(value[index].clone(), like, list(value.shape))
+    return value
+
+
+def _as_dtensor(local: torch.Tensor, like: Any, shape: list[int]) -> Any:
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local.to(like.device), like.device_mesh, like.placements, run_check=False,
+                              shape=torch.Size(shape), stride=like.stride())
+
+
+def whole(state: Any, reader: PartReader | None) -> Any:
+    """``state`` with every marker replaced by its whole tensor (export, ``load_model``, a replicated run)."""
+    if is_marker(state):
+        return place(state, None, reader)
+    if isinstance(state, dict):
+        return {k: whole(v, reader) for k, v in state.items()}
+    if isinstance(state, list):
+        return [whole(v, reader) for v in state]
+    if isinstance(state, tuple):
+        return tuple(whole(v, reader) for v in state)
+    return state
+
+
+def has_markers(state: Any) -> bool:
+    if is_marker(state):
+        return True
+    if isinstance(state, dict):
+        return any(has_markers(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return any(has_markers(v) for v in state)
+    return False

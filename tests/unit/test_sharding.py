@@ -1,0 +1,324 @@
+"""Sharded models (``parallel.strategy: fsdp | hsdp``): the step's gradient is the exact mean over the global batch at
+any world size (a SUM of FSDP2's reduce-scatter, never gloo's AVG), and a sharded snapshot — every rank its own
+part — loads into any world size and strategy with every tensor exact; a torn or tampered one is never taken.
+
+Each multi-rank case runs in W spawned processes on a gloo process group.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from torch import nn
+
+from elastic_runner.config import ConfigError, EvalConfig, ModelConfig, ParallelConfig, config_from_dict
+from elastic_runner.data.layout import BatchLayout, split_even
+from elastic_runner.data.sampler import StepPlan
+from elastic_runner.snapshot import LocalStore, SnapshotError, find_newest, load_snapshot
+from elastic_runner.snapshot.publish import write_sharded
+from elastic_runner.snapshot.store import SnapshotRef, StaleWriterError
+from elastic_runner.training.gradients import StepGradients
+from elastic_runner.training.parts import TrainingParts
+from elastic_runner.training.sharding import FSDPSync, localize, shard_model, wrap_units
+from elastic_runner.training.state import TrainState
+from elastic_runner.training.step import TrainStep
+from elastic_runner.workload.tasks import build_task
+
+from .test_gradients import GLOBAL, _Dist, _padded_batch, _token_loss, _token_model, _token_rows, _tokens
+
+CPU = torch.device("cpu")
+
+
+def _spawn(target: Any, world: int, tmp: Path, job: dict[str, Any]) -> None:
+    store = tempfile.mktemp(dir=tmp)
+    mp.start_processes(target, args=(world, store, job), nprocs=world, start_method="spawn")
+
+
+def _up(rank: int, world: int, store_path: str) -> None:
+    import torch._dynamo  # noqa: F401 - before the process group, as Dist.up does
+    import torch.distributed as tdist
+
+    tdist.init_process_group("gloo", store=tdist.FileStore(store_path, world), rank=rank, world_size=world)
+
+
+def _down() -> None:
+    """Leave the process group with nothing of FSDP's left holding its subgroups (gloo's threads end with it)."""
+    import gc
+
+    import torch.distributed as tdist
+
+    gc.collect()
+    tdist.destroy_process_group()
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t  # type: ignore[no-any-return]
+
+
+# -- the gradient ----------------------------------------------------------------------------------------------
+
+
+def _gradient_worker(rank: int, world: int, store_path: str, job: dict[str, Any]) -> None:
+    _up(rank, world, store_path)
+    torch.manual_seed(1 + rank)  # different on every rank: shard_model takes rank 0's
+    model = _token_model().double()
+    shard_model(model, ParallelConfig(strategy=job["strategy"]), CPU, world, job.get("local_world", world))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    micro = job["micro"]
+    layout = BatchLayout(world, GLOBAL, max(1, -(-GLOBAL // world) // micro), micro,
+                         tuple(len(range(r, GLOBAL, world)) for r in range(world)))
+    parts = TrainingParts(model=model, optimizer=optimizer, scheduler=None, scaler=None, sampler=None,
+                          state=TrainState())
+    data = _tokens()
+    stand_in_batch = _token_rows(data, 0, [0, 1])
+    sync = FSDPSync(model, lambda module: _token_loss(module, stand_in_batch)[0].sum())
+    gradients = StepGradients(_Dist(world), model, job["clip"], "stop", None, averages_over=1)
+    task = build_task(ModelConfig(loss="cross_entropy"), EvalConfig(), loss=_token_loss)
+    step = TrainStep(parts, sync, task, layout, gradients, seed=0, rank=rank, device=CPU, precision="fp32")
+    mine = list(range(GLOBAL))[rank::world]
+    plan = StepPlan(epoch=0, start=0, global_count=GLOBAL, indices=mine)
+    batches = iter([_token_rows(data, 1, list(p)) for p in split_even(mine, micro) if p])
+    step.compute(1, plan, batches)
+    grads = [_full(p.grad) for p in model.parameters()]
+    if rank == 0:
+        torch.save(grads, job["out"])
+    del step, sync, parts, model, optimizer
+    _down()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("clip", [None, 0.05])
+def test_the_sharded_gradient_is_the_exact_mean_at_any_world_size(tmp_path: Path, clip: float | None) -> None:
+    """A token-weighted loss, world sizes 1-4, some micro-steps empty (3 ranks x 4): the gradient of one process."""
+    torch.manual_seed(1)
+    model = _token_model().double()
+    ids, labels = _padded_batch()
+    losses, counts = _token_loss(model, (ids, labels))
+    ((losses * counts).sum() / counts.sum()).backward()
+    if clip is not None:
+        nn.utils.clip_grad_norm_(model.parameters(), clip)
+    expected = [p.grad for p in model.parameters()]
+    cases = [("fsdp", 1, 1, 1), ("fsdp", 2, 2, 2), ("fsdp", 3, 4, 3), ("fsdp", 4, 1, 4), ("hsdp", 4, 2, 2)]
+    for strategy, world, micro, local_world in cases:
+        out = tmp_path / f"grads-{strategy}-{world}.pt"
+        _spawn(_gradient_worker, world, tmp_path,
+               dict(strategy=strategy, micro=micro, clip=clip, out=str(out), local_world=local_world))
+        got = torch.load(out)
+        for e, g in zip(expected, got):
+            assert torch.allclose(e, g, rtol=0, atol=1e-12), f"{strategy} at world {world}, {micro} micro-batches"
+
+
+# -- sharded snapshots -------------------------------------------------------------------------------------------
+
+
+def _mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 3), nn.BatchNorm1d(3))
+
+
+def _whole_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    opt = optimizer.state_dict()
+    return {"model": {k: _full(v).clone() for k, v in model.state_dict().items()},
+            "optimizer": {i: {n: _full(v).clone() for n, v in s.items()} for i, s in opt["state"].items()}}
+
+
+def _save_worker(rank: int, world: int, store_path: str, job: dict[str, Any]) -> None:
+    """Train one step sharded, write a sharded snapshot (every rank its part), rank 0 the whole state for reference."""
+    from elastic_runner.snapshot.shards import split
+
+    _up(rank, world, store_path)
+    torch.manual_seed(0)
+    model = _mlp()
+    shard_model(model, ParallelConfig(strategy=job["strategy"]), CPU, world, job["local_world"])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(6, 5, generator=torch.Generator().manual_seed(rank))).square().sum().backward()
+    optimizer.step()
+    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "train": {"step": 1}}
+    replicated, tensors, offsets = split(state)
+    store = LocalStore(job["dir"])
+    writers = list(range(world)) if job["strategy"] == "fsdp" else list(range(job["local_world"]))
+    write_sharded(store, 1, 3, SnapshotRef(generation=1, step=1),
+                  {"replicated": replicated if rank == 0 else None, "part": {"tensors": tensors, "offsets": offsets}},
+                  {"step": 1, "generation": 1, "world_size": world}, rank=rank, writers=writers)
+    whole = _whole_state(model, optimizer)
+    if rank == 0:
+        torch.save(whole, job["out"])
+    del model, optimizer
+    _down()
+
+
+def _load_worker(rank: int, world: int, store_path: str, job: dict[str, Any]) -> None:
+    """Load the newest snapshot into this layout (sharded or whole) and save what every tensor became, whole."""
+    _up(rank, world, store_path)
+    torch.manual_seed(5)
+    model = _mlp()
+    if job["strategy"] != "ddp":
+        shard_model(model, ParallelConfig(strategy=job["strategy"]), CPU, world, job["local_world"])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    loaded = find_newest(LocalStore(job["dir"])) if rank == 0 else None
+    import torch.distributed as tdist
+
+    box = [loaded.ref.name if loaded is not None else None]
+    tdist.broadcast_object_list(box)
+    from elastic_runner.snapshot import load_exact
+
+    loaded = load_exact(LocalStore(job["dir"]), SnapshotRef.parse(box[0]), map_location="cpu")  # type: ignore[arg-type]
+    state = localize(loaded.state, model, optimizer, loaded.parts)
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"] | {"param_groups": optimizer.state_dict()["param_groups"]})
+    whole = _whole_state(model, optimizer)
+    if rank == 0:
+        torch.save(whole, job["out"])
+    del model, optimizer
+    _down()
+
+
+def _saved_sharded(tmp: Path, strategy: str = "fsdp", world: int = 2, local_world: int = 2) -> tuple[Path, dict]:
+    directory = tmp / f"snapshots-{strategy}-{world}"
+    LocalStore(directory).claim_generation({})
+    out = tmp / f"saved-{strategy}-{world}.pt"
+    _spawn(_save_worker, world, tmp, dict(strategy=strategy, local_world=local_world, dir=str(directory), out=str(out)))
+    return directory, torch.load(out)
+
+
+def _assert_same(a: dict, b: dict, what: str) -> None:
+    for section in ("model", "optimizer"):
+        flat_a = a[section] if section == "model" else {f"{i}/{n}": v for i, s in a[section].items() for n, v in s.items()}
+        flat_b = b[section] if section == "model" else {f"{i}/{n}": v for i, s in b[section].items() for n, v in s.items()}
+        assert flat_a.keys() == flat_b.keys(), what
+        differ = [k for k in flat_a if not torch.equal(flat_a[k], flat_b[k])]
+        assert not differ, f"{what}: {section} {differ} differ"
+
+
+@pytest.mark.slow
+def test_a_sharded_snapshot_reshards_to_any_world_size_and_strategy_exactly(tmp_path: Path) -> None:
+    directory, saved = _saved_sharded(tmp_path)
+    parts = sorted(p.name for p in next(directory.glob("step-*")).glob("part-*.pt"))
+    assert parts == ["part-00000.pt", "part-00001.pt"]
+    meta, state = load_snapshot(next(directory.glob("step-*")))  # export, load_model: whole tensors
+    assert all(torch.equal(state["model"][k], v) for k, v in saved["model"].items())
+    assert len(meta["sharded"]["parts"]) == 2
+    for strategy, world, local_world in (("ddp", 1, 1), ("fsdp", 1, 1), ("fsdp", 3, 3), ("hsdp", 4, 2), ("ddp", 2, 2)):
+        out = tmp_path / f"loaded-{strategy}-{world}.pt"
+        _spawn(_load_worker, world, tmp_path, dict(strategy=strategy, local_world=local_world, dir=str(directory),
+                                                   out=str(out)))
+        _assert_same(torch.load(out), saved, f"fsdp at 2 -> {strategy} at {world}")
+
+
+def test_an_hsdp_snapshot_is_written_by_the_first_replica_and_loads_into_fsdp(tmp_path: Path) -> None:
+    directory, saved = _saved_sharded(tmp_path, "hsdp", world=4, local_world=2)
+    assert sorted(p.name for p in next(directory.glob("step-*")).glob("part-*.pt")) == ["part-00000.pt", "part-00001.pt"]
+    out = tmp_path / "loaded.pt"
+    _spawn(_load_worker, 3, tmp_path, dict(strategy="fsdp", local_world=3, dir=str(directory), out=str(out)))
+    _assert_same(torch.load(out), saved, "hsdp 2x2 -> fsdp at 3")
+
+
+def test_a_replicated_snapshot_loads_into_a_sharded_model(tmp_path: Path) -> None:
+    """A DDP run's snapshot (whole tensors) resumes under fsdp: each rank takes its slice."""
+    from elastic_runner.snapshot.publish import write_and_publish
+
+    torch.manual_seed(0)
+    model = _mlp()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(6, 5)).square().sum().backward()
+    optimizer.step()
+    directory = tmp_path / "snapshots"
+    store = LocalStore(directory)
+    store.claim_generation({})
+    write_and_publish(store, 1, 3, SnapshotRef(generation=1, step=1),
+                      {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "train": {}},
+                      {"step": 1, "generation": 1})
+    out = tmp_path / "loaded.pt"
+    _spawn(_load_worker, 3, tmp_path, dict(strategy="fsdp", local_world=3, dir=str(directory), out=str(out)))
+    _assert_same(torch.load(out), _whole_state(model, optimizer), "ddp -> fsdp at 3")
+
+
+@pytest.mark.parametrize("damage", ["missing part", "truncated part", "changed part", "part list edited"])
+def test_a_torn_or_tampered_sharded_snapshot_is_moved_aside(tmp_path: Path, damage: str) -> None:
+    directory, _ = _saved_sharded(tmp_path)
+    snapshot = next(directory.glob("step-*"))
+    part = snapshot / "part-00001.pt"
+    if damage == "missing part":
+        part.unlink()
+    elif damage == "truncated part":
+        os.truncate(part, part.stat().st_size // 2)
+    elif damage == "changed part":
+        data = bytearray(part.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        part.write_bytes(bytes(data))
+    else:
+        meta = (snapshot / "meta.json").read_text()
+        (snapshot / "meta.json").write_text(meta.replace('"part-00001.pt"', '"part-00000.pt"', 1))
+    rejected: list[str] = []
+    with pytest.raises(SnapshotError, match="damaged"):
+        find_newest(LocalStore(directory), on_rejected=lambda ref, why: rejected.append(why))
+    assert len(rejected) == 1 and ("part-00001" in rejected[0] or "meta.json" in rejected[0]), rejected
+    assert (directory / f"corrupt-{snapshot.name}").is_dir() and not snapshot.exists()
+
+
+def test_a_stale_generation_cannot_publish_a_sharded_snapshot(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path / "snapshots")
+    store.claim_generation({})
+    store.claim_generation({})  # a newer round owns the run
+    part = {"tensors": {"model/w": torch.ones(2)}, "offsets": {"model/w": [0]}}
+    with pytest.raises(StaleWriterError):
+        write_sharded(store, 1, 3, SnapshotRef(generation=1, step=5), {"replicated": {"model": {}}, "part": part},
+                      {"step": 5, "generation": 1}, rank=0, writers=[0])
+    assert store.complete() == []
+
+
+# -- what is sharded, and bad input ------------------------------------------------------------------------------
+
+
+def test_wrap_auto_takes_gpt_blocks_huggingface_blocks_or_the_children() -> None:
+    from elastic_runner.workload.gpt import GPT, Block
+
+    gpt = GPT(vocab_size=11, block_size=8, n_layer=2, n_head=2, n_embd=8)
+    assert [type(m) for m in wrap_units(gpt, "auto")] == [Block, Block]
+
+    class Layer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+
+    class HFStyle(nn.Module):
+        _no_split_modules = ["Layer"]
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList([Layer(), Layer(), Layer()])
+            self.head = nn.Linear(2, 2)
+
+    assert [type(m).__name__ for m in wrap_units(HFStyle(), "auto")] == ["Layer"] * 3
+    plain = nn.Sequential(nn.Linear(2, 3), nn.ReLU(), nn.Linear(3, 2))
+    assert wrap_units(plain, "auto") == [plain[0], plain[2]]
+    hf = HFStyle()
+    assert wrap_units(hf, ["Linear"]) == [layer.lin for layer in hf.layers] + [hf.head]
+    with pytest.raises(ConfigError, match=r"parallel.wrap: the model has no module of class Blocks.*it has:.*Linear"):
+        wrap_units(plain, ["Blocks"])
+
+
+@pytest.mark.parametrize("parallel, key", [
+    ({"strategy": "zero"}, "parallel.strategy"),
+    ({"strategy": "fsdp", "wrap": "Block"}, "parallel.wrap"),
+    ({"strategy": "fsdp", "wrap": []}, "parallel.wrap"),
+    ({"strategy": "ddp", "offload": True}, "parallel.offload"),
+    ({"strategy": "ddp", "mixed_precision": "bf16"}, "parallel.mixed_precision"),
+])
+def test_bad_parallel_settings_name_the_key(parallel: dict, key: str) -> None:
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        config_from_dict({"parallel": parallel, "train": {"max_steps": 3}}).validate()
+
+
+def test_offload_on_a_cpu_and_hsdp_on_uneven_nodes_are_refused() -> None:
+    with pytest.raises(ConfigError, match=r"parallel.offload: needs a CUDA device"):
+        shard_model(nn.Linear(2, 2), ParallelConfig(strategy="fsdp", offload=True), CPU, 1, 1)
+    from elastic_runner.training.sharding import device_mesh
+
+    with pytest.raises(ConfigError, match=r"hsdp needs the same number of workers on every node"):
+        device_mesh("hsdp", CPU, 3, 2)
