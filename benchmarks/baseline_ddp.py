@@ -1,4 +1,5 @@
-"""The baseline: a DDP training script as the standard tutorials teach it.
+"""The baseline: a DDP training script as the standard tutorials teach it (``--parallel fsdp``: the same script
+with FSDP2 and torch.distributed.checkpoint, as torchtitan sets them up).
 
 DistributedSampler with ``set_epoch``, rank 0 ``torch.save`` of model and
 optimizer every K steps, ``torch.load(map_location=...)`` at start, run under
@@ -64,6 +65,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--save-every", type=int, default=50)
     p.add_argument("--log-every", type=int, default=1, help="timing line every N steps (first step always)")
+    p.add_argument("--parallel", default="ddp", choices=["ddp", "fsdp"],
+                   help="fsdp: FSDP2 as torchtitan sets it up (fully_shard on every GPT block, then the root; "
+                        "the optimizer over the sharded parameters; checkpoints through torch.distributed.checkpoint)")
     args = p.parse_args()
 
     dist.init_process_group("gloo")
@@ -112,6 +116,13 @@ def main() -> None:
         train = TensorDataset(bundle.train.x, bundle.train.y)  # type: ignore[attr-defined]
         params = {"hidden": args.hidden} | ({"channels": args.channels} if args.model == "cnn" else {"depth": args.depth})
         model = build_model(ModelConfig(name=args.model, params=params), bundle.input_shape, bundle.num_classes)
+    if args.parallel == "fsdp":  # before the optimizer: it holds the shards
+        from torch.distributed.fsdp import fully_shard
+
+        blocks = getattr(model, "blocks", None)  # the GPT's transformer blocks; any other model: its children
+        for block in blocks if blocks is not None else [c for c in model.children() if any(True for _ in c.parameters())]:
+            fully_shard(block)
+        fully_shard(model)
     if args.optim == "adamw":
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=1e-4)
     else:
@@ -119,14 +130,27 @@ def main() -> None:
 
     ckpt = os.path.join(args.run_dir, "checkpoint.pt")
     start_epoch, step = 0, 0
-    if os.path.exists(ckpt):
+    if args.parallel == "fsdp":
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        ckpt = os.path.join(args.run_dir, "checkpoint-dcp")
+        if os.path.exists(os.path.join(ckpt, ".metadata")):
+            model_sd, optim_sd = get_state_dict(model, optimizer)
+            state = {"model": model_sd, "optimizer": optim_sd, "epoch": 0, "step": 0}
+            dcp.load(state, checkpoint_id=ckpt)
+            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+            start_epoch, step = state["epoch"], state["step"]
+            timing("resume", step=step)  # timing
+    elif os.path.exists(ckpt):
         state = torch.load(ckpt, map_location="cpu")
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         start_epoch, step = state["epoch"], state["step"]
         timing("resume", step=step)  # timing
 
-    model = DDP(model)
+    if args.parallel == "ddp":
+        model = DDP(model)
     sampler = DistributedSampler(train, shuffle=True, seed=0)
     loader = DataLoader(train, batch_size=args.batch_per_rank, sampler=sampler, drop_last=True, num_workers=args.workers)
     first = True
@@ -142,7 +166,12 @@ def main() -> None:
             if first or step % args.log_every == 0:  # timing
                 timing("first_step" if first else "step", step=step)  # timing
             first = False
-            if rank == 0 and step % args.save_every == 0:
+            if args.parallel == "fsdp" and step % args.save_every == 0:  # every rank writes its shards
+                t_save = time.perf_counter()  # timing
+                model_sd, optim_sd = get_state_dict(model, optimizer)
+                dcp.save({"model": model_sd, "optimizer": optim_sd, "epoch": epoch, "step": step}, checkpoint_id=ckpt)
+                timing("save", step=step, seconds=time.perf_counter() - t_save)  # timing
+            elif rank == 0 and step % args.save_every == 0:
                 t_save = time.perf_counter()  # timing
                 torch.save({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
                             "epoch": epoch, "step": step}, ckpt)

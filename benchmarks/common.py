@@ -136,7 +136,8 @@ class Workload:
 
 
 def make_job(variant: str, workload: Workload, run_dir: Path, nnodes: str = "1:4", nproc_per_node: int = 1,
-             steps: int = 10**9, log_every: int = 1, **cfg_overrides: Any) -> LocalJob:
+             steps: int = 10**9, log_every: int = 1, baseline_extra: list[str] | None = None,
+             **cfg_overrides: Any) -> LocalJob:
     run_dir.mkdir(parents=True, exist_ok=True)
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     if variant == "elastic-runner":
@@ -151,7 +152,7 @@ def make_job(variant: str, workload: Workload, run_dir: Path, nnodes: str = "1:4
     tuned = variant == "torchrun-tuned"
     return LocalJob(config="", run_dir=str(run_dir), nnodes=nnodes, nproc_per_node=nproc_per_node, launcher="torchrun",
                     rdzv_conf=TUNED_RDZV if tuned else None, max_restarts=100, env=env,
-                    program=workload.baseline_args(run_dir, steps=steps, log_every=log_every),
+                    program=workload.baseline_args(run_dir, steps=steps, log_every=log_every) + (baseline_extra or []),
                     disable_shared_store=tuned)
 
 

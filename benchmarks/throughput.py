@@ -17,6 +17,9 @@ with other load:
 - ``elastic-runner-ddp``: defaults but ``dist.gradient_sync: ddp`` (torch's DistributedDataParallel instead of the
   ordered gradient sum that makes a resume bitwise at every world size) — the cost of the ordered sync, as the
   median of per-repeat pair ratios (``ordered_vs_ddp_sync``; the two run back to back in every repeat);
+- ``elastic-runner-fsdp`` and ``baseline-fsdp``: ``parallel.strategy: fsdp`` against the baseline script with
+  ``--parallel fsdp`` (FSDP2 on every block as torchtitan does it, torch.distributed.checkpoint every 50 steps), run
+  back to back (``fsdp_vs_plain_fsdp``, the median of per-repeat pair ratios);
 - ``elastic-runner-compiled``: defaults but ``model.compile: true`` — what torch.compile gains or costs, as the median
   of per-repeat pair ratios with ``elastic-runner`` (``compiled_vs_uncompiled``); the compile itself happens before
   the measured steps.
@@ -26,6 +29,8 @@ with other load:
         --variants elastic-runner,elastic-runner-ddp --repeats 5      # the ordered gradient sync against DDP
     cd benchmarks && ../.venv-vision/bin/python throughput.py --workloads cnn,gpt \
         --variants elastic-runner,elastic-runner-compiled --repeats 3 # a compiled model against the same uncompiled
+    cd benchmarks && ../.venv-vision/bin/python throughput.py --workloads gpt \
+        --variants elastic-runner-fsdp,baseline-fsdp --repeats 5     # FSDP2: ours against the plain script
 """
 
 from __future__ import annotations
@@ -42,6 +47,9 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "elastic-runner": ("elastic-runner", {}),
     "elastic-runner-ddp": ("elastic-runner", {"dist.gradient_sync": "ddp"}),  # right after: a pair per repeat
     "elastic-runner-compiled": ("elastic-runner", {"model.compile": True}),  # likewise
+    # FSDP2 (right after each other: a pair per repeat): ours against the plain script with FSDP2 and DCP checkpoints
+    "elastic-runner-fsdp": ("elastic-runner", {"parallel.strategy": "fsdp"}),
+    "baseline-fsdp": ("torchrun-tuned", {"baseline_args": ["--parallel", "fsdp"]}),
     "elastic-runner-bare": ("elastic-runner", {"snapshot.every_steps": 0, "snapshot.in_memory": False,
                                                "dist.heartbeat_seconds": 0}),
 }
@@ -50,15 +58,18 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
 def one_run(name: str, workload: Workload, workdir: Path, steps: int, skip: int) -> tuple[float | None, list[float]]:
     """Samples/s after the warm-up, and how long each snapshot blocked the step (s; elastic_runner)."""
     variant, overrides = VARIANTS[name]
+    overrides = dict(overrides)
+    extra = overrides.pop("baseline_args", [])
     run_dir = workdir / f"{name}-{time.time_ns()}"
-    job = make_job(variant, workload, run_dir, nnodes="1:1", nproc_per_node=2, steps=steps, log_every=50, **overrides)
+    job = make_job(variant, workload, run_dir, nnodes="1:1", nproc_per_node=2, steps=steps, log_every=50,
+                   baseline_extra=extra, **overrides)
     try:
         job.start_agent()
         job.wait(timeout=900)
     finally:
         job.close()
     blocking = [e["blocking_s"] for e in read_events(run_dir) if e["kind"] == "snapshot_saved"] \
-        if variant == "elastic-runner" else []
+        if variant == "elastic-runner" and "parallel.strategy" not in overrides else []
     return steady_rate(variant, run_dir, skip, workload.batch_per_rank * workload.world), blocking
 
 
@@ -68,7 +79,8 @@ def measure(name: str, workload: Workload, workdir: Path, repeats: int, steps: i
     rates: dict[str, list[float]] = {variant: [] for variant in chosen}
     blocking: list[float] = []
     #: Ratios of two variants run back to back, one pair per repeat: ordered / DDP sync, compiled / uncompiled.
-    pairs: dict[str, list[float]] = {"ordered_vs_ddp_sync": [], "compiled_vs_uncompiled": []}
+    pairs: dict[str, list[float]] = {"ordered_vs_ddp_sync": [], "compiled_vs_uncompiled": [],
+                                     "fsdp_vs_plain_fsdp": []}
     for _ in range(repeats):
         this: dict[str, float] = {}
         for variant in chosen:
@@ -80,7 +92,8 @@ def measure(name: str, workload: Workload, workdir: Path, repeats: int, steps: i
                 rates[variant].append(round(rate * workload.sample_unit, 1))
             print(f"{name} {variant}: {rates[variant]}", flush=True)
         for key, (ours, other) in {"ordered_vs_ddp_sync": ("elastic-runner", "elastic-runner-ddp"),
-                                   "compiled_vs_uncompiled": ("elastic-runner-compiled", "elastic-runner")}.items():
+                                   "compiled_vs_uncompiled": ("elastic-runner-compiled", "elastic-runner"),
+                                   "fsdp_vs_plain_fsdp": ("elastic-runner-fsdp", "baseline-fsdp")}.items():
             if this.get(ours) and this.get(other):
                 pairs[key].append(this[ours] / this[other])
     med = {variant: median(values) for variant, values in rates.items()}

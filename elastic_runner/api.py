@@ -27,13 +27,14 @@ import path: a snapshot never chooses code to run).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
 
-from .config import Config, ConfigError, load_config
+from .config import Config, ConfigError, ParallelConfig, load_config
 from .training.compiling import unwrap_compiled, without_compile_prefix
 
 Optimizer = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
@@ -44,7 +45,8 @@ def fit(model: nn.Module, train_data: Any, *, loss: Callable[..., Any] | str = "
         metrics: Sequence[str | Callable[..., Any]] | None = None, collate: Callable[[list[Any]], Any] | None = None,
         schedule: Callable[[torch.optim.Optimizer, int], Any] | None = None,
         config: str | os.PathLike[str] | Mapping[str, Any] | Config | None = None, overrides: Sequence[str] = (),
-        compile: bool | None = None) -> int:  # noqa: A002 - torch's own word for it
+        compile: bool | None = None,  # noqa: A002 - torch's own word for it
+        parallel: str | Mapping[str, Any] | None = None) -> int:
     """Train ``model`` on ``train_data`` as an elastic, fault-tolerant job; see the module docstring.
 
     ``loss``: ``fn(model, batch)`` or a built-in name (``cross_entropy``, ``mse`` for (input,
@@ -54,6 +56,9 @@ def fit(model: nn.Module, train_data: Any, *, loss: Callable[..., Any] | str = "
     ``compile``: ``torch.compile`` the forward pass (default: the config's ``model.compile``). A model the script
     compiled itself (``torch.compile(model)``) is trained through its compiled wrapper, with the script's options,
     and saved as the plain model: snapshots load with or without compiling.
+    ``parallel``: how the model is spread over the ranks (default: the config's ``parallel`` section): ``"ddp"``,
+    ``"fsdp"``, ``"hsdp"``, or the section as a mapping, e.g. ``{"strategy": "fsdp", "wrap": ["Block"]}``. Under
+    fsdp/hsdp pass ``optimizer`` as a function of the parameters (it is called with this rank's shards).
     """
     from .observe.logs import say
     from .worker.env import EnvError, WorkerEnv
@@ -75,6 +80,8 @@ def fit(model: nn.Module, train_data: Any, *, loss: Callable[..., Any] | str = "
             if not isinstance(compile, bool):
                 raise ConfigError("fit(compile=...)", f"got {compile!r}", "Pass compile=True or compile=False")
             cfg.model.compile = compile
+        if parallel is not None:
+            cfg.parallel = parallel_section(parallel)
         if compiled is not None and compile is False:
             raise ConfigError("fit(compile=False)", "the model passed is compiled already (torch.compile)",
                               "Pass the plain model, or leave compile out")
@@ -114,6 +121,21 @@ def fit(model: nn.Module, train_data: Any, *, loss: Callable[..., Any] | str = "
                         compiled=compiled)
 
     return run(cfg, env, make_workload=make_workload)
+
+
+def parallel_section(parallel: str | Mapping[str, Any]) -> ParallelConfig:
+    """``fit(parallel=...)`` as the config's section, validated (a ConfigError naming ``fit(parallel=...)``)."""
+    fields = {"strategy": parallel} if isinstance(parallel, str) else dict(parallel) if isinstance(parallel, Mapping) else None
+    known = {f.name for f in dataclasses.fields(ParallelConfig)}
+    if fields is None or not set(fields) <= known:
+        raise ConfigError("fit(parallel=...)", f"got {parallel!r}",
+                          f"Pass 'ddp', 'fsdp', 'hsdp', or a mapping of {', '.join(sorted(known))}")
+    section = ParallelConfig(**fields)
+    try:
+        section.validate()
+    except ConfigError as exc:
+        raise ConfigError("fit(parallel=...)", str(exc), "See the parallel section of the configuration reference") from exc
+    return section
 
 
 def load_model(run_dir: str | os.PathLike[str], model: nn.Module | None = None, *,

@@ -4,6 +4,7 @@ and a token-weighted loss — with no download (the lines of a shipped Shakespea
 Run it as a script (the script API)::
 
     torchrun --standalone --nproc_per_node=2 examples/hf_style.py --run-dir runs/hf
+    torchrun --standalone --nproc_per_node=2 examples/hf_style.py --run-dir runs/hf-fsdp --parallel fsdp  # sharded
 
 or through a config that names these functions by import path (from the ``examples`` directory,
 which is then on ``sys.path`` as the working directory)::
@@ -76,6 +77,9 @@ def collate(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
 class TinyLM(nn.Module):
     """``model.name: hf_style:TinyLM`` — a small causal transformer with an HF-like forward."""
 
+    #: As a HuggingFace model says which blocks must stay whole: under parallel.strategy fsdp each is one shard unit.
+    _no_split_modules = ["TransformerEncoderLayer"]
+
     def __init__(self, vocab_size: int = 80, d_model: int = 64, n_layer: int = 2, n_head: int = 4,
                  max_len: int = 96) -> None:
         super().__init__()
@@ -110,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--run-dir", default="runs/hf-style")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--parallel", choices=["ddp", "fsdp", "hsdp"], default=None,
+                   help="replicate the model (ddp, the default) or shard it (fsdp; hsdp: within each node)")
     args = p.parse_args(argv)
     train, test = dataset()
     torch.manual_seed(0)
@@ -118,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
               "snapshot": {"every_steps": 20}, "logging": {"every_steps": 20}, "schedule": {"name": "cosine", "warmup_steps": 10}}
     status = elastic_runner.fit(model, train, eval_data=test, loss=token_loss, collate=collate,
                                 optimizer=lambda params: torch.optim.AdamW(params, lr=3e-3, weight_decay=0.01),
-                                config=config, overrides=args.overrides)
+                                config=config, overrides=args.overrides, parallel=args.parallel)
     return status
 
 

@@ -75,14 +75,24 @@ class StepGradients:
 
         ``weighted_here``: the form of this rank's losses this step (None: it had no sample);
         ``step_loss``: this rank's (weighted) loss sum and its weight (or sample count)."""
+        # Sharded without clipping: each rank sees only its slice of the gradient, so whether it is finite is one
+        # number summed over the ranks, sent with the weight sum where there is one (a NaN loss on any rank
+        # reaches every slice through the sum; an overflow may reach one slice only).
+        local_bad = self._slice_not_finite() if self.sharded and self.clip_norm is None else None
+        bad_ranks = 0.0
         if self.weighted is None or self.weighted:
-            total = self._global_weight(weighted_here, float(step_loss[1]) if weighted_here else 0.0)
+            total, bad_ranks = self._global_weight(weighted_here, float(step_loss[1]) if weighted_here else 0.0,
+                                                   local_bad or 0.0)
             if self.weighted and total > 0:
                 grads = [p.grad for p in self.params if p.grad is not None]
                 torch._foreach_mul_([g.to_local() for g in grads] if self.sharded else grads, 1.0 / total)
+        elif local_bad is not None:
+            bad_ranks = self.dist.sum_floats([local_bad])[0]
         if self.scaler is not None and self.clip_norm is not None:
             self.scaler.unscale_(optimizer)
-        if self.sharded:  # DTensor gradients: the norm over every rank's shard (one collective), as a plain number
+        if local_bad is not None:
+            norm = torch.tensor(math.nan if bad_ranks else 0.0)
+        elif self.sharded:  # DTensor gradients: the norm over every rank's slice (one collective), as a plain number
             from .sharding import global_norm
 
             norm = global_norm([p.grad for p in self.params if p.grad is not None])
@@ -103,13 +113,22 @@ class StepGradients:
         optimizer.zero_grad(set_to_none=True)
         return False
 
-    def _global_weight(self, weighted_here: bool | None, local_weight: float) -> float:
+    def _slice_not_finite(self) -> float:
+        """1.0 if this rank's slice of the gradient holds a NaN or inf (no collective), else 0.0."""
+        grads = [p.grad.to_local() for p in self.params if p.grad is not None]
+        if not grads:
+            return 0.0
+        return 0.0 if bool(torch.isfinite(torch.stack(torch._foreach_norm(grads))).all()) else 1.0
+
+    def _global_weight(self, weighted_here: bool | None, local_weight: float, also: float = 0.0) -> tuple[float, float]:
+        """The weight summed over the ranks, and ``also`` summed with it (in the same collective)."""
         if self.weighted is None:
             flags = self.dist.sum_floats([1.0 if weighted_here else 0.0, 1.0 if weighted_here is False else 0.0,
-                                          local_weight])
+                                          local_weight, also])
             if flags[0] and flags[1]:
                 raise LossOutputError("model.loss", "returns (losses, weights) on some ranks and losses alone on others",
                                       "Return the same form on every rank")
             self.weighted = bool(flags[0])
-            return flags[2]
-        return self.dist.sum_floats([local_weight])[0]
+            return flags[2], flags[3]
+        total, summed = self.dist.sum_floats([local_weight, also])
+        return total, summed

@@ -4,6 +4,7 @@ metrics by task, a non-finite loss, the built-in language model."""
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -191,3 +192,39 @@ def test_the_tiny_language_model_learns_from_the_shipped_text(tmp_path: Path) ->
     [end] = [e for e in events(tmp_path / "run", "end") if e["rank"] == 0]
     # A uniform guess over 76 characters is ln(76) = 4.33; 250 steps reach about 2.3 on 2 CPU cores.
     assert end["eval_loss"] < 2.5 and end["eval_perplexity"] < 12.2
+
+
+def _launch(config: Path, run_dir: Path, tokens: Path, nproc: int, *overrides: str) -> subprocess.CompletedProcess[str]:
+    return run_bounded([sys.executable, "-m", "elastic_runner", "launch", "--standalone", f"--nproc_per_node={nproc}",
+                        "-m", "elastic_runner.train", "--config", str(config), "--set", f"run.dir={run_dir}",
+                        "--set", f"data.path={tokens}", "--set", "train.eval_every_steps=0",
+                        "--set", "audit.samples=true", "--set", "snapshot.every_steps=20", *overrides], 230,
+                       env=os.environ | {"PYTHONUNBUFFERED": "1"})
+
+
+@pytest.mark.slow
+def test_the_gpt_sharded_with_fsdp_trains_as_replicated_and_resumes_at_another_world_size(tmp_path: Path) -> None:
+    """configs/gpt-fsdp.yaml: the same losses as the replicated GPT (same data, same exact mean gradient), every rank
+    writing its own shards; the sharded snapshot resumes at 3 ranks, every sample of the run exactly once."""
+    from elastic_runner.data.tokens import prepare_text
+    from elastic_runner.observe.audit import check_audit
+
+    prepare_text(ROOT / "examples" / "data" / "shakespeare.txt", tmp_path / "tokens")
+    config = ROOT / "configs" / "gpt-fsdp.yaml"
+    sharded, replicated = tmp_path / "fsdp", tmp_path / "ddp"
+    for run_dir, strategy in ((sharded, "fsdp"), (replicated, "ddp")):
+        result = _launch(config, run_dir, tmp_path / "tokens", 2, "--set", "train.max_steps=40",
+                         "--set", f"parallel.strategy={strategy}")
+        assert result.returncode == 0, result.stdout[-3000:]
+    losses = {name: [e["loss"] for e in events(run_dir, "progress")]
+              for name, run_dir in (("fsdp", sharded), ("ddp", replicated))}
+    assert losses["fsdp"] and len(losses["fsdp"]) == len(losses["ddp"])
+    assert max(abs(a - b) for a, b in zip(losses["fsdp"], losses["ddp"])) < 1e-4, losses
+    newest = sorted((sharded / "snapshots").glob("step-*"))[-1]
+    assert sorted(p.name for p in newest.glob("part-*.pt")) == ["part-00000.pt", "part-00001.pt"]
+    result = _launch(config, sharded, tmp_path / "tokens", 3, "--set", "train.max_steps=60")
+    assert result.returncode == 0, result.stdout[-3000:]
+    [resumed] = [e for e in events(sharded, "resume")]
+    assert resumed["step"] == 40 and resumed["tier"] == "disk"
+    report = check_audit(sharded)
+    assert report.ok and report.finished and report.final_step == 60, report.render()

@@ -78,16 +78,22 @@ def _gradient_worker(rank: int, world: int, store_path: str, job: dict[str, Any]
     data = _tokens()
     stand_in_batch = _token_rows(data, 0, [0, 1])
     sync = FSDPSync(model, lambda module: _token_loss(module, stand_in_batch)[0].sum())
-    gradients = StepGradients(_Dist(world), model, job["clip"], "stop", None, averages_over=1)
-    task = build_task(ModelConfig(loss="cross_entropy"), EvalConfig(), loss=_token_loss)
+    gradients = StepGradients(_Dist(world), model, job["clip"], job.get("on_nonfinite", "stop"), None, averages_over=1)
+
+    def loss(module: nn.Module, batch: Any) -> Any:
+        losses, counts = _token_loss(module, batch)
+        return (losses * float("nan") if rank == job.get("nan_on") else losses), counts
+
+    task = build_task(ModelConfig(loss="cross_entropy"), EvalConfig(), loss=loss)
     step = TrainStep(parts, sync, task, layout, gradients, seed=0, rank=rank, device=CPU, precision="fp32")
     mine = list(range(GLOBAL))[rank::world]
     plan = StepPlan(epoch=0, start=0, global_count=GLOBAL, indices=mine)
     batches = iter([_token_rows(data, 1, list(p)) for p in split_even(mine, micro) if p])
-    step.compute(1, plan, batches)
-    grads = [_full(p.grad) for p in model.parameters()]
+    result = step.compute(1, plan, batches)
+    applied = _Dist(world).all_gather_object(result.apply)
+    grads = [_full(p.grad) for p in model.parameters()] if result.apply else []
     if rank == 0:
-        torch.save(grads, job["out"])
+        torch.save(grads if job.get("nan_on") is None else applied, job["out"])
     del step, sync, parts, model, optimizer
     _down()
 
@@ -112,6 +118,14 @@ def test_the_sharded_gradient_is_the_exact_mean_at_any_world_size(tmp_path: Path
         got = torch.load(out)
         for e, g in zip(expected, got):
             assert torch.allclose(e, g, rtol=0, atol=1e-12), f"{strategy} at world {world}, {micro} micro-batches"
+
+
+def test_a_nan_loss_on_one_rank_skips_the_update_on_every_rank(tmp_path: Path) -> None:
+    """Each rank sees only its slice of the gradient: whether it is finite is decided for all (train.on_nonfinite)."""
+    out = tmp_path / "applied.pt"
+    _spawn(_gradient_worker, 3, tmp_path, dict(strategy="fsdp", micro=1, clip=None, out=str(out), nan_on=2,
+                                               on_nonfinite="skip"))
+    assert torch.load(out) == [False, False, False]
 
 
 # -- sharded snapshots -------------------------------------------------------------------------------------------
