@@ -6,11 +6,12 @@ worker's writer thread (:mod:`.writer`); both import it, and it imports neither.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from .format import write_snapshot_files
-from .shards import SHARD_FORMAT, wait_for_parts, write_part
+from .shards import PART_WAIT_MIN_S, SHARD_FORMAT, wait_for_parts, write_part
 from .store import AlreadyCommittedError, LocalStore, SnapshotRef, StaleWriterError
 
 
@@ -65,10 +66,14 @@ def write_sharded(store: LocalStore, generation: int, keep_last: int, ref: Snaps
     try:
         store.check_fence(generation)
         staging = store.shared_staging(ref)
+        began = time.monotonic()
         record = write_part(staging, rank, state["part"]) if rank in writers else None
         if rank != 0:
             return Written(meta={"part": record, "step": ref.step})
-        parts = wait_for_parts(staging, writers, still_wanted=lambda: store.check_fence(generation))
+        # The others started writing when rank 0 did, parts of about its size: a part that has not come in many
+        # times rank 0's own time (and at least a minute) will not come (its rank died, or a newer round began).
+        parts = wait_for_parts(staging, writers, timeout_s=max(PART_WAIT_MIN_S, 8 * (time.monotonic() - began)),
+                               still_wanted=lambda: store.check_fence(generation))
         sharded = {"format": SHARD_FORMAT, "world_size": meta.get("world_size"), "writers": writers, "parts": parts}
         written = Written(write_snapshot_files(staging, state["replicated"], meta | {"sharded": sharded}))
         # What the snapshot takes on disk (meta.json's size_bytes stays that of state.pt, which it checks).

@@ -37,8 +37,9 @@ from .store import CorruptSnapshotError, SnapshotError, SnapshotUnavailableError
 
 MARKER = "__shard__"
 SHARD_FORMAT = 1
-#: How long rank 0 waits for the other ranks' parts before it gives the snapshot up.
-PART_WAIT_S = 600.0
+#: Rank 0 waits at least this long for the other ranks' parts before it gives a snapshot up (longer when writing
+#: its own part took long: :func:`~.publish.write_sharded`).
+PART_WAIT_MIN_S = 60.0
 
 
 def part_name(rank: int) -> str:
@@ -142,7 +143,7 @@ def write_part(directory: Path, rank: int, part: dict[str, Any]) -> dict[str, An
     return record
 
 
-def wait_for_parts(directory: Path, writers: list[int], *, timeout_s: float = PART_WAIT_S,
+def wait_for_parts(directory: Path, writers: list[int], *, timeout_s: float = PART_WAIT_MIN_S,
                    still_wanted: Callable[[], None] = lambda: None) -> list[dict[str, Any]]:
     """The records of every writer's part, once all are there (rank 0, before it publishes). ``still_wanted``
     raises when the snapshot should be given up (a newer generation owns the run)."""

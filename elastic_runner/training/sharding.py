@@ -175,8 +175,12 @@ def localize(state: dict[str, Any], model: nn.Module, optimizer: torch.optim.Opt
     return whole(out, reader)  # type: ignore[no-any-return]
 
 
-def check_shardable(cfg: Any, workload: Any) -> None:
+def check_shardable(cfg: Any, workload: Any, world: int, local_world: int) -> None:
     """What a sharded run cannot do, said before anything is written (exit status 2)."""
+    if cfg.parallel.strategy == "hsdp" and (local_world < 1 or world % local_world):
+        raise ConfigError("parallel.strategy", f"hsdp needs the same number of workers on every node; the world size "
+                          f"{world} is not a multiple of this node's {local_world}",
+                          "Start every node with the same --nproc_per_node, or use parallel.strategy: fsdp")
     if not fsdp_available():
         import torch as _torch
 

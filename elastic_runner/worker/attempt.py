@@ -181,7 +181,7 @@ class Attempt:
             self.model = self.workload.model.to(dist.device)
             check(self.workload, dist.device, self.layout.micro_size)
             if cfg.parallel.sharded:
-                check_shardable(cfg, self.workload)
+                check_shardable(cfg, self.workload, env.world_size, env.local_world_size)
             if cfg.model.compile or self.workload.compiled is not None:
                 use_private_cache()
             largest = largest_world_size(os.environ, env.world_size, env.local_world_size, parent_cmdline())

@@ -28,6 +28,7 @@ from ..support import (
     events,
     exported_model,
     run_uninterrupted,
+    start_agent_while_paused,
     stop_workers_at_step,
     write_config,
 )
@@ -80,3 +81,24 @@ def test_a_sharded_model_recovers_from_a_worker_kill_bitwise(sharded: tuple[str,
     assert_bitwise_equal(ours, uninterrupted)
     plain = load_model(run_dir)  # the whole model, from the parts
     assert all(torch.equal(v, ours[k]) for k, v in plain.state_dict().items())
+
+
+def test_a_node_joining_a_sharded_job_loads_its_shards_resharded(local_job, tmp_path: Path) -> None:  # noqa: ANN001
+    """One agent of two workers, then a second joins: world 2 -> 4 under fsdp. The two stop at a step boundary and
+    write their parts; all four load their quarter of each tensor from the two halves; every sample once."""
+    config = write_config(tmp_path / "fsdp.yaml", **(RESUME_SECTIONS | {
+        "parallel": {"strategy": "fsdp"}, "train": RESUME_SECTIONS["train"] | {"max_steps": STEPS},
+        "audit": {"samples": True}}))
+    job = local_job(config=str(config), nnodes="1:2", nproc_per_node=2)
+    job.start_agent()
+    start_agent_while_paused(job, at_step=40, count=2, timeout=120)
+    assert job.wait(timeout=300) == [0, 0], job.logs_tail()
+    run_dir = Path(job.run_dir)
+    assert {e["world_size"] for e in events(run_dir, "world")} == {2, 4}
+    resumed = [e for e in events(run_dir, "resume") if e["generation"] > 1]
+    assert resumed and resumed[0]["tier"] == "disk" and resumed[0]["steps_recomputed"] == 0, resumed
+    report = check_audit(run_dir)
+    assert report.ok and report.finished and report.final_step == STEPS, report.render()
+    assert set(report.global_batches) == {32}
+    newest = sorted((run_dir / "snapshots").glob("step-*"))[-1]
+    assert len(list(newest.glob("part-*.pt"))) == 4

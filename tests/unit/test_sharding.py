@@ -336,3 +336,12 @@ def test_offload_on_a_cpu_and_hsdp_on_uneven_nodes_are_refused() -> None:
 
     with pytest.raises(ConfigError, match=r"hsdp needs the same number of workers on every node"):
         device_mesh("hsdp", CPU, 3, 2)
+
+
+def test_rank0_gives_a_snapshot_up_when_a_part_does_not_come(tmp_path: Path) -> None:
+    """A rank that died before writing its part: rank 0 does not wait forever, and publishes nothing."""
+    from elastic_runner.snapshot.shards import wait_for_parts, write_part
+
+    write_part(tmp_path, 0, {"tensors": {"model/w": torch.ones(2)}, "offsets": {"model/w": [0]}})
+    with pytest.raises(SnapshotError, match=r"rank\(s\) 1 did not write their part .* within 0 s"):
+        wait_for_parts(tmp_path, [0, 1], timeout_s=0.3)
