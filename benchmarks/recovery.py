@@ -14,6 +14,8 @@ rendezvous store of torch's defaults makes joins hang) and ends that variant.
         --scenarios worker_kill --loader-workers 0,2          # recovery with DataLoader workers vs without
     .venv/bin/python benchmarks/recovery.py --variants elastic-runner --scenarios worker_kill \
         --compile 0,1                                         # a compiled model's recovery vs the same uncompiled
+    .venv-vision/bin/python benchmarks/recovery.py --variants elastic-runner --scenarios node \
+        --parallel ddp,fsdp                                   # a sharded model's node loss vs the replicated one
 """
 
 from __future__ import annotations
@@ -39,9 +41,11 @@ from common import (
 
 
 def measure(variant: str, repeats: int, hang_after: float, workdir: Path, scenarios: list[str],
-            loader_workers: int = 0, compiled: bool = False) -> dict[str, Any]:
-    run_dir = workdir / variant_key(variant, loader_workers, compiled)
-    job = make_job(variant, Workload(workers=loader_workers), run_dir, **({"model.compile": True} if compiled else {}))
+            loader_workers: int = 0, compiled: bool = False, parallel: str = "ddp") -> dict[str, Any]:
+    run_dir = workdir / variant_key(variant, loader_workers, compiled, parallel)
+    overrides = ({"model.compile": True} if compiled else {}) | \
+        ({"parallel.strategy": parallel} if parallel != "ddp" else {})
+    job = make_job(variant, Workload(workers=loader_workers), run_dir, **overrides)
     result: dict[str, Any] = {"worker_kill": [], "node_loss": [], "node_join": [], "steps_lost": [], "hangs": []}
     try:
         job.start_agent()
@@ -85,8 +89,9 @@ def measure(variant: str, repeats: int, hang_after: float, workdir: Path, scenar
         job.close()
 
 
-def variant_key(variant: str, loader_workers: int, compiled: bool) -> str:
-    return variant + (f"@loader{loader_workers}" if loader_workers else "") + ("@compiled" if compiled else "")
+def variant_key(variant: str, loader_workers: int, compiled: bool, parallel: str = "ddp") -> str:
+    return variant + (f"@loader{loader_workers}" if loader_workers else "") + ("@compiled" if compiled else "") + \
+        (f"@{parallel}" if parallel != "ddp" else "")
 
 
 def summarize(raw: dict[str, dict[str, Any]], hang_after: float) -> dict[str, Any]:
@@ -138,6 +143,9 @@ def main() -> None:
     p.add_argument("--compile", default="0",
                    help="model.compile, comma-separated 0/1: each of our variants runs once per value, e.g. 0,1 to "
                         "compare a compiled model's recovery with the same model uncompiled (the baselines: 0 only)")
+    p.add_argument("--parallel", default="ddp",
+                   help="parallel.strategy, comma-separated: each of our variants runs once per value, e.g. ddp,fsdp to "
+                        "compare a sharded model's recovery (from the shards in node memory) with the replicated one")
     p.add_argument("--workdir", default=None)
     p.add_argument("--out", default=None, help="write the JSON result here too")
     args = p.parse_args()
@@ -145,19 +153,21 @@ def main() -> None:
         raw = {}
         loader_counts = [int(n) for n in args.loader_workers.split(",") if n.strip()]
         compiles = [bool(int(n)) for n in args.compile.split(",") if n.strip()]
+        strategies = [s.strip() for s in args.parallel.split(",") if s.strip()]
         for variant in [v.strip() for v in args.variants.split(",") if v.strip()]:
             for workers in loader_counts:
                 for compiled in compiles if variant in OURS else [False]:
-                    key = variant_key(variant, workers, compiled)
-                    started = time.monotonic()
-                    repeats = (args.default_repeats if variant == "torchrun-default" and args.default_repeats
-                               else args.repeats)
-                    raw[key] = measure(variant, repeats, args.hang_after, workdir, args.scenarios.split(","), workers,
-                                       compiled)
-                    raw[key]["wall_s"] = round(time.monotonic() - started, 1)
-                    print(f"{key}: {raw[key]}", flush=True)
+                    for parallel in strategies if variant in OURS else ["ddp"]:
+                        key = variant_key(variant, workers, compiled, parallel)
+                        started = time.monotonic()
+                        repeats = (args.default_repeats if variant == "torchrun-default" and args.default_repeats
+                                   else args.repeats)
+                        raw[key] = measure(variant, repeats, args.hang_after, workdir, args.scenarios.split(","),
+                                           workers, compiled, parallel)
+                        raw[key]["wall_s"] = round(time.monotonic() - started, 1)
+                        print(f"{key}: {raw[key]}", flush=True)
         result = summarize(raw, args.hang_after)
-        # Loader processes and compiling must not slow recovery: each such variant against itself without them.
+        # Loader processes, compiling and sharding must not slow recovery: each such variant against itself without.
         for key, medians in result["medians"].items():
             variant, _, extra = key.partition("@")
             base = result["medians"].get(variant, {})

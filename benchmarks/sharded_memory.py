@@ -12,7 +12,7 @@ replicated path (the ordered gradient sum), the two one after the other in this 
 - under fsdp, what one sharded snapshot blocks the step (taking the state's structure, then whatever is left of the
   copy of this rank's slices into host memory when the next step's optimizer update must wait for it; the copy runs
   beside that step's forward and backward passes) and how long the write takes (every rank its part, rank 0
-  publishing).
+  publishing), against ``dd conv=fsync`` of the same bytes on the same disk (the physical limit).
 
     cd benchmarks && ../.venv-vision/bin/python sharded_memory.py --world 4 --layers 8 --embd 256
 """
@@ -24,6 +24,7 @@ import json
 import os
 import resource
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -176,6 +177,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         fsdp = run("fsdp", args.world, args.layers, args.embd, args.steps, Path(tmp), args.snapshots)
         ddp = run("ddp", args.world, args.layers, args.embd, args.steps, Path(tmp), 0)
+        total = sum(r["param_bytes"] + r["optimizer_bytes"] for r in fsdp)
+        dd_s = []
+        for n in range(3):  # the physical limit: the same bytes in one stream with dd, fsynced, on the same disk
+            started = time.perf_counter()
+            subprocess.run(["dd", "if=/dev/zero", f"of={tmp}/dd-{n}", "bs=1M", f"count={max(1, total >> 20)}",
+                            "conv=fsync"], check=True, capture_output=True)
+            dd_s.append(time.perf_counter() - started)
 
     def state_bytes(rows: list[dict]) -> int:
         return max(r["param_bytes"] + r["grad_bytes"] + r["optimizer_bytes"] for r in rows)
@@ -193,6 +201,8 @@ def main() -> None:
         "snapshot_state_bytes_total": sum(r["param_bytes"] + r["optimizer_bytes"] for r in fsdp),
         "snapshot_blocking_ms_median": round(statistics.median(blocking), 2) if blocking else None,
         "snapshot_write_s_median": round(statistics.median(writes), 4) if writes else None,
+        "dd_fsync_s_median": round(statistics.median(dd_s), 4),
+        "write_vs_dd": round(statistics.median(writes) / statistics.median(dd_s), 2) if writes else None,
         "date": time.strftime("%Y-%m-%d"),
     }
     print(json.dumps({k: v for k, v in result.items() if k not in ("fsdp", "ddp")}, indent=1))

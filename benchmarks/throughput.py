@@ -19,7 +19,8 @@ with other load:
   median of per-repeat pair ratios (``ordered_vs_ddp_sync``; the two run back to back in every repeat);
 - ``elastic-runner-fsdp`` and ``baseline-fsdp``: ``parallel.strategy: fsdp`` against the baseline script with
   ``--parallel fsdp`` (FSDP2 on every block as torchtitan does it, torch.distributed.checkpoint every 50 steps), run
-  back to back (``fsdp_vs_plain_fsdp``, the median of per-repeat pair ratios);
+  back to back (``fsdp_vs_plain_fsdp``, the median of per-repeat pair ratios); ``elastic-runner-fsdp-bare``: the same
+  without snapshots, node memory and watchdog (``fsdp_bare_vs_plain_fsdp``);
 - ``elastic-runner-compiled``: defaults but ``model.compile: true`` — what torch.compile gains or costs, as the median
   of per-repeat pair ratios with ``elastic-runner`` (``compiled_vs_uncompiled``); the compile itself happens before
   the measured steps.
@@ -50,6 +51,8 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     # FSDP2 (right after each other: a pair per repeat): ours against the plain script with FSDP2 and DCP checkpoints
     "elastic-runner-fsdp": ("elastic-runner", {"parallel.strategy": "fsdp"}),
     "baseline-fsdp": ("torchrun-tuned", {"baseline_args": ["--parallel", "fsdp"]}),
+    "elastic-runner-fsdp-bare": ("elastic-runner", {"parallel.strategy": "fsdp", "snapshot.every_steps": 0,
+                                                    "snapshot.in_memory": False, "dist.heartbeat_seconds": 0}),
     "elastic-runner-bare": ("elastic-runner", {"snapshot.every_steps": 0, "snapshot.in_memory": False,
                                                "dist.heartbeat_seconds": 0}),
 }
@@ -80,7 +83,7 @@ def measure(name: str, workload: Workload, workdir: Path, repeats: int, steps: i
     blocking: list[float] = []
     #: Ratios of two variants run back to back, one pair per repeat: ordered / DDP sync, compiled / uncompiled.
     pairs: dict[str, list[float]] = {"ordered_vs_ddp_sync": [], "compiled_vs_uncompiled": [],
-                                     "fsdp_vs_plain_fsdp": []}
+                                     "fsdp_vs_plain_fsdp": [], "fsdp_bare_vs_plain_fsdp": []}
     for _ in range(repeats):
         this: dict[str, float] = {}
         for variant in chosen:
@@ -93,7 +96,8 @@ def measure(name: str, workload: Workload, workdir: Path, repeats: int, steps: i
             print(f"{name} {variant}: {rates[variant]}", flush=True)
         for key, (ours, other) in {"ordered_vs_ddp_sync": ("elastic-runner", "elastic-runner-ddp"),
                                    "compiled_vs_uncompiled": ("elastic-runner-compiled", "elastic-runner"),
-                                   "fsdp_vs_plain_fsdp": ("elastic-runner-fsdp", "baseline-fsdp")}.items():
+                                   "fsdp_vs_plain_fsdp": ("elastic-runner-fsdp", "baseline-fsdp"),
+                                   "fsdp_bare_vs_plain_fsdp": ("elastic-runner-fsdp-bare", "baseline-fsdp")}.items():
             if this.get(ours) and this.get(other):
                 pairs[key].append(this[ours] / this[other])
     med = {variant: median(values) for variant, values in rates.items()}

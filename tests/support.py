@@ -189,6 +189,20 @@ def continue_workers(job: Any, workers: Sequence[Any]) -> None:
         job.signal_worker(w, signal.SIGCONT)
 
 
+def kill_a_random_worker(job: Any, seed: int, steps: int, count: int = 4, timeout: float = 240) -> tuple[Any, int]:
+    """SIGKILL one of the job's ``count`` workers, chosen by ``seed``, at a step chosen by ``seed`` between 30 and
+    ``steps - 40`` (the others go on); returns the victim and the step the workers had reached."""
+    import random
+    import signal
+
+    at = random.Random(seed).randint(30, steps - 40)
+    workers, reached = stop_workers_at_step(job, at, count=count, timeout=timeout)
+    victim = random.Random(f"{seed}-victim").choice(workers)
+    job.signal_worker(victim, signal.SIGKILL)
+    continue_workers(job, [w for w in workers if w is not victim])
+    return victim, reached
+
+
 def kill_worker_at_step(job: Any, step: int, rank: int = 1, count: int = 2, timeout: float = 120) -> Any:
     """SIGKILL the worker of ``rank`` once the job's ``count`` workers reached ``step`` (the others go on);
     returns the victim."""

@@ -58,7 +58,26 @@ class SnapshotConfig:
         default=True,
     )
 
+    memory_every_steps: int = _help(
+        "Sharded models (parallel.strategy fsdp, hsdp): every N steps each rank copies its shards into its node's "
+        "memory (and, with memory_replicas, to another node's), in the background; after a failure the job resumes "
+        "from the newest step whose shards the surviving nodes hold together, without a disk read. 0: off (a failure "
+        "resumes from the disk snapshot). A replicated model (ddp) keeps its newest step when an attempt ends instead.",
+        default=10,
+    )
+    memory_replicas: int = _help(
+        "Sharded models: 1 also keeps each node's shards in the memory of the next node (in rank order), so the loss "
+        "of any one node resumes from memory; 0: own node only. hsdp's nodes hold every shard already (nothing is "
+        "sent).",
+        default=1,
+    )
+
     def validate(self) -> None:
+        if self.memory_every_steps < 0:
+            raise ConfigError("snapshot.memory_every_steps", f"got {self.memory_every_steps}, must be >= 0",
+                              "Set it to e.g. 10, or 0 to keep sharded state on disk only")
+        if self.memory_replicas not in (0, 1):
+            raise ConfigError("snapshot.memory_replicas", f"got {self.memory_replicas}", "Use 1 (a copy on the next node) or 0")
         if self.every_steps != "auto" and self.every_steps < 0:
             raise ConfigError("snapshot.every_steps", f"got {self.every_steps}, must be >= 0",
                               "Set it to e.g. 50, 0 to disable, or auto")
@@ -177,7 +196,8 @@ class ParallelConfig:
     )
     reshard_after_forward: bool = _help(
         "Free the gathered parameters after each unit's forward pass and gather them again for the backward pass "
-        "(least memory); false keeps them to the backward pass (less communication).",
+        "(least memory); false keeps them to the backward pass (less communication). The root's own parameters "
+        "(those outside every unit) are kept either way: the backward pass needs them first.",
         default=True,
     )
     mixed_precision: Literal["none", "bf16"] = _help(

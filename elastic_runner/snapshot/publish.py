@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from .format import write_snapshot_files
@@ -33,15 +34,8 @@ def write_and_publish(store: LocalStore, generation: int, keep_last: int, ref: S
     try:
         store.check_fence(generation)
         staging = store.staging(ref)
-        written = Written(write_snapshot_files(staging, state, meta))
-        # Fence again right before publishing: a newer round may have started meanwhile.
-        store.check_fence(generation)
-        try:
-            store.publish(staging, ref)
-            staging = None
-        except AlreadyCommittedError:
-            written.already_committed = True
-        written.prune_errors = _prune(store, keep_last, ref)
+        written = _publish(store, generation, keep_last, staging, ref, Written(write_snapshot_files(staging, state, meta)))
+        staging = None
         return written
     except Exception as exc:
         if staging is not None:  # first: the space it took is part of what the report measures
@@ -78,14 +72,7 @@ def write_sharded(store: LocalStore, generation: int, keep_last: int, ref: Snaps
         written = Written(write_snapshot_files(staging, state["replicated"], meta | {"sharded": sharded}))
         # What the snapshot takes on disk (meta.json's size_bytes stays that of state.pt, which it checks).
         written.meta = written.meta | {"size_bytes": written.meta["size_bytes"] + sum(p["size_bytes"] for p in parts)}
-        store.check_fence(generation)
-        try:
-            store.publish(staging, ref)
-            staging = None
-        except AlreadyCommittedError:
-            written.already_committed = True
-        written.prune_errors = _prune(store, keep_last, ref)
-        return written
+        return _publish(store, generation, keep_last, staging, ref, written)
     except Exception as exc:
         if staging is not None and rank == 0:
             store.discard(staging)
@@ -94,6 +81,19 @@ def write_sharded(store: LocalStore, generation: int, keep_last: int, ref: Snaps
         if stale is exc:
             raise
         raise stale from exc
+
+
+def _publish(store: LocalStore, generation: int, keep_last: int, staging: Path, ref: SnapshotRef,
+             written: Written) -> Written:
+    """Publish ``staging`` as ``ref`` unless a newer round started meanwhile (fenced again right before the rename);
+    then delete snapshots beyond ``keep_last``. Raises with ``staging`` still there (the caller discards it)."""
+    store.check_fence(generation)
+    try:
+        store.publish(staging, ref)
+    except AlreadyCommittedError:
+        written.already_committed = True
+    written.prune_errors = _prune(store, keep_last, ref)
+    return written
 
 
 def _stale_instead(store: LocalStore, generation: int, exc: Exception) -> Exception:

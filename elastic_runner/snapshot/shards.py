@@ -24,6 +24,7 @@ HSDP's replicas hold the same shards: only the ranks of the first replica write 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import time
@@ -143,6 +144,30 @@ def write_part(directory: Path, rank: int, part: dict[str, Any]) -> dict[str, An
     return record
 
 
+def part_bytes(rank: int, part: dict[str, Any]) -> bytes:
+    """A part file's bytes (what :func:`write_part` writes), for sending to another node's memory."""
+    buffer = io.BytesIO()
+    torch.save({"format": SHARD_FORMAT, "rank": rank, "tensors": part["tensors"], "offsets": part["offsets"]}, buffer)
+    return buffer.getvalue()
+
+
+def write_part_bytes(directory: Path, rank: int, data: bytes) -> dict[str, Any]:
+    """:func:`write_part` for a part already serialised (:func:`part_bytes`), e.g. received from another node."""
+    name = part_name(rank)
+    record = {"file": name, "sha256": hashlib.sha256(data).hexdigest(), "size_bytes": len(data)}
+    try:
+        for target, body in ((name, data), (name.removesuffix(".pt") + ".json", json.dumps(record).encode())):
+            tmp = directory / f".{target}.{os.getpid()}.tmp"
+            with open_file(tmp, "wb", exclusive=True) as fh:
+                fh.write(body)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, directory / target)
+    except OSError as exc:
+        raise SnapshotError(f"writing {name} into {directory} failed ({exc.strerror})") from exc
+    return record
+
+
 def wait_for_parts(directory: Path, writers: list[int], *, timeout_s: float = PART_WAIT_MIN_S,
                    still_wanted: Callable[[], None] = lambda: None) -> list[dict[str, Any]]:
     """The records of every writer's part, once all are there (rank 0, before it publishes). ``still_wanted``
@@ -219,10 +244,11 @@ class PartReader:
 
     The parts were verified (size, SHA-256) by whoever selected the snapshot (:func:`verify_parts`)."""
 
-    def __init__(self, directory: Path, meta: dict[str, Any]) -> None:
+    def __init__(self, directory: Path, meta: dict[str, Any], loaded: list[dict[str, Any]] | None = None) -> None:
         self.directory = directory
         self.names = [p["file"] for p in check_sharded_meta(directory.name, meta)]
-        self._parts: list[dict[str, Any]] | None = None
+        #: Parts already in memory (received from the nodes that held them), instead of the files.
+        self._parts: list[dict[str, Any]] | None = loaded
 
     def _load(self) -> list[dict[str, Any]]:
         if self._parts is None:

@@ -40,6 +40,7 @@ from ..snapshot.interval import AutoSchedule
 from ..snapshot.memory import MemoryTier, memory_root, sweep_abandoned_memory
 from ..snapshot.selection import select_newest
 from ..snapshot.shards import split
+from ..snapshot.sharded_memory import Layout, ShardedMemory, exchange_group, select_sharded
 from ..snapshot.sharded_writer import ShardedSnapshotWriter
 from ..snapshot.space import room_warning, space_note, state_bytes
 from .boundary import Keeper, StateGuard, StepBoundary
@@ -85,10 +86,12 @@ class Checkpointer:
         self.memory: MemoryTier | None = None
         #: fsdp/hsdp: every rank holds only its shards, and writes them (:mod:`elastic_runner.snapshot.shards`).
         self.sharded = cfg.parallel.sharded
-        if self.sharded and cfg.snapshot.in_memory and dist.rank == 0:
-            log.info("parallel.strategy %s: node memory keeps no sharded state yet, so a failure resumes from the "
-                     "newest disk snapshot (snapshot.every_steps bounds the work redone)", cfg.parallel.strategy)
-        if cfg.snapshot.in_memory and not self.sharded:
+        #: fsdp/hsdp: shards copied into node memory every snapshot.memory_every_steps (:mod:`...sharded_memory`).
+        self.sharded_memory: ShardedMemory | None = None
+        if self.sharded and not (cfg.snapshot.in_memory and cfg.snapshot.memory_every_steps) and dist.rank == 0:
+            log.info("parallel.strategy %s with snapshot.%s: a failure resumes from the newest disk snapshot",
+                     cfg.parallel.strategy, "in_memory off" if not cfg.snapshot.in_memory else "memory_every_steps 0")
+        if cfg.snapshot.in_memory and (not self.sharded or cfg.snapshot.memory_every_steps):
             try:
                 self.memory = MemoryTier(memory_root(store.location), generation, run_uid)
             except OSError as exc:  # UnsafeDirectoryError: planted or shared by someone else
@@ -97,6 +100,12 @@ class Checkpointer:
         if self.memory is not None and env.is_local_leader:
             self.memory.sweep()
             sweep_abandoned_memory()
+        if self.sharded and self.memory is not None:
+            layout = Layout(rank=dist.rank, world=env.world_size, local_rank=env.local_rank,
+                            local_world=env.local_world_size, strategy=cfg.parallel.strategy,
+                            replicas=cfg.snapshot.memory_replicas)
+            group = exchange_group(cfg.dist.timeout_seconds) if env.world_size > 1 else None  # every rank: a collective
+            self.sharded_memory = ShardedMemory(self.memory, layout, group, cfg.snapshot.memory_every_steps)
         self.parts: TrainingParts | None = None
         self.boundary: StepBoundary | None = None
         self.writer: SnapshotWriter | None = None
@@ -107,7 +116,8 @@ class Checkpointer:
         #: Set once the main thread takes the last state of this attempt (a stop or a failure it
         #: handles): the watchdog's handler must then leave the exit to the main thread.
         self.ending = threading.Event()
-        self._keeper = Keeper(self.memory, self.capture, self.guard, self.state, events)
+        # A replicated state is kept whole when an attempt ends; shards are kept by the periodic refresh instead.
+        self._keeper = Keeper(None if self.sharded else self.memory, self.capture, self.guard, self.state, events)
         self._last_save = time.monotonic()
 
     def track(self, parts: TrainingParts) -> None:
@@ -136,12 +146,14 @@ class Checkpointer:
             "model_build": self._model_build, "script": self.identity,
         }
 
-    def capture(self) -> tuple[dict[str, Any], dict[str, Any]]:
+    def capture(self, replicated_from: str = "rank0") -> tuple[dict[str, Any], dict[str, Any]]:
+        """(state, meta) with live tensors. Sharded: this rank's slices apart, and the rest (with a marker per slice)
+        from rank 0 only, or (``replicated_from="node"``, for node memory) from every node's first rank."""
         state, meta = self.state_dict(), self.metadata()
-        if self.sharded:  # this rank's slices apart; the rest (with a marker per slice) from rank 0 only
+        if self.sharded:
             replicated, tensors, offsets = split(state)
-            state = {"replicated": replicated if self.dist.rank == 0 else None,
-                     "part": {"tensors": tensors, "offsets": offsets}}
+            mine = self.dist.rank == 0 if replicated_from == "rank0" else self.env.local_rank == 0
+            state = {"replicated": replicated if mine else None, "part": {"tensors": tensors, "offsets": offsets}}
         return state, meta
 
     @contextlib.contextmanager
@@ -174,10 +186,16 @@ class Checkpointer:
     def restore(self) -> Loaded | None:
         """Load the newest state of either tier into the parts (a collective); None: nothing to resume."""
         cfg = self.cfg
-        loaded = select_newest(
-            self.dist, self.store, fingerprint=self.fingerprint, run_uid=self.run_uid, verify=cfg.snapshot.verify,
-            memory=self.memory,
-            on_rejected=lambda ref, why: self.events.emit("snapshot_rejected", snapshot=ref.name, reason=why))
+
+        def rejected(ref: SnapshotRef, why: str) -> None:
+            self.events.emit("snapshot_rejected", snapshot=ref.name, reason=why)
+
+        if self.sharded:
+            loaded = select_sharded(self.dist, self.store, self.sharded_memory, fingerprint=self.fingerprint,
+                                    run_uid=self.run_uid, verify=cfg.snapshot.verify, on_rejected=rejected)
+        else:
+            loaded = select_newest(self.dist, self.store, fingerprint=self.fingerprint, run_uid=self.run_uid,
+                                   verify=cfg.snapshot.verify, memory=self.memory, on_rejected=rejected)
         if loaded is None:
             return None
         skipped = self._load(loaded, check_compatible(loaded, cfg, self.identity))
@@ -263,6 +281,9 @@ class Checkpointer:
         else:
             due_steps = bool(snap.every_steps) and step % snap.every_steps == 0
         due_time = snap.every_seconds and time.monotonic() - self._last_save >= snap.every_seconds
+        if self.sharded_memory is not None and self.sharded_memory.due(step) and not last:
+            blocked = self.sharded_memory.refresh(step, lambda: self.capture(replicated_from="node"))
+            self.metrics.snapshot_blocking.observe(blocked)
         if (due_steps or due_time) and not last:
             if self.auto is not None:
                 self.auto.saving(step)
@@ -307,7 +328,10 @@ class Checkpointer:
         where = (f"the state is kept in node memory on {self.env.hostname} ({self.memory.root}); once there is "
                  f"space, `elastic-runner snapshot persist {self.cfg.run.dir}` on that node writes it out, and a "
                  f"restart resumes from it" if kept and self.memory is not None else
-                 "no copy of it is kept (snapshot.in_memory is off); the newest durable snapshot is the one to resume from")
+                 "no copy of it is kept (" + ("a sharded state is copied into node memory every "
+                                              "snapshot.memory_every_steps steps, not at the end" if self.sharded else
+                                              "snapshot.in_memory is off") +
+                 "); the newest durable snapshot is the one to resume from")
         size = self.writer.last.size_estimate if self.writer is not None and self.writer.last is not None else 0
         space = space_note(self.store.root, size)
         return FinalSnapshotFailed(

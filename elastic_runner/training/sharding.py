@@ -96,7 +96,9 @@ def shard_model(model: nn.Module, cfg: ParallelConfig, device: torch.device, wor
         options["offload_policy"] = CPUOffloadPolicy()
     for unit in units:
         fully_shard(unit, **options)
-    fully_shard(model, **options)
+    # The root's parameters (embeddings, the last norm and head) are the first the backward pass needs: freeing them
+    # after the forward pass would only gather them again at once (torchtitan and FSDP2's own default do the same).
+    fully_shard(model, **(options | {"reshard_after_forward": False}))
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_force_sum_reduction_for_comms(True)

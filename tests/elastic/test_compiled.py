@@ -4,8 +4,6 @@ workers each (world 4): from three ranks on the order of the gradient sum matter
 
 from __future__ import annotations
 
-import random
-import signal
 import time
 from pathlib import Path
 from typing import Iterator
@@ -18,11 +16,10 @@ from elastic_runner.observe.audit import check_audit
 
 from ..support import (
     assert_bitwise_equal,
-    continue_workers,
     events,
     exported_model,
+    kill_a_random_worker,
     run_uninterrupted,
-    stop_workers_at_step,
     write_config,
 )
 from .conftest import RESUME_SECTIONS
@@ -50,11 +47,7 @@ def test_a_compiled_model_recovers_from_a_worker_kill_bitwise_and_loads_uncompil
     job = local_job(config=str(compiled_config), nnodes="2:2", nproc_per_node=2)
     job.start_agent()
     job.start_agent()
-    at = random.Random(SEED).randint(30, STEPS - 40)
-    workers, reached = stop_workers_at_step(job, at, count=4, timeout=240)
-    victim = random.Random(f"{SEED}-victim").choice(workers)
-    job.signal_worker(victim, signal.SIGKILL)
-    continue_workers(job, [w for w in workers if w is not victim])
+    victim, reached = kill_a_random_worker(job, SEED, STEPS)
     assert job.wait(timeout=300) == [0, 0], job.logs_tail()
     run_dir = Path(job.run_dir)
     what = f"rank {victim.rank} killed at step {reached} (seed {SEED})"

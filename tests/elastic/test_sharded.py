@@ -1,8 +1,9 @@
 """Sharded models (``parallel.strategy: fsdp | hsdp``) under faults, with real torchrun agents: two agents of two
 workers each (world 4; under hsdp a 2 x 2 mesh: sharded within an agent, replicated across the two).
 
-A worker killed at a random step: every rank resumes from the newest sharded snapshot on disk (node memory keeps no
-sharded state yet), the audit is clean and the job ends with exactly the model of an uninterrupted run. A sharded
+A worker killed at a random step: every rank resumes from the newest copy of the shards in node memory (refreshed
+every 10 steps), the audit is clean and the job ends with exactly the model of an uninterrupted run. A lost node: the
+survivors take its shards from the copy their own node's memory holds. A sharded
 run's snapshots resume in a run of another world size and strategy: 4 ranks of fsdp -> 3 ranks of fsdp -> 2 of ddp,
 every sample of the epoch exactly once, and the final model what a replicated run continued from the same state ends
 with (up to the order of the additions, which differs between world sizes).
@@ -10,8 +11,6 @@ with (up to the order of the additions, which differs between world sizes).
 
 from __future__ import annotations
 
-import random
-import signal
 import time
 from pathlib import Path
 from typing import Iterator
@@ -24,9 +23,10 @@ from elastic_runner.observe.audit import check_audit
 
 from ..support import (
     assert_bitwise_equal,
-    continue_workers,
     events,
     exported_model,
+    kill_a_random_worker,
+    continue_workers,
     run_uninterrupted,
     start_agent_while_paused,
     stop_workers_at_step,
@@ -59,16 +59,13 @@ def test_a_sharded_model_recovers_from_a_worker_kill_bitwise(sharded: tuple[str,
     job = local_job(config=str(config), nnodes="2:2", nproc_per_node=2)
     job.start_agent()
     job.start_agent()
-    at = random.Random(SEED).randint(30, STEPS - 40)
-    workers, reached = stop_workers_at_step(job, at, count=4, timeout=240)
-    victim = random.Random(f"{SEED}-victim").choice(workers)
-    job.signal_worker(victim, signal.SIGKILL)
-    continue_workers(job, [w for w in workers if w is not victim])
+    victim, reached = kill_a_random_worker(job, SEED, STEPS)
     assert job.wait(timeout=300) == [0, 0], job.logs_tail()
     run_dir = Path(job.run_dir)
     what = f"{strategy}: rank {victim.rank} killed at step {reached} (seed {SEED})"
     resumed = [e for e in events(run_dir, "resume") if e["generation"] > 1]
-    assert resumed and resumed[0]["tier"] == "disk", f"{what}: resumed from the sharded snapshot on disk"
+    assert resumed and resumed[0]["tier"] == "memory", f"{what}: resumed from the shards in node memory"
+    assert resumed[0]["step"] % 10 == 0 and reached - resumed[0]["step"] < 10 + 2, f"{what}: {resumed[0]}"
     saved = [e for e in events(run_dir, "snapshot_saved")]
     assert saved, what
     newest = sorted((run_dir / "snapshots").glob("step-*"))[-1]
@@ -102,3 +99,25 @@ def test_a_node_joining_a_sharded_job_loads_its_shards_resharded(local_job, tmp_
     assert set(report.global_batches) == {32}
     newest = sorted((run_dir / "snapshots").glob("step-*"))[-1]
     assert len(list(newest.glob("part-*.pt"))) == 4
+
+
+def test_a_lost_node_s_shards_come_back_from_the_survivors_memory(local_job, tmp_path: Path) -> None:  # noqa: ANN001
+    """2 agents x 2 workers under fsdp; one agent and its workers are SIGKILLed (its node memory goes with it): the
+    two ranks left resume from node memory — their own shards and the copy of the lost node's — not from disk."""
+    config = write_config(tmp_path / "fsdp.yaml", **(RESUME_SECTIONS | {
+        "parallel": {"strategy": "fsdp"}, "train": RESUME_SECTIONS["train"] | {"max_steps": STEPS},
+        "snapshot": RESUME_SECTIONS["snapshot"] | {"every_steps": 50, "memory_every_steps": 10}}))
+    job = local_job(config=str(config), nnodes="1:2", nproc_per_node=2)
+    job.start_agent()
+    second = job.start_agent()
+    workers, reached = stop_workers_at_step(job, 65, count=4, timeout=240)
+    job.kill_agent(second)
+    continue_workers(job, workers)
+    codes = job.wait(timeout=300)
+    assert codes[0] == 0, job.logs_tail()
+    run_dir = Path(job.run_dir)
+    resumed = [e for e in events(run_dir, "resume") if e["generation"] > 1]
+    assert resumed and resumed[0]["tier"] == "memory" and resumed[0]["step"] == 60, (resumed, job.logs_tail())
+    assert {e["world_size"] for e in events(run_dir, "world")} == {4, 2}
+    report = check_audit(run_dir)
+    assert report.ok and report.finished and report.final_step == STEPS, report.render()

@@ -8,7 +8,9 @@ Each multi-rank case runs in W spawned processes on a gloo process group.
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
+from time import time_ns
 from pathlib import Path
 from typing import Any
 
@@ -345,3 +347,115 @@ def test_rank0_gives_a_snapshot_up_when_a_part_does_not_come(tmp_path: Path) -> 
     write_part(tmp_path, 0, {"tensors": {"model/w": torch.ones(2)}, "offsets": {"model/w": [0]}})
     with pytest.raises(SnapshotError, match=r"rank\(s\) 1 did not write their part .* within 0 s"):
         wait_for_parts(tmp_path, [0, 1], timeout_s=0.3)
+
+
+# -- node memory for sharded state -------------------------------------------------------------------------------
+
+
+class _ObjectDist:
+    """What select_sharded needs of the worker's Dist, on the default gloo group (JSON-able objects, as Dist)."""
+
+    def __init__(self) -> None:
+        import torch.distributed as tdist
+
+        self.rank, self.world_size = tdist.get_rank(), tdist.get_world_size()
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        import json
+
+        import torch.distributed as tdist
+
+        box: list[Any] = [None] * self.world_size
+        tdist.all_gather_object(box, json.dumps(obj))
+        return [json.loads(b) for b in box]
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        import json
+
+        import torch.distributed as tdist
+
+        box = [json.dumps(obj) if self.rank == src else None]
+        tdist.broadcast_object_list(box, src=src)
+        return json.loads(box[0])  # type: ignore[arg-type]
+
+
+def _memory_worker(rank: int, world: int, store_path: str, job: dict[str, Any]) -> None:
+    """``save``: train a step sharded and refresh node memory (node = rank // local_world, a directory each);
+    ``load``: select from node memory (or disk) into this layout, save what every tensor became, whole."""
+    from elastic_runner.snapshot.memory import MemoryTier
+    from elastic_runner.snapshot.sharded_memory import Layout, ShardedMemory, exchange_group, select_sharded
+    from elastic_runner.snapshot.shards import split
+
+    _up(rank, world, store_path)
+    local_world = job["local_world"]
+    node = rank // local_world
+    torch.manual_seed(0 if job["do"] == "save" else 5)
+    model = _mlp()
+    shard_model(model, ParallelConfig(strategy="fsdp"), CPU, world, local_world)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    tier = MemoryTier(Path(job["nodes"]) / f"node-{job['node_names'][node]}", generation=1, run_uid="run-a")
+    layout = Layout(rank=rank, world=world, local_rank=rank % local_world, local_world=local_world, strategy="fsdp",
+                    replicas=1)
+    memory = ShardedMemory(tier, layout, exchange_group(60), every_steps=1)
+    if job["do"] == "save":
+        model(torch.randn(6, 5, generator=torch.Generator().manual_seed(rank))).square().sum().backward()
+        optimizer.step()
+
+        def capture() -> tuple[dict[str, Any], dict[str, Any]]:
+            replicated, tensors, offsets = split({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                                                  "train": {"step": 1}})
+            return ({"replicated": replicated if rank % local_world == 0 else None,
+                     "part": {"tensors": tensors, "offsets": offsets}},
+                    {"fingerprint": {"model": "m"}, "run_uid": "run-a", "world_size": world})
+
+        memory.refresh(1, capture)
+        memory.wait()
+        result = _whole_state(model, optimizer)
+    else:
+        store = LocalStore(job["disk"])
+        loaded = select_sharded(_ObjectDist(), store, memory, fingerprint={"model": "m"}, run_uid="run-a", verify=True)
+        if loaded is None:
+            result = {"tier": None}
+        else:
+            state = localize(loaded.state, model, optimizer, loaded.parts)
+            model.load_state_dict(state["model"])
+            optimizer.load_state_dict(state["optimizer"] | {"param_groups": optimizer.state_dict()["param_groups"]})
+            result = _whole_state(model, optimizer) | {"tier": loaded.tier}
+    if rank == 0:
+        torch.save(result, job["out"])
+    model = optimizer = memory = None  # type: ignore[assignment]  # (nothing of FSDP's left holding the groups)
+    _down()
+
+
+def _memory_job(tmp: Path, do: str, world: int, local_world: int, node_names: list[int]) -> dict:
+    out = tmp / f"{do}-{world}-{time_ns()}.pt"
+    disk = tmp / "disk"
+    LocalStore(disk).ensure()
+    if not LocalStore(disk).newest_generation():
+        LocalStore(disk).claim_generation({})
+    _spawn(_memory_worker, world, tmp, dict(do=do, local_world=local_world, nodes=str(tmp / "memory"),
+                                            node_names=node_names, disk=str(disk), out=str(out)))
+    return torch.load(out)
+
+
+@pytest.mark.slow
+def test_a_lost_node_s_shards_come_back_from_the_next_node_s_memory_exactly(tmp_path: Path) -> None:
+    """fsdp at 4 ranks on 2 nodes refreshes node memory (each node: its own shards and a copy of the other's); node 1
+    is lost with its memory; the 2 ranks left take every tensor, exactly, from node 0's memory alone."""
+    saved = _memory_job(tmp_path, "save", 4, 2, [0, 1])
+    assert sorted(p.name for p in (tmp_path / "memory" / "node-0").glob("step-*/part-*.pt")) == \
+        [f"part-{r:05d}.pt" for r in range(4)]
+    shutil.rmtree(tmp_path / "memory" / "node-1")
+    loaded = _memory_job(tmp_path, "load", 2, 2, [0])
+    assert loaded.pop("tier") == "memory"
+    _assert_same(loaded, saved, "fsdp at 4 on 2 nodes -> node 1 lost -> 2 ranks from node 0's memory")
+
+
+@pytest.mark.slow
+def test_two_nodes_lost_between_refreshes_fall_back_to_disk(tmp_path: Path) -> None:
+    """3 nodes of 2: nodes 1 and 2 lost together — node 1's shards were on node 1 and node 2 only: not in memory."""
+    _memory_job(tmp_path, "save", 6, 2, [0, 1, 2])
+    shutil.rmtree(tmp_path / "memory" / "node-1")
+    shutil.rmtree(tmp_path / "memory" / "node-2")
+    loaded = _memory_job(tmp_path, "load", 2, 2, [0])
+    assert loaded == {"tier": None}  # nothing on disk either: a fresh start, not a wrong state

@@ -1,0 +1,337 @@
+"""Node memory for sharded state (``parallel.strategy: fsdp | hsdp``): every rank's shards in its node's memory and,
+with ``snapshot.memory_replicas: 1``, in the next node's too — so the loss of any one node resumes without a disk read.
+
+A replicated model needs none of this: every survivor holds the whole state and keeps its newest step when an attempt
+ends (:mod:`.memory`). A sharded model's survivors hold only their own shards, and a dead rank's are gone with it. So
+every ``snapshot.memory_every_steps`` steps (:meth:`ShardedMemory.refresh`, at a step boundary, on every rank):
+
+1. each rank copies its slices into host memory (the step waits for this copy only);
+2. in a background thread it serialises them (the disk snapshot's part format, :mod:`.shards`), sends them to the
+   rank with its local rank on the next node (ring order over nodes) and receives the previous node's, over a
+   process group of its own (gloo; the training's collectives are not held up);
+3. it writes both parts into its node's memory directory (the node-memory store of :mod:`.memory`, in ``/dev/shm``);
+   the node's first rank also writes the rest of the state (``state.pt``, the same on every rank) and, once every part
+   the node should hold is there, ``meta.json`` listing them (each with its SHA-256), and publishes the node's copy.
+
+hsdp's nodes hold every shard already: nothing is sent. The next refresh waits for the previous one (on every rank:
+they stay in step, so the ring never waits on a rank that skipped one).
+
+On a restart (:func:`select_sharded`, a collective) every rank reports the copies its node holds; rank 0 takes the
+newest (generation, step) for which the surviving nodes hold every part between them — if it is newer than the newest
+disk snapshot — and each rank receives from the holders the parts it needs: its own at an unchanged layout, every
+part when the world size or strategy changed (then each rank assembles its new slices from them, as from disk).
+Two nodes lost between refreshes leave a part nowhere: the job resumes from disk, and the log says which parts were
+missing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import io
+import logging
+import threading
+import time
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+
+from .format import load_state_bytes, read_meta, read_verified_bytes, write_snapshot_files
+from .loader import Loaded
+from .memory import MemoryTier
+from .publish import _prune
+from .shards import SHARD_FORMAT, PartReader, check_sharded_meta, part_bytes, part_name, wait_for_parts, write_part_bytes
+from .store import SnapshotError, SnapshotRef
+from .writer import HostStaging
+
+log = logging.getLogger(__name__)
+
+#: Memory copies kept per node: the newest may be incomplete on some node when a failure interrupts a refresh.
+KEEP = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Who holds which part: ``part_id`` names this rank's part (its rank under fsdp, its local rank under hsdp)."""
+
+    rank: int
+    world: int
+    local_rank: int
+    local_world: int
+    strategy: str
+    replicas: int
+
+    @property
+    def part_id(self) -> int:
+        return self.local_rank if self.strategy == "hsdp" else self.rank
+
+    @property
+    def writers(self) -> list[int]:
+        return list(range(self.local_world if self.strategy == "hsdp" else self.world))
+
+    @property
+    def ring(self) -> bool:
+        """Parts travel to the next node: fsdp over several nodes of equal size, with a replica asked for."""
+        return (self.strategy == "fsdp" and self.replicas > 0 and self.world > self.local_world > 0
+                and self.world % self.local_world == 0)
+
+    @property
+    def send_to(self) -> int:
+        return (self.rank + self.local_world) % self.world
+
+    @property
+    def receive_from(self) -> int:
+        return (self.rank - self.local_world) % self.world
+
+    def node_holds(self) -> list[int]:
+        """The part ids this node's copy holds: its own ranks' (and the previous node's with the ring)."""
+        if self.strategy == "hsdp":
+            return self.writers
+        first = self.rank - self.local_rank
+        own = list(range(first, first + self.local_world))
+        if self.ring:
+            previous = (first - self.local_world) % self.world
+            own += list(range(previous, previous + self.local_world))
+        return sorted(own)
+
+
+def exchange_group(timeout_s: float) -> Any:
+    """The process group the parts travel over (gloo, also under NCCL: they are host bytes); every rank calls it."""
+    import torch.distributed as tdist
+
+    return tdist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+
+
+class ShardedMemory:
+    """See the module docstring. Built on every rank; ``tier``: this node's memory store."""
+
+    def __init__(self, tier: MemoryTier, layout: Layout, group: Any, every_steps: int) -> None:
+        self.tier, self.layout, self.group, self.every_steps = tier, layout, group, every_steps
+        self._staging = HostStaging()
+        self._thread: threading.Thread | None = None
+        self.failures = 0
+
+    def due(self, step: int) -> bool:
+        return self.every_steps > 0 and step % self.every_steps == 0
+
+    def refresh(self, step: int, capture: Callable[[], tuple[dict[str, Any], dict[str, Any]]]) -> float:
+        """Copy this rank's shards (and on a node's first rank the rest of the state) for ``step``; the rest happens in
+        the background. Returns the seconds the step waited."""
+        started = time.perf_counter()
+        self.wait()
+        ref = SnapshotRef(generation=self.tier.generation, step=step)
+        state, meta = capture()
+        host = self._staging.copy(state)
+        meta = dict(meta) | {"step": step, "generation": self.tier.generation, "name": ref.name}
+        self._thread = threading.Thread(target=self._write, args=(ref, host, meta), name=f"memory-{ref.name}",
+                                        daemon=True)
+        self._thread.start()
+        return time.perf_counter() - started
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def _write(self, ref: SnapshotRef, state: dict[str, Any], meta: dict[str, Any]) -> None:
+        layout = self.layout
+        try:
+            data = part_bytes(layout.part_id, state["part"])
+            received = self._swap(data) if layout.ring else None
+            self.tier.store.ensure()
+            staging = self.tier.store.shared_staging(ref)
+            write_part_bytes(staging, layout.part_id, data)
+            if received is not None:
+                write_part_bytes(staging, layout.receive_from, received)
+            if layout.local_rank == 0:
+                self._publish(ref, staging, state["replicated"], meta)
+        except Exception as exc:  # noqa: BLE001 - the disk snapshot remains; training goes on
+            self.failures += 1
+            log.log(logging.WARNING if self.failures == 1 else logging.DEBUG,
+                    "could not copy the shards of step %d into node memory (%s); the disk snapshot remains", ref.step, exc)
+
+    def _swap(self, data: bytes) -> bytes:
+        """Send this rank's part to the next node, receive the previous node's (sizes first)."""
+        import torch.distributed as tdist
+
+        layout = self.layout
+        size_out, size_in = torch.tensor([len(data)], dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
+        for work in (tdist.isend(size_out, layout.send_to, group=self.group),
+                     tdist.irecv(size_in, layout.receive_from, group=self.group)):
+            work.wait()
+        out = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        into = torch.empty(int(size_in.item()), dtype=torch.uint8)
+        for work in (tdist.isend(out, layout.send_to, group=self.group),
+                     tdist.irecv(into, layout.receive_from, group=self.group)):
+            work.wait()
+        return into.numpy().tobytes()
+
+    def _publish(self, ref: SnapshotRef, staging: Any, replicated: dict[str, Any], meta: dict[str, Any]) -> None:
+        store = self.tier.store
+        holds = self.layout.node_holds()
+        parts = wait_for_parts(staging, holds)
+        sharded = {"format": SHARD_FORMAT, "world_size": self.layout.world, "writers": self.layout.writers,
+                   "parts": parts, "part_ids": holds}
+        write_snapshot_files(staging, replicated, meta | {"sharded": sharded})
+        store.publish(staging, ref)
+        _prune(store, KEEP, ref)
+
+
+# -- restoring --------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeCopy:
+    """What a rank's node holds of one sharded snapshot in memory."""
+
+    rank: int
+    generation: int
+    step: int
+    part_ids: tuple[int, ...]
+    writers: tuple[int, ...]
+    fingerprint: dict[str, str]
+    run_uid: str
+
+    @property
+    def ref(self) -> SnapshotRef:
+        return SnapshotRef(generation=self.generation, step=self.step)
+
+
+def node_copies(memory: ShardedMemory | None) -> list[NodeCopy]:
+    """The complete copies this node holds (read from their ``meta.json``; a damaged one is removed)."""
+    if memory is None:
+        return []
+    store, out = memory.tier.store, []
+    for ref in store.complete():
+        try:
+            meta = read_meta(store.path(ref))
+            check_sharded_meta(ref.name, meta)
+            ids = tuple(int(i) for i in meta["sharded"]["part_ids"])
+            writers = tuple(int(i) for i in meta["sharded"]["writers"])
+        except (SnapshotError, KeyError, TypeError, ValueError):
+            store.remove(ref)
+            continue
+        out.append(NodeCopy(memory.layout.rank, ref.generation, ref.step, ids, writers, meta.get("fingerprint", {}),
+                            str(meta.get("run_uid", ""))))
+    return out
+
+
+def choose(copies: list[NodeCopy], fingerprint: dict[str, str], run_uid: str,
+           issued: int) -> tuple[NodeCopy | None, dict[int, int], str]:
+    """The newest copy whose parts the reporting nodes hold between them, who holds each part, and (when a newer one
+    lacks parts) why that one was passed over."""
+    by_ref: dict[tuple[int, int], list[NodeCopy]] = {}
+    for c in copies:
+        if c.fingerprint == fingerprint and c.run_uid == run_uid and c.generation <= issued:
+            by_ref.setdefault((c.generation, c.step), []).append(c)
+    passed_over = ""
+    for key in sorted(by_ref, reverse=True):
+        holders: dict[int, int] = {}
+        for c in sorted(by_ref[key], key=lambda c: c.rank):
+            for part in c.part_ids:
+                holders.setdefault(part, c.rank)
+        writers = by_ref[key][0].writers
+        missing = [w for w in writers if w not in holders]
+        if not missing:
+            return by_ref[key][0], holders, passed_over
+        if not passed_over:
+            passed_over = (f"node memory holds step {key[1]} (generation {key[0]}) without the shards of "
+                           f"rank(s) {', '.join(map(str, missing))} (their node and the node holding their copy are "
+                           "gone, or a refresh was cut short)")
+    return None, {}, passed_over
+
+
+def receive_parts(dist: Any, memory: ShardedMemory, chosen: NodeCopy, holders: dict[int, int],
+                  needs: list[int]) -> tuple[dict[str, Any], dict[str, Any], list[dict[str, Any]]]:
+    """Every rank: the chosen copy's ``meta.json`` and ``state.pt`` (from its first holder) and the parts this rank
+    ``needs``, each from its holder (point to point, in one order on every rank: no deadlock). A collective."""
+    import torch.distributed as tdist
+
+    store, ref, group = memory.tier.store, chosen.ref, memory.group
+    first = min(holders.values())
+    meta: dict[str, Any] | None = None
+    data = b""
+    if dist.rank == first:
+        directory = store.path(ref)
+        meta = read_meta(directory)
+        data = read_verified_bytes(directory, meta, verify=True)
+    meta, size = dist.broadcast_object([meta, len(data)], src=first)  # (JSON: the bytes go over the group)
+    buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8) if dist.rank == first else \
+        torch.empty(size, dtype=torch.uint8)
+    tdist.broadcast(buffer, src=first, group=group)
+    state = load_state_bytes(buffer.numpy().tobytes(), ref.name, "cpu")
+    records = {int(i): p for i, p in zip(meta["sharded"]["part_ids"], meta["sharded"]["parts"])}
+    wanted = dist.all_gather_object(sorted(needs))
+    got: dict[int, bytes] = {}
+    for part in sorted(holders):
+        holder = holders[part]
+        for rank, parts in enumerate(wanted):
+            if part not in parts:
+                continue
+            if rank == holder == dist.rank:
+                got[part] = (store.path(ref) / part_name(part)).read_bytes()
+            elif dist.rank == holder:
+                data = (store.path(ref) / part_name(part)).read_bytes()
+                tdist.send(torch.tensor([len(data)], dtype=torch.int64), rank, group=group)
+                tdist.send(torch.frombuffer(bytearray(data), dtype=torch.uint8), rank, group=group)
+            elif dist.rank == rank:
+                size = torch.zeros(1, dtype=torch.int64)
+                tdist.recv(size, holder, group=group)
+                into = torch.empty(int(size.item()), dtype=torch.uint8)
+                tdist.recv(into, holder, group=group)
+                got[part] = into.numpy().tobytes()
+    loaded = []
+    for part in sorted(got):
+        data = got[part]
+        expected = records.get(part)
+        digest = hashlib.sha256(data).hexdigest()
+        if expected is not None and digest != expected["sha256"]:
+            raise SnapshotError(f"{ref.name}: the node-memory copy of {part_name(part)} is damaged (checksum)")
+        try:
+            loaded.append(torch.load(io.BytesIO(data), map_location="cpu", weights_only=True))
+        except Exception as exc:  # noqa: BLE001 - damaged bytes: the caller falls back to disk
+            raise SnapshotError(f"{ref.name}: {part_name(part)} from node memory cannot be loaded ({exc})") from exc
+    return meta, state, loaded
+
+
+def select_sharded(dist: Any, store: Any, memory: ShardedMemory | None, *, fingerprint: dict[str, str], run_uid: str,
+                   verify: bool, on_rejected: Callable[[SnapshotRef, str], None] | None = None) -> Loaded | None:
+    """The newest of node memory (whole across the surviving nodes) and disk, for a sharded run. A collective."""
+    from .selection import select_newest
+
+    reported = dist.all_gather_object([dataclasses.asdict(c) for c in node_copies(memory)])
+    copies = [NodeCopy(**(c | {"part_ids": tuple(c["part_ids"]), "writers": tuple(c["writers"])}))
+              for per_rank in reported for c in per_rank]
+    decision = None
+    if dist.rank == 0 and memory is not None:
+        chosen, holders, passed_over = choose(copies, fingerprint, run_uid, store.newest_generation())
+        complete = store.complete()
+        newest_disk = complete[-1] if complete else None
+        if chosen is not None and (newest_disk is None or chosen.ref >= newest_disk):  # a tie: no disk read
+            decision = (dataclasses.asdict(chosen), holders)
+        if passed_over:
+            log.warning("%s; resuming from %s", passed_over,
+                        f"node memory at step {chosen.step}" if decision is not None and chosen is not None else
+                        "the newest disk snapshot")
+    decision = dist.broadcast_object(decision)
+    if decision is None or memory is None:
+        return select_newest(dist, store, fingerprint=fingerprint, run_uid=run_uid, verify=verify, memory=None,
+                             on_rejected=on_rejected)
+    raw, raw_holders = decision
+    chosen = NodeCopy(**(raw | {"part_ids": tuple(raw["part_ids"]), "writers": tuple(raw["writers"])}))
+    holders = {int(part): int(rank) for part, rank in raw_holders.items()}  # (JSON made the keys strings)
+    layout = memory.layout
+    same = list(chosen.writers) == layout.writers
+    needs = [layout.part_id] if same else sorted(holders)
+    try:
+        meta, state, parts = receive_parts(dist, memory, chosen, holders, needs)
+        failed = None
+    except (SnapshotError, OSError) as exc:
+        failed, meta, state, parts = str(exc), {}, {}, []
+    if any(dist.all_gather_object(failed)):
+        log.error("the node-memory copy of %s could not be read (%s); resuming from disk", chosen.ref.name, failed)
+        return select_newest(dist, store, fingerprint=fingerprint, run_uid=run_uid, verify=verify, memory=None,
+                             on_rejected=on_rejected)
+    reader = PartReader(memory.tier.store.path(chosen.ref), meta, loaded=parts)
+    return Loaded(chosen.ref, meta, state, tier="memory", parts=reader)
