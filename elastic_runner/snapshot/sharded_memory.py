@@ -259,7 +259,8 @@ def receive_parts(dist: Any, memory: ShardedMemory, chosen: NodeCopy, holders: d
     meta, size = dist.broadcast_object([meta, len(data)], src=first)  # (JSON: the bytes go over the group)
     buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8) if dist.rank == first else \
         torch.empty(size, dtype=torch.uint8)
-    tdist.broadcast(buffer, src=first, group=group)
+    if group is not None:  # (None: a world of one)
+        tdist.broadcast(buffer, src=first, group=group)
     state = load_state_bytes(buffer.numpy().tobytes(), ref.name, "cpu")
     records = {int(i): p for i, p in zip(meta["sharded"]["part_ids"], meta["sharded"]["parts"])}
     wanted = dist.all_gather_object(sorted(needs))

@@ -193,6 +193,12 @@ def check_shardable(cfg: Any, workload: Any, world: int, local_world: int) -> No
         raise ConfigError("model.compile", f"a compiled model under parallel.strategy {cfg.parallel.strategy} is not "
                           "supported yet", "Set model.compile: false (and pass fit() a model that is not compiled), "
                           "or use parallel.strategy: ddp")
+    norms = [type(m).__name__ for m in workload.model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    if cfg.parallel.mixed_precision == "bf16" and norms:
+        raise ConfigError("parallel.mixed_precision", f"bf16 with the model's BatchNorm layers ({norms[0]}): FSDP2 "
+                          "casts their inputs to bfloat16 but not their float32 running statistics",
+                          "Use parallel.mixed_precision: none (and train.precision: bf16 for autocast), or a model "
+                          "without BatchNorm")
     if cfg.model.sync_batchnorm:
         raise ConfigError("model.sync_batchnorm", f"applies to parallel.strategy ddp, not {cfg.parallel.strategy}",
                           "Set model.sync_batchnorm: false")

@@ -459,3 +459,31 @@ def test_two_nodes_lost_between_refreshes_fall_back_to_disk(tmp_path: Path) -> N
     shutil.rmtree(tmp_path / "memory" / "node-2")
     loaded = _memory_job(tmp_path, "load", 2, 2, [0])
     assert loaded == {"tier": None}  # nothing on disk either: a fresh start, not a wrong state
+
+
+def test_bf16_mixed_precision_keeps_the_sharded_state_in_float32() -> None:
+    """parallel.mixed_precision: bf16 computes in bfloat16; parameters, gradients and optimizer state stay float32."""
+    import torch.distributed as tdist
+
+    tdist.init_process_group("gloo", store=tdist.HashStore(), rank=0, world_size=1)
+    try:
+        model = nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 3))
+        shard_model(model, ParallelConfig(strategy="fsdp", mixed_precision="bf16"), CPU, 1, 1)
+        seen: list[torch.dtype] = []
+        model[0].register_forward_hook(lambda module, args, out: seen.append(out.dtype))
+        model(torch.randn(6, 5)).float().square().sum().backward()
+        assert seen == [torch.bfloat16]
+        assert {p.dtype for p in model.parameters()} == {torch.float32}
+        assert {p.grad.dtype for p in model.parameters()} == {torch.float32}
+    finally:
+        tdist.destroy_process_group()
+
+
+def test_bf16_mixed_precision_with_batchnorm_is_refused_before_anything_is_written() -> None:
+    from types import SimpleNamespace
+
+    from elastic_runner.training.sharding import check_shardable
+
+    cfg = config_from_dict({"parallel": {"strategy": "fsdp", "mixed_precision": "bf16"}, "train": {"max_steps": 3}})
+    with pytest.raises(ConfigError, match=r"parallel.mixed_precision: .*BatchNorm"):
+        check_shardable(cfg, SimpleNamespace(model=_mlp(), compiled=None), 2, 2)
