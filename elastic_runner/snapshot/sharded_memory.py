@@ -129,10 +129,12 @@ class ShardedMemory:
         self._thread.start()
         return time.perf_counter() - started
 
-    def wait(self) -> None:
+    def wait(self, timeout: float | None = None) -> None:
+        """Until the refresh in flight is done (at most ``timeout`` seconds)."""
         if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+            self._thread.join(timeout)
+            if not self._thread.is_alive():
+                self._thread = None
 
     def _write(self, ref: SnapshotRef, state: dict[str, Any], meta: dict[str, Any]) -> None:
         layout = self.layout

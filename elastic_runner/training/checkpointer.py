@@ -371,6 +371,8 @@ class Checkpointer:
 
     def finished(self) -> None:
         """The run is complete and its final snapshot durable: node memory is no longer needed."""
+        if self.sharded_memory is not None:
+            self.sharded_memory.wait(timeout=30.0)  # a refresh still writing would only find its directory gone
         if self.memory is not None:
             self.memory.drop()
 
