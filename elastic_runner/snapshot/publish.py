@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from .format import write_snapshot_files
 from .shards import PART_WAIT_MIN_S, SHARD_FORMAT, wait_for_parts, write_part
@@ -41,10 +41,7 @@ def write_and_publish(store: LocalStore, generation: int, keep_last: int, ref: S
         if staging is not None:  # first: the space it took is part of what the report measures
             store.discard(staging)
             staging = None
-        stale = _stale_instead(store, generation, exc)
-        if stale is exc:
-            raise
-        raise stale from exc
+        _raise_stale_or(store, generation, exc)
     finally:
         if staging is not None:  # Ctrl-C during a synchronous save
             store.discard(staging)
@@ -76,11 +73,7 @@ def write_sharded(store: LocalStore, generation: int, keep_last: int, ref: Snaps
     except Exception as exc:
         if staging is not None and rank == 0:
             store.discard(staging)
-        staging = None
-        stale = _stale_instead(store, generation, exc)
-        if stale is exc:
-            raise
-        raise stale from exc
+        _raise_stale_or(store, generation, exc)
 
 
 def _publish(store: LocalStore, generation: int, keep_last: int, staging: Path, ref: SnapshotRef,
@@ -94,6 +87,14 @@ def _publish(store: LocalStore, generation: int, keep_last: int, staging: Path, 
         written.already_committed = True
     written.prune_errors = _prune(store, keep_last, ref)
     return written
+
+
+def _raise_stale_or(store: LocalStore, generation: int, exc: Exception) -> NoReturn:
+    """Raise the stale-writer error if a newer round explains ``exc`` (:func:`_stale_instead`), else ``exc``."""
+    stale = _stale_instead(store, generation, exc)
+    if stale is exc:
+        raise exc
+    raise stale from exc
 
 
 def _stale_instead(store: LocalStore, generation: int, exc: Exception) -> Exception:
