@@ -253,49 +253,75 @@ def receive_parts(dist: Any, memory: ShardedMemory, chosen: NodeCopy, holders: d
     store, ref, group = memory.tier.store, chosen.ref, memory.group
     first = min(holders.values())
     meta: dict[str, Any] | None = None
-    data = b""
+    data, error = b"", None
     if dist.rank == first:
-        directory = store.path(ref)
-        meta = read_meta(directory)
-        data = read_verified_bytes(directory, meta, verify=True)
-    meta, size = dist.broadcast_object([meta, len(data)], src=first)  # (JSON: the bytes go over the group)
+        try:
+            directory = store.path(ref)
+            meta = read_meta(directory)
+            data = read_verified_bytes(directory, meta, verify=True)
+        except SnapshotError as exc:  # told to every rank, which all fall back together
+            error = str(exc)
+    meta, size, error = dist.broadcast_object([meta, len(data), error], src=first)  # (JSON: bytes go over the group)
+    if error is not None:
+        raise SnapshotError(error)
     buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8) if dist.rank == first else \
         torch.empty(size, dtype=torch.uint8)
     if group is not None:  # (None: a world of one)
         tdist.broadcast(buffer, src=first, group=group)
     state = load_state_bytes(buffer.numpy().tobytes(), ref.name, "cpu")
-    records = {int(i): p for i, p in zip(meta["sharded"]["part_ids"], meta["sharded"]["parts"])}
     wanted = dist.all_gather_object(sorted(needs))
     got: dict[int, bytes] = {}
+    problems: list[str] = []
     for part in sorted(holders):
         holder = holders[part]
         for rank, parts in enumerate(wanted):
-            if part not in parts:
+            if part not in parts or dist.rank not in (holder, rank):
                 continue
-            if rank == holder == dist.rank:
-                got[part] = (store.path(ref) / part_name(part)).read_bytes()
-            elif dist.rank == holder:
-                data = (store.path(ref) / part_name(part)).read_bytes()
+            if rank == holder:
+                data = _verified_part(memory, ref, part, problems)
+                if data:
+                    got[part] = data
+            elif dist.rank == holder:  # an empty part tells the receiver this copy failed its check
+                data = _verified_part(memory, ref, part, problems)
                 tdist.send(torch.tensor([len(data)], dtype=torch.int64), rank, group=group)
-                tdist.send(torch.frombuffer(bytearray(data), dtype=torch.uint8), rank, group=group)
-            elif dist.rank == rank:
+                if data:
+                    tdist.send(torch.frombuffer(bytearray(data), dtype=torch.uint8), rank, group=group)
+            else:
                 size = torch.zeros(1, dtype=torch.int64)
                 tdist.recv(size, holder, group=group)
+                if not int(size.item()):
+                    problems.append(f"rank {holder} could not send {part_name(part)}")
+                    continue
                 into = torch.empty(int(size.item()), dtype=torch.uint8)
                 tdist.recv(into, holder, group=group)
                 got[part] = into.numpy().tobytes()
+    if problems:  # after the whole schedule: every send found its receive
+        raise SnapshotError(f"{ref.name}: {'; '.join(problems)}")
     loaded = []
     for part in sorted(got):
-        data = got[part]
-        expected = records.get(part)
-        digest = hashlib.sha256(data).hexdigest()
-        if expected is not None and digest != expected["sha256"]:
-            raise SnapshotError(f"{ref.name}: the node-memory copy of {part_name(part)} is damaged (checksum)")
         try:
-            loaded.append(torch.load(io.BytesIO(data), map_location="cpu", weights_only=True))
+            loaded.append(torch.load(io.BytesIO(got[part]), map_location="cpu", weights_only=True))
         except Exception as exc:  # noqa: BLE001 - damaged bytes: the caller falls back to disk
             raise SnapshotError(f"{ref.name}: {part_name(part)} from node memory cannot be loaded ({exc})") from exc
     return meta, state, loaded
+
+
+def _verified_part(memory: ShardedMemory, ref: SnapshotRef, part: int, problems: list[str]) -> bytes:
+    """A part of this node's copy, checked against the SHA-256 its (checked, signed) ``meta.json`` lists; b"" and a
+    line in ``problems`` if it is missing or damaged."""
+    directory = memory.tier.store.path(ref)
+    try:
+        meta = read_meta(directory)
+        records = {int(i): p for i, p in zip(meta["sharded"]["part_ids"], meta["sharded"]["parts"])}
+        data = (directory / part_name(part)).read_bytes()
+    except (SnapshotError, OSError, KeyError, TypeError, ValueError) as exc:
+        problems.append(f"{part_name(part)} unreadable in node memory ({exc})")
+        return b""
+    record = records.get(part)
+    if record is None or hashlib.sha256(data).hexdigest() != record["sha256"]:
+        problems.append(f"the node-memory copy of {part_name(part)} is damaged (checksum)")
+        return b""
+    return data
 
 
 def select_sharded(dist: Any, store: Any, memory: ShardedMemory | None, *, fingerprint: dict[str, str], run_uid: str,

@@ -452,6 +452,19 @@ def test_a_lost_node_s_shards_come_back_from_the_next_node_s_memory_exactly(tmp_
 
 
 @pytest.mark.slow
+def test_a_damaged_part_in_node_memory_sends_every_rank_to_disk_together(tmp_path: Path) -> None:
+    """The only copy of a part fails its checksum at its holder: it sends nothing, every rank hears of it after the
+    schedule (nobody waits for a part that will not come), and all of them take the disk instead."""
+    _memory_job(tmp_path, "save", 4, 2, [0, 1])
+    shutil.rmtree(tmp_path / "memory" / "node-1")
+    [part] = (tmp_path / "memory" / "node-0").glob("step-*/part-00003.pt")
+    data = bytearray(part.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    part.write_bytes(bytes(data))
+    assert _memory_job(tmp_path, "load", 2, 2, [0]) == {"tier": None}
+
+
+@pytest.mark.slow
 def test_two_nodes_lost_between_refreshes_fall_back_to_disk(tmp_path: Path) -> None:
     """3 nodes of 2: nodes 1 and 2 lost together — node 1's shards were on node 1 and node 2 only: not in memory."""
     _memory_job(tmp_path, "save", 6, 2, [0, 1, 2])
