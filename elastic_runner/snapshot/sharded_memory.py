@@ -68,6 +68,8 @@ class Layout:
 
     @property
     def writers(self) -> list[int]:
+        """The part ids of a snapshot: every rank under fsdp; under hsdp the first replica's (the first node's ranks:
+        the mesh is ranks in order, node by node), whose shards the other nodes repeat."""
         return list(range(self.local_world if self.strategy == "hsdp" else self.world))
 
     @property
@@ -272,17 +274,25 @@ def receive_parts(dist: Any, memory: ShardedMemory, chosen: NodeCopy, holders: d
     wanted = dist.all_gather_object(sorted(needs))
     got: dict[int, bytes] = {}
     problems: list[str] = []
+    held: dict[int, dict[str, Any]] | None = None  #: this node's part records, read once if it sends or keeps any
+
+    def verified(part: int) -> bytes:
+        nonlocal held
+        if held is None:
+            held = _node_records(memory, ref, problems)
+        return _verified_part(memory, ref, part, held, problems)
+
     for part in sorted(holders):
         holder = holders[part]
         for rank, parts in enumerate(wanted):
             if part not in parts or dist.rank not in (holder, rank):
                 continue
             if rank == holder:
-                data = _verified_part(memory, ref, part, problems)
+                data = verified(part)
                 if data:
                     got[part] = data
             elif dist.rank == holder:  # an empty part tells the receiver this copy failed its check
-                data = _verified_part(memory, ref, part, problems)
+                data = verified(part)
                 tdist.send(torch.tensor([len(data)], dtype=torch.int64), rank, group=group)
                 if data:
                     tdist.send(torch.frombuffer(bytearray(data), dtype=torch.uint8), rank, group=group)
@@ -306,18 +316,27 @@ def receive_parts(dist: Any, memory: ShardedMemory, chosen: NodeCopy, holders: d
     return meta, state, loaded
 
 
-def _verified_part(memory: ShardedMemory, ref: SnapshotRef, part: int, problems: list[str]) -> bytes:
-    """A part of this node's copy, checked against the SHA-256 its (checked, signed) ``meta.json`` lists; b"" and a
-    line in ``problems`` if it is missing or damaged."""
-    directory = memory.tier.store.path(ref)
+def _node_records(memory: ShardedMemory, ref: SnapshotRef, problems: list[str]) -> dict[int, dict[str, Any]]:
+    """The parts this node's copy of ``ref`` lists, from its (checked, signed) ``meta.json``; {} and a line in
+    ``problems`` if it cannot be read."""
     try:
-        meta = read_meta(directory)
-        records = {int(i): p for i, p in zip(meta["sharded"]["part_ids"], meta["sharded"]["parts"])}
-        data = (directory / part_name(part)).read_bytes()
-    except (SnapshotError, OSError, KeyError, TypeError, ValueError) as exc:
-        problems.append(f"{part_name(part)} unreadable in node memory ({exc})")
-        return b""
+        meta = read_meta(memory.tier.store.path(ref))
+        return {int(i): p for i, p in zip(meta["sharded"]["part_ids"], meta["sharded"]["parts"])}
+    except (SnapshotError, KeyError, TypeError, ValueError) as exc:
+        problems.append(f"the node-memory copy of {ref.name} is unreadable ({exc})")
+        return {}
+
+
+def _verified_part(memory: ShardedMemory, ref: SnapshotRef, part: int, records: dict[int, dict[str, Any]],
+                   problems: list[str]) -> bytes:
+    """A part of this node's copy, checked against the SHA-256 its ``meta.json`` lists (``records``); b"" and a line in
+    ``problems`` if it is missing or damaged."""
     record = records.get(part)
+    try:
+        data = (memory.tier.store.path(ref) / part_name(part)).read_bytes()
+    except OSError as exc:
+        problems.append(f"{part_name(part)} unreadable in node memory ({exc.strerror})")
+        return b""
     if record is None or hashlib.sha256(data).hexdigest() != record["sha256"]:
         problems.append(f"the node-memory copy of {part_name(part)} is damaged (checksum)")
         return b""

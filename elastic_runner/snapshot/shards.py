@@ -50,19 +50,21 @@ def part_name(rank: int) -> str:
 # -- splitting a live state ---------------------------------------------------------------------------------------
 
 
-def _is_dtensor(value: Any) -> bool:
+def is_dtensor(value: Any) -> bool:
+    """A sharded tensor (torch's DTensor), told apart without importing torch.distributed.tensor."""
     return type(value).__name__ == "DTensor" and hasattr(value, "device_mesh")
 
 
-#: Offsets by (shape, mesh, placements): the same for every snapshot of an attempt, and torch's computation of
-#: them is the slowest part of a capture (~50 µs a tensor).
+#: Offsets by (shape, this rank's place in the mesh, placements): the same for every snapshot of an attempt, and
+#: torch's computation of them is the slowest part of a capture (~50 µs a tensor).
 _OFFSETS: dict[tuple[Any, ...], list[int]] = {}
 
 
 def _box_of(tensor: Any) -> list[int]:
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    key = (tuple(tensor.shape), id(tensor.device_mesh), tuple(tensor.placements))
+    mesh = tensor.device_mesh
+    key = (tuple(tensor.shape), tuple(mesh.mesh.shape), tuple(mesh.get_coordinate() or ()), tuple(tensor.placements))
     offset = _OFFSETS.get(key)
     if offset is None:
         _, found = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
@@ -82,7 +84,7 @@ def split(state: Any) -> tuple[Any, dict[str, torch.Tensor], dict[str, list[int]
     offsets: dict[str, list[int]] = {}
 
     def walk(value: Any, path: tuple[str, ...]) -> Any:
-        if _is_dtensor(value):
+        if is_dtensor(value):
             key = "/".join(path)
             tensors[key] = _local(value)
             offsets[key] = _box_of(value)
@@ -317,11 +319,11 @@ def place(value: Any, like: Any, reader: PartReader | None) -> Any:
         if reader is None:
             raise CorruptSnapshotError(f"shard {value[MARKER]} in a snapshot that lists no parts")
         shape = [int(n) for n in value.get("shape", [])]
-        if _is_dtensor(like) and list(like.shape) == shape:
+        if is_dtensor(like) and list(like.shape) == shape:
             offset, local = target_box(like, shape)
             return _as_dtensor(reader.box(value, offset, local), like, shape)
         return reader.box(value, [0] * len(shape), shape)
-    if isinstance(value, torch.Tensor) and _is_dtensor(like) and list(like.shape) == list(value.shape):
+    if isinstance(value, torch.Tensor) and is_dtensor(like) and list(like.shape) == list(value.shape):
         offset, local = target_box(like, list(value.shape))
         index = tuple(slice(o, o + n) for o, n in zip(offset, local))
         return _as_dtensor(value[index].clone(), like, list(value.shape))

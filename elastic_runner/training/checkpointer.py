@@ -45,7 +45,7 @@ from ..snapshot.sharded_writer import ShardedSnapshotWriter
 from ..snapshot.space import room_warning, space_note, state_bytes
 from .boundary import Keeper, StateGuard, StepBoundary
 from .compatibility import Compatibility, ResumeError, check_compatible
-from .sharding import localize, part_writers
+from .sharding import localize
 
 if TYPE_CHECKING:
     from ..observe.events import EventLog
@@ -100,12 +100,13 @@ class Checkpointer:
         if self.memory is not None and env.is_local_leader:
             self.memory.sweep()
             sweep_abandoned_memory()
+        #: Who writes which part of a sharded snapshot (and holds which in node memory).
+        self.layout = Layout(rank=dist.rank, world=env.world_size, local_rank=env.local_rank,
+                             local_world=env.local_world_size, strategy=cfg.parallel.strategy,
+                             replicas=cfg.snapshot.memory_replicas)
         if self.sharded and self.memory is not None:
-            layout = Layout(rank=dist.rank, world=env.world_size, local_rank=env.local_rank,
-                            local_world=env.local_world_size, strategy=cfg.parallel.strategy,
-                            replicas=cfg.snapshot.memory_replicas)
             group = exchange_group(cfg.dist.timeout_seconds) if env.world_size > 1 else None  # every rank: a collective
-            self.sharded_memory = ShardedMemory(self.memory, layout, group, cfg.snapshot.memory_every_steps)
+            self.sharded_memory = ShardedMemory(self.memory, self.layout, group, cfg.snapshot.memory_every_steps)
         self.parts: TrainingParts | None = None
         self.boundary: StepBoundary | None = None
         self.writer: SnapshotWriter | None = None
@@ -251,7 +252,7 @@ class Checkpointer:
         opened = self.writer is None
         if self.writer is None and self.sharded:
             self.writer = ShardedSnapshotWriter(self.store, generation=self.generation, keep_last=snap.keep_last,
-                                                rank=self.dist.rank, writers=part_writers(self.cfg, self.env),
+                                                rank=self.dist.rank, writers=self.layout.writers,
                                                 async_write=snap.async_write, observer=self)
         if self.writer is None and (self.dist.rank == 0 or self.env.is_local_leader):
             self.writer = SnapshotWriter(self.store, generation=self.generation, keep_last=snap.keep_last,

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..snapshot.shards import is_dtensor
 from ..workload.tasks import LossOutputError
 
 
@@ -55,7 +56,7 @@ class StepGradients:
         #: Whether the loss is weighted; None until the first step of this attempt tells.
         self.weighted: bool | None = None
         #: FSDP/HSDP: the gradients are DTensors, each rank holding a shard (:mod:`.sharding`).
-        self.sharded = any(type(p).__name__ == "DTensor" for p in self.params)
+        self.sharded = any(is_dtensor(p) for p in self.params)
 
     def loss_for_backward(self, losses: torch.Tensor, weights: torch.Tensor | None, global_count: int,
                           where: str) -> torch.Tensor:

@@ -24,6 +24,7 @@ from ..data.layout import split_even
 from ..data.sampler import StepPlan
 from ..data.sources import BatchSource
 from ..observe.failure_story import failure_story
+from ..snapshot.shards import is_dtensor
 
 if TYPE_CHECKING:
     from ..config import Config
@@ -184,7 +185,7 @@ def state_digest(model: nn.Module) -> str:
     tensor, this rank's slice (with the whole tensor's shape)."""
     sha = hashlib.sha256()
     for name, tensor in sorted(model.state_dict().items()):
-        local = tensor.to_local() if hasattr(tensor, "device_mesh") else tensor
+        local = tensor.to_local() if is_dtensor(tensor) else tensor
         t = local.detach().to("cpu").contiguous()
         sha.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
         # reshape(-1): a 0-dim tensor (BatchNorm's num_batches_tracked) cannot be viewed as bytes

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from ..config import ConfigError, ParallelConfig
+from ..snapshot.shards import is_dtensor
 from .parallel import broadcast_coalesced
 
 
@@ -46,10 +47,7 @@ def device_mesh(strategy: str, device: torch.device, world: int, local_world: in
     from torch.distributed.device_mesh import init_device_mesh
 
     if strategy == "hsdp":
-        if local_world < 1 or world % local_world:
-            raise ConfigError("parallel.strategy", f"hsdp needs the same number of workers on every node; the world "
-                              f"size {world} is not a multiple of this node's {local_world}",
-                              "Start every node with the same --nproc_per_node, or use parallel.strategy: fsdp")
+        check_nodes_even(world, local_world)
         return init_device_mesh(device.type, (world // local_world, local_world),
                                 mesh_dim_names=("replicate", "shard"))
     return init_device_mesh(device.type, (world,), mesh_dim_names=("shard",))
@@ -138,24 +136,10 @@ class FSDPSync:
         pass
 
 
-def is_sharded(tensor: Any) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(tensor, DTensor)
-
-
 def global_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     """The 2-norm of every gradient over all ranks (for sharded gradients a collective; a plain tensor back)."""
     norm = torch.nn.utils.get_total_norm(grads)
-    return norm.full_tensor() if is_sharded(norm) else norm  # type: ignore[attr-defined,no-any-return]
-
-
-def part_writers(cfg: Any, env: Any) -> list[int]:
-    """The ranks that write parts of a sharded snapshot: every rank under fsdp; under hsdp the first replica's
-    (the first node's ranks: the mesh is ranks in order, node by node), whose shards the other nodes repeat."""
-    if cfg.parallel.strategy == "hsdp":
-        return list(range(env.local_world_size))
-    return list(range(env.world_size))
+    return norm.full_tensor() if is_dtensor(norm) else norm  # type: ignore[attr-defined,no-any-return]
 
 
 def localize(state: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer, reader: Any) -> dict[str, Any]:
@@ -177,12 +161,18 @@ def localize(state: dict[str, Any], model: nn.Module, optimizer: torch.optim.Opt
     return whole(out, reader)  # type: ignore[no-any-return]
 
 
-def check_shardable(cfg: Any, workload: Any, world: int, local_world: int) -> None:
-    """What a sharded run cannot do, said before anything is written (exit status 2)."""
-    if cfg.parallel.strategy == "hsdp" and (local_world < 1 or world % local_world):
+def check_nodes_even(world: int, local_world: int) -> None:
+    """hsdp's mesh is nodes x workers per node: every node must run as many workers."""
+    if local_world < 1 or world % local_world:
         raise ConfigError("parallel.strategy", f"hsdp needs the same number of workers on every node; the world size "
                           f"{world} is not a multiple of this node's {local_world}",
                           "Start every node with the same --nproc_per_node, or use parallel.strategy: fsdp")
+
+
+def check_shardable(cfg: Any, workload: Any, world: int, local_world: int) -> None:
+    """What a sharded run cannot do, said before anything is written (exit status 2)."""
+    if cfg.parallel.strategy == "hsdp":
+        check_nodes_even(world, local_world)
     if not fsdp_available():
         import torch as _torch
 
