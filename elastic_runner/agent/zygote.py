@@ -25,6 +25,7 @@ import multiprocessing.forkserver as forkserver
 import os
 import sys
 import threading
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +69,35 @@ def _fork_supported() -> bool:
             and server._forkserver_pid is None and threading.active_count() == 1)
 
 
+def _fork_poisoned() -> bool:
+    """True where a child forked from this process could not use this machine's GPUs ("Cannot re-initialize CUDA
+    in forked subprocess"): this process has asked the CUDA driver something. torchrun's agent does so itself on a
+    machine with a GPU (``LaunchConfig.__post_init__``: ``torch.cuda.is_available()`` in 2.11,
+    ``torch.accelerator`` in 2.14), before our handler runs. Without a GPU (a CUDA build on a CPU machine) it does
+    not matter: the workers never use CUDA."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda._is_compiled() or not _gpu_device_nodes():
+        return False
+    return _child_in_bad_fork(torch)
+
+
+def _gpu_device_nodes() -> list[str]:
+    """The GPUs' device files (NVIDIA's, or ROCm's ``/dev/kfd``): asking the driver itself would be the very call
+    that spoils a fork."""
+    import glob
+
+    return glob.glob("/dev/nvidia[0-9]*") + glob.glob("/dev/kfd")
+
+
+def _child_in_bad_fork(torch: Any) -> bool:
+    """torch keeps "the driver was asked" in C++ and tells only a forked child (``_is_in_bad_fork``): ask one."""
+    pid = os.fork()
+    if pid == 0:
+        os._exit(3 if torch.cuda._is_in_bad_fork() else 0)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status) != 0
+
+
 def fork_zygote(preload: list[str] = PRELOAD) -> bool:
     """Start the zygote as a fork of this agent, which has imported torch already; False (nothing done)
     where this Python's forkserver differs or this process runs other threads.
@@ -83,6 +113,9 @@ def fork_zygote(preload: list[str] = PRELOAD) -> bool:
     from multiprocessing import connection, resource_tracker, util
 
     if not _fork_supported():
+        return False
+    if _fork_poisoned():
+        log.debug("this agent initialised the CUDA driver: the zygote starts as a new interpreter")
         return False
     resource_tracker.ensure_running()
     listener = socket.socket(socket.AF_UNIX)
