@@ -68,9 +68,14 @@ def main() -> None:
     p.add_argument("--parallel", default="ddp", choices=["ddp", "fsdp"],
                    help="fsdp: FSDP2 as torchtitan sets it up (fully_shard on every GPT block, then the root; "
                         "the optimizer over the sharded parameters; checkpoints through torch.distributed.checkpoint)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cuda: one GPU per rank, NCCL")
+    p.add_argument("--bf16", action="store_true", help="--parallel fsdp: bfloat16 compute, float32 shards and reduction")
     args = p.parse_args()
 
-    dist.init_process_group("gloo")
+    if args.device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    device = torch.device(args.device, torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
+    dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     timing = Timing(args.run_dir, rank)  # timing
     timing("pg_up")  # timing
@@ -116,13 +121,15 @@ def main() -> None:
         train = TensorDataset(bundle.train.x, bundle.train.y)  # type: ignore[attr-defined]
         params = {"hidden": args.hidden} | ({"channels": args.channels} if args.model == "cnn" else {"depth": args.depth})
         model = build_model(ModelConfig(name=args.model, params=params), bundle.input_shape, bundle.num_classes)
+    model = model.to(device)
     if args.parallel == "fsdp":  # before the optimizer: it holds the shards
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+        mp = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)} if args.bf16 else {}
         blocks = getattr(model, "blocks", None)  # the GPT's transformer blocks; any other model: its children
         for block in blocks if blocks is not None else [c for c in model.children() if any(True for _ in c.parameters())]:
-            fully_shard(block)
-        fully_shard(model)
+            fully_shard(block, **mp)
+        fully_shard(model, **mp)
     if args.optim == "adamw":
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=1e-4)
     else:
@@ -143,7 +150,7 @@ def main() -> None:
             start_epoch, step = state["epoch"], state["step"]
             timing("resume", step=step)  # timing
     elif os.path.exists(ckpt):
-        state = torch.load(ckpt, map_location="cpu")
+        state = torch.load(ckpt, map_location=device)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         start_epoch, step = state["epoch"], state["step"]
@@ -152,11 +159,13 @@ def main() -> None:
     if args.parallel == "ddp":
         model = DDP(model)
     sampler = DistributedSampler(train, shuffle=True, seed=0)
-    loader = DataLoader(train, batch_size=args.batch_per_rank, sampler=sampler, drop_last=True, num_workers=args.workers)
+    loader = DataLoader(train, batch_size=args.batch_per_rank, sampler=sampler, drop_last=True, num_workers=args.workers,
+                        pin_memory=args.device == "cuda")
     first = True
     for epoch in range(start_epoch, args.epochs):
         sampler.set_epoch(epoch)
         for x, y in loader:
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             out = model(x)
             loss = F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
             optimizer.zero_grad()
@@ -164,6 +173,8 @@ def main() -> None:
             optimizer.step()
             step += 1
             if first or step % args.log_every == 0:  # timing
+                if args.device == "cuda":  # timing: the time the GPU finished the step, not when it was queued
+                    torch.cuda.synchronize()
                 timing("first_step" if first else "step", step=step)  # timing
             first = False
             if args.parallel == "fsdp" and step % args.save_every == 0:  # every rank writes its shards

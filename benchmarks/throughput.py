@@ -32,6 +32,8 @@ with other load:
         --variants elastic-runner,elastic-runner-compiled --repeats 3 # a compiled model against the same uncompiled
     cd benchmarks && ../.venv-vision/bin/python throughput.py --workloads gpt \
         --variants elastic-runner-fsdp,baseline-fsdp --repeats 5     # FSDP2: ours against the plain script
+    cd benchmarks && python throughput.py --gpu --workloads gpt --gpt-size 12,12,768 \
+        --variants elastic-runner-fsdp,baseline-fsdp --repeats 3     # the same on one GPU, NCCL, bf16 compute
 """
 
 from __future__ import annotations
@@ -58,13 +60,22 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
-def one_run(name: str, workload: Workload, workdir: Path, steps: int, skip: int) -> tuple[float | None, list[float]]:
-    """Samples/s after the warm-up, and how long each snapshot blocked the step (s; elastic_runner)."""
+def one_run(name: str, workload: Workload, workdir: Path, steps: int, skip: int,
+            gpu: bool = False) -> tuple[float | None, list[float]]:
+    """Samples/s after the warm-up, and how long each snapshot blocked the step (s; elastic_runner). ``gpu``: one
+    worker on the one CUDA device (NCCL), bfloat16 compute under fsdp, instead of two CPU workers."""
     variant, overrides = VARIANTS[name]
     overrides = dict(overrides)
     extra = overrides.pop("baseline_args", [])
+    if gpu:
+        fsdp = overrides.get("parallel.strategy") == "fsdp" or "fsdp" in extra
+        if variant == "elastic-runner":
+            overrides |= {"dist.device": "auto", "dist.backend": "auto"}
+            overrides |= {"parallel.mixed_precision": "bf16"} if fsdp else {}
+        else:
+            extra = extra + ["--device", "cuda"] + (["--bf16"] if fsdp else [])
     run_dir = workdir / f"{name}-{time.time_ns()}"
-    job = make_job(variant, workload, run_dir, nnodes="1:1", nproc_per_node=2, steps=steps, log_every=50,
+    job = make_job(variant, workload, run_dir, nnodes="1:1", nproc_per_node=1 if gpu else 2, steps=steps, log_every=50,
                    baseline_extra=extra, **overrides)
     try:
         job.start_agent()
@@ -77,7 +88,7 @@ def one_run(name: str, workload: Workload, workdir: Path, steps: int, skip: int)
 
 
 def measure(name: str, workload: Workload, workdir: Path, repeats: int, steps: int, skip: int,
-            variants: list[str] | None = None) -> dict[str, Any]:
+            variants: list[str] | None = None, gpu: bool = False) -> dict[str, Any]:
     chosen = [v for v in VARIANTS if variants is None or v in variants]
     rates: dict[str, list[float]] = {variant: [] for variant in chosen}
     blocking: list[float] = []
@@ -87,7 +98,7 @@ def measure(name: str, workload: Workload, workdir: Path, repeats: int, steps: i
     for _ in range(repeats):
         this: dict[str, float] = {}
         for variant in chosen:
-            rate, blocked = one_run(variant, workload, workdir, steps, skip)
+            rate, blocked = one_run(variant, workload, workdir, steps, skip, gpu)
             if variant == "elastic-runner":
                 blocking += blocked
             if rate is not None:
@@ -127,6 +138,9 @@ def main() -> None:
     p.add_argument("--workloads", default="cnn,gpt,resnet18")
     p.add_argument("--variants", default=",".join(VARIANTS),
                    help=f"which of {', '.join(VARIANTS)} to run (default: all), e.g. elastic-runner,elastic-runner-ddp")
+    p.add_argument("--gpu", action="store_true",
+                   help="one worker on the machine's CUDA device (NCCL; bf16 compute under fsdp) instead of two on CPUs")
+    p.add_argument("--gpt-size", default="4,4,128", help="gpt workload: n_layer,n_head,n_embd (12,12,768: GPT-2 small)")
     p.add_argument("--workdir", default=None)
     p.add_argument("--out", default=None)
     args = p.parse_args()
@@ -141,22 +155,23 @@ def main() -> None:
             # A step of tens of milliseconds (3x32x32 images, 32-channel CNN): per-step overheads
             # are measured against real work, not against a 1 ms toy step.
             cnn = Workload(data="synthetic", synthetic_shape="3,32,32", channels=32, hidden=128)
-            results["cnn"] = measure("cnn", cnn, workdir, args.repeats, args.steps, args.skip, variants)
+            results["cnn"] = measure("cnn", cnn, workdir, args.repeats, args.steps, args.skip, variants,
+                                   args.gpu)
         if "gpt" in chosen:
             from elastic_runner.data.tokens import prepare_text
 
             tokens = workdir / "shakespeare-char"
             prepare_text(Path(__file__).resolve().parent.parent / "examples" / "data" / "shakespeare.txt", tokens)
-            gpt = Workload(data="tokens", model="gpt", tokens_dir=str(tokens), optim="adamw", lr=2e-3)
+            gpt = Workload(data="tokens", model="gpt", tokens_dir=str(tokens), optim="adamw", lr=2e-3, gpt=args.gpt_size)
             results["gpt"] = measure("gpt", gpt, workdir, args.repeats, max(100, args.steps * 3 // 4), args.skip,
-                                     variants)
+                                     variants, args.gpu)
         if "resnet18" in chosen:
             # torchvision's resnet18 (BatchNorm) on 3x32x32 images, random crop and flip in 2 DataLoader workers per
             # rank: elastic_runner seeds each sample's draws, the baseline uses the workers' generators.
             resnet = Workload(data="fake_images", model="resnet18", synthetic_size=2048, synthetic_shape="3,32,32",
                               workers=2, augment=True, lr=0.05)
             results["resnet18"] = measure("resnet18", resnet, workdir, args.repeats, max(60, args.steps // 4),
-                                          max(10, args.skip // 4), variants)
+                                          max(10, args.skip // 4), variants, args.gpu)
         out: dict[str, Any] = {"benchmark": "throughput", "workloads": results, "repeats": args.repeats}
         if "cnn" in results:  # the summary table's row (benchmarks/run_all.py)
             out |= {"samples_per_s": results["cnn"]["rates"], "median_samples_per_s": results["cnn"]["medians"],
