@@ -58,13 +58,19 @@ class SnapshotConfig:
         default=True,
     )
 
-    memory_every_steps: int = _help(
+    memory_every_steps: int | Literal["auto"] = _help(
         "Sharded models (parallel.strategy fsdp, hsdp): every N steps each rank copies its shards into its node's "
         "memory (and, with memory_replicas, to another node's), in the background; after a failure the job resumes "
-        "from the newest step whose shards the surviving nodes hold together, without a disk read. 0: off (a failure "
-        "resumes from the disk snapshot). A replicated model (ddp) keeps its newest step when an attempt ends instead.",
-        default=10,
+        "from the newest step whose shards the surviving nodes hold together, without a disk read. 'auto': the "
+        "interval that minimises refresh cost plus redone work (Young/Daly) from the measured cost of a refresh and "
+        "the mean time between failures (snapshot.memory_mtbf_hours, learned as the run goes), the same on every "
+        "rank, at most every_steps when that is a number; first refresh at step 10. 0: off (a failure resumes from "
+        "the disk snapshot). A replicated model (ddp) keeps its newest step when an attempt ends instead.",
+        default="auto",
     )
+    memory_mtbf_hours: float = _help(
+        "For memory_every_steps: auto, the prior mean time between failures of any worker or node of the job (each "
+        "makes the job redo the steps since the last node-memory refresh).", default=6.0)
     memory_replicas: int = _help(
         "Sharded models: 1 also keeps each node's shards in the memory of the next node (in rank order), so the loss "
         "of any one node resumes from memory; 0: own node only. hsdp's nodes hold every shard already (nothing is "
@@ -73,9 +79,12 @@ class SnapshotConfig:
     )
 
     def validate(self) -> None:
-        if self.memory_every_steps < 0:
+        if self.memory_every_steps != "auto" and self.memory_every_steps < 0:
             raise ConfigError("snapshot.memory_every_steps", f"got {self.memory_every_steps}, must be >= 0",
-                              "Set it to e.g. 10, or 0 to keep sharded state on disk only")
+                              "Set it to e.g. 10, auto, or 0 to keep sharded state on disk only")
+        if not self.memory_mtbf_hours > 0:
+            raise ConfigError("snapshot.memory_mtbf_hours", f"got {self.memory_mtbf_hours}, must be > 0",
+                              "Set it to the hours you expect between failures of any worker or node, e.g. 6")
         if self.memory_replicas not in (0, 1):
             raise ConfigError("snapshot.memory_replicas", f"got {self.memory_replicas}", "Use 1 (a copy on the next node) or 0")
         if self.every_steps != "auto" and self.every_steps < 0:

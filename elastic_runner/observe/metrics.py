@@ -100,6 +100,8 @@ class Metrics:
         self.snapshot_failures = counter("snapshot_failures", "Snapshot writes that failed.")
         self.snapshot_interval = gauge("snapshot_interval_steps", "Steps between periodic snapshots chosen by "
                                        "snapshot.every_steps: auto.")
+        self.memory_interval = gauge("memory_interval_steps", "Steps between refreshes of a sharded model's node-memory "
+                                     "copy (snapshot.memory_every_steps).")
         self.recovery = gauge("recovery_duration_seconds", "Process start to first completed step, for a resumed attempt.")
         self.recomputed = gauge("steps_recomputed", "Steps redone after the last failure (progress lost).")
         self.goodput = gauge("goodput_ratio", "Share of the job's wall time spent on steps that count (not recomputed, "

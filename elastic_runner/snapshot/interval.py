@@ -19,6 +19,15 @@ with ``C`` the cost of one snapshot in seconds of training time and ``M`` the me
 - The interval in steps is ``tau / step time`` (median of the recent steps), between 1 and 10^6 steps,
   recomputed after every snapshot; a change of more than a quarter is logged and the current value is
   exported (``elastic_runner_snapshot_interval_steps``).
+
+``snapshot.memory_every_steps: auto`` (:class:`SharedInterval`) is the same trade-off for the node-memory copy of a
+sharded model's state (:mod:`.sharded_memory`), which insures against every failure a survivor outlives (a worker or a
+node lost): ``C`` is a refresh's cost (the step's wait plus the background copy), ``M`` the mean time between such
+failures (prior ``snapshot.memory_mtbf_hours``, learned from the run's restarts after a failure). A refresh is a
+collective (each rank swaps parts with a peer at the same step), so every rank must choose the same steps: each
+refresh's measurements are reduced over the ranks in its background thread (the slowest rank's cost and step time,
+rank 0's ``M``) and the next refresh applies them — every rank computes the same interval from the same numbers at
+the same step.
 """
 
 from __future__ import annotations
@@ -36,6 +45,10 @@ log = logging.getLogger(__name__)
 #: Steps before the first measured snapshot (nothing is known about its cost yet).
 FIRST_SNAPSHOT_STEPS = 20
 MAX_STEPS = 1_000_000
+
+
+#: Steps before the first node-memory refresh under ``memory_every_steps: auto``.
+FIRST_REFRESH_STEPS = 10
 
 
 def daly_interval(cost_s: float, mtbf_s: float) -> float:
@@ -105,6 +118,87 @@ def losses_seen(events: list[dict]) -> tuple[int, float | None]:
                  and e.get("tier") == "disk" and isinstance(e.get("generation"), int) and e["generation"] - 1 not in ended)
     starts = [e["time"] for e in events if e.get("kind") == "start" and isinstance(e.get("time"), (int, float))]
     return losses, (min(starts) if starts else None)
+
+
+def failures_seen(events: list[dict]) -> tuple[int, float | None]:
+    """(failures, the run's first start) from a run's events: an attempt that started after an attempt that did not
+    end (a worker or node lost, from memory or disk alike). A run stopped or finished and started again is none."""
+    ended = {e.get("generation") for e in events if e.get("kind") == "end"}
+    starts: dict[int, float] = {}
+    for e in events:
+        if e.get("kind") == "start" and isinstance(e.get("generation"), int) and isinstance(e.get("time"), (int, float)):
+            starts.setdefault(e["generation"], e["time"])
+    generations = sorted(starts)
+    failures = sum(1 for before, after in zip(generations, generations[1:]) if before not in ended)
+    return failures, (min(starts.values()) if starts else None)
+
+
+def refresh_steps(cost_s: float, step_s: float, mtbf_s: float, cap: int | None = None) -> int:
+    """Steps between node-memory refreshes: Young/Daly's interval, never shorter than a refresh takes (the next one
+    would wait for it) and, with ``cap`` (a fixed durable interval), never longer than the durable snapshots' —
+    a node-memory copy older than the disk's would never be used."""
+    if step_s <= 0:
+        return FIRST_REFRESH_STEPS
+    steps = round(daly_interval(cost_s, mtbf_s) / step_s)
+    steps = max(steps, math.ceil(cost_s / step_s) + 1, 1)
+    return min(steps, cap or MAX_STEPS, MAX_STEPS)
+
+
+class SharedInterval:
+    """When to refresh the node-memory copy of a sharded model (module docstring): ``every`` steps, or ``"auto"``.
+    The same answer on every rank: :meth:`due` depends only on the step and on numbers every rank holds alike."""
+
+    def __init__(self, every: int | str, *, prior_mtbf_s: float, failures: int, run_started: float, start_step: int,
+                 cap: int | None = None, report: Callable[[int], None] = lambda steps: None,
+                 speaks: bool = True) -> None:
+        self.fixed = every if isinstance(every, int) else None
+        self.estimate = AutoInterval(prior_mtbf_s=prior_mtbf_s, losses=failures, run_started=run_started,
+                                     current=self.fixed if self.fixed is not None else FIRST_REFRESH_STEPS)
+        self.cap = cap
+        self.last = start_step
+        self.report = report
+        #: The last refresh's (cost, step time, mean time between failures), reduced over the ranks; applied by the
+        #: next refresh (written by the refresh's thread, read after joining it).
+        self.pending: list[float] | None = None
+        self.applied: list[float] | None = None  #: the measurements the current interval came from
+        self.speaks, self._told = speaks, False  # rank 0 tells the interval; every rank computes it
+        report(self.current)
+
+    @property
+    def current(self) -> int:
+        return self.estimate.current
+
+    def step_done(self) -> None:
+        self.estimate.step_done()
+
+    def due(self, step: int) -> bool:
+        if self.fixed is not None:
+            return self.fixed > 0 and step % self.fixed == 0
+        return step - self.last >= self.current
+
+    def measurements(self, blocking_s: float, background_s: float, rank: int) -> list[float]:
+        """What this rank adds to the reduction (by maximum): its refresh cost and step time, and on rank 0 the
+        mean time between failures (the others send 0, so rank 0's is the maximum)."""
+        times = self.estimate.step_times
+        return [max(0.0, blocking_s) + max(0.0, background_s), statistics.median(times) if times else 0.0,
+                self.estimate.mtbf_s if rank == 0 else 0.0]
+
+    def refreshing(self, step: int) -> None:
+        """A refresh starts at ``step`` (the previous one's thread has been joined): apply its reduced measurements."""
+        self.last = step
+        if self.fixed is not None or self.pending is None:
+            return
+        cost_s, step_s, mtbf_s = self.applied = self.pending
+        self.pending = None
+        before = self.current
+        self.estimate.current = refresh_steps(cost_s, step_s, mtbf_s, self.cap)
+        self.report(self.current)
+        if self.speaks and (not self._told or abs(self.current - before) > 0.25 * before):
+            self._told = True
+            span = f"{mtbf_s / 3600:.1f} h" if mtbf_s >= 7200 else f"{mtbf_s / 60:.1f} min"
+            log.info("node-memory interval (snapshot.memory_every_steps: auto): every %d steps (refresh cost %.3f s, "
+                     "step %.1f ms, mean time between failures %s%s)", self.current, cost_s, step_s * 1000, span,
+                     f", at most the durable interval {self.cap}" if self.cap else "")
 
 
 class AutoSchedule:

@@ -14,7 +14,8 @@ every ``snapshot.memory_every_steps`` steps (:meth:`ShardedMemory.refresh`, at a
    the node should hold is there, ``meta.json`` listing them (each with its SHA-256), and publishes the node's copy.
 
 hsdp's nodes hold every shard already: nothing is sent. The next refresh waits for the previous one (on every rank:
-they stay in step, so the ring never waits on a rank that skipped one).
+they stay in step, so the ring never waits on a rank that skipped one). When: :class:`~.interval.SharedInterval`
+(``memory_every_steps: auto`` reduces each refresh's cost over the ranks at the end of its thread).
 
 On a restart (:func:`select_sharded`, a collective) every rank reports the copies its node holds; rank 0 takes the
 newest (generation, step) for which the surviving nodes hold every part between them — if it is newer than the newest
@@ -38,6 +39,7 @@ from typing import Any, Callable
 import torch
 
 from .format import load_state_bytes, read_meta, read_verified_bytes, write_snapshot_files
+from .interval import SharedInterval
 from .loader import Loaded
 from .memory import MemoryTier
 from .publish import _prune
@@ -108,28 +110,30 @@ def exchange_group(timeout_s: float) -> Any:
 class ShardedMemory:
     """See the module docstring. Built on every rank; ``tier``: this node's memory store."""
 
-    def __init__(self, tier: MemoryTier, layout: Layout, group: Any, every_steps: int) -> None:
-        self.tier, self.layout, self.group, self.every_steps = tier, layout, group, every_steps
+    def __init__(self, tier: MemoryTier, layout: Layout, group: Any, schedule: SharedInterval) -> None:
+        self.tier, self.layout, self.group, self.schedule = tier, layout, group, schedule
         self._staging = HostStaging()
         self._thread: threading.Thread | None = None
         self.failures = 0
 
     def due(self, step: int) -> bool:
-        return self.every_steps > 0 and step % self.every_steps == 0
+        return self.schedule.due(step)
 
     def refresh(self, step: int, capture: Callable[[], tuple[dict[str, Any], dict[str, Any]]]) -> float:
         """Copy this rank's shards (and on a node's first rank the rest of the state) for ``step``; the rest happens in
         the background. Returns the seconds the step waited."""
         started = time.perf_counter()
         self.wait()
+        self.schedule.refreshing(step)
         ref = SnapshotRef(generation=self.tier.generation, step=step)
         state, meta = capture()
         host = self._staging.copy(state)
         meta = dict(meta) | {"step": step, "generation": self.tier.generation, "name": ref.name}
-        self._thread = threading.Thread(target=self._write, args=(ref, host, meta), name=f"memory-{ref.name}",
+        blocked = time.perf_counter() - started
+        self._thread = threading.Thread(target=self._write, args=(ref, host, meta, blocked), name=f"memory-{ref.name}",
                                         daemon=True)
         self._thread.start()
-        return time.perf_counter() - started
+        return blocked
 
     def wait(self, timeout: float | None = None) -> None:
         """Until the refresh in flight is done (at most ``timeout`` seconds)."""
@@ -138,7 +142,31 @@ class ShardedMemory:
             if not self._thread.is_alive():
                 self._thread = None
 
-    def _write(self, ref: SnapshotRef, state: dict[str, Any], meta: dict[str, Any]) -> None:
+    def _write(self, ref: SnapshotRef, state: dict[str, Any], meta: dict[str, Any], blocked: float) -> None:
+        started = time.perf_counter()
+        try:
+            self._copy(ref, state, meta)
+        finally:  # every rank, also after a failure: the reduction is a collective
+            if self.schedule.fixed is None:
+                self._measure(blocked, time.perf_counter() - started)
+
+    def _measure(self, blocked: float, background: float) -> None:
+        """Reduce this refresh's cost over the ranks (by maximum) for the next refresh to apply: the same numbers on
+        every rank, so every rank picks the same next step."""
+        values = self.schedule.measurements(blocked, background, self.layout.rank)
+        if self.group is not None:
+            import torch.distributed as tdist
+
+            reduced = torch.tensor(values, dtype=torch.float64)
+            try:
+                tdist.all_reduce(reduced, op=tdist.ReduceOp.MAX, group=self.group)
+            except Exception as exc:  # noqa: BLE001 - a peer gone: this attempt is ending anyway
+                log.debug("the node-memory interval's reduction failed (%s)", exc)
+                return
+            values = reduced.tolist()
+        self.schedule.pending = values
+
+    def _copy(self, ref: SnapshotRef, state: dict[str, Any], meta: dict[str, Any]) -> None:
         layout = self.layout
         try:
             data = part_bytes(layout.part_id, state["part"])

@@ -36,7 +36,7 @@ from .. import __version__
 from ..config import Config
 from ..observe.events import read_events
 from ..snapshot import Loaded, SnapshotError, SnapshotWriter, require_ok
-from ..snapshot.interval import AutoSchedule
+from ..snapshot.interval import AutoSchedule, SharedInterval, failures_seen
 from ..snapshot.memory import MemoryTier, memory_root, sweep_abandoned_memory
 from ..snapshot.selection import select_newest
 from ..snapshot.shards import split
@@ -106,7 +106,7 @@ class Checkpointer:
                              replicas=cfg.snapshot.memory_replicas)
         if self.sharded and self.memory is not None:
             group = exchange_group(cfg.dist.timeout_seconds) if env.world_size > 1 else None  # every rank: a collective
-            self.sharded_memory = ShardedMemory(self.memory, self.layout, group, cfg.snapshot.memory_every_steps)
+            self.sharded_memory = ShardedMemory(self.memory, self.layout, group, self._memory_schedule())
         self.parts: TrainingParts | None = None
         self.boundary: StepBoundary | None = None
         self.writer: SnapshotWriter | None = None
@@ -204,6 +204,8 @@ class Checkpointer:
         if loaded.tier == "disk":
             self.saved_steps.add(self.state.step)  # a memory copy is not durable: the final save must still happen
         self._keeper.resumed_step = self.state.step
+        if self.sharded_memory is not None:  # the first refresh counts from the step resumed (the same on every rank)
+            self.sharded_memory.schedule.last = self.state.step
         self.events.emit("snapshot_loaded", snapshot=loaded.ref.name, step=self.state.step, skipped=skipped,
                          tier=loaded.tier)
         return loaded
@@ -265,6 +267,17 @@ class Checkpointer:
                                          self.metrics.snapshot_interval.set)
         self._last_save = time.monotonic()
 
+    def _memory_schedule(self) -> SharedInterval:
+        """When the node-memory copy of the shards is refreshed (``snapshot.memory_every_steps``; under ``auto`` rank
+        0 learns the failures so far from the run's events)."""
+        snap, rank0 = self.cfg.snapshot, self.dist.rank == 0
+        failures, started = failures_seen(read_events(self.cfg.run.dir)) if rank0 and snap.memory_every_steps == "auto" \
+            else (0, None)
+        return SharedInterval(snap.memory_every_steps, prior_mtbf_s=snap.memory_mtbf_hours * 3600, failures=failures,
+                              run_started=started if started is not None else time.time(), start_step=self.state.step,
+                              cap=snap.every_steps if isinstance(snap.every_steps, int) and snap.every_steps > 0 else None,
+                              report=self.metrics.memory_interval.set if rank0 else (lambda steps: None), speaks=rank0)
+
     def check_space(self) -> bool:
         """Warn once, at the start, when the snapshot volume cannot hold ``keep_last + 1`` snapshots."""
         low = room_warning(self.store, self.cfg.snapshot.keep_last,
@@ -282,6 +295,8 @@ class Checkpointer:
         else:
             due_steps = bool(snap.every_steps) and step % snap.every_steps == 0
         due_time = snap.every_seconds and time.monotonic() - self._last_save >= snap.every_seconds
+        if self.sharded_memory is not None:
+            self.sharded_memory.schedule.step_done()
         if self.sharded_memory is not None and self.sharded_memory.due(step) and not last:
             blocked = self.sharded_memory.refresh(step, lambda: self.capture(replicated_from="node"))
             self.metrics.snapshot_blocking.observe(blocked)

@@ -41,7 +41,9 @@ SEED = int(time.time()) % 10_000
 
 
 def _config(tmp_path_factory: pytest.TempPathFactory, strategy: str, **extra: dict) -> Path:
+    # Node memory every 10 steps (not auto): the test knows which step a failure resumes from.
     sections = RESUME_SECTIONS | {"parallel": {"strategy": strategy},
+                                  "snapshot": RESUME_SECTIONS["snapshot"] | {"memory_every_steps": 10},
                                   "train": RESUME_SECTIONS["train"] | {"max_steps": STEPS}} | extra
     return write_config(tmp_path_factory.mktemp("cfg") / f"{strategy}.yaml", **sections)
 

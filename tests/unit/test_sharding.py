@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from time import time_ns
+from time import sleep, time, time_ns
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,7 @@ from elastic_runner.config import ConfigError, EvalConfig, ModelConfig, Parallel
 from elastic_runner.data.layout import BatchLayout, split_even
 from elastic_runner.data.sampler import StepPlan
 from elastic_runner.snapshot import LocalStore, SnapshotError, find_newest, load_snapshot
+from elastic_runner.snapshot.interval import refresh_steps
 from elastic_runner.snapshot.publish import write_sharded
 from elastic_runner.snapshot.store import SnapshotRef, StaleWriterError
 from elastic_runner.training.gradients import StepGradients
@@ -382,6 +383,7 @@ class _ObjectDist:
 def _memory_worker(rank: int, world: int, store_path: str, job: dict[str, Any]) -> None:
     """``save``: train a step sharded and refresh node memory (node = rank // local_world, a directory each);
     ``load``: select from node memory (or disk) into this layout, save what every tensor became, whole."""
+    from elastic_runner.snapshot.interval import SharedInterval
     from elastic_runner.snapshot.memory import MemoryTier
     from elastic_runner.snapshot.sharded_memory import Layout, ShardedMemory, exchange_group, select_sharded
     from elastic_runner.snapshot.shards import split
@@ -396,7 +398,8 @@ def _memory_worker(rank: int, world: int, store_path: str, job: dict[str, Any]) 
     tier = MemoryTier(Path(job["nodes"]) / f"node-{job['node_names'][node]}", generation=1, run_uid="run-a")
     layout = Layout(rank=rank, world=world, local_rank=rank % local_world, local_world=local_world, strategy="fsdp",
                     replicas=1)
-    memory = ShardedMemory(tier, layout, exchange_group(60), every_steps=1)
+    memory = ShardedMemory(tier, layout, exchange_group(60), SharedInterval(1, prior_mtbf_s=3600, failures=0,
+                                                                            run_started=0.0, start_step=0))
     if job["do"] == "save":
         model(torch.randn(6, 5, generator=torch.Generator().manual_seed(rank))).square().sum().backward()
         optimizer.step()
@@ -462,6 +465,58 @@ def test_a_damaged_part_in_node_memory_sends_every_rank_to_disk_together(tmp_pat
     data[len(data) // 2] ^= 0xFF
     part.write_bytes(bytes(data))
     assert _memory_job(tmp_path, "load", 2, 2, [0]) == {"tier": None}
+
+
+def _interval_worker(rank: int, world: int, store_path: str, job: dict[str, Any]) -> None:
+    """Train-shaped loop of 70 steps, rank 1 three times as slow as rank 0, node memory under ``auto``: which
+    steps each rank refreshed at, and what it applied."""
+    from elastic_runner.snapshot.interval import SharedInterval
+    from elastic_runner.snapshot.memory import MemoryTier
+    from elastic_runner.snapshot.sharded_memory import Layout, ShardedMemory, exchange_group
+    from elastic_runner.snapshot.shards import split
+
+    _up(rank, world, store_path)
+    model = _mlp()
+    shard_model(model, ParallelConfig(strategy="fsdp"), CPU, world, 1)
+    schedule = SharedInterval("auto", prior_mtbf_s=2.0, failures=0, run_started=time(), start_step=0)
+    memory = ShardedMemory(MemoryTier(Path(job["nodes"]) / f"node-{rank}", generation=1, run_uid="run-a"),
+                           Layout(rank=rank, world=world, local_rank=0, local_world=1, strategy="fsdp", replicas=1),
+                           exchange_group(60), schedule)
+
+    def capture() -> tuple[dict[str, Any], dict[str, Any]]:
+        replicated, tensors, offsets = split({"model": model.state_dict(), "train": {"step": 1}})
+        return ({"replicated": replicated, "part": {"tensors": tensors, "offsets": offsets}},
+                {"fingerprint": {"model": "m"}, "run_uid": "run-a", "world_size": world})
+
+    refreshed = []
+    for step in range(1, 71):
+        sleep(0.004 * (1 + 2 * rank))
+        schedule.step_done()
+        if memory.due(step):
+            memory.refresh(step, capture)
+            refreshed.append((step, schedule.current, schedule.applied))
+    memory.wait()
+    torch.save(refreshed, Path(job["out"]) / f"rank{rank}.pt")
+    model = memory = None  # type: ignore[assignment]
+    _down()
+
+
+@pytest.mark.slow
+def test_under_auto_every_rank_refreshes_node_memory_at_the_same_steps(tmp_path: Path) -> None:
+    """The ranks measure different costs and step times; each refresh reduces them (the slowest rank's) so that every
+    rank computes the next interval from the same numbers: the same steps on every rank, the first at step 10, the
+    next ones Young/Daly's for the slowest rank."""
+    (tmp_path / "out").mkdir()
+    _spawn(_interval_worker, 2, tmp_path, dict(nodes=str(tmp_path / "memory"), out=str(tmp_path / "out")))
+    ranks = [torch.load(tmp_path / "out" / f"rank{r}.pt") for r in range(2)]
+    assert ranks[0] == ranks[1], "the same refresh steps and intervals on every rank"
+    steps = [s for s, _, _ in ranks[0]]
+    assert steps[:2] == [10, 20], "the first at step 10, the second before any measurement arrived"
+    for (step, current, applied), (following, _, _) in zip(ranks[0][1:], ranks[0][2:] + [(None, None, None)]):
+        assert applied is not None and current == refresh_steps(*applied)
+        assert applied[1] >= 0.012, "the slowest rank's step time (rank 1: 12 ms a step) decides"
+        if following is not None:
+            assert following - step == current
 
 
 @pytest.mark.slow

@@ -7,7 +7,16 @@ import math
 import pytest
 
 from elastic_runner.config import ConfigError, load_config
-from elastic_runner.snapshot.interval import AutoInterval, AutoSchedule, daly_interval, losses_seen
+from elastic_runner.snapshot.interval import (
+    FIRST_REFRESH_STEPS,
+    AutoInterval,
+    AutoSchedule,
+    SharedInterval,
+    daly_interval,
+    failures_seen,
+    losses_seen,
+    refresh_steps,
+)
 
 
 def test_the_interval_follows_young_daly() -> None:
@@ -61,3 +70,70 @@ def test_the_config_takes_auto_and_a_prior(tmp_path) -> None:  # noqa: ANN001
         load_config(None, base + ["snapshot.every_steps=often"])
     with pytest.raises(ConfigError, match="snapshot.mtbf_hours"):
         load_config(None, base + ["snapshot.mtbf_hours=0"])
+
+
+# -- snapshot.memory_every_steps: auto (the node-memory copy of a sharded model) -----------------------------------
+
+
+def test_a_refresh_interval_is_young_daly_never_shorter_than_a_refresh_never_longer_than_the_disk_interval() -> None:
+    step, mtbf = 0.02, 6 * 3600.0
+    assert refresh_steps(0.05, step, mtbf) == round(daly_interval(0.05, mtbf) / step)
+    assert refresh_steps(0.05, step, mtbf, cap=50) == 50, "a memory copy older than the disk's would never be used"
+    assert refresh_steps(3.0, step, 10.0) >= 3.0 / step + 1, "the next refresh would only wait for this one"
+    assert refresh_steps(0.05, 0.0, mtbf) == FIRST_REFRESH_STEPS, "no step time measured yet"
+
+
+def _reduce_by_max(*ranks: list[float]) -> list[float]:  # what the exchange group's all-reduce does
+    return [max(values) for values in zip(*ranks)]
+
+
+def test_every_rank_applies_the_same_reduced_measurements_at_the_same_step() -> None:
+    fast, slow = (SharedInterval("auto", prior_mtbf_s=60.0, failures=0, run_started=0.0, start_step=0, speaks=False)
+                  for _ in range(2))
+    for s in (fast, slow):
+        s.estimate.clock = lambda: 0.0
+    for t in range(30):
+        fast.estimate.step_done(now=t * 0.01)
+        slow.estimate.step_done(now=t * 0.03)
+    assert [s.due(9) for s in (fast, slow)] == [False, False] and [s.due(10) for s in (fast, slow)] == [True, True]
+    for s in (fast, slow):
+        s.refreshing(10)
+    reduced = _reduce_by_max(fast.measurements(0.01, 0.2, rank=0), slow.measurements(0.02, 0.5, rank=1))
+    assert reduced[1] == pytest.approx(0.03) and reduced[2] == 60.0, "the slowest step; rank 0's failure rate"
+    fast.pending = slow.pending = reduced
+    assert fast.due(20) and slow.due(20), "nothing changes before the next refresh applies it"
+    for s in (fast, slow):
+        s.refreshing(20)
+    assert fast.current == slow.current == refresh_steps(0.52, 0.03, 60.0)
+    assert not fast.due(20 + fast.current - 1) and fast.due(20 + fast.current)
+
+
+def test_a_fixed_refresh_interval_keeps_to_multiples_of_it() -> None:
+    fixed = SharedInterval(10, prior_mtbf_s=60.0, failures=0, run_started=0.0, start_step=37)
+    assert [step for step in range(37, 71) if fixed.due(step)] == [40, 50, 60, 70]
+    off = SharedInterval(0, prior_mtbf_s=60.0, failures=0, run_started=0.0, start_step=0)
+    assert not any(off.due(step) for step in range(1, 100))
+
+
+def test_failures_are_attempts_that_started_after_one_that_did_not_end() -> None:
+    events = [
+        {"time": 10.0, "kind": "start", "generation": 1, "rank": 0},
+        {"time": 11.0, "kind": "start", "generation": 1, "rank": 1},
+        {"time": 50.0, "kind": "start", "generation": 2, "rank": 0},   # generation 1 never ended: a failure
+        {"time": 80.0, "kind": "end", "generation": 2, "status": "stopped"},
+        {"time": 95.0, "kind": "start", "generation": 3, "rank": 0},   # started again by hand: none
+        {"time": 99.0, "kind": "start", "generation": 4, "rank": 0},   # generation 3 never ended: a failure
+    ]
+    assert failures_seen(events) == (2, 10.0)
+    assert failures_seen([]) == (0, None)
+
+
+def test_the_config_takes_auto_for_node_memory_and_a_prior() -> None:
+    base = ["train.epochs=1"]
+    cfg = load_config(None, base)
+    assert cfg.snapshot.memory_every_steps == "auto" and cfg.snapshot.memory_mtbf_hours == 6.0
+    assert load_config(None, base + ["snapshot.memory_every_steps=10"]).snapshot.memory_every_steps == 10
+    with pytest.raises(ConfigError, match="snapshot.memory_every_steps"):
+        load_config(None, base + ["snapshot.memory_every_steps=often"])
+    with pytest.raises(ConfigError, match="snapshot.memory_mtbf_hours"):
+        load_config(None, base + ["snapshot.memory_mtbf_hours=-1"])
