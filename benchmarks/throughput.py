@@ -151,10 +151,11 @@ def main() -> None:
         if unknown:
             p.error(f"--variants: unknown {unknown}; choose from {', '.join(VARIANTS)}")
         results: dict[str, Any] = {}
+        world = 1 if args.gpu else 2  # the workers of one_run: the global batch is batch_per_rank x world for both
         if "cnn" in chosen:
             # A step of tens of milliseconds (3x32x32 images, 32-channel CNN): per-step overheads
             # are measured against real work, not against a 1 ms toy step.
-            cnn = Workload(data="synthetic", synthetic_shape="3,32,32", channels=32, hidden=128)
+            cnn = Workload(data="synthetic", synthetic_shape="3,32,32", channels=32, hidden=128, world=world)
             results["cnn"] = measure("cnn", cnn, workdir, args.repeats, args.steps, args.skip, variants,
                                    args.gpu)
         if "gpt" in chosen:
@@ -162,14 +163,15 @@ def main() -> None:
 
             tokens = workdir / "shakespeare-char"
             prepare_text(Path(__file__).resolve().parent.parent / "examples" / "data" / "shakespeare.txt", tokens)
-            gpt = Workload(data="tokens", model="gpt", tokens_dir=str(tokens), optim="adamw", lr=2e-3, gpt=args.gpt_size)
+            gpt = Workload(data="tokens", model="gpt", tokens_dir=str(tokens), optim="adamw", lr=2e-3, gpt=args.gpt_size,
+                           world=world)
             results["gpt"] = measure("gpt", gpt, workdir, args.repeats, max(100, args.steps * 3 // 4), args.skip,
                                      variants, args.gpu)
         if "resnet18" in chosen:
             # torchvision's resnet18 (BatchNorm) on 3x32x32 images, random crop and flip in 2 DataLoader workers per
             # rank: elastic_runner seeds each sample's draws, the baseline uses the workers' generators.
             resnet = Workload(data="fake_images", model="resnet18", synthetic_size=2048, synthetic_shape="3,32,32",
-                              workers=2, augment=True, lr=0.05)
+                              workers=2, augment=True, lr=0.05, world=world)
             results["resnet18"] = measure("resnet18", resnet, workdir, args.repeats, max(60, args.steps // 4),
                                           max(10, args.skip // 4), variants, args.gpu)
         out: dict[str, Any] = {"benchmark": "throughput", "workloads": results, "repeats": args.repeats}
