@@ -130,10 +130,12 @@ def main() -> None:
         for block in blocks if blocks is not None else [c for c in model.children() if any(True for _ in c.parameters())]:
             fully_shard(block, **mp)
         fully_shard(model, **mp)
+    # FSDP2's parameters are DTensors, for which torch picks the per-tensor loop: torchtitan asks for foreach.
+    multi = {"foreach": True} if args.parallel == "fsdp" else {}
     if args.optim == "adamw":
-        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=1e-4)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=1e-4, **multi)
     else:
-        optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=1e-4)
+        optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=1e-4, **multi)
 
     ckpt = os.path.join(args.run_dir, "checkpoint.pt")
     start_epoch, step = 0, 0

@@ -15,6 +15,12 @@ from ..config.imports import call, resolve
 def build_optimizer(cfg: OptimConfig, params: Iterable[torch.nn.Parameter], lr_scale: float = 1.0) -> torch.optim.Optimizer:
     lr = cfg.lr * lr_scale
     extra: dict[str, Any] = dict(cfg.params)
+    params = list(params)
+    if cfg.name in ("sgd", "adamw") and not {"foreach", "fused"} & extra.keys() and any(map(_sharded, params)):
+        # torch picks the per-tensor loop for sharded parameters (its multi-tensor kernels are chosen for plain
+        # tensors only): one Python-level update per parameter, each op dispatched through DTensor — on a GPU the
+        # step then waits for the CPU. torchtitan asks for foreach too; optim.params may still say otherwise.
+        extra["foreach"] = True
     if cfg.name == "sgd":
         return call(torch.optim.SGD, {"lr": lr, "momentum": cfg.momentum, "weight_decay": cfg.weight_decay} | extra,
                     "optim.params", "sgd", params)
@@ -25,6 +31,12 @@ def build_optimizer(cfg: OptimConfig, params: Iterable[torch.nn.Parameter], lr_s
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ConfigError("optim.name", f"{cfg.name} returned {type(optimizer).__name__}, not a torch.optim.Optimizer", "Point optim.name at an Optimizer class")
     return optimizer
+
+
+def _sharded(param: Any) -> bool:
+    """A parameter sharded by FSDP2 (a DTensor; told apart without importing torch.distributed, which the model side
+    does not import)."""
+    return type(param).__name__ == "DTensor" and hasattr(param, "device_mesh")
 
 
 class ScheduleFactor:

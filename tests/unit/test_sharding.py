@@ -467,6 +467,30 @@ def test_a_damaged_part_in_node_memory_sends_every_rank_to_disk_together(tmp_pat
     assert _memory_job(tmp_path, "load", 2, 2, [0]) == {"tier": None}
 
 
+def _optimizer_worker(rank: int, world: int, store_path: str, job: dict[str, Any]) -> None:
+    from elastic_runner.config import OptimConfig
+    from elastic_runner.workload.optim import build_optimizer
+
+    _up(rank, world, store_path)
+    model = _mlp()
+    shard_model(model, ParallelConfig(strategy="fsdp"), CPU, world, 1)
+    chosen = {label: build_optimizer(OptimConfig(name=name, lr=0.1, params=params), model.parameters()).defaults["foreach"]
+              for label, name, params in (("adamw", "adamw", {}), ("sgd", "sgd", {}),
+                                          ("adamw-own", "adamw", {"foreach": False}))}
+    torch.save(chosen, job["out"])
+    model = None  # type: ignore[assignment]
+    _down()
+
+
+def test_a_sharded_model_s_optimizer_updates_all_its_tensors_at_once() -> None:
+    """torch picks the per-tensor loop for DTensors (one dispatched update per parameter: on a GPU the step waits
+    for the CPU); the built-in optimizers ask for the multi-tensor kernels unless optim.params says otherwise."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "chosen.pt"
+        _spawn(_optimizer_worker, 1, Path(tmp), {"out": str(out)})
+        assert torch.load(out) == {"adamw": True, "sgd": True, "adamw-own": False}
+
+
 def _interval_worker(rank: int, world: int, store_path: str, job: dict[str, Any]) -> None:
     """Train-shaped loop of 70 steps, rank 1 three times as slow as rank 0, node memory under ``auto``: which
     steps each rank refreshed at, and what it applied."""
