@@ -60,15 +60,21 @@ def compiled_forward(model: nn.Module, enabled: bool, given: nn.Module | None = 
     if given is None and not enabled:
         return model
     import torch
+
+    allow_recompiles()
+    if given is not None:
+        return given
+    return torch.compile(model, dynamic=False)  # type: ignore[return-value]
+
+
+def allow_recompiles() -> None:
+    """Up to :data:`RECOMPILE_LIMIT` shapes per compiled frame before torch runs it uncompiled (module docstring)."""
     import torch._dynamo.config as dynamo_config
 
     for name in ("recompile_limit", "cache_size_limit"):  # renamed in torch 2.6; either is the same setting
         if hasattr(dynamo_config, name):
             setattr(dynamo_config, name, max(int(getattr(dynamo_config, name)), RECOMPILE_LIMIT))
             break
-    if given is not None:
-        return given
-    return torch.compile(model, dynamic=False)  # type: ignore[return-value]
 
 
 def use_private_cache(environ: Any = os.environ) -> Path:

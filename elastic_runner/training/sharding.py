@@ -136,6 +136,21 @@ class FSDPSync:
         pass
 
 
+def compile_units(model: nn.Module) -> None:
+    """``model.compile`` for a sharded model: each FSDP unit's ``forward`` compiled in place. Compiling the model as a
+    whole compiles nothing: FSDP2's gathering hooks, which torch keeps out of compilation, sit inside every unit's
+    call, and torch cannot go on after them there. Compiled per forward, the hooks run around the compiled code (a
+    parent's forward is compiled in pieces between its units' calls), and the state keeps the plain model's keys."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from .compiling import allow_recompiles
+
+    allow_recompiles()
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.forward = torch.compile(module.forward, dynamic=False)  # type: ignore[method-assign]
+
+
 def global_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     """The 2-norm of every gradient over all ranks (for sharded gradients a collective; a plain tensor back)."""
     norm = torch.nn.utils.get_total_norm(grads)
@@ -179,10 +194,6 @@ def check_shardable(cfg: Any, workload: Any, world: int, local_world: int) -> No
         raise ConfigError("parallel.strategy", f"{cfg.parallel.strategy} needs FSDP2 (torch.distributed.fsdp."
                           f"fully_shard with set_force_sum_reduction_for_comms); this torch {_torch.__version__} lacks it",
                           "Install torch >= 2.10, or use parallel.strategy: ddp")
-    if cfg.model.compile or workload.compiled is not None:
-        raise ConfigError("model.compile", f"a compiled model under parallel.strategy {cfg.parallel.strategy} is not "
-                          "supported yet", "Set model.compile: false (and pass fit() a model that is not compiled), "
-                          "or use parallel.strategy: ddp")
     norms = [type(m).__name__ for m in workload.model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
     if cfg.parallel.mixed_precision == "bf16" and norms:
         raise ConfigError("parallel.mixed_precision", f"bf16 with the model's BatchNorm layers ({norms[0]}): FSDP2 "

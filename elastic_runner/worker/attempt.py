@@ -50,7 +50,7 @@ from ..training.evaluation import Evaluator
 from ..training.gradients import StepGradients
 from ..training.loop import AttemptStart, Trainer
 from ..training.parts import TrainingParts
-from ..training.sharding import FSDPSync, check_shardable, shard_model
+from ..training.sharding import FSDPSync, check_shardable, compile_units, shard_model
 from ..training.state import TrainState
 from ..training.step import TrainStep
 from ..workload.spec import Workload, check, check_batchnorm, from_config
@@ -278,6 +278,11 @@ class Attempt:
             })
         sync: parallel.GradientSync
         if cfg.parallel.sharded:
+            if cfg.model.compile or w.compiled is not None:
+                if w.compiled is not None and dist.rank == 0:
+                    log.info("the script's compiled model is sharded: compiled again unit by unit (a compiled "
+                             "wrapper around a sharded model compiles nothing), with static shapes")
+                compile_units(parts.model)
             sync = FSDPSync(parts.model, self._stand_in())
         else:
             forward = compiled_forward(parts.model, cfg.model.compile, w.compiled)

@@ -1,6 +1,7 @@
 """A compiled model (``model.compile: true``) under faults: a worker killed at a random step, and the job ends with
 exactly the model of an uninterrupted compiled run; its snapshots load into the model uncompiled. Two agents of two
-workers each (world 4): from three ranks on the order of the gradient sum matters, and two processes share a node."""
+workers each (world 4): from three ranks on the order of the gradient sum matters, and two processes share a node.
+Replicated (ddp) and sharded (fsdp: torch.compile runs FSDP2's gathering hooks outside its graphs)."""
 
 from __future__ import annotations
 
@@ -30,10 +31,13 @@ STEPS = 200
 SEED = int(time.time()) % 10_000
 
 
-@pytest.fixture(scope="module")
-def compiled_config(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    sections = RESUME_SECTIONS | {"model": {"compile": True}, "train": RESUME_SECTIONS["train"] | {"max_steps": STEPS}}
-    return write_config(tmp_path_factory.mktemp("cfg") / "compiled.yaml", **sections)
+@pytest.fixture(scope="module", params=["ddp", "fsdp"])
+def compiled_config(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # Node memory every 10 steps under fsdp: the kill resumes from it (a survivor's memory under ddp).
+    sections = RESUME_SECTIONS | {"model": {"compile": True}, "parallel": {"strategy": request.param},
+                                  "snapshot": RESUME_SECTIONS["snapshot"] | {"memory_every_steps": 10},
+                                  "train": RESUME_SECTIONS["train"] | {"max_steps": STEPS}}
+    return write_config(tmp_path_factory.mktemp("cfg") / f"compiled-{request.param}.yaml", **sections)
 
 
 @pytest.fixture(scope="module")
