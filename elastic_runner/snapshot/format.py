@@ -31,7 +31,7 @@ import stat
 import time
 from pathlib import Path
 from collections.abc import Iterator
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Callable
 
 import torch
 
@@ -115,8 +115,10 @@ class _HashingWriter:
         self.fh.flush()
 
 
-def write_snapshot_files(directory: Path, state: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
-    """Write state.pt, then meta.json (the marker) into ``directory``; fsync both."""
+def write_snapshot_files(directory: Path, state: dict[str, Any], meta: dict[str, Any],
+                         more_meta: Callable[[], dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Write state.pt, then meta.json (the marker) into ``directory``; fsync both. ``more_meta``: called between the
+    two, for fields known only then (a sharded snapshot's parts, which its other ranks write meanwhile)."""
     state_path = directory / STATE
     writer: _HashingWriter | None = None
     try:
@@ -130,7 +132,7 @@ def write_snapshot_files(directory: Path, state: dict[str, Any], meta: dict[str,
                 raise
             fh.flush()
             os.fsync(fh.fileno())
-        full_meta = dict(meta) | {
+        full_meta = dict(meta) | (more_meta() if more_meta is not None else {}) | {
             "format": FORMAT_VERSION,
             "sha256": writer.sha.hexdigest(),
             "size_bytes": writer.size,

@@ -61,13 +61,20 @@ def write_sharded(store: LocalStore, generation: int, keep_last: int, ref: Snaps
         record = write_part(staging, rank, state["part"]) if rank in writers else None
         if rank != 0:
             return Written(meta={"part": record, "step": ref.step})
-        # The others started writing when rank 0 did, parts of about its size: a part that has not come in many
-        # times rank 0's own time (and at least a minute) will not come (its rank died, or a newer round began).
-        parts = wait_for_parts(staging, writers, timeout_s=max(PART_WAIT_MIN_S, 8 * (time.monotonic() - began)),
-                               still_wanted=lambda: store.check_fence(generation))
-        sharded = {"format": SHARD_FORMAT, "world_size": meta.get("world_size"), "writers": writers, "parts": parts}
-        written = Written(write_snapshot_files(staging, state["replicated"], meta | {"sharded": sharded}))
+        own = time.monotonic() - began
+
+        def parts_written() -> dict[str, Any]:
+            # The others started writing when rank 0 did, parts of about its size: a part that has not come in many
+            # times rank 0's own time (and at least a minute) will not come (its rank died, or a newer round began).
+            parts = wait_for_parts(staging, writers, timeout_s=max(PART_WAIT_MIN_S, 8 * own),
+                                   still_wanted=lambda: store.check_fence(generation))
+            return {"sharded": {"format": SHARD_FORMAT, "world_size": meta.get("world_size"), "writers": writers,
+                                "parts": parts}}
+
+        # state.pt (the rest of the state) while the other ranks finish their parts; meta.json once all are there.
+        written = Written(write_snapshot_files(staging, state["replicated"], meta, more_meta=parts_written))
         # What the snapshot takes on disk (meta.json's size_bytes stays that of state.pt, which it checks).
+        parts = written.meta["sharded"]["parts"]
         written.meta = written.meta | {"size_bytes": written.meta["size_bytes"] + sum(p["size_bytes"] for p in parts)}
         return _publish(store, generation, keep_last, staging, ref, written)
     except Exception as exc:

@@ -202,10 +202,12 @@ class ShardedMemory:
     def _publish(self, ref: SnapshotRef, staging: Any, replicated: dict[str, Any], meta: dict[str, Any]) -> None:
         store = self.tier.store
         holds = self.layout.node_holds()
-        parts = wait_for_parts(staging, holds)
-        sharded = {"format": SHARD_FORMAT, "world_size": self.layout.world, "writers": self.layout.writers,
-                   "parts": parts, "part_ids": holds}
-        write_snapshot_files(staging, replicated, meta | {"sharded": sharded})
+
+        def parts_written() -> dict[str, Any]:
+            return {"sharded": {"format": SHARD_FORMAT, "world_size": self.layout.world, "writers": self.layout.writers,
+                                "parts": wait_for_parts(staging, holds), "part_ids": holds}}
+
+        write_snapshot_files(staging, replicated, meta, more_meta=parts_written)
         store.publish(staging, ref)
         _prune(store, KEEP, ref)
 
