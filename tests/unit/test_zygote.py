@@ -18,9 +18,13 @@ def in_fresh_python(code: str) -> str:
     return done.stdout.strip()
 
 
-def test_a_process_that_asked_the_cuda_driver_spoils_its_forks() -> None:
+def cuda_build_or_skip() -> None:
     if not torch.cuda._is_compiled():
         pytest.skip("this torch build has no CUDA driver to ask (the CPU wheel): no fork can be spoiled")
+
+
+def test_a_process_that_asked_the_cuda_driver_spoils_its_forks() -> None:
+    cuda_build_or_skip()
     out = in_fresh_python("import torch; from elastic_runner.agent import zygote as z; "
                           "before = z._child_in_bad_fork(torch); torch.cuda.is_available(); "
                           "print(before, z._child_in_bad_fork(torch))")
@@ -35,8 +39,7 @@ def test_without_a_gpu_device_the_zygote_is_forked_from_the_agent_whatever_the_d
 
 
 def test_with_a_gpu_device_a_spoilt_agent_starts_the_zygote_as_a_new_interpreter() -> None:
-    if not torch.cuda._is_compiled():
-        pytest.skip("this torch build has no CUDA driver to ask (the CPU wheel): no fork can be spoiled")
+    cuda_build_or_skip()
     out = in_fresh_python("import torch; from elastic_runner.agent import zygote as z; "
                           "z._gpu_device_nodes = lambda: ['/dev/nvidia0']; clean = z._fork_poisoned(); "
                           "torch.cuda.is_available(); print(clean, z._fork_poisoned(), z.fork_zygote())")
