@@ -20,7 +20,9 @@ if [ ! -x "$VENV/bin/python" ]; then
   echo "==> creating $VENV"
   "$PYTHON" -m venv "$VENV"
 fi
-PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
+# --no-cache-dir: where torch comes from the network, pip would keep its wheels (GBs for a CUDA build) in ~/.cache
+# beside the venv they are installed into; a CI machine's disk filled up that way.
+PIP=("$VENV/bin/python" -m pip --disable-pip-version-check --no-cache-dir -q)
 TORCH=$(sed -n 's/^torch==//p' "$PINS")
 VISION=$(sed -n 's/^torchvision==//p' "$PINS")
 WANT=("torch==$TORCH")

@@ -8,6 +8,9 @@
 # The tests install what they need from Debian themselves (etcd-server, prometheus) when run as root.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+# The two venvs take ~7 GB and the suite writes ~1.5 GB more (tmp directories, torch's compile cache): a run that
+# fails with "No space left on device" needs more than this.
+echo "==> free disk space here: $(df -h --output=avail . | tail -1 | tr -d ' ')"
 scripts/setup.sh vision-test || exit 1
 .venv-vision/bin/python -m pytest -ra --durations=25 "$@"
 full=$?
