@@ -6,14 +6,15 @@ worker's writer thread (:mod:`.writer`); both import it, and it imports neither.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, Callable, NoReturn
 
 from .format import write_snapshot_files
 from .shards import PART_WAIT_MIN_S, SHARD_FORMAT, wait_for_parts, write_part
-from .store import AlreadyCommittedError, LocalStore, SnapshotRef, StaleWriterError
+from .store import AlreadyCommittedError, LocalStore, SnapshotRef, StaleWriterError, in_background
 
 
 @dataclass
@@ -23,6 +24,13 @@ class Written:
     meta: dict[str, Any]
     already_committed: bool = False
     prune_errors: list[str] = field(default_factory=list)
+    #: ``time.perf_counter()`` when the snapshot was durable (published): deleting older ones comes after and is
+    #: not part of its time to durable.
+    published_at: float | None = None
+
+    def seconds_since(self, started: float) -> float:
+        """Time to durable of a write that began at ``started``."""
+        return (self.published_at if self.published_at is not None else time.perf_counter()) - started
 
 
 def write_and_publish(store: LocalStore, generation: int, keep_last: int, ref: SnapshotRef, state: dict[str, Any],
@@ -54,30 +62,38 @@ def write_sharded(store: LocalStore, generation: int, keep_last: int, ref: Snaps
     publishes, fenced like :func:`write_and_publish`. Every rank writes into the same staging directory
     (named by the snapshot, so that they meet there); only rank 0 publishes or gives it up."""
     staging = None
+    own_part: Callable[[], Any] | None = None
     try:
         store.check_fence(generation)
         staging = store.shared_staging(ref)
         began = time.monotonic()
-        record = write_part(staging, rank, state["part"]) if rank in writers else None
         if rank != 0:
+            record = write_part(staging, rank, state["part"]) if rank in writers else None
             return Written(meta={"part": record, "step": ref.step})
-        own = time.monotonic() - began
+        # Rank 0's own part in a thread while it writes state.pt (the rest of the state): the two fsyncs overlap.
+        if rank in writers:
+            own_part = in_background(write_part, staging, rank, state["part"])
 
         def parts_written() -> dict[str, Any]:
+            if own_part is not None:
+                own_part()
             # The others started writing when rank 0 did, parts of about its size: a part that has not come in many
             # times rank 0's own time (and at least a minute) will not come (its rank died, or a newer round began).
-            parts = wait_for_parts(staging, writers, timeout_s=max(PART_WAIT_MIN_S, 8 * own),
+            parts = wait_for_parts(staging, writers, timeout_s=max(PART_WAIT_MIN_S, 8 * (time.monotonic() - began)),
                                    still_wanted=lambda: store.check_fence(generation))
             return {"sharded": {"format": SHARD_FORMAT, "world_size": meta.get("world_size"), "writers": writers,
                                 "parts": parts}}
 
-        # state.pt (the rest of the state) while the other ranks finish their parts; meta.json once all are there.
+        # meta.json once every part is there.
         written = Written(write_snapshot_files(staging, state["replicated"], meta, more_meta=parts_written))
         # What the snapshot takes on disk (meta.json's size_bytes stays that of state.pt, which it checks).
         parts = written.meta["sharded"]["parts"]
         written.meta = written.meta | {"size_bytes": written.meta["size_bytes"] + sum(p["size_bytes"] for p in parts)}
         return _publish(store, generation, keep_last, staging, ref, written)
     except Exception as exc:
+        if own_part is not None:  # done writing before its directory goes
+            with contextlib.suppress(Exception):
+                own_part()
         if staging is not None and rank == 0:
             store.discard(staging)
         _raise_stale_or(store, generation, exc)
@@ -89,9 +105,10 @@ def _publish(store: LocalStore, generation: int, keep_last: int, staging: Path, 
     then delete snapshots beyond ``keep_last``. Raises with ``staging`` still there (the caller discards it)."""
     store.check_fence(generation)
     try:
-        store.publish(staging, ref)
+        store.publish(staging, ref, entries_synced=True)  # by write_snapshot_files
     except AlreadyCommittedError:
         written.already_committed = True
+    written.published_at = time.perf_counter()
     written.prune_errors = _prune(store, keep_last, ref)
     return written
 

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import io
 import logging
 import threading
 import time
@@ -43,6 +42,7 @@ from .interval import SharedInterval
 from .loader import Loaded
 from .memory import MemoryTier
 from .publish import _prune
+from . import part_file
 from .shards import SHARD_FORMAT, PartReader, check_sharded_meta, part_bytes, part_name, wait_for_parts, write_part_bytes
 from .store import SnapshotError, SnapshotRef
 from .writer import HostStaging
@@ -208,7 +208,7 @@ class ShardedMemory:
                                 "parts": wait_for_parts(staging, holds), "part_ids": holds}}
 
         write_snapshot_files(staging, replicated, meta, more_meta=parts_written)
-        store.publish(staging, ref)
+        store.publish(staging, ref, entries_synced=True)  # by write_snapshot_files
         _prune(store, KEEP, ref)
 
 
@@ -302,7 +302,7 @@ def receive_parts(dist: Any, memory: ShardedMemory, chosen: NodeCopy, holders: d
         tdist.broadcast(buffer, src=first, group=group)
     state = load_state_bytes(buffer.numpy().tobytes(), ref.name, "cpu")
     wanted = dist.all_gather_object(sorted(needs))
-    got: dict[int, bytes] = {}
+    got: dict[int, Any] = {}  #: part -> its bytes (any buffer)
     problems: list[str] = []
     held: dict[int, dict[str, Any]] | None = None  #: this node's part records, read once if it sends or keeps any
 
@@ -334,13 +334,13 @@ def receive_parts(dist: Any, memory: ShardedMemory, chosen: NodeCopy, holders: d
                     continue
                 into = torch.empty(int(size.item()), dtype=torch.uint8)
                 tdist.recv(into, holder, group=group)
-                got[part] = into.numpy().tobytes()
+                got[part] = into.numpy()
     if problems:  # after the whole schedule: every send found its receive
         raise SnapshotError(f"{ref.name}: {'; '.join(problems)}")
     loaded = []
     for part in sorted(got):
         try:
-            loaded.append(torch.load(io.BytesIO(got[part]), map_location="cpu", weights_only=True))
+            loaded.append(part_file.read_bytes(got[part], part_name(part)))
         except Exception as exc:  # noqa: BLE001 - damaged bytes: the caller falls back to disk
             raise SnapshotError(f"{ref.name}: {part_name(part)} from node memory cannot be loaded ({exc})") from exc
     return meta, state, loaded

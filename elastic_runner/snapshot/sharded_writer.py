@@ -81,4 +81,4 @@ class ShardedSnapshotWriter(SnapshotWriter):
             result.done.set()
             raise
         else:
-            self._succeeded(result, written, time.perf_counter() - started)
+            self._succeeded(result, written, written.seconds_since(started))

@@ -7,14 +7,14 @@ file per writing rank:
 - ``state.pt`` (rank 0): the training state with each sharded tensor replaced by a *marker*
   ``{"__shard__": key, "shape": [...], "dtype": "float32"}`` — the sampler, schedule, TrainState, random
   generators, the optimizer's scalars and every unsharded tensor as today;
-- ``part-RRRRR.pt``: that rank's slices: ``{"tensors": {key: slice}, "offsets": {key: [row, col, ...]}}``,
-  where ``offsets`` is where the slice sits in the whole tensor (FSDP2's ``Shard(0)``: rows; any box works);
+- ``part-RRRRR.bin``: that rank's slices, each with where it sits in the whole tensor (FSDP2's ``Shard(0)``: rows;
+  any box works), in :mod:`.part_file`'s format: a JSON header and the tensors' raw bytes;
 - ``meta.json``: as always, plus ``sharded: {format, world_size, parts: [{file, sha256, size_bytes}]}``. Its
   own checksum (and the job key's signature) covers every part's SHA-256, so a part cannot be swapped.
 
-Every file is a ``torch.save`` of plain containers and tensors and loads with ``weights_only=True``. (That is
-why this is not ``torch.distributed.checkpoint``'s file layout: its ``.metadata`` is a pickle that its reader
-unpickles, which our trust rule forbids for anything read from a shared disk.) The resharding is DCP's idea,
+Nothing is unpickled: ``state.pt`` loads with ``weights_only=True`` and a part is JSON and raw bytes. (That is why
+this is not ``torch.distributed.checkpoint``'s file layout: its ``.metadata`` is a pickle that its reader unpickles,
+which our trust rule forbids for anything read from a shared disk.) The resharding is DCP's idea,
 box intersection: a loading rank asks for the box its new placement holds (:func:`target_box`), and each part
 that overlaps it contributes its rows (:class:`PartReader`, files memory-mapped: only the pages read count).
 
@@ -24,27 +24,34 @@ HSDP's replicas hold the same shards: only the ranks of the first replica write 
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
 import time
+import weakref
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
 from ..files import open_file
+from . import part_file
 from .store import CorruptSnapshotError, SnapshotError, SnapshotUnavailableError
 
 MARKER = "__shard__"
-SHARD_FORMAT = 1
+#: 2: part files in :mod:`.part_file`'s raw format (``part-RRRRR.bin``); 1: ``torch.save`` (``part-RRRRR.pt``), still read.
+SHARD_FORMAT = 2
 #: Rank 0 waits at least this long for the other ranks' parts before it gives a snapshot up (longer when writing
 #: its own part took long: :func:`~.publish.write_sharded`).
 PART_WAIT_MIN_S = 60.0
 
 
 def part_name(rank: int) -> str:
-    return f"part-{rank:05d}.pt"
+    return f"part-{rank:05d}.bin"
+
+
+def record_name(rank: int) -> str:
+    """What a writing rank leaves beside its part for rank 0 (the part's SHA-256 and size)."""
+    return f"part-{rank:05d}.json"
 
 
 # -- splitting a live state ---------------------------------------------------------------------------------------
@@ -58,13 +65,27 @@ def is_dtensor(value: Any) -> bool:
 #: Offsets by (shape, this rank's place in the mesh, placements): the same for every snapshot of an attempt, and
 #: torch's computation of them is the slowest part of a capture (~50 µs a tensor).
 _OFFSETS: dict[tuple[Any, ...], list[int]] = {}
+#: A mesh's (shape, this rank's coordinate) by ``id``, with a weak reference that tells a reused id apart: torch 2.14
+#: computes ``DeviceMesh.mesh`` on every access (~75 µs), which for a few hundred tensors was most of a capture.
+_MESHES: dict[int, tuple[Callable[[], Any], tuple[Any, ...]]] = {}
+
+
+def _mesh_key(mesh: Any) -> tuple[Any, ...]:
+    known = _MESHES.get(id(mesh))
+    if known is not None and known[0]() is mesh:
+        return known[1]
+    key = (tuple(mesh.mesh.shape), tuple(mesh.get_coordinate() or ()))
+    try:
+        _MESHES[id(mesh)] = (weakref.ref(mesh), key)
+    except TypeError:  # a mesh that takes no weak reference: computed each time
+        pass
+    return key
 
 
 def _box_of(tensor: Any) -> list[int]:
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    mesh = tensor.device_mesh
-    key = (tuple(tensor.shape), tuple(mesh.mesh.shape), tuple(mesh.get_coordinate() or ()), tuple(tensor.placements))
+    key = (tuple(tensor.shape), _mesh_key(tensor.device_mesh), tuple(tensor.placements))
     offset = _OFFSETS.get(key)
     if offset is None:
         _, found = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
@@ -73,22 +94,46 @@ def _box_of(tensor: Any) -> list[int]:
 
 
 def _local(tensor: Any) -> torch.Tensor:
-    """A DTensor's local slice, without the autograd function ``to_local`` runs (a capture is no-grad)."""
+    """A DTensor's local slice, without the autograd function ``to_local`` runs (not detached: whoever copies or
+    serialises it does)."""
     local = getattr(tensor, "_local_tensor", None)
-    return (local if isinstance(local, torch.Tensor) else tensor.to_local()).detach()
+    return local if isinstance(local, torch.Tensor) else tensor.to_local().detach()
+
+
+#: What :func:`split` found for each DTensor of the last capture, by ``id``: (a weak reference to it, its spec, where
+#: its local slice sits, its shape, its dtype's name). A live model's parameters (``state_dict(keep_vars=True)``) and
+#: its optimizer's state are the same objects from one capture to the next; each DTensor costs torch ~10 µs to ask,
+#: and at 4 ranks on 2 cores the step waited ~20 ms for that.
+_SEEN: dict[int, tuple[Any, ...]] = {}
+
+
+def _facts(value: Any, seen: dict[int, tuple[Any, ...]]) -> tuple[Any, ...]:
+    known = _SEEN.get(id(value))
+    spec = getattr(value, "_spec", None)
+    if known is None or known[0]() is not value or known[1] is not spec or spec is None:
+        try:
+            ref: Callable[[], Any] = weakref.ref(value)
+        except TypeError:
+            ref = lambda: None  # noqa: E731 - never matches: computed each time
+        known = (ref, spec, _box_of(value), list(value.shape), str(value.dtype).removeprefix("torch."))
+    seen[id(value)] = known
+    return known
 
 
 def split(state: Any) -> tuple[Any, dict[str, torch.Tensor], dict[str, list[int]]]:
     """``state`` with every DTensor replaced by a marker; this rank's slices and where they sit."""
+    global _SEEN
     tensors: dict[str, torch.Tensor] = {}
     offsets: dict[str, list[int]] = {}
+    seen: dict[int, tuple[Any, ...]] = {}
 
     def walk(value: Any, path: tuple[str, ...]) -> Any:
         if is_dtensor(value):
             key = "/".join(path)
+            _, _, box, shape, dtype = _facts(value, seen)
             tensors[key] = _local(value)
-            offsets[key] = _box_of(value)
-            return {MARKER: key, "shape": list(value.shape), "dtype": str(value.dtype).removeprefix("torch.")}
+            offsets[key] = list(box)
+            return {MARKER: key, "shape": list(shape), "dtype": dtype}
         if isinstance(value, dict):
             return {k: walk(v, (*path, str(k))) for k, v in value.items()}
         if isinstance(value, list):
@@ -97,7 +142,9 @@ def split(state: Any) -> tuple[Any, dict[str, torch.Tensor], dict[str, list[int]
             return tuple(walk(v, (*path, str(i))) for i, v in enumerate(value))
         return value
 
-    return walk(state, ()), tensors, offsets
+    split_state = walk(state, ())
+    _SEEN = seen  # only what this capture had: ids of tensors gone since are not kept
+    return split_state, tensors, offsets
 
 
 def is_marker(value: Any) -> bool:
@@ -108,37 +155,21 @@ def is_marker(value: Any) -> bool:
 
 
 def write_part(directory: Path, rank: int, part: dict[str, Any]) -> dict[str, Any]:
-    """``part-RRRRR.pt`` and its record ``part-RRRRR.json`` (SHA-256, size), each written aside, fsynced and
-    renamed into place, so a reader never sees half of one; returns the record."""
+    """``part-RRRRR.bin`` (:mod:`.part_file`) and its record ``part-RRRRR.json`` (SHA-256, size), each written aside
+    and renamed into place, so a reader never sees half of one; returns the record."""
     name = part_name(rank)
     tmp = directory / f".{name}.{os.getpid()}.tmp"
-    sha = hashlib.sha256()
-    size = 0
-
-    class _Hashing:
-        def write(self, data: bytes) -> int:
-            nonlocal size
-            sha.update(data)
-            size += len(data)
-            return fh.write(data)
-
-        def flush(self) -> None:
-            fh.flush()
-
     try:
         with open_file(tmp, "wb", exclusive=True) as fh:
-            torch.save({"format": SHARD_FORMAT, "rank": rank, "tensors": part["tensors"], "offsets": part["offsets"]},
-                       _Hashing())  # type: ignore[arg-type]
-            fh.flush()
-            os.fsync(fh.fileno())
+            sha, size = part_file.write(fh, part_file.encode(rank, part["tensors"], part["offsets"]))
         os.replace(tmp, directory / name)
-        record = {"file": name, "sha256": sha.hexdigest(), "size_bytes": size}
+        record = {"file": name, "sha256": sha, "size_bytes": size}
         # Not fsynced: only rank 0 reads it, to copy it into meta.json, which is (a crash before that leaves a
         # staging directory that is never published).
-        tmp_record = directory / f".{name}.json.{os.getpid()}.tmp"
+        tmp_record = directory / f".{record_name(rank)}.{os.getpid()}.tmp"
         with open_file(tmp_record, "w", exclusive=True) as fh:
             json.dump(record, fh)
-        os.replace(tmp_record, directory / (name.removesuffix(".pt") + ".json"))
+        os.replace(tmp_record, directory / record_name(rank))
     except OSError as exc:
         tmp.unlink(missing_ok=True)
         raise SnapshotError(f"writing {name} into {directory} failed ({exc.strerror}); free space or fix the "
@@ -148,9 +179,7 @@ def write_part(directory: Path, rank: int, part: dict[str, Any]) -> dict[str, An
 
 def part_bytes(rank: int, part: dict[str, Any]) -> bytes:
     """A part file's bytes (what :func:`write_part` writes), for sending to another node's memory."""
-    buffer = io.BytesIO()
-    torch.save({"format": SHARD_FORMAT, "rank": rank, "tensors": part["tensors"], "offsets": part["offsets"]}, buffer)
-    return buffer.getvalue()
+    return part_file.to_bytes(rank, part["tensors"], part["offsets"])
 
 
 def write_part_bytes(directory: Path, rank: int, data: bytes) -> dict[str, Any]:
@@ -158,7 +187,7 @@ def write_part_bytes(directory: Path, rank: int, data: bytes) -> dict[str, Any]:
     name = part_name(rank)
     record = {"file": name, "sha256": hashlib.sha256(data).hexdigest(), "size_bytes": len(data)}
     try:
-        for target, body in ((name, data), (name.removesuffix(".pt") + ".json", json.dumps(record).encode())):
+        for target, body in ((name, data), (record_name(rank), json.dumps(record).encode())):
             tmp = directory / f".{target}.{os.getpid()}.tmp"
             with open_file(tmp, "wb", exclusive=True) as fh:
                 fh.write(body)
@@ -180,7 +209,7 @@ def wait_for_parts(directory: Path, writers: list[int], *, timeout_s: float = PA
     while True:
         for rank in writers:
             if rank not in records:
-                path = directory / (part_name(rank).removesuffix(".pt") + ".json")
+                path = directory / record_name(rank)
                 try:
                     records[rank] = json.loads(path.read_text())
                 except (FileNotFoundError, ValueError):
@@ -201,13 +230,15 @@ def wait_for_parts(directory: Path, writers: list[int], *, timeout_s: float = PA
 def check_sharded_meta(name: str, meta: dict[str, Any]) -> list[dict[str, Any]]:
     """The parts a sharded ``meta.json`` lists, each field checked (:class:`CorruptSnapshotError` if not)."""
     sharded = meta.get("sharded")
-    if not isinstance(sharded, dict) or sharded.get("format") != SHARD_FORMAT or not isinstance(sharded.get("parts"), list):
+    if not isinstance(sharded, dict) or sharded.get("format") not in (1, SHARD_FORMAT) \
+            or not isinstance(sharded.get("parts"), list):
         raise CorruptSnapshotError(f"{name}: meta.json field 'sharded' is malformed")
     parts = sharded["parts"]
     for part in parts:
         ok = isinstance(part, dict) and isinstance(part.get("file"), str) and isinstance(part.get("size_bytes"), int) \
             and isinstance(part.get("sha256"), str) and len(part["sha256"]) == 64
-        if not ok or "/" in part["file"] or not part["file"].startswith("part-") or not part["file"].endswith(".pt"):
+        if not ok or "/" in part["file"] or not part["file"].startswith("part-") \
+                or not part["file"].endswith((".bin", ".pt")):
             raise CorruptSnapshotError(f"{name}: meta.json lists a malformed part {str(part)[:80]!r}")
     if not parts:
         raise CorruptSnapshotError(f"{name}: meta.json lists no parts")
@@ -257,7 +288,7 @@ class PartReader:
             parts = []
             for name in self.names:
                 try:
-                    part = torch.load(self.directory / name, map_location="cpu", weights_only=True, mmap=True)
+                    part = part_file.read(self.directory / name, name)
                 except FileNotFoundError as exc:
                     raise CorruptSnapshotError(f"{self.directory.name}: {name} is missing (a rank's part)") from exc
                 except Exception as exc:  # noqa: BLE001 - a damaged or foreign file

@@ -29,11 +29,12 @@ import re
 import shutil
 import stat
 import socket
+import threading
 import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Protocol
+from typing import Any, Callable, Iterator, Protocol
 
 from ..files import dir_mode, makedirs, open_file, sharing
 
@@ -85,7 +86,7 @@ class SnapshotStore(Protocol):
     def path(self, ref: SnapshotRef) -> Path: ...
     def staging(self, ref: SnapshotRef) -> Path: ...
     def shared_staging(self, ref: SnapshotRef) -> Path: ...
-    def publish(self, staging: Path, ref: SnapshotRef) -> None: ...
+    def publish(self, staging: Path, ref: SnapshotRef, entries_synced: bool = False) -> None: ...
     def discard(self, staging: Path) -> None: ...
     def remove(self, ref: SnapshotRef) -> None: ...
     def quarantine(self, ref: SnapshotRef, reason: str) -> None: ...
@@ -99,6 +100,30 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def in_background(call: Callable[..., Any], *args: Any) -> Callable[[], Any]:
+    """Start ``call(*args)`` in a thread (fsyncs, hashing and file writes give up the GIL: they overlap); the function
+    returned waits for it and returns its value or raises its exception."""
+    outcome: list[Any] = []
+
+    def run() -> None:
+        try:
+            outcome.append((True, call(*args)))
+        except BaseException as exc:  # noqa: BLE001 - raised in the caller's thread by the waiter
+            outcome.append((False, exc))
+
+    thread = threading.Thread(target=run, name=f"snapshot-{getattr(call, '__name__', 'io')}", daemon=True)
+    thread.start()
+
+    def wait() -> Any:
+        thread.join()
+        ok, value = outcome[0]
+        if not ok:
+            raise value
+        return value
+
+    return wait
 
 
 class LocalStore:
@@ -190,8 +215,11 @@ class LocalStore:
             raise SnapshotError(f"cannot create {path} ({exc.strerror}); check that {self.root} is writable and has space") from exc
         return path
 
-    def publish(self, staging: Path, ref: SnapshotRef) -> None:
-        fsync_dir(staging)
+    def publish(self, staging: Path, ref: SnapshotRef, entries_synced: bool = False) -> None:
+        """Rename ``staging`` to ``ref``'s name and make that durable. ``entries_synced``: the caller fsynced
+        ``staging`` itself after its last file was created (``write_snapshot_files`` does, beside ``meta.json``)."""
+        if not entries_synced:
+            fsync_dir(staging)
         target = self.path(ref)
         try:
             # rename(2) of a directory onto an existing non-empty one fails:

@@ -213,7 +213,7 @@ def serve(sock: socket.socket) -> None:
             done = write_and_publish(store, init["generation"], init["keep_last"], ref, state, job["meta"])
             del state  # views of the arena: gone before the arena may be replaced
             outcome: Outcome = ("ok", {"meta": done.meta, "already_committed": done.already_committed,
-                                       "prune_errors": done.prune_errors, "seconds": time.perf_counter() - started})
+                                       "prune_errors": done.prune_errors, "seconds": done.seconds_since(started)})
         except Exception as exc:  # noqa: BLE001 - every failure goes back to the worker, which reports it
             outcome = ("error", _error(exc))
         shm.send(sock, outcome)

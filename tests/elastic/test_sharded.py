@@ -71,9 +71,9 @@ def test_a_sharded_model_recovers_from_a_worker_kill_bitwise(sharded: tuple[str,
     saved = [e for e in events(run_dir, "snapshot_saved")]
     assert saved, what
     newest = sorted((run_dir / "snapshots").glob("step-*"))[-1]
-    parts = sorted(p.name for p in newest.glob("part-*.pt"))
-    assert parts == ([f"part-{r:05d}.pt" for r in range(4)] if strategy == "fsdp" else
-                     ["part-00000.pt", "part-00001.pt"]), f"{what}: every shard written once ({parts})"
+    parts = sorted(p.name for p in newest.glob("part-*.bin"))
+    assert parts == ([f"part-{r:05d}.bin" for r in range(4)] if strategy == "fsdp" else
+                     ["part-00000.bin", "part-00001.bin"]), f"{what}: every shard written once ({parts})"
     report = check_audit(run_dir)
     assert report.ok and report.finished and report.final_step == STEPS, f"{what}: {report.render()}"
     ours = exported_model(run_dir, tmp_path)
@@ -102,7 +102,7 @@ def test_a_node_joining_a_sharded_job_loads_its_shards_resharded(local_job, tmp_
     assert report.ok and report.finished and report.final_step == STEPS, report.render()
     assert set(report.global_batches) == {32}
     newest = sorted((run_dir / "snapshots").glob("step-*"))[-1]
-    assert len(list(newest.glob("part-*.pt"))) == 4
+    assert len(list(newest.glob("part-*.bin"))) == 4
 
 
 def test_a_lost_node_s_shards_come_back_from_the_survivors_memory(local_job, tmp_path: Path) -> None:  # noqa: ANN001

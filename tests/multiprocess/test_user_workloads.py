@@ -221,7 +221,7 @@ def test_the_gpt_sharded_with_fsdp_trains_as_replicated_and_resumes_at_another_w
     assert losses["fsdp"] and len(losses["fsdp"]) == len(losses["ddp"])
     assert max(abs(a - b) for a, b in zip(losses["fsdp"], losses["ddp"])) < 1e-4, losses
     newest = sorted((sharded / "snapshots").glob("step-*"))[-1]
-    assert sorted(p.name for p in newest.glob("part-*.pt")) == ["part-00000.pt", "part-00001.pt"]
+    assert sorted(p.name for p in newest.glob("part-*.bin")) == ["part-00000.bin", "part-00001.bin"]
     result = _launch(config, sharded, tmp_path / "tokens", 3, "--set", "train.max_steps=60")
     assert result.returncode == 0, result.stdout[-3000:]
     [resumed] = [e for e in events(sharded, "resume")]

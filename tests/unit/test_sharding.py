@@ -215,8 +215,8 @@ def _assert_same(a: dict, b: dict, what: str) -> None:
 @pytest.mark.slow
 def test_a_sharded_snapshot_reshards_to_any_world_size_and_strategy_exactly(tmp_path: Path) -> None:
     directory, saved = _saved_sharded(tmp_path)
-    parts = sorted(p.name for p in next(directory.glob("step-*")).glob("part-*.pt"))
-    assert parts == ["part-00000.pt", "part-00001.pt"]
+    parts = sorted(p.name for p in next(directory.glob("step-*")).glob("part-*.bin"))
+    assert parts == ["part-00000.bin", "part-00001.bin"]
     meta, state = load_snapshot(next(directory.glob("step-*")))  # export, load_model: whole tensors
     assert all(torch.equal(state["model"][k], v) for k, v in saved["model"].items())
     assert len(meta["sharded"]["parts"]) == 2
@@ -229,7 +229,7 @@ def test_a_sharded_snapshot_reshards_to_any_world_size_and_strategy_exactly(tmp_
 
 def test_an_hsdp_snapshot_is_written_by_the_first_replica_and_loads_into_fsdp(tmp_path: Path) -> None:
     directory, saved = _saved_sharded(tmp_path, "hsdp", world=4, local_world=2)
-    assert sorted(p.name for p in next(directory.glob("step-*")).glob("part-*.pt")) == ["part-00000.pt", "part-00001.pt"]
+    assert sorted(p.name for p in next(directory.glob("step-*")).glob("part-*.bin")) == ["part-00000.bin", "part-00001.bin"]
     out = tmp_path / "loaded.pt"
     _spawn(_load_worker, 3, tmp_path, dict(strategy="fsdp", local_world=3, dir=str(directory), out=str(out)))
     _assert_same(torch.load(out), saved, "hsdp 2x2 -> fsdp at 3")
@@ -259,7 +259,7 @@ def test_a_replicated_snapshot_loads_into_a_sharded_model(tmp_path: Path) -> Non
 def test_a_torn_or_tampered_sharded_snapshot_is_moved_aside(tmp_path: Path, damage: str) -> None:
     directory, _ = _saved_sharded(tmp_path)
     snapshot = next(directory.glob("step-*"))
-    part = snapshot / "part-00001.pt"
+    part = snapshot / "part-00001.bin"
     if damage == "missing part":
         part.unlink()
     elif damage == "truncated part":
@@ -270,7 +270,7 @@ def test_a_torn_or_tampered_sharded_snapshot_is_moved_aside(tmp_path: Path, dama
         part.write_bytes(bytes(data))
     else:
         meta = (snapshot / "meta.json").read_text()
-        (snapshot / "meta.json").write_text(meta.replace('"part-00001.pt"', '"part-00000.pt"', 1))
+        (snapshot / "meta.json").write_text(meta.replace('"part-00001.bin"', '"part-00000.bin"', 1))
     rejected: list[str] = []
     with pytest.raises(SnapshotError, match="damaged"):
         find_newest(LocalStore(directory), on_rejected=lambda ref, why: rejected.append(why))
@@ -446,8 +446,8 @@ def test_a_lost_node_s_shards_come_back_from_the_next_node_s_memory_exactly(tmp_
     """fsdp at 4 ranks on 2 nodes refreshes node memory (each node: its own shards and a copy of the other's); node 1
     is lost with its memory; the 2 ranks left take every tensor, exactly, from node 0's memory alone."""
     saved = _memory_job(tmp_path, "save", 4, 2, [0, 1])
-    assert sorted(p.name for p in (tmp_path / "memory" / "node-0").glob("step-*/part-*.pt")) == \
-        [f"part-{r:05d}.pt" for r in range(4)]
+    assert sorted(p.name for p in (tmp_path / "memory" / "node-0").glob("step-*/part-*.bin")) == \
+        [f"part-{r:05d}.bin" for r in range(4)]
     shutil.rmtree(tmp_path / "memory" / "node-1")
     loaded = _memory_job(tmp_path, "load", 2, 2, [0])
     assert loaded.pop("tier") == "memory"
@@ -460,7 +460,7 @@ def test_a_damaged_part_in_node_memory_sends_every_rank_to_disk_together(tmp_pat
     schedule (nobody waits for a part that will not come), and all of them take the disk instead."""
     _memory_job(tmp_path, "save", 4, 2, [0, 1])
     shutil.rmtree(tmp_path / "memory" / "node-1")
-    [part] = (tmp_path / "memory" / "node-0").glob("step-*/part-00003.pt")
+    [part] = (tmp_path / "memory" / "node-0").glob("step-*/part-00003.bin")
     data = bytearray(part.read_bytes())
     data[len(data) // 2] ^= 0xFF
     part.write_bytes(bytes(data))
