@@ -9,10 +9,14 @@ replicated path (the ordered gradient sum), the two one after the other in this 
 - its resident set after the training steps (before any snapshot) and its peak (``ru_maxrss``); both include torch
   itself (compare the difference between the two runs), and the peak includes the whole model every rank builds
   before it is sharded;
-- under fsdp, what one sharded snapshot blocks the step (taking the state's structure, then whatever is left of the
+- under fsdp, what one sharded snapshot blocks the step (taking the state's structure: the model's and optimizer's
+  ``state_dict()`` and the split into this rank's slices, as the loop does; then whatever is left of the
   copy of this rank's slices into host memory when the next step's optimizer update must wait for it; the copy runs
   beside that step's forward and backward passes) and how long the write takes (every rank its part, rank 0
-  publishing), against ``dd conv=fsync`` of the same bytes on the same disk (the physical limit).
+  publishing), against ``dd conv=fsync`` of the same bytes on the same disk (the physical limit), run by rank 0
+  between two snapshots, so that both are measured in the same state of the machine: first with the next training
+  step beside the write, as the loop runs (``write_vs_dd``), then with nothing beside it (``write_alone_vs_dd``: the
+  writer's own cost; with W ranks on fewer cores, training takes the CPU the writer's hashing needs).
 
     cd benchmarks && ../.venv-vision/bin/python sharded_memory.py --world 4 --layers 8 --embd 256
 """
@@ -47,6 +51,23 @@ def _local_bytes(tensors: list[Any]) -> int:
         local = t.to_local() if hasattr(t, "to_local") else t
         total += local.numel() * local.element_size()
     return total
+
+
+def _dd(name: str, directory: Path) -> tuple[float, int]:
+    """Seconds for ``dd conv=fsync`` to write snapshot ``name``'s own bytes (every file of it, one stream) from memory
+    (/dev/shm) into ``directory`` (the same disk): not zeros, which a virtual disk may store for less."""
+    with tempfile.NamedTemporaryFile(dir="/dev/shm" if Path("/dev/shm").is_dir() else None) as source:
+        for f in sorted((directory / name).iterdir()):
+            source.write(f.read_bytes())
+        source.flush()
+        target = directory / "dd.bin"
+        started = time.perf_counter()
+        subprocess.run(["dd", f"if={source.name}", f"of={target}", "bs=1M", "conv=fsync"], check=True,
+                       capture_output=True)
+        seconds = time.perf_counter() - started
+        size = source.tell()
+    target.unlink()
+    return seconds, size
 
 
 def _worker(rank: int, world: int, store: str, job: dict[str, Any]) -> None:
@@ -125,27 +146,44 @@ def _worker(rank: int, world: int, store: str, job: dict[str, Any]) -> None:
         tdist.barrier()
         writer = ShardedSnapshotWriter(LocalStore(directory), generation=1, keep_last=2, rank=rank,
                                        writers=list(range(world)))
-        blocking, writes = [], []
-        for n in range(job["snapshots_count"]):
-            state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "train": {"step": n}}
+        blocking, captures, writes, dd, alone, dd_alone = [], [], [], [], [], []
+        count = job["snapshots_count"]
+        # First the snapshots as the loop takes them, the next step training beside the write; then as many again
+        # with nothing beside the write (the writer's own cost: on 2 cores, 4 training ranks take the CPU it needs).
+        for n in range(2 * count):
+            training = n < count
 
-            def capture(state: dict[str, Any] = state) -> tuple[dict[str, Any], dict[str, Any]]:
+            def capture(n: int = n, model: Any = model,
+                        optimizer: Any = optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
+                # What the loop's capture does (training/checkpointer.py), timed as part of the step's blocking.
+                state = {"model": model.state_dict(keep_vars=True), "optimizer": optimizer.state_dict(),
+                         "train": {"step": n}}
                 replicated, tensors, offsets = split(state)
                 return ({"replicated": replicated if rank == 0 else None,
                          "part": {"tensors": tensors, "offsets": offsets}}, {"world_size": world})
 
             result = writer.save(n + 1, capture)
-            # The next step, as the loop runs it: forward and backward beside the copy, which the optimizer waits for.
-            computed = step.compute(job["steps"] + n + 1, plan, iter([(batch[:, :-1], batch[:, 1:])]))
-            writer.wait_staged()
-            step.update(computed)
+            if training:
+                captures.append(result.blocking_s)
+                # The next step, as the loop runs it: forward and backward beside the copy, which the optimizer
+                # waits for.
+                computed = step.compute(job["steps"] + n + 1, plan, iter([(batch[:, :-1], batch[:, 1:])]))
+                writer.wait_staged()
+                step.update(computed)
             writer.wait()
-            blocking.append(result.blocking_s)
-            writes.append(result.write_s)
+            if training:
+                blocking.append(result.blocking_s)
+            (writes if training else alone).append(result.write_s)
+            tdist.barrier()
+            if rank == 0:  # the physical limit, between two snapshots: the same state of the machine for both
+                (dd if training else dd_alone).append(_dd(result.ref.name, directory))
             tdist.barrier()
         writer.close()
         report |= {"snapshot_blocking_ms": [round(1000 * b, 2) for b in blocking],
-                   "snapshot_write_s": [round(w, 4) for w in writes]}
+                   "snapshot_capture_ms": [round(1000 * c, 2) for c in captures],
+                   "snapshot_write_s": [round(w, 4) for w in writes], "dd_s": [round(d[0], 4) for d in dd],
+                   "snapshot_write_alone_s": [round(w, 4) for w in alone],
+                   "dd_alone_s": [round(d[0], 4) for d in dd_alone], "dd_bytes": dd[0][1] if dd else None}
     gathered: list[Any] = [None] * world
     tdist.all_gather_object(gathered, report)
     if rank == 0:
@@ -171,25 +209,23 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--embd", type=int, default=256)
     p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--snapshots", type=int, default=7)
+    p.add_argument("--snapshots", type=int, default=12)
     p.add_argument("--out", default=None)
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         fsdp = run("fsdp", args.world, args.layers, args.embd, args.steps, Path(tmp), args.snapshots)
         ddp = run("ddp", args.world, args.layers, args.embd, args.steps, Path(tmp), 0)
-        total = sum(r["param_bytes"] + r["optimizer_bytes"] for r in fsdp)
-        dd_s = []
-        for n in range(3):  # the physical limit: the same bytes in one stream with dd, fsynced, on the same disk
-            started = time.perf_counter()
-            subprocess.run(["dd", "if=/dev/zero", f"of={tmp}/dd-{n}", "bs=1M", f"count={max(1, total >> 20)}",
-                            "conv=fsync"], check=True, capture_output=True)
-            dd_s.append(time.perf_counter() - started)
 
     def state_bytes(rows: list[dict]) -> int:
         return max(r["param_bytes"] + r["grad_bytes"] + r["optimizer_bytes"] for r in rows)
 
     blocking = [b for r in fsdp for b in r["snapshot_blocking_ms"][1:]]  # the first one allocates its buffers
+    captures = [c for r in fsdp for c in r["snapshot_capture_ms"][1:]]
     writes = [w for r in fsdp if r["rank"] == 0 for w in r["snapshot_write_s"][1:]]
+    dd_s = [d for r in fsdp if r["rank"] == 0 for d in r["dd_s"][1:]]
+    alone = [w for r in fsdp if r["rank"] == 0 for w in r["snapshot_write_alone_s"]]
+    dd_alone = [d for r in fsdp if r["rank"] == 0 for d in r["dd_alone_s"]]
+    dd_bytes = fsdp[0]["dd_bytes"]
     result = {
         "world_size": args.world, "model": f"gpt n_layer={args.layers} n_embd={args.embd} AdamW", "torch": torch.__version__,
         "fsdp": fsdp, "ddp": ddp,
@@ -200,9 +236,15 @@ def main() -> None:
                                       "ddp": max(r["rss_after_steps_bytes"] for r in ddp)},
         "snapshot_state_bytes_total": sum(r["param_bytes"] + r["optimizer_bytes"] for r in fsdp),
         "snapshot_blocking_ms_median": round(statistics.median(blocking), 2) if blocking else None,
+        "snapshot_blocking_ms_p90": round(sorted(blocking)[int(0.9 * (len(blocking) - 1))], 2) if blocking else None,
+        "of_which_capture_ms_median": round(statistics.median(captures), 2) if captures else None,
         "snapshot_write_s_median": round(statistics.median(writes), 4) if writes else None,
+        "dd_bytes": dd_bytes,
         "dd_fsync_s_median": round(statistics.median(dd_s), 4),
         "write_vs_dd": round(statistics.median(writes) / statistics.median(dd_s), 2) if writes else None,
+        "snapshot_write_alone_s_median": round(statistics.median(alone), 4) if alone else None,
+        "dd_alone_s_median": round(statistics.median(dd_alone), 4) if dd_alone else None,
+        "write_alone_vs_dd": round(statistics.median(alone) / statistics.median(dd_alone), 2) if alone else None,
         "date": time.strftime("%Y-%m-%d"),
     }
     print(json.dumps({k: v for k, v in result.items() if k not in ("fsdp", "ddp")}, indent=1))
