@@ -613,3 +613,57 @@ def test_bf16_mixed_precision_with_batchnorm_is_refused_before_anything_is_writt
     cfg = config_from_dict({"parallel": {"strategy": "fsdp", "mixed_precision": "bf16"}, "train": {"max_steps": 3}})
     with pytest.raises(ConfigError, match=r"parallel.mixed_precision: .*BatchNorm"):
         check_shardable(cfg, SimpleNamespace(model=_mlp(), compiled=None), 2, 2)
+
+
+def _split_worker(rank: int, world: int, store_path: str, job: dict[str, Any]) -> None:
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    from elastic_runner.snapshot.shards import MARKER, split
+
+    _up(rank, world, store_path)
+    torch.manual_seed(0)
+    model = _mlp()
+    shard_model(model, ParallelConfig(strategy="fsdp"), CPU, world, world)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(4, 5)).sum().backward()
+    optimizer.step()
+    state = {"model": model.state_dict(keep_vars=True), "optimizer": optimizer.state_dict()}
+    dtensors = {}
+
+    def find(value: Any, path: tuple[str, ...]) -> None:
+        if hasattr(value, "device_mesh"):
+            dtensors["/".join(path)] = value
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                find(v, (*path, str(k)))
+
+    find(state, ())
+    first, second = split(state), split(state)  # the second from what the first remembered
+    truth = {key: [int(o) for o in compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)[1]]
+             for key, t in dtensors.items()}
+    # A DTensor whose layout changes while it stays the same object (a re-placed parameter): its place is asked again.
+    weight = model[0].weight
+    key = next(k for k, t in dtensors.items() if t is weight)
+    weight._spec = weight.redistribute(placements=[Replicate()])._spec
+    third = split(state)
+    torch.save({"first": first[2], "second": second[2], "truth": truth, "key": key, "third": third[2][key],
+                "same_tensors": all(first[1][k] is second[1][k] for k in first[1]),
+                "markers": first[0] == second[0] and third[0]["model"]["0.weight"][MARKER] == "model/0.weight"},
+               job["out"] + f".{rank}")
+    model = optimizer = state = dtensors = weight = None  # type: ignore[assignment]
+    _down()
+
+
+def test_a_capture_remembers_where_each_shard_sits_and_asks_again_when_its_layout_changes() -> None:
+    """The offsets of a rank's slices are torch's own, the same from a capture that remembered them, and a DTensor
+    whose layout changed is asked again (split's per-object memory must never hand out a stale place)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "split"
+        _spawn(_split_worker, 2, Path(tmp), {"out": str(out)})
+        for rank in range(2):
+            got = torch.load(f"{out}.{rank}")
+            assert got["first"] == got["truth"] == got["second"], f"rank {rank}"
+            assert got["same_tensors"] and got["markers"]
+            assert got["third"] == [0, 0], f"rank {rank}: a replicated weight sits at the origin ({got['third']})"
+            assert got["truth"][got["key"]] == ([0, 0] if rank == 0 else [4, 0]), "rows split between the ranks"
