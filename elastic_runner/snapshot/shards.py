@@ -75,10 +75,7 @@ def _mesh_key(mesh: Any) -> tuple[Any, ...]:
     if known is not None and known[0]() is mesh:
         return known[1]
     key = (tuple(mesh.mesh.shape), tuple(mesh.get_coordinate() or ()))
-    try:
-        _MESHES[id(mesh)] = (weakref.ref(mesh), key)
-    except TypeError:  # a mesh that takes no weak reference: computed each time
-        pass
+    _MESHES[id(mesh)] = (weakref.ref(mesh), key)
     return key
 
 
@@ -111,11 +108,7 @@ def _facts(value: Any, seen: dict[int, tuple[Any, ...]]) -> tuple[Any, ...]:
     known = _SEEN.get(id(value))
     spec = getattr(value, "_spec", None)
     if known is None or known[0]() is not value or known[1] is not spec or spec is None:
-        try:
-            ref: Callable[[], Any] = weakref.ref(value)
-        except TypeError:
-            ref = lambda: None  # noqa: E731 - never matches: computed each time
-        known = (ref, spec, _box_of(value), list(value.shape), str(value.dtype).removeprefix("torch."))
+        known = (weakref.ref(value), spec, _box_of(value), list(value.shape), str(value.dtype).removeprefix("torch."))
     seen[id(value)] = known
     return known
 
