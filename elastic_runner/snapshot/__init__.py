@@ -1,6 +1,7 @@
 """Durable training snapshots: atomic, asynchronous, verified, fenced; and the node-memory tier.
 
 - ``store``           where snapshots live: naming, atomic commit, generation fencing, quarantine.
+- ``object_store``    the same contract in a bucket (``s3://``, ``gs://``); ``open_store`` picks by location.
 - ``format``          what is inside a snapshot, how it is written and verified (checksums, ``weights_only``).
 - ``publish``         write one snapshot and publish it, fenced, pruning the old ones.
 - ``writer``          save without stalling training: the writer thread, or the writer process through
@@ -24,12 +25,12 @@ from .store import (
     SnapshotRef,
     SnapshotUnavailableError,
     StaleWriterError,
-    open_store,
 )
+from .object_store import ObjectStore, open_store
 from .writer import SaveResult, SnapshotWriter, require_ok
 
 __all__ = [
-    "AlreadyCommittedError", "CorruptSnapshotError", "SnapshotUnavailableError", "Loaded", "LocalStore", "SaveResult", "SnapshotError", "SnapshotRef",
+    "AlreadyCommittedError", "CorruptSnapshotError", "SnapshotUnavailableError", "Loaded", "LocalStore", "ObjectStore", "SaveResult", "SnapshotError", "SnapshotRef",
     "SnapshotWriter", "StaleWriterError", "find_newest", "load_exact", "load_snapshot", "open_store",
     "read_meta", "require_ok",
 ]

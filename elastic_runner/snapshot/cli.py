@@ -16,7 +16,8 @@ from ..files import UnsafeDirectoryError, open_file, write_file_atomically
 from .format import load_snapshot, read_meta, read_verified_bytes, set_signing_key, signing_key_from_environment
 from .loader import find_newest
 from .shards import verify_parts
-from .store import LocalStore, SnapshotError, SnapshotRef, open_store
+from .object_store import open_store
+from .store import LocalStore, SnapshotError, SnapshotRef
 
 
 def snapshot_dir_of(run_dir: str) -> str:

@@ -56,7 +56,9 @@ def memory_base(base: str | None = None) -> Path:
 
 def memory_key(snapshot_location: str) -> str:
     """The name of a run's directory in :func:`memory_base`: a digest of its snapshot location."""
-    return hashlib.sha256(os.path.abspath(snapshot_location).encode()).hexdigest()[:16]
+    # A URL names the same place from every directory; a relative path does not.
+    key = snapshot_location if "://" in snapshot_location else os.path.abspath(snapshot_location)
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
 def memory_root(snapshot_location: str, base: str | None = None) -> Path:
@@ -89,7 +91,7 @@ def collect_garbage(base: str | None = None, older_than_s: float = 86_400.0, dry
     of those steps (a node that lost its disk, a full volume), and the next start resumes from it.
     ``read_locations=False`` never looks at a run's snapshot location (a start-up sweep must not wait on
     another run's shared disk): only the first and last rule apply."""
-    from .store import open_store
+    from .object_store import open_store
 
     decisions = []
     now = time.time()

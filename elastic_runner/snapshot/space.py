@@ -62,11 +62,20 @@ def room_warning(store: LocalStore, keep_last: int, live_bytes: int) -> tuple[st
     written before the oldest is pruned); None when it can or cannot be measured. The size is the newest
     snapshot's, or the live state's tensor bytes before the first one (optimizer moments appear at the
     first step: an estimate)."""
-    size = max(newest_size(store), live_bytes)
     try:
         free = shutil.disk_usage(store.root).free
     except OSError:
         return None
+    if not store.is_local:
+        # An object store's capacity is not measured; the node's disk holds one staging copy at a time (reading the
+        # newest snapshot's size would download it).
+        needed = live_bytes
+        if not needed or free >= needed:
+            return None
+        return (f"{store.root} (the node's staging directory for {store.location}) has {free / 1e6:.1f} MB free; "
+                f"a snapshot needs about {needed / 1e6:.1f} MB there before it is uploaded. Durable snapshots may "
+                "fail (training goes on); free space on run.dir's disk", free, needed)
+    size = max(newest_size(store), live_bytes)
     needed = (keep_last + 1) * size
     if not size or free >= needed:
         return None

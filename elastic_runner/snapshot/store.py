@@ -15,9 +15,10 @@ brain, a zombie node) therefore cannot publish after a newer round started,
 and even in the race where it does, its snapshot sorts below the newer
 round's. This works on any POSIX or NFS filesystem (O_EXCL + rename).
 
-The interface is small (:class:`SnapshotStore`) so that an object store
-(fsspec URL) can implement the same contract: marker written last, publish
-without overwrite, list by name.
+The interface is small (:class:`SnapshotStore`): :class:`~.object_store.ObjectStore`
+implements the same contract on ``s3://`` and ``gs://`` (marker uploaded last, created
+without overwrite; generations claimed by conditional create). :func:`~.object_store.open_store`
+picks one by the location.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Protocol
 
+
 from ..files import dir_mode, makedirs, open_file, sharing
 
 NAME_RE = re.compile(r"step-([0-9]{9})-gen-([0-9]{6})", re.ASCII)
@@ -53,6 +55,11 @@ class CorruptSnapshotError(SnapshotError):
 
 class SnapshotUnavailableError(SnapshotError):
     """Reading failed for a reason that may pass (I/O error, memory): retry, never quarantine."""
+
+
+class StoreAccessError(SnapshotError):
+    """The store cannot work as configured (credentials refused, no such bucket, a URL it cannot serve): a set-up
+    error that retrying does not fix."""
 
 
 class StaleWriterError(SnapshotError):
@@ -129,10 +136,17 @@ def in_background(call: Callable[..., Any], *args: Any) -> Callable[[], Any]:
 class LocalStore:
     """A local or shared (NFS, PVC) directory."""
 
+    #: Its free space is the volume's (:mod:`.space` measures it).
+    is_local = True
+
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root)
         self.location = str(self.root)
         self.generations = self.root / "generations"
+
+    def spec(self) -> dict[str, str]:
+        """What another process needs to open the same store (:func:`store_from_spec`)."""
+        return {"location": self.location}
 
     def ensure(self) -> None:
         try:
@@ -324,19 +338,14 @@ class LocalStore:
     def check_fence(self, generation: int) -> None:
         newest = self.newest_generation()
         if newest > generation:
-            info = self.generation_info(newest)
-            raise StaleWriterError(
-                f"generation {generation} is stale: generation {newest} was started at "
-                f"{time.strftime('%H:%M:%S', time.localtime(info.get('claimed_at', 0)))} by {info.get('host', '?')} "
-                f"(pid {info.get('pid', '?')}). Another rendezvous round owns this run directory; this worker "
-                "stops instead of overwriting its snapshots (split brain)"
-            )
+            raise fence_error(generation, newest, self.generation_info(newest), str(self.root))
 
 
-def open_store(location: str) -> LocalStore:
-    if "://" in location and not location.startswith("file://"):
-        raise SnapshotError(
-            f"snapshot location {location!r} is a URL; only local and shared filesystem paths are supported "
-            "so far (mount the bucket, e.g. with a PVC or gcsfuse, and give its path)"
-        )
-    return LocalStore(location.removeprefix("file://"))
+def fence_error(generation: int, newest: int, info: dict[str, Any], location: str) -> StaleWriterError:
+    """Why a writer of ``generation`` must stop: ``newest`` was claimed (``info``: by whom, when)."""
+    return StaleWriterError(
+        f"generation {generation} is stale: generation {newest} was started at "
+        f"{time.strftime('%H:%M:%S', time.localtime(info.get('claimed_at', 0)))} by {info.get('host', '?')} "
+        f"(pid {info.get('pid', '?')}). Another rendezvous round owns {location}; this worker "
+        "stops instead of overwriting its snapshots (split brain)"
+    )

@@ -33,6 +33,7 @@ from ..files import sharing
 from . import shm
 from .publish import Written, write_and_publish
 from .space import is_disk_full, space_note, state_bytes
+from .object_store import ObjectStore
 from .store import CorruptSnapshotError, LocalStore, SnapshotError, SnapshotRef, StaleWriterError
 from .writer_process import Outcome, WriterGone, WriterProcess
 
@@ -150,7 +151,7 @@ class SnapshotWriter:
         self._last_report = 0.0
         self.mode = writer
         self.process_wanted = writer in ("process", "auto") and async_write and shm.supported() and \
-            type(store) is LocalStore
+            type(store) in (LocalStore, ObjectStore)  # the process opens the same store by its spec: no subclass
         self._process: WriterProcess | None = None
         self._arena: shm.Arena | None = None
         self._stager: threading.Thread | None = None
@@ -248,7 +249,7 @@ class SnapshotWriter:
                 self.process_wanted = False
                 return False
             try:
-                self._process = WriterProcess(str(self.store.root), self.generation, self.keep_last, sharing(),
+                self._process = WriterProcess(self.store.spec(), self.generation, self.keep_last, sharing(),
                                               self._on_outcome, self._on_gone)
             except (WriterGone, OSError) as exc:
                 self.process_wanted = False

@@ -67,7 +67,7 @@ class WriterProcess:
     descriptor when the arena is new), ``on_outcome`` is called from the reader thread with its outcome,
     ``on_gone`` once if the process exits while a job is in flight or before."""
 
-    def __init__(self, root: str, generation: int, keep_last: int, sharing: str,
+    def __init__(self, store_spec: dict[str, str], generation: int, keep_last: int, sharing: str,
                  on_outcome: Callable[[Outcome], None], on_gone: Callable[[str], None]) -> None:
         self._on_outcome = on_outcome
         self._on_gone = on_gone
@@ -91,7 +91,7 @@ class WriterProcess:
         finally:
             theirs.close()
         self.sock = ours
-        shm.send(self.sock, {"root": root, "generation": generation, "keep_last": keep_last, "sharing": sharing})
+        shm.send(self.sock, {"store": store_spec, "generation": generation, "keep_last": keep_last, "sharing": sharing})
         self._reader = threading.Thread(target=self._read, name="snapshot-writer-reader", daemon=True)
         self._reader.start()
 
@@ -186,13 +186,14 @@ def serve(sock: socket.socket) -> None:
     from ..files import set_sharing
     from .format import set_signing_key, signing_key_from_environment
     from .publish import write_and_publish
-    from .store import LocalStore, SnapshotRef
+    from .object_store import store_from_spec
+    from .store import SnapshotRef
 
     shm.send(sock, ("ready", {}))
     init, _ = shm.receive(sock)
     set_sharing(init["sharing"])
     set_signing_key(signing_key_from_environment())  # the worker's environment: the same key as the worker's
-    store = LocalStore(init["root"])
+    store = store_from_spec(init["store"])
     arena: shm.Arena | None = None
     while True:
         try:

@@ -15,6 +15,7 @@ from typing import Any
 from ..config import Config, write_effective_config
 from ..files import makedirs
 from ..snapshot import LocalStore, SnapshotError, open_store
+from ..snapshot.store import SnapshotUnavailableError, StoreAccessError
 from .dist import Dist
 from .ending import RetryableSetupError, SetupError
 from .env import WorkerEnv
@@ -25,7 +26,8 @@ _PERMANENT_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errn
 
 def prepare_run_dir(cfg: Config, env: WorkerEnv, dist: Dist) -> tuple[LocalStore, int, str]:
     """Rank 0 claims the generation and writes the effective config; all ranks learn the outcome."""
-    store = open_store(cfg.snapshot_dir)
+    # With an object store, run.dir is this node's own: it holds the staging copies and the read cache.
+    store = open_store(cfg.snapshot_dir, local=os.path.join(cfg.run.dir, ".objects"))
     outcome: tuple[str, Any, str] = ("ok", 0, "")
     if dist.rank == 0:
         try:
@@ -43,10 +45,14 @@ def prepare_run_dir(cfg: Config, env: WorkerEnv, dist: Dist) -> tuple[LocalStore
             outcome = ("ok", generation, run_uid)
         except (OSError, SnapshotError) as exc:
             cause = exc if isinstance(exc, OSError) else exc.__cause__
-            permanent = not isinstance(cause, OSError) or cause.errno in _PERMANENT_ERRNOS
-            fix = ("; choose another run.dir (or remove that file)" if isinstance(cause, NotADirectoryError) else
+            permanent = isinstance(exc, StoreAccessError) or not isinstance(exc, SnapshotUnavailableError) and (
+                not isinstance(cause, OSError) or cause.errno in _PERMANENT_ERRNOS)
+            fix = ("" if isinstance(exc, StoreAccessError) else  # says what to fix itself
+                   "; choose another run.dir (or remove that file)" if isinstance(cause, NotADirectoryError) else
                    "; fix its permissions or choose another run.dir" if permanent else "; retrying with the next attempt")
-            message = f"cannot prepare run.dir {cfg.run.dir!r}: {exc}{fix}"
+            remote = isinstance(exc, SnapshotError) and not store.is_local
+            where = f"snapshot.dir {cfg.snapshot_dir!r}" if remote else f"run.dir {cfg.run.dir!r}"
+            message = f"cannot prepare {where}: {exc}{fix}"
             outcome = ("usage" if permanent else "retry", message, "")
     status, value, run_uid = dist.broadcast_object(outcome)
     if status == "usage":

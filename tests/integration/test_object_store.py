@@ -1,0 +1,256 @@
+"""Snapshots in a bucket (a real S3 server, SeaweedFS on loopback): the directory's guarantees without a filesystem.
+
+Each test gets its own bucket; "a node" is an :class:`ObjectStore` with its own private local directory, so two of
+them share nothing but the bucket.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from elastic_runner.config import ConfigError, load_config
+from elastic_runner.config import locations
+from elastic_runner.snapshot import (SnapshotError, SnapshotRef, SnapshotWriter, StaleWriterError, find_newest,
+                                     load_snapshot, open_store, require_ok)
+from elastic_runner.snapshot.object_store import ObjectStore
+from elastic_runner.snapshot.format import write_snapshot_files
+from elastic_runner.snapshot.store import AlreadyCommittedError, StoreAccessError
+from elastic_runner.testing.s3_server import S3Server
+
+from ..support import QUICKSTART, capture
+
+pytestmark = [pytest.mark.timeout(180)]
+
+
+@pytest.fixture
+def s3_env(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+    """The AWS conventions pointed at the local server, as a user's environment would be."""
+    env = s3_server.env()
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    return env
+
+
+@pytest.fixture
+def url(s3_prefix: str, s3_env: dict[str, str]) -> str:
+    return f"{s3_prefix}/team/run-1/snapshots"
+
+
+def node(url: str, tmp_path: Path, name: str = "node-a") -> ObjectStore:
+    store = ObjectStore(url, local=tmp_path / name / ".objects")
+    store.ensure()
+    return store
+
+
+@pytest.fixture
+def store(url: str, tmp_path: Path) -> ObjectStore:
+    return node(url, tmp_path)
+
+
+def objects(s3_server: S3Server, url: str) -> list[str]:
+    fs: Any = s3_server.filesystem()
+    prefix = url.removeprefix("s3://")
+    return sorted(k[len(prefix) + 1:] for k in fs.find(prefix))
+
+
+def writer_for(store: ObjectStore, generation: int | None = None, **kwargs: Any) -> SnapshotWriter:
+    gen = generation if generation is not None else store.claim_generation({})
+    return SnapshotWriter(store, generation=gen, keep_last=kwargs.pop("keep_last", 3), **kwargs)
+
+
+def test_a_snapshot_counts_once_its_marker_is_uploaded_last_and_loads_bit_for_bit_on_another_node(
+        store: ObjectStore, url: str, tmp_path: Path, s3_server: S3Server) -> None:
+    require_ok(writer_for(store).save(10, capture(10), sync=True))
+    assert store.complete() == [SnapshotRef(generation=1, step=10)]
+    assert objects(s3_server, url) == ["generations/000001", "step-000000010-gen-000001/meta.json",
+                                       "step-000000010-gen-000001/state.pt"]
+    other = node(url, tmp_path, "node-b")  # nothing on its disk: it downloads
+    meta, state = load_snapshot(other.path(SnapshotRef(1, 10)))
+    assert meta["step"] == 10 and torch.equal(state["model"]["w"], torch.full((4,), 10.0))
+    assert not list((tmp_path / "node-a" / ".objects" / "staging").iterdir()), "the staging copy is gone"
+
+    # An upload that died before its marker: never complete, listed as incomplete, swept by the next round.
+    fs: Any = s3_server.filesystem()
+    fs.pipe_file(url.removeprefix("s3://") + "/step-000000020-gen-000001/state.pt", b"half an upload")
+    assert store.complete() == [SnapshotRef(1, 10)] and store.incomplete() == ["step-000000020-gen-000001"]
+    assert store.sweep(store.claim_generation({})) == ["step-000000020-gen-000001"]
+    assert store.incomplete() == []
+
+
+def test_publishing_never_replaces_a_snapshot_and_keeps_the_last_k(store: ObjectStore, tmp_path: Path) -> None:
+    w = writer_for(store, keep_last=2)
+    require_ok(w.save(10, capture(10), sync=True))
+    ref = SnapshotRef(w.generation, 10)
+    staging = store.staging(ref)  # a second writer of the same step, with other bytes
+    write_snapshot_files(staging, {"model": {"w": torch.zeros(2)}}, {"step": 10, "epoch": 0, "consumed": 0})
+    with pytest.raises(AlreadyCommittedError):
+        store.publish(staging, ref)
+    _, state = load_snapshot(node(store.location, tmp_path, "fresh").path(ref))
+    assert torch.equal(state["model"]["w"], torch.full((4,), 10.0)), "the first publish stands"
+    for step in (20, 30, 40):
+        require_ok(w.save(step, capture(step), sync=True))
+    assert [r.step for r in store.complete()] == [30, 40]
+
+
+def test_the_writer_process_uploads_off_the_training_interpreter(store: ObjectStore) -> None:
+    w = writer_for(store, writer="process")
+    try:
+        big = {"model": {"w": torch.arange(3_000_000, dtype=torch.float32)}}
+        for step in (1, 2, 3):  # the first saves may go through the thread while the process imports torch
+            big["model"]["w"] += 1
+            w.save(step, lambda: (big, {}))
+            w.wait()
+        assert w._process is not None and w._process.alive(), "the writer process took the saves"
+    finally:
+        w.close()
+    loaded = find_newest(store)
+    assert loaded is not None and loaded.ref.step == 3
+    assert torch.equal(loaded.state["model"]["w"], torch.arange(3_000_000, dtype=torch.float32) + 3)
+
+
+def test_a_stale_generation_cannot_publish_and_of_two_racing_rounds_only_the_newer_becomes_latest(
+        url: str, tmp_path: Path) -> None:
+    old_node, new_node = node(url, tmp_path, "old"), node(url, tmp_path, "new")
+    old = writer_for(old_node)  # generation 1: a node cut off by a split brain
+    require_ok(old.save(10, capture(10), sync=True))
+    new = writer_for(new_node)  # generation 2, claimed from another node
+    require_ok(new.save(10, capture(10), sync=True))
+    with pytest.raises(SnapshotError, match="stale"):
+        require_ok(old.save(20, capture(20), sync=True))
+    with pytest.raises(StaleWriterError):
+        old.raise_if_fatal()
+    assert [r.name for r in new_node.complete()] == ["step-000000010-gen-000001", "step-000000010-gen-000002"]
+
+    # Both rounds write at once, the older one a later step: the newer round's snapshot is the one resumed.
+    g_old, g_new = old_node.claim_generation({}), new_node.claim_generation({})
+    barrier, results = threading.Barrier(2), {}
+
+    def run(name: str, store: ObjectStore, gen: int, step: int) -> None:
+        w = SnapshotWriter(store, generation=gen, keep_last=10)
+        barrier.wait()
+        results[name] = w.save(step, capture(step), sync=True)
+
+    threads = [threading.Thread(target=run, args=("old", old_node, g_old, 100)),
+               threading.Thread(target=run, args=("new", new_node, g_new, 60))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert isinstance(results["old"].error, StaleWriterError) and results["new"].error is None
+    loaded = find_newest(node(url, tmp_path, "reader"))
+    assert loaded is not None and loaded.ref == SnapshotRef(generation=g_new, step=60)
+
+
+def test_generation_claims_from_many_nodes_at_once_are_exclusive(url: str, tmp_path: Path) -> None:
+    stores = [node(url, tmp_path, f"n{i}") for i in range(12)]
+    claimed: list[int] = []
+    lock, barrier = threading.Lock(), threading.Barrier(len(stores))
+
+    def claim(store: ObjectStore) -> None:
+        barrier.wait()
+        g = store.claim_generation({})
+        with lock:
+            claimed.append(g)
+
+    threads = [threading.Thread(target=claim, args=(s,)) for s in stores]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(claimed) == list(range(1, 13))
+    assert len({s.run_uid() for s in stores}) == 1, "one run id, created once"
+
+
+def _tamper(s3_server: S3Server, url: str, ref: SnapshotRef, how: str) -> None:
+    fs: Any = s3_server.filesystem()
+    key = f"{url.removeprefix('s3://')}/{ref.name}"
+    if how == "flip_a_byte":
+        data = bytearray(fs.cat_file(f"{key}/state.pt"))
+        data[len(data) // 2] ^= 0xFF
+        fs.pipe_file(f"{key}/state.pt", bytes(data))
+    else:  # a planted pickle that would run code, with a checksum that matches it
+        class Evil:
+            def __reduce__(self):  # noqa: ANN204
+                return (os.system, ("echo pwned",))
+
+        payload = pickle.dumps({"model": Evil()})
+        meta = json.loads(fs.cat_file(f"{key}/meta.json"))
+        meta.update(sha256=hashlib.sha256(payload).hexdigest(), size_bytes=len(payload))
+        fs.pipe_file(f"{key}/state.pt", payload)
+        fs.pipe_file(f"{key}/meta.json", json.dumps(meta).encode())
+
+
+@pytest.mark.parametrize("how", ["flip_a_byte", "planted_pickle"])
+def test_a_tampered_snapshot_in_the_bucket_is_never_loaded_and_is_moved_aside(
+        store: ObjectStore, url: str, tmp_path: Path, s3_server: S3Server, how: str) -> None:
+    w = writer_for(store)
+    for step in (10, 20):
+        require_ok(w.save(step, capture(step), sync=True))
+    _tamper(s3_server, url, SnapshotRef(1, 20), how)
+    reader = node(url, tmp_path, "node-b")
+    rejected: list[str] = []
+    loaded = find_newest(reader, on_rejected=lambda ref, why: rejected.append(why))
+    assert loaded is not None and loaded.ref.step == 10 and len(rejected) == 1
+    assert reader.complete() == [SnapshotRef(1, 10)]
+    assert reader.corrupt() == ["corrupt-step-000000020-gen-000001"]
+    keys = objects(s3_server, url)
+    assert "corrupt-step-000000020-gen-000001/REASON" in keys and "corrupt-step-000000020-gen-000001/state.pt" in keys
+
+
+def test_wrong_credentials_a_read_only_identity_and_a_missing_bucket_are_one_clear_error_each(
+        url: str, s3_server: S3Server, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
+    with pytest.raises(StoreAccessError, match="refused access.*AWS_ACCESS_KEY_ID") as wrong:
+        node(url, tmp_path)
+    assert "not-the-secret" not in str(wrong.value), "a secret never reaches a message"
+
+    for key, value in s3_server.env("reader").items():
+        monkeypatch.setenv(key, value)
+    reader = node(url, tmp_path)  # may list
+    with pytest.raises(StoreAccessError, match="refused access"):
+        reader.claim_generation({})
+
+    for key, value in s3_server.env().items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(StoreAccessError, match="bucket 'no-such-bucket' does not exist"):
+        node("s3://no-such-bucket/x", tmp_path)
+
+
+@pytest.mark.parametrize("location, expected", [
+    ("ftp://host/snapshots", "scheme ftp://"),
+    ("s3://AKIA:secret@bucket/prefix", "carries credentials"),
+    ("s3:///prefix", "names no bucket"),
+    ("s3://bucket/prefix?versionId=3", "query or fragment"),
+])
+def test_a_location_that_cannot_work_is_a_config_error_before_anything_starts(
+        tmp_path: Path, location: str, expected: str) -> None:
+    with pytest.raises(ConfigError, match="snapshot.dir") as caught:
+        load_config(QUICKSTART, [f"snapshot.dir={location}", f"run.dir={tmp_path}"])
+    assert expected in str(caught.value) and "secret" not in str(caught.value), "a secret never reaches a message"
+
+
+def test_a_missing_extra_names_the_package_and_the_pip_command(monkeypatch: pytest.MonkeyPatch,
+                                                              tmp_path: Path) -> None:
+    monkeypatch.setitem(locations.SCHEMES, "s3", ("no_such_module_for_s3", "s3"))
+    with pytest.raises(ConfigError, match=r"no_such_module_for_s3 package.*pip install 'elastic-runner\[s3\]'"):
+        load_config(QUICKSTART, ["snapshot.dir=s3://bucket/prefix", f"run.dir={tmp_path}"])
+
+
+def test_open_store_picks_the_directory_or_the_bucket(url: str, tmp_path: Path) -> None:
+    assert open_store(f"file://{tmp_path}/snaps").location == f"{tmp_path}/snaps"
+    assert isinstance(open_store(url, local=tmp_path / "local"), ObjectStore)
+
+
+
+def test_a_sharded_model_with_a_bucket_is_refused_until_its_parts_can_go_there(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="snapshot.dir.*shared directory for a sharded model"):
+        load_config(QUICKSTART, ["snapshot.dir=s3://bucket/prefix", "parallel.strategy=fsdp", f"run.dir={tmp_path}"])
