@@ -9,9 +9,10 @@
 # Python, CPU torch wheels) or `cuda` (NVIDIA's CUDA base image, CUDA torch wheels;
 # the GPU driver comes from the node through the NVIDIA container toolkit). Other
 # CUDA versions: --build-arg CUDA_IMAGE=nvidia/cuda:12.6.3-base-ubuntu24.04
-# --build-arg TORCH_CUDA=cu126 (and change the tag). EXTRAS=vision adds
-# torchvision (install the release that matches torch 2.13.0).
-# tests/integration/test_k8s.py checks that the overlays use the tags built above.
+# --build-arg TORCH_CUDA=cu126 (and change the tag). The s3 and gcs extras are
+# always installed (snapshot.dir in a bucket: k8s/overlays/object-storage);
+# EXTRAS=vision adds torchvision (install the release that matches torch 2.13.0).
+# tests/deploy/test_dockerfile.py checks that the overlays use the tags built above.
 
 ARG BASE=cpu
 ARG PYTHON_IMAGE=python:3.12-slim-bookworm
@@ -53,12 +54,13 @@ RUN python3 -m venv /opt/venv
 RUN pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"
 
 # Then the package with the project's pinned dependencies (constraints-torch-2.13.txt
-# pins torch to the same version, so pip keeps the build installed above).
+# pins torch to the same version, so pip keeps the build installed above), with the
+# object-store clients: s3fs (S3 and S3-compatible services) and gcsfs.
 WORKDIR /opt/elastic-runner
 COPY pyproject.toml README.md constraints.txt constraints-torch-2.13.txt ./
 COPY elastic_runner ./elastic_runner
-RUN pip install -c constraints.txt -c constraints-torch-2.13.txt ".${EXTRAS:+[$EXTRAS]}" \
- && python3 -c "import torch, elastic_runner; print('elastic_runner', elastic_runner.__version__, 'torch', torch.__version__)"
+RUN pip install -c constraints.txt -c constraints-torch-2.13.txt ".[s3,gcs${EXTRAS:+,$EXTRAS}]" \
+ && python3 -c "import torch, elastic_runner, s3fs, gcsfs; print('elastic_runner', elastic_runner.__version__, 'torch', torch.__version__)"
 
 # Non-root, with a numeric id so that Kubernetes' runAsNonRoot can verify it (the
 # manifests run as 1000:1000 and give the run volume to group 1000). Ubuntu images

@@ -26,8 +26,9 @@ from . import __version__
 
 def _audit(args: argparse.Namespace) -> int:
     from .observe.audit import check_audit
+    from .observe.records import run_view
 
-    report = check_audit(args.run_dir)
+    report = check_audit(run_view(args.run_dir))
     print(json.dumps(report.to_dict(), indent=2) if args.json else report.render())
     return 0 if report.ok else 1 if report.audited else 2
 

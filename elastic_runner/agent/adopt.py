@@ -135,6 +135,8 @@ def adopt(launcher_api: Any, config: Any, entrypoint: Any, args: Sequence[Any],
     fast_rendezvous.install()
     quiet_handled_failures()
     agent_metrics = AgentMetrics(agent_events(worker_cfg) if worker_cfg is not None else None)
+    if worker_cfg is not None:
+        upload_agent_events(worker_cfg)
     agent_metrics.serve()
     install_bridge(agent_metrics)
     if usable(AGENT_CORRECTIONS, log):
@@ -167,6 +169,29 @@ def worker_config(worker_args: Sequence[str]) -> Any:
     except (ConfigError, OSError) as exc:
         log.debug("the workers' config does not load here: %s", exc)
         return None
+
+
+def upload_agent_events(cfg: Any) -> None:
+    """With snapshots in a bucket, the agent's own event log is uploaded with the run's records
+    (:mod:`~elastic_runner.observe.records`) as the workers' are, and once more when the agent exits: its last
+    events come after its workers'."""
+    import atexit
+    import socket
+
+    from ..config.locations import is_url
+
+    if not (cfg.snapshot.dir and is_url(cfg.snapshot.dir)):
+        return
+    from ..observe.records import RecordSync, records_url
+
+    mine = f"events/agent-{socket.gethostname()}-{os.getpid()}.jsonl"
+    try:
+        sync = RecordSync(cfg.run.dir, records_url(cfg.snapshot.dir), every_s=cfg.snapshot.records_every_seconds,
+                          wanted=lambda relative: relative == mine).start()
+    except Exception as exc:  # noqa: BLE001 - the workers' records still go; the store is checked by them
+        log.warning("the agent's events will not be uploaded to %s: %s", cfg.snapshot.dir, exc)
+        return
+    atexit.register(sync.close)
 
 
 def agent_events(cfg: Any) -> Any:

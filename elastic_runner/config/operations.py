@@ -32,6 +32,10 @@ class SnapshotConfig:
         "local directory on each node. Credentials and endpoint the usual way (AWS_* variables and files, "
         "AWS_ENDPOINT_URL, a pod or instance role; GCS application-default credentials), never in the URL.",
         default=None)
+    records_every_seconds: float = _help(
+        "With snapshot.dir in object storage: every N seconds each node uploads what it appended to its run.dir's "
+        "records (events, audit trail; the effective config) to SNAPSHOT_DIR/records, and each worker once more when "
+        "it ends; a node lost with its disk loses at most the last N seconds of its records.", default=15.0)
     async_write: bool = _help(
         "Write periodic snapshots in the background; the step only waits for the copy of the state "
         "into host memory. At most one write is in flight.",
@@ -103,6 +107,9 @@ class SnapshotConfig:
             raise ConfigError("snapshot.every_seconds", f"got {self.every_seconds}, must be >= 0", "Set it to e.g. 300, or 0 to disable")
         if self.keep_last < 1:
             raise ConfigError("snapshot.keep_last", f"got {self.keep_last}, must be >= 1", "Set snapshot.keep_last to e.g. 3")
+        if not self.records_every_seconds > 0:
+            raise ConfigError("snapshot.records_every_seconds", f"got {self.records_every_seconds}, must be > 0",
+                              "Set it to e.g. 15")
         problem = location_problem(self.dir) if self.dir else None
         if problem is not None:
             raise ConfigError("snapshot.dir", *problem)

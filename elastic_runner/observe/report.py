@@ -418,13 +418,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
 
 
 def run(args: argparse.Namespace) -> int:
+    from .records import run_view
+
     try:
+        run_dir = run_view(args.run_dir)  # a bucket's records, fetched, for a run without a shared directory
         if args.out:
-            summary = render_timeline(args.run_dir, args.out, x_axis=args.x_axis)
+            summary = render_timeline(run_dir, args.out, x_axis=args.x_axis)
             print(summary.text())
             print(f"picture: {args.out}")
         else:
-            print(summarize(args.run_dir).text())
+            print(summarize(run_dir).text())
     except (ValueError, RuntimeError) as exc:
         print(f"elastic-runner report: {exc}", file=sys.stderr)
         return 1

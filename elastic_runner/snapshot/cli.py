@@ -16,12 +16,15 @@ from ..files import UnsafeDirectoryError, open_file, write_file_atomically
 from .format import load_snapshot, read_meta, read_verified_bytes, set_signing_key, signing_key_from_environment
 from .loader import find_newest
 from .shards import verify_parts
+from ..config.locations import is_url
 from .object_store import open_store
 from .store import LocalStore, SnapshotError, SnapshotRef
 
 
 def snapshot_dir_of(run_dir: str) -> str:
-    """RUN_DIR/snapshots, or snapshot.dir from the run's effective config."""
+    """RUN_DIR/snapshots, or snapshot.dir from the run's effective config (a bucket's URL is its own location)."""
+    if is_url(run_dir):
+        return run_dir
     root = Path(run_dir)
     if (root / "generations").is_dir() or any(SnapshotRef.parse(p.name) for p in root.glob("step-*")):
         return str(root)  # already a snapshot directory
@@ -40,7 +43,7 @@ def snapshot_dir_of(run_dir: str) -> str:
 def inspect(run_dir: str, verify: bool = False) -> dict[str, Any]:
     location = snapshot_dir_of(run_dir)
     store = open_store(location)
-    if not Path(location).is_dir():
+    if not is_url(location) and not Path(location).is_dir():
         raise SnapshotError(f"no snapshot directory at {location}; is {run_dir!r} a run directory (run.dir)?")
     now = time.time()
     entries = []
@@ -153,11 +156,8 @@ def persist(run_dir: str, shm_dir: str | None = None) -> dict[str, Any]:
     ref = tier.complete()[-1]
     meta = read_meta(tier.path(ref))
     read_verified_bytes(tier.path(ref), meta, True)
-    run_id = Path(location) / "run-id"
-    try:
-        ours = run_id.read_text().strip() if run_id.is_file() else ""
-    except OSError as exc:
-        raise SnapshotError(f"cannot read {run_id} ({exc.strerror}); nothing was written") from exc
+    run_id = f"{location}/run-id"
+    ours = store.existing_run_uid()
     theirs = meta.get("run_uid") or ""
     if not ours or not theirs:
         # Without both ids nothing proves that this copy is this run's: a copy of another run that used the

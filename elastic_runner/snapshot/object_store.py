@@ -49,6 +49,22 @@ def check_location(location: str, key: str = "snapshot.dir") -> None:
         raise StoreAccessError(f"{key}: {problem[0]}. {problem[1]}")
 
 
+def open_filesystem(location: str) -> tuple[Any, str]:
+    """The fsspec filesystem of ``location`` (and the path in it), set to give up within seconds on a store that is
+    down rather than minutes: a snapshot that cannot be uploaded is reported and the next one tried (a step waits
+    for a write still in flight), and a worker's exit never waits long on a store. No listing cache (other nodes
+    publish), no instance cache (a fork or a new credential gets its own)."""
+    import fsspec
+
+    options: dict[str, Any] = {}
+    if location.startswith("s3://"):
+        options["config_kwargs"] = {"connect_timeout": 5, "read_timeout": 60, "retries": {"max_attempts": 3}}
+    fs, path = fsspec.core.url_to_fs(location, use_listings_cache=False, skip_instance_cache=True, **options)
+    if hasattr(fs, "retries"):
+        fs.retries = 2  # s3fs's own retries, on top of botocore's (5 by default)
+    return fs, path
+
+
 def default_local(location: str) -> Path:
     """This user's private directory on this node for one object-store location (staging and read cache) where the
     caller names none: ``$TMPDIR/elastic-runner-objects-<uid>/<digest of the URL>``."""
@@ -82,11 +98,8 @@ class ObjectStore:
         check_location(location)
         self.location = location.rstrip("/")
         if fs is None:
-            import fsspec
-
             try:
-                # No listing cache (other nodes publish), no instance cache (a fork or a new credential gets its own).
-                fs, _ = fsspec.core.url_to_fs(self.location, use_listings_cache=False, skip_instance_cache=True)
+                fs, _ = open_filesystem(self.location)
             except (ImportError, ValueError, TypeError) as exc:
                 raise StoreAccessError(f"snapshot.dir {self.location!r}: {exc}") from exc
         self.fs = fs
@@ -131,6 +144,11 @@ class ObjectStore:
                     "snapshot.dir (or AWS_ENDPOINT_URL)") from exc
             raise
         except Exception as exc:  # noqa: BLE001 - connection errors of aiohttp/botocore/gcsfs: all may pass
+            if "Credentials" in type(exc).__name__ or "credentials" in str(exc).lower()[:200]:
+                raise StoreAccessError(
+                    f"{what}: no credentials for {self.location} were found ({_short(exc)}). Give them the usual way: "
+                    "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE, the pod's or instance's role; "
+                    "GOOGLE_APPLICATION_CREDENTIALS or workload identity") from exc
             raise SnapshotUnavailableError(
                 f"{what}: {self.location} did not answer as expected ({_short(exc)}); is {self._endpoint()} "
                 "reachable?") from exc
@@ -165,10 +183,11 @@ class ObjectStore:
         return [e.rstrip("/").rsplit("/", 1)[-1] for e in entries]
 
     def _keys(self) -> set[str]:
-        """Every object below the prefix, relative to it (one recursive listing)."""
+        """Every object of a snapshot (``step-*``) below the prefix, relative to it: one recursive listing that leaves
+        out the run's records (thousands of small objects in a long run) and the generations."""
         with self._io(f"listing {self.location}"):
             try:
-                found = self.fs.find(self.prefix, detail=False, withdirs=False)
+                found = self.fs.find(self.prefix, detail=False, withdirs=False, prefix="step-")
             except FileNotFoundError as exc:
                 if "bucket" in str(exc).lower():
                     raise
@@ -329,6 +348,14 @@ class ObjectStore:
         self._create(key, uuid.uuid4().hex.encode())
         with self._io("reading run-id"):
             return self.fs.cat_file(key).decode().strip()
+
+    def existing_run_uid(self) -> str:
+        """The run id if the run has one ("" if not); creates nothing."""
+        with self._io("reading run-id"):
+            try:
+                return self.fs.cat_file(f"{self.prefix}/run-id").decode().strip()
+            except FileNotFoundError:
+                return ""
 
     def _claimed(self) -> list[int]:
         return sorted(int(n) for n in self._names("generations") if n.isascii() and n.isdigit())

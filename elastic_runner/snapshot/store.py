@@ -296,6 +296,14 @@ class LocalStore:
         fsync_dir(self.root)
         return path.read_text().strip()
 
+    def existing_run_uid(self) -> str:
+        """The run id if the run has one ("" if not); creates nothing."""
+        path = self.root / "run-id"
+        try:
+            return path.read_text().strip() if path.is_file() else ""
+        except OSError as exc:
+            raise SnapshotError(f"cannot read {path} ({exc.strerror})") from exc
+
     # -- fencing -------------------------------------------------------------------------
 
     def _claimed(self) -> list[int]:

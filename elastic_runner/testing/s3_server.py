@@ -154,7 +154,7 @@ class S3Server:
             time.sleep(0.2)
         raise RuntimeError(f"SeaweedFS did not serve S3 at {self.endpoint} within {timeout:.0f} s:\n{self.log_tail()}")
 
-    def stop(self, timeout: float = 10.0) -> None:
+    def stop(self, timeout: float = 5.0) -> None:
         if self.proc is None:
             return
         if self.proc.poll() is None:

@@ -344,8 +344,9 @@ class Checkpointer:
         step = self.state.step
         self.ending.set()
         kept = self.keep("final") or (self.memory is not None and any(r.step == step for r in self.memory.store.complete()))
-        where = (f"the state is kept in node memory on {self.env.hostname} ({self.memory.root}); once there is "
-                 f"space, `elastic-runner snapshot persist {self.cfg.run.dir}` on that node writes it out, and a "
+        once = "there is space" if self.store.is_local else f"{self.store.location} can be reached"
+        where = (f"the state is kept in node memory on {self.env.hostname} ({self.memory.root}); once {once}, "
+                 f"`elastic-runner snapshot persist {self.cfg.run.dir}` on that node writes it out, and a "
                  f"restart resumes from it" if kept and self.memory is not None else
                  "no copy of it is kept (" + ("a sharded state is copied into node memory every "
                                               "snapshot.memory_every_steps steps, not at the end" if self.sharded else

@@ -59,7 +59,7 @@ from .ending import Ending, RetryableSetupError, SetupError, ending_for, peer_lo
 from .env import WorkerEnv
 from .lifecycle import StopRequest, exit_now
 from .preflight import largest_world_size, parent_cmdline
-from .run_dir import prepare_run_dir
+from .run_dir import prepare_run_dir, record_sync
 from .watchdog import PeerWatchdog, start_watchdog
 
 log = logging.getLogger("elastic_runner.train")
@@ -109,6 +109,7 @@ class Attempt:
         self.prepare()  # before anything is written: a bad input leaves run.dir as it was
         store, generation, run_uid = prepare_run_dir(cfg, env, dist)
         self.generation = generation
+        records = record_sync(cfg, env, store, generation)
         events = self.events = EventLog(cfg.run.dir, f"gen-{generation:06d}-rank-{env.rank:05d}",
                                         generation=generation, rank=env.rank)
         events.emit("start", world_size=env.world_size, local_rank=env.local_rank, restart_count=env.restart_count,
@@ -140,6 +141,8 @@ class Attempt:
                 self.watchdog.stop(done=False)
             metrics.close()
             events.close()
+            if records is not None:
+                records.close()  # after the last event: the whole attempt reaches the bucket
 
     def keep_for_next_attempt(self, ending: Ending) -> None:
         """The loop broke (usually a peer died): leave the last completed step for the next attempt."""

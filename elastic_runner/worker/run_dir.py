@@ -4,24 +4,45 @@ Claiming a generation fences every older attempt's snapshot writer (:mod:`elasti
 rank 0 also sweeps what older attempts left half-written and writes the effective config. A problem
 that cannot pass (permissions, a file where the directory should be) stops every rank with one line
 (:class:`~elastic_runner.worker.ending.SetupError`, exit 2); an I/O error may pass and retries the attempt.
+With snapshots in a bucket, :func:`record_sync` starts the upload of the node's records (:mod:`..observe.records`).
 """
 
 from __future__ import annotations
 
 import errno
+import logging
 import os
 from typing import Any
 
 from ..config import Config, write_effective_config
 from ..files import makedirs
+from ..observe.records import RecordSync, own_records, records_url
 from ..snapshot import LocalStore, SnapshotError, open_store
 from ..snapshot.store import SnapshotUnavailableError, StoreAccessError
 from .dist import Dist
 from .ending import RetryableSetupError, SetupError
 from .env import WorkerEnv
 
+log = logging.getLogger("elastic_runner.train")
+
 # errno values that mean "this run directory cannot work" rather than "try again".
 _PERMANENT_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EEXIST, errno.ENAMETOOLONG}
+
+
+def record_sync(cfg: Config, env: WorkerEnv, store: Any, generation: int) -> RecordSync | None:
+    """With snapshots in a bucket, the node's records go there too (:mod:`~elastic_runner.observe.records`): the
+    node's first worker uploads the whole run.dir every ``snapshot.records_every_seconds``; every worker uploads its
+    own files once more when it ends."""
+    if store.is_local:
+        return None
+    try:
+        if env.local_rank == 0:
+            return RecordSync(cfg.run.dir, records_url(store.location),
+                              every_s=cfg.snapshot.records_every_seconds).start()
+        return RecordSync(cfg.run.dir, records_url(store.location), wanted=own_records(generation, env.rank))
+    except Exception as exc:  # noqa: BLE001 - records are not worth a failed attempt; the snapshots still go
+        log.warning("the run's records will not be uploaded to %s: %s", store.location, exc)
+        return None
 
 
 def prepare_run_dir(cfg: Config, env: WorkerEnv, dist: Dist) -> tuple[LocalStore, int, str]:

@@ -1,7 +1,8 @@
 """Offline helpers for the deployment checks (tests/deploy): render kustomize overlays, validate
 documents against Kubernetes and custom-resource schemas, rebuild each pod's torchrun command
 from its environment (as the kubelet and, for PyTorchJobs, the Kubeflow training operator
-would set it), and find the tools (kubectl, promtool) the tests need.
+would set it; a JobSet's pods are its Jobs' pods), and find the tools (kubectl, promtool) the
+tests need.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ MIN_KUSTOMIZE = (5, 0)
 # What the kubelet puts into a variable taken from the pod (valueFrom.fieldRef), as written
 # in the documented command.
 FIELD_REF_PLACEHOLDERS = {"status.podIP": "$POD_IP"}
+# The kinds whose pods train: the base's Job and the variants the components make of it.
+WORKLOAD_KINDS = ("Job", "PyTorchJob", "JobSet")
 
 # Metrics of the launcher (torchrun agent) as listed in issue 5; elastic_runner.agent.launch exports
 # them on ELASTIC_RUNNER_AGENT_METRICS_PORT. Name -> type.
@@ -261,12 +264,27 @@ def worker_pods(docs: list[dict[str, Any]]) -> list[WorkerPod]:
         for replica_type, replica in job["spec"]["pytorchReplicaSpecs"].items():
             extra = training_operator_env(job) if "elasticPolicy" in job["spec"] and replica_type == "Worker" else []
             pods.append(WorkerPod(job, replica["template"], extra))
+    for jobset in by_kind(docs, "JobSet"):
+        # The JobSet controller creates each replicatedJob's Jobs from its template as they are.
+        pods += [WorkerPod(jobset, replicated["template"]["spec"]["template"]) for replicated in jobset["spec"]["replicatedJobs"]]
     return pods
+
+
+def job_specs(pod: WorkerPod) -> list[dict[str, Any]]:
+    """The specs of the Jobs that create ``pod``: a Job's own, or those of a JobSet's replicatedJobs with
+    that pod template (a PyTorchJob's operator creates pods itself: none)."""
+    if pod.owner["kind"] == "Job":
+        return [pod.owner["spec"]]
+    if pod.owner["kind"] == "JobSet":
+        return [r["template"]["spec"] for r in pod.owner["spec"]["replicatedJobs"]
+                if r["template"]["spec"]["template"] is pod.template]
+    return []
 
 
 def resolve_env(pod: WorkerPod, docs: list[dict[str, Any]], container: str = "pytorch") -> dict[str, str]:
     """The container's environment as the kubelet builds it: envFrom first, then env in order
-    (a later entry of the same name wins), $(VAR) references expanded, pod fields as placeholders."""
+    (a later entry of the same name wins), $(VAR) references expanded, pod fields and Secret keys
+    as placeholders (``$(secret NAME/KEY)``)."""
     c = pod.container(container)
     env: dict[str, str] = {}
     for source in c.get("envFrom", []):
@@ -278,6 +296,9 @@ def resolve_env(pod: WorkerPod, docs: list[dict[str, Any]], container: str = "py
         elif "fieldRef" in var.get("valueFrom", {}):
             path = var["valueFrom"]["fieldRef"]["fieldPath"]
             env[var["name"]] = FIELD_REF_PLACEHOLDERS.get(path, f"$({path})")
+        elif "secretKeyRef" in var.get("valueFrom", {}):
+            ref = var["valueFrom"]["secretKeyRef"]
+            env[var["name"]] = f"$(secret {ref['name']}/{ref['key']})"
         else:
             raise AssertionError(f"unsupported env source {var}")
     return env
@@ -285,6 +306,17 @@ def resolve_env(pod: WorkerPod, docs: list[dict[str, Any]], container: str = "py
 
 def configmap(docs: list[dict[str, Any]], name: str) -> dict[str, Any]:
     return one(docs, "ConfigMap", name)
+
+
+_QUANTITY_SUFFIXES = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
+                      "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
+
+
+def quantity(text: str | int) -> float:
+    """A Kubernetes resource quantity ("2Gi", "500M", "1.5", 3) as a number (bytes for storage)."""
+    match = re.fullmatch(r"([0-9.]+)([A-Za-z]*)", str(text))
+    assert match and match.group(2) in _QUANTITY_SUFFIXES, f"not a quantity: {text!r}"
+    return float(match.group(1)) * _QUANTITY_SUFFIXES[match.group(2)]
 
 
 # -- commands -----------------------------------------------------------------------------------

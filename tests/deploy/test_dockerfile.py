@@ -48,6 +48,21 @@ def test_the_dockerfile_installs_torch_first_then_the_pinned_package() -> None:
     assert pin and pin.group(1) == version, "the image's torch is the version constraints-torch-2.13.txt pins"
 
 
+def test_the_image_can_keep_snapshots_in_object_storage() -> None:
+    """snapshot.dir: s3://... or gs://... (k8s/overlays/object-storage) needs s3fs or gcsfs in the image: the package
+    is installed with the s3 and gcs extras whatever EXTRAS adds, and the build fails if either does not import."""
+    import tomllib
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert {"s3", "gcs"} <= extras.keys()
+    package_step = next(args for word, args in final_stage() if word == "RUN" and "-c constraints.txt" in args)
+    requirement = re.search(r'"\.\[([^\]"]*)\]"', package_step)
+    assert requirement, f"the package is installed without extras: {package_step}"
+    assert requirement.group(1).startswith("s3,gcs"), f"installs .[{requirement.group(1)}]"
+    assert requirement.group(1).removeprefix("s3,gcs") in ("", "${EXTRAS:+,$EXTRAS}"), "EXTRAS adds to s3,gcs"
+    assert re.search(r"import [^;\"]*\bs3fs\b", package_step) and re.search(r"import [^;\"]*\bgcsfs\b", package_step)
+
+
 def test_the_image_runs_elastic_runner_as_the_manifests_user(kubectl: str) -> None:
     user = [args for word, args in final_stage() if word == "USER"]
     assert user and re.fullmatch(r"\d+:\d+", user[-1]), "a numeric user: runAsNonRoot can only verify numbers"

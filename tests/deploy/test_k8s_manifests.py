@@ -4,25 +4,28 @@ Every overlay renders with ``kubectl kustomize`` and every document in it valida
 (unknown fields are errors) against the Kubernetes schemas of the oldest and newest supported
 versions, or, for the custom resources, against k8s/schemas/. Each training pod, as its
 controller creates it, runs exactly the torchrun command documented in the docs. The workload,
-config, rendezvous, volume, grace period and network policies fit together. Needs kubectl >= 1.27
-(skipped with the reason otherwise).
+config, rendezvous, snapshots (on a shared volume or in a bucket), grace period and network
+policies fit together. Needs kubectl >= 1.27 (skipped with the reason otherwise).
 """
 
 from __future__ import annotations
 
 import copy
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from elastic_runner.config import load_config
+from elastic_runner.config import Config, load_config
+from elastic_runner.config.locations import is_url, location_problem
 
 from .k8s_support import (
     K8S,
     KUBERNETES_VERSIONS,
     ROOT,
+    WORKLOAD_KINDS,
     Peer,
     Schemas,
     WorkerPod,
@@ -35,7 +38,9 @@ from .k8s_support import (
     documented_command,
     documented_command_source,
     ingress_admits,
+    job_specs,
     one,
+    quantity,
     render,
     resolve_env,
     torchrun_args,
@@ -47,10 +52,17 @@ MONITORING = K8S / "components" / "monitoring"
 DASHBOARD = MONITORING / "dashboards" / "elastic-runner.json"
 # The manifests' own margin: the agent needs this long after its workers stopped.
 AGENT_EXIT_MARGIN_SECONDS = 15
+# The overlays without a shared volume (snapshots in a bucket), and the Job overlay each JobSet one derives from.
+OBJECT_STORAGE_OVERLAYS = ("object-storage", "object-storage-jobset")
+JOBSET_VARIANTS = {"object-storage-jobset": "object-storage"}
+# The object store's settings a pod may take from a Secret (botocore's variables); the first two are secrets.
+OBJECT_STORE_CREDENTIALS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
+OBJECT_STORE_SETTINGS = (*OBJECT_STORE_CREDENTIALS, "AWS_ENDPOINT_URL", "AWS_REGION")
+
 
 def pods_of(docs: list[dict[str, Any]]) -> list[WorkerPod]:
     pods = worker_pods(docs)
-    assert pods, "no training workload (Job or PyTorchJob) in the render"
+    assert pods, f"no training workload ({', '.join(WORKLOAD_KINDS)}) in the render"
     return pods
 
 
@@ -79,8 +91,37 @@ def port(pod: WorkerPod, name: str) -> int:
 
 def all_pod_templates(docs: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
     templates = [(describe(d), d["spec"]["template"]) for d in docs if d["kind"] in ("Job", "StatefulSet", "Deployment")]
-    templates += [(describe(p.owner), p.template) for p in worker_pods(docs) if p.owner["kind"] == "PyTorchJob"]
+    templates += [(describe(p.owner), p.template) for p in worker_pods(docs) if p.owner["kind"] in ("PyTorchJob", "JobSet")]
     return templates
+
+
+def mounted_config(pod: WorkerPod, docs: list[dict[str, Any]], tmp_path: Path) -> Config:
+    """The training config the pod reads (its --config file, from the ConfigMap mounted there)."""
+    args = pod.container()["args"]
+    config_path = Path(args[args.index("--config") + 1])
+    data = configmap(docs, volume(pod, "config")["configMap"]["name"])["data"]
+    return load_config_text(data[config_path.name], tmp_path / config_path.name)
+
+
+def load_config_text(text: str, path: Path) -> Config:
+    path.write_text(text)
+    return load_config(path)
+
+
+def disk_backed(volume_: dict[str, Any]) -> bool:
+    """An emptyDir on the node's disk (its use counts as the pod's ephemeral storage; a memory-backed one as memory)."""
+    return "emptyDir" in volume_ and volume_["emptyDir"].get("medium", "") != "Memory"
+
+
+def walk(node: Any) -> Iterator[dict[str, Any]]:
+    """Every mapping inside a document, depth first."""
+    if isinstance(node, dict):
+        yield node
+        for value in node.values():
+            yield from walk(value)
+    elif isinstance(node, list):
+        for value in node:
+            yield from walk(value)
 
 
 # -- rendering and schemas ------------------------------------------------------------------------
@@ -90,8 +131,9 @@ def test_every_overlay_renders_a_workload_with_its_rendezvous(overlay: tuple[str
     name, docs = overlay
     assert all(d.get("apiVersion") and d.get("kind") and d.get("metadata", {}).get("name") for d in docs)
     kinds = {d["kind"] for d in docs}
-    assert {"ServiceAccount", "PersistentVolumeClaim", "ConfigMap", "StatefulSet", "Service"} <= kinds, kinds
-    assert len(by_kind(docs, "Job") + by_kind(docs, "PyTorchJob")) == 1, f"{name}: exactly one training workload"
+    assert {"ServiceAccount", "ConfigMap", "StatefulSet", "Service"} <= kinds, kinds
+    workloads = [describe(d) for d in docs if d["kind"] in WORKLOAD_KINDS]
+    assert len(workloads) == 1, f"{name}: exactly one training workload, not {workloads}"
     names = [describe(d) for d in docs]
     assert len(names) == len(set(names)), f"{name}: duplicate documents {names}"
 
@@ -117,6 +159,14 @@ def test_custom_resource_schemas_reject_what_their_operators_reject(schemas: dic
                        "spec": {"elasticPolicy": {"minReplicas": 1, "maxReplicas": 2, "rdzvBackend": "etcd-v3"},
                                 "pytorchReplicaSpecs": {"Worker": {"replicas": 2, "restartPolicy": "OnFailure",
                                                                    "template": template}}}},
+        "JobSet": {"apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet", "metadata": {"name": "j"},
+                   "spec": {"successPolicy": {"operator": "All", "targetReplicatedJobs": ["workers"]},
+                            "failurePolicy": {"maxRestarts": 3, "restartStrategy": "BlockingRecreate",
+                                              "rules": [{"name": "InvalidConfig", "action": "FailJobSet",
+                                                         "onJobFailureReasons": ["PodFailurePolicy"]}]},
+                            "replicatedJobs": [{"name": "workers", "replicas": 1, "template": {"spec": {
+                                "completionMode": "Indexed", "completions": 4, "parallelism": 4,
+                                "template": {**template, "spec": {**template["spec"], "restartPolicy": "Never"}}}}}]}},
     }
     for doc in good.values():
         assert s.errors(doc) == [], describe(doc)
@@ -140,6 +190,33 @@ def test_custom_resource_schemas_reject_what_their_operators_reject(schemas: dic
                   .update(env={"A": "1"}))  # the embedded pod template is checked by Kubernetes' strict schema
     assert broken("PyTorchJob", lambda d: d["spec"]["elasticPolicy"].update(minReplicas="1"))
     assert broken("PyTorchJob", lambda d: d["metadata"].update(name="Trainer_1"))
+
+    def replicated(d: dict[str, Any]) -> dict[str, Any]:
+        return d["spec"]["replicatedJobs"][0]
+
+    assert broken("JobSet", lambda d: d["spec"].update(replicatedJob=d["spec"].pop("replicatedJobs")))  # misspelt field
+    assert broken("JobSet", lambda d: replicated(d)["template"]["spec"]["template"]["spec"]["containers"][0]
+                  .update(env={"A": "1"}))  # the embedded pod template is checked by Kubernetes' strict schema
+    assert broken("JobSet", lambda d: replicated(d)["template"]["spec"].update(parallelism="4"))  # and the Job's
+    assert broken("JobSet", lambda d: replicated(d).update(replicas=-1))
+    assert broken("JobSet", lambda d: replicated(d).update(name="Workers"))  # names the Jobs: DNS-1035
+    assert broken("JobSet", lambda d: replicated(d).update(dependsOn=[{"name": "x", "status": "Ready"}]))  # the first
+    assert broken("JobSet", lambda d: d["spec"]["successPolicy"].update(operator="Some"))
+    assert broken("JobSet", lambda d: d["spec"]["failurePolicy"].update(maxRestarts="3"))
+    assert broken("JobSet", lambda d: d["spec"]["failurePolicy"].update(restartStrategy="Blocking"))
+    assert broken("JobSet", lambda d: d["spec"]["failurePolicy"]["rules"][0].update(action="FailJob"))
+    assert broken("JobSet", lambda d: d["spec"]["failurePolicy"]["rules"][0].update(name="invalid config"))
+    assert broken("JobSet", lambda d: d["spec"]["failurePolicy"]["rules"][0].update(onJobFailureReasons=["OOMKilled"]))
+    assert broken("JobSet", lambda d: d["spec"].update(network={"enableDNSHostnames": "false"}))
+
+    def second_after_the_first(d: dict[str, Any]) -> None:
+        d["spec"]["replicatedJobs"].append({**copy.deepcopy(replicated(d)), "name": "more",
+                                             "dependsOn": [{"name": "workers", "status": "Ready"}]})
+
+    assert not broken("JobSet", second_after_the_first)
+    assert broken("JobSet", lambda d: (second_after_the_first(d),  # dependsOn and startupPolicy InOrder exclude each other
+                                       d["spec"].update(startupPolicy={"startupPolicyOrder": "InOrder"})))
+    assert broken("JobSet", lambda d: d["metadata"].update(name="Trainer_1"))
 
 
 # -- the torchrun command ------------------------------------------------------------------------
@@ -196,13 +273,17 @@ def test_the_documented_command_parses_like_a_shell_line() -> None:
 
 
 def test_the_workload_scales_between_min_and_max_pods(overlay: tuple[str, list[dict[str, Any]]]) -> None:
+    """An Indexed Job (the base's, or a JobSet's) whose completions are the most pods and whose parallelism the pods
+    now; a PyTorchJob's elasticPolicy says the same."""
     name, docs = overlay
     for pod in pods_of(docs):
         low, high = nnodes(resolve_env(pod, docs))
         assert 1 <= low <= high, f"{name}: PET_NNODES={low}:{high}"
         owner = pod.owner
-        if owner["kind"] == "Job":
-            spec = owner["spec"]
+        if owner["kind"] in ("Job", "JobSet"):
+            specs = job_specs(pod)
+            assert len(specs) == 1, f"{name} {describe(owner)}: one Job runs the pods"
+            spec = specs[0]
             assert spec["completionMode"] == "Indexed"
             assert spec["completions"] == high, "completions is the most pods that ever run: the max of PET_NNODES"
             assert low <= spec["parallelism"] <= high, f"{name}: parallelism {spec['parallelism']} outside {low}:{high}"
@@ -216,11 +297,30 @@ def test_the_workload_scales_between_min_and_max_pods(overlay: tuple[str, list[d
                 c["name"] for c in pod.spec.get("initContainers", [])}, "FailJob must name the config check"
             assert "selector" not in spec, "a Job's selector is generated; labels must not add one"
         else:
+            assert owner["kind"] == "PyTorchJob", describe(owner)
             policy = owner["spec"]["elasticPolicy"]
             assert (policy["minReplicas"], policy["maxReplicas"]) == (low, high)
             replicas = owner["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"]
             assert low <= replicas <= high
             assert pod.spec["restartPolicy"] == owner["spec"]["pytorchReplicaSpecs"]["Worker"]["restartPolicy"]
+
+
+def test_a_jobset_restarts_its_group_only_for_what_a_restart_can_mend(overlay: tuple[str, list[dict[str, Any]]]) -> None:
+    """One group of torchrun agents (a second Job would join the same rendezvous beyond the max). The set is done
+    when that Job is (its successPolicy: the first pod that finished training); a Job that failed for an invalid
+    config fails the set at once, any other failure (crashes beyond backoffLimit) recreates it a few times, the old
+    pods gone first (they may still be writing their final snapshot)."""
+    name, docs = overlay
+    for jobset in by_kind(docs, "JobSet"):
+        spec = jobset["spec"]
+        assert [(r["name"], r["replicas"]) for r in spec["replicatedJobs"]] == [("workers", 1)], name
+        assert spec["successPolicy"] == {"operator": "All", "targetReplicatedJobs": ["workers"]}
+        policy = spec["failurePolicy"]
+        assert policy["maxRestarts"] >= 1 and policy["restartStrategy"] == "BlockingRecreate"
+        first_match = next(r for r in policy["rules"] if "PodFailurePolicy" in r.get("onJobFailureReasons", []))
+        assert first_match["action"] == "FailJobSet", f"{name}: an invalid config is restarted"
+        assert set(spec["network"]) == {"enableDNSHostnames"} and spec["network"]["enableDNSHostnames"] is False, (
+            "pods announce their IP to etcd: no headless Service, no hostnames")
 
 
 def test_the_grace_period_covers_the_graceful_stop(overlay: tuple[str, list[dict[str, Any]]]) -> None:
@@ -238,8 +338,8 @@ def test_the_grace_period_covers_the_graceful_stop(overlay: tuple[str, list[dict
 
 
 def test_the_config_file_fits_the_pod(overlay: tuple[str, list[dict[str, Any]]], tmp_path: Path) -> None:
-    """The mounted config is valid, writes to the shared volume and serves metrics where the pod
-    (and the PodMonitor) expects them; the config check reads the same file."""
+    """The mounted config is valid, keeps its run directory on the run volume and serves metrics where
+    the pod (and the PodMonitor) expects them; the config check reads the same file."""
     name, docs = overlay
     for pod in pods_of(docs):
         args = pod.container()["args"]
@@ -252,7 +352,6 @@ def test_the_config_file_fits_the_pod(overlay: tuple[str, list[dict[str, Any]]],
         config = load_config(tmp_path / "config.yaml")
         runs = mount_path(pod, "runs")
         assert Path(config.run.dir).is_relative_to(runs), f"{name}: run.dir {config.run.dir} is not on the volume at {runs}"
-        assert config.snapshot.dir is None or Path(config.snapshot.dir).is_relative_to(runs)
         assert config.metrics.port == port(pod, "metrics")
         assert int(resolve_env(pod, docs)["ELASTIC_RUNNER_AGENT_METRICS_PORT"]) == port(pod, "agent-metrics")
         assert config.metrics.bind in ("auto", "0.0.0.0")
@@ -283,11 +382,12 @@ def test_each_overlay_asks_for_the_hardware_its_config_uses(overlay: tuple[str, 
 
 
 def test_each_jobs_rendezvous_keys_are_its_own(overlay: tuple[str, list[dict[str, Any]]]) -> None:
-    """A Job's pods scope their etcd keys by the Job's UID (a label the Job controller sets on every pod): a signed
-    value of an earlier run under the same rdzv id can never be put back into this one (docs/trust.md)."""
+    """A Job's pods scope their etcd keys by the Job's UID (a label the Job controller sets on every pod, a JobSet's
+    Jobs' too): a signed value of an earlier run under the same rdzv id can never be put back into this one
+    (docs/trust.md)."""
     _, docs = overlay
     for pod in pods_of(docs):
-        if pod.owner["kind"] != "Job":
+        if not job_specs(pod):
             continue  # a PyTorchJob's pods carry no such label: give each run its own rdzvId
         env = {e["name"]: e for e in pod.container().get("env", [])}
         scope = env.get("ELASTIC_RUNNER_RDZV_SCOPE")
@@ -391,20 +491,63 @@ def test_the_rendezvous_is_authenticated_end_to_end(overlay: tuple[str, list[dic
             assert mounted, f"{name}: Secret {secret} is not mounted"
             assert mounted[0]["secret"]["defaultMode"] & 0o007 == 0, f"{name}: {secret} readable by every user"
             assert str(path.parent) == mount_path(pod, mounted[0]["name"]), f"{name}: {key}={path} is not in {secret}"
-        assert not any("secretKeyRef" in str(v) for v in pod.container().get("env", [])), f"{name}: a secret in env"
+        from_secrets = {v["name"]: v["valueFrom"]["secretKeyRef"]["name"] for v in pod.container().get("env", [])
+                        if "secretKeyRef" in v.get("valueFrom", {})}
+        assert not {"elastic-runner-etcd-client", "elastic-runner-rdzv-key"} & set(from_secrets.values()), (
+            f"{name}: a rendezvous secret in env")
+        assert set(from_secrets) <= set(OBJECT_STORE_SETTINGS), f"{name}: a secret in env: {sorted(from_secrets)}"
+        assert not any("secretRef" in source for source in pod.container().get("envFrom", [])), f"{name}: a Secret as env"
 
 
-def test_the_run_directory_is_one_shared_volume(overlay: tuple[str, list[dict[str, Any]]]) -> None:
+def test_every_pod_finds_the_snapshots_on_one_shared_volume_or_in_one_bucket(
+        overlay: tuple[str, list[dict[str, Any]]], tmp_path: Path) -> None:
+    """A pod may start on any node and must resume from the newest snapshot whoever wrote it. Either the run
+    directory, and the snapshots in it, is one ReadWriteMany volume that every pod mounts; or the snapshots are in
+    a bucket, and the run directory (staging copy, read cache, the pod's records) is the pod's own emptyDir on the
+    node's disk, bounded by its sizeLimit, which the pod's ephemeral-storage request reserves."""
     name, docs = overlay
     for pod in pods_of(docs):
-        claim = volume(pod, "runs")["persistentVolumeClaim"]["claimName"]
-        pvc = one(docs, "PersistentVolumeClaim", claim)
-        assert pvc["spec"]["accessModes"] == ["ReadWriteMany"], f"{name}: every pod on every node writes the run directory"
-        service_account = pod.spec["serviceAccountName"]
-        one(docs, "ServiceAccount", service_account)
+        config = mounted_config(pod, docs, tmp_path)
+        runs, mounted_at = volume(pod, "runs"), mount_path(pod, "runs")
+        if is_url(config.snapshot_dir):
+            assert location_problem(config.snapshot_dir) is None, f"{name}: {location_problem(config.snapshot_dir)}"
+            assert disk_backed(runs) and set(runs) == {"name", "emptyDir"}, f"{name}: run.dir is on {runs}, not the pod's disk"
+            size = quantity(runs["emptyDir"]["sizeLimit"])
+            requested = quantity(pod.container()["resources"]["requests"]["ephemeral-storage"])
+            assert requested >= size, f"{name}: the pod requests {requested:.0f} B of ephemeral storage, its run directory may use {size:.0f}"
+        else:
+            claim = runs["persistentVolumeClaim"]["claimName"]
+            pvc = one(docs, "PersistentVolumeClaim", claim)
+            assert pvc["spec"]["accessModes"] == ["ReadWriteMany"], f"{name}: every pod on every node writes the run directory"
+            assert Path(config.snapshot_dir).is_relative_to(mounted_at), f"{name}: snapshots in {config.snapshot_dir}, not on {claim}"
+
+
+def test_every_disk_backed_emptydir_fits_in_the_pods_ephemeral_storage_limit(overlay: tuple[str, list[dict[str, Any]]]) -> None:
+    """The kubelet evicts a pod whose disk use (emptyDirs, logs, writable layers) passes the sum of its containers'
+    limits: each emptyDir must be able to fill up to its own sizeLimit first."""
+    name, docs = overlay
+    for pod in pods_of(docs):
+        dirs = [v for v in pod.spec["volumes"] if disk_backed(v)]
+        assert all("sizeLimit" in v["emptyDir"] for v in dirs), f"{name}: an emptyDir without sizeLimit"
+        total = sum(quantity(v["emptyDir"]["sizeLimit"]) for v in dirs)
+        limit = sum(quantity(c["resources"]["limits"]["ephemeral-storage"]) for c in pod.spec["containers"])
+        assert limit >= total, f"{name}: ephemeral-storage limit {limit:.0f} B < the emptyDirs' {total:.0f} B"
+
+
+def test_everything_a_pod_refers_to_is_in_the_render(overlay: tuple[str, list[dict[str, Any]]]) -> None:
+    """Service account, ConfigMaps and claims exist; a claim that no pod mounts is not rendered."""
+    name, docs = overlay
+    claimed = set()
+    for pod in pods_of(docs):
+        one(docs, "ServiceAccount", pod.spec["serviceAccountName"])
         for cm in [v["configMap"]["name"] for v in pod.spec["volumes"] if "configMap" in v] + [
                 s["configMapRef"]["name"] for s in pod.container().get("envFrom", [])]:
             configmap(docs, cm)
+        for claim in [v["persistentVolumeClaim"]["claimName"] for v in pod.spec["volumes"] if "persistentVolumeClaim" in v]:
+            one(docs, "PersistentVolumeClaim", claim)
+            claimed.add(claim)
+    unused = {pvc["metadata"]["name"] for pvc in by_kind(docs, "PersistentVolumeClaim")} - claimed
+    assert not unused, f"{name}: claims no pod mounts: {sorted(unused)}"
 
 
 def test_labels_select_the_pods(overlay: tuple[str, list[dict[str, Any]]]) -> None:
@@ -452,3 +595,72 @@ def test_the_pytorchjob_variant_runs_the_gpu_overlays_pods(kubectl: str) -> None
     assert pytorchjob["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] == job["spec"]["parallelism"]
 
 
+def test_the_jobset_variant_runs_the_pods_of_the_job_overlay_it_derives_from(
+        kubectl: str, schemas: dict[str, Schemas]) -> None:
+    """The JobSet's one replicatedJob is the Job overlay's Job spec as it is: the same pods (image, command,
+    PET_* variables and rendezvous, volumes, resources), completions, parallelism and policies; and the JobSet
+    validates against its schema."""
+    for variant, origin in JOBSET_VARIANTS.items():
+        job = one(render(kubectl, K8S / "overlays" / origin), "Job")
+        jobset = one(render(kubectl, K8S / "overlays" / variant), "JobSet")
+        [replicated] = jobset["spec"]["replicatedJobs"]
+        assert replicated["template"]["spec"] == job["spec"], variant
+        assert replicated["template"]["metadata"]["labels"] == jobset["metadata"]["labels"] == job["metadata"]["labels"]
+        assert jobset["metadata"]["name"] == job["metadata"]["name"]
+        for version, s in schemas.items():
+            assert s.errors(jobset) == [], f"Kubernetes {version}"
+
+
+def test_the_object_storage_overlays_claim_no_volume(kubectl: str) -> None:
+    """Without a ReadWriteMany storage class there is nothing to claim: no PersistentVolumeClaim, no pod volume
+    (persistent or generic ephemeral) and no StatefulSet claim template that asks for one."""
+    for name in OBJECT_STORAGE_OVERLAYS:
+        docs = render(kubectl, K8S / "overlays" / name)
+        assert not by_kind(docs, "PersistentVolumeClaim"), name
+        for owner, template in all_pod_templates(docs):
+            claims = [v["name"] for v in template["spec"].get("volumes", []) if {"persistentVolumeClaim", "ephemeral"} & set(v)]
+            assert not claims, f"{name} {owner}: volumes {claims} claim storage"
+        assert not any(sts["spec"].get("volumeClaimTemplates") for sts in by_kind(docs, "StatefulSet")), name
+
+
+def test_the_object_storage_overlays_keep_the_snapshots_in_a_bucket_and_the_run_on_each_pod(
+        kubectl: str, tmp_path: Path) -> None:
+    """snapshot.dir is an s3:// URL (a placeholder bucket to change), run.dir is on the pod's emptyDir, and
+    everything else is the base's training (cpu-dev's): the same model, data, schedule and snapshot cadence."""
+    base = load_config_text((K8S / "base" / "config.yaml").read_text(), tmp_path / "base.yaml")
+    for name in OBJECT_STORAGE_OVERLAYS:
+        docs = render(kubectl, K8S / "overlays" / name)
+        for pod in pods_of(docs):
+            config = mounted_config(pod, docs, tmp_path)
+            assert config.snapshot.dir and config.snapshot.dir.startswith("s3://"), f"{name}: snapshot.dir {config.snapshot.dir}"
+            assert "emptyDir" in volume(pod, "runs") and Path(config.run.dir).is_relative_to(mount_path(pod, "runs"))
+            ours, theirs = config.to_dict(), base.to_dict()
+            del ours["snapshot"]["dir"], theirs["snapshot"]["dir"]
+            assert ours == theirs, f"{name}: the config differs from the base's beyond snapshot.dir"
+
+
+def test_the_object_storage_credentials_come_from_an_optional_secret_or_a_role(kubectl: str) -> None:
+    """Keys (and an S3-compatible endpoint) from the Secret the user creates, each optional, so that pods whose
+    ServiceAccount has a role (IRSA, Pod Identity, Workload Identity) start without it."""
+    for name in OBJECT_STORAGE_OVERLAYS:
+        docs = render(kubectl, K8S / "overlays" / name)
+        for pod in pods_of(docs):
+            env = {v["name"]: v for v in pod.container().get("env", [])}
+            for variable in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL"):
+                ref = env[variable]["valueFrom"]["secretKeyRef"]
+                assert ref == {"name": "elastic-runner-object-store", "key": variable, "optional": True}, f"{name}: {ref}"
+            assert one(docs, "ServiceAccount", pod.spec["serviceAccountName"])["automountServiceAccountToken"] is False
+
+
+def test_no_manifest_holds_object_store_credentials(overlay: tuple[str, list[dict[str, Any]]]) -> None:
+    """An access key or secret key is never a literal: every variable of that name, anywhere, comes from a
+    Secret (secretKeyRef), and no ConfigMap or rendered Secret carries one."""
+    name, docs = overlay
+    for doc in docs:
+        for node in walk(doc):
+            if node.get("name") in OBJECT_STORE_CREDENTIALS and ("value" in node or "valueFrom" in node):
+                assert "value" not in node and set(node["valueFrom"]) == {"secretKeyRef"}, (
+                    f"{name} {describe(doc)}: {node['name']} is not taken from a Secret")
+        if doc["kind"] in ("ConfigMap", "Secret"):
+            keys = set(doc.get("data", {})) | set(doc.get("stringData", {}))
+            assert not keys & set(OBJECT_STORE_CREDENTIALS), f"{name} {describe(doc)} holds {sorted(keys)}"

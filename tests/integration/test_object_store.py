@@ -254,3 +254,13 @@ def test_open_store_picks_the_directory_or_the_bucket(url: str, tmp_path: Path) 
 def test_a_sharded_model_with_a_bucket_is_refused_until_its_parts_can_go_there(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="snapshot.dir.*shared directory for a sharded model"):
         load_config(QUICKSTART, ["snapshot.dir=s3://bucket/prefix", "parallel.strategy=fsdp", f"run.dir={tmp_path}"])
+
+
+def test_no_credentials_at_all_is_a_clear_error_naming_where_they_come_from(
+        url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    with pytest.raises(StoreAccessError, match="no credentials .* were found.*AWS_ACCESS_KEY_ID"):
+        node(url, tmp_path)

@@ -1,0 +1,294 @@
+"""The run's records in object storage: each node's ``run.dir`` uploaded in the background, read back as one run.
+
+Without a shared filesystem every node keeps its own ``run.dir`` (events, the audit trail, the effective config).
+:class:`RecordSync` copies what a node wrote to ``SNAPSHOT_URL/records/`` every ``every_s`` seconds and once more
+when its worker ends, from a thread (a step never waits for it). The record files are append-only JSON lines with
+names of their own on every node (``gen-G-rank-R``, ``agent-HOST-PID``), so a node uploads only what was appended
+since its last upload, as an object named by its byte range: ``records/events/gen-000002-rank-00001.jsonl/
+000000000004096-000000000008192``. Whole lines only: a reader never sees a torn line that was not torn on the node.
+Small whole files (``config.yaml``) are replaced.
+
+:func:`fetch_records` rebuilds the whole run from those objects into a local directory that ``elastic-runner
+audit``, ``report`` and the chaos checker read as they read a shared ``run.dir``. Ranges may overlap (a restarted
+worker uploads a file again from where the bucket ends, two processes of a node may upload the same lines): the
+bytes of an append-only file at an offset never change, so any chain of ranges that starts at 0 rebuilds it.
+
+A node lost with its disk loses what it had not uploaded: at most ``every_s`` seconds of its records (and the
+records of a worker killed on a node that is never seen again since its last upload). The upload errors of an
+unreachable store are counted and logged once in full, then at most once a minute; training goes on.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from ..files import makedirs, open_file, private_dir
+
+log = logging.getLogger("elastic_runner.records")
+
+#: What of a run directory is a record (relative paths): the append-only logs and the effective config.
+APPEND_ONLY = ("events", "audit")
+WHOLE_FILES = ("config.yaml",)
+RECORDS = "records"
+_RANGE = re.compile(r"([0-9]{15})-([0-9]{15})")
+#: A chunk is at most this many bytes (a long run's first upload after a restart is split).
+MAX_CHUNK = 8 << 20
+
+
+def records_url(snapshot_url: str) -> str:
+    return f"{snapshot_url.rstrip('/')}/{RECORDS}"
+
+
+def _filesystem(url: str) -> tuple[Any, str]:
+    from ..snapshot.object_store import open_filesystem
+
+    fs, path = open_filesystem(url)  # gives up within seconds: records are retried at the next sync anyway
+    return fs, path.rstrip("/")
+
+
+class RecordSync:
+    """Uploads the record files of ``run_dir`` (those ``wanted`` accepts) below ``url``; see the module docstring."""
+
+    def __init__(self, run_dir: str | os.PathLike[str], url: str, *, every_s: float = 15.0,
+                 wanted: Callable[[str], bool] = lambda relative: True, fs: Any = None) -> None:
+        self.run_dir = Path(run_dir)
+        self.url = url.rstrip("/")
+        if fs is None:
+            fs, self.prefix = _filesystem(self.url)
+        else:
+            self.prefix = self.url.split("://", 1)[-1]
+        self.fs = fs
+        self.every_s = every_s
+        self.wanted = wanted
+        self.failures = 0
+        self.uploaded_bytes = 0
+        self._sent: dict[str, int] | None = None  # relative path -> bytes the bucket has (learned on first sync)
+        self._whole: dict[str, tuple[int, int]] = {}  # relative path -> (size, mtime_ns) last uploaded
+        self._last_report = 0.0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # -- one pass ----------------------------------------------------------------------------------------------
+
+    def _remote_ends(self) -> dict[str, int]:
+        """How far the bucket has each append-only file (the end of its chain of ranges from 0)."""
+        ranges: dict[str, list[tuple[int, int]]] = {}
+        for key in _list(self.fs, self.prefix):
+            relative, m = _split_chunk(key[len(self.prefix) + 1:])
+            if m is not None:
+                ranges.setdefault(relative, []).append((int(m.group(1)), int(m.group(2))))
+        return {relative: _chain_end(spans) for relative, spans in ranges.items()}
+
+    def _local_files(self) -> list[tuple[str, Path]]:
+        found = []
+        for sub in APPEND_ONLY:
+            directory = self.run_dir / sub
+            if directory.is_dir():
+                found += [(f"{sub}/{p.name}", p) for p in sorted(directory.glob("*.jsonl"))]
+        found += [(name, self.run_dir / name) for name in WHOLE_FILES if (self.run_dir / name).is_file()]
+        return [(relative, path) for relative, path in found if self.wanted(relative)]
+
+    def sync(self) -> int:
+        """Upload what is new; returns the bytes sent. Raises what the store raised (the thread counts it)."""
+        with self._lock:
+            if self._sent is None:
+                self._sent = self._remote_ends()
+            sent = 0
+            for relative, path in self._local_files():
+                if relative in WHOLE_FILES:
+                    sent += self._sync_whole(relative, path)
+                else:
+                    sent += self._sync_appended(relative, path)
+            self.uploaded_bytes += sent
+            return sent
+
+    def _sync_appended(self, relative: str, path: Path) -> int:
+        assert self._sent is not None
+        start = self._sent.get(relative, 0)
+        try:
+            with open(path, "rb") as fh:
+                fh.seek(start)
+                data = fh.read(MAX_CHUNK * 16)
+        except FileNotFoundError:
+            return 0
+        end_of_lines = data.rfind(b"\n") + 1  # whole lines only: the rest is still being written
+        sent = 0
+        while sent < end_of_lines:
+            piece = data[sent:min(end_of_lines, sent + MAX_CHUNK)]
+            if len(piece) == MAX_CHUNK and not piece.endswith(b"\n"):
+                piece = piece[:piece.rfind(b"\n") + 1] or piece
+            lo, hi = start + sent, start + sent + len(piece)
+            self.fs.pipe_file(f"{self.prefix}/{relative}/{lo:015d}-{hi:015d}", piece)
+            sent += len(piece)
+            self._sent[relative] = hi
+        return sent
+
+    def _sync_whole(self, relative: str, path: Path) -> int:
+        info = path.stat()
+        stamp = (info.st_size, info.st_mtime_ns)
+        if self._whole.get(relative) == stamp:
+            return 0
+        data = path.read_bytes()
+        self.fs.pipe_file(f"{self.prefix}/{relative}", data)
+        self._whole[relative] = stamp
+        return len(data)
+
+    # -- in the background -------------------------------------------------------------------------------------
+
+    def start(self) -> "RecordSync":
+        self._thread = threading.Thread(target=self._run, name="record-sync", daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            self._attempt()
+
+    def _attempt(self) -> None:
+        try:
+            self.sync()
+        except Exception as exc:  # noqa: BLE001 - the store unreachable or refusing: training goes on
+            self.failures += 1
+            now = time.monotonic()
+            if not self._last_report:
+                log.warning("could not upload the run's records to %s (%s: %s); training goes on, the upload is "
+                            "retried every %.0f s", self.url, type(exc).__name__, str(exc)[:300], self.every_s)
+                self._last_report = now
+            elif now - self._last_report >= 60:
+                log.warning("the run's records still do not reach %s (%d failed uploads so far)", self.url,
+                            self.failures)
+                self._last_report = now
+
+    def close(self, final: bool = True, timeout_s: float = 10.0) -> None:
+        """Stop the thread; with ``final``, one last upload of everything written so far (the worker's end), given
+        at most ``timeout_s``: a store that does not answer never holds up a worker's exit (or a recovery)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=timeout_s)
+        if final:
+            last = threading.Thread(target=self._attempt, name="record-sync-final", daemon=True)
+            last.start()
+            last.join(timeout=timeout_s)
+            if last.is_alive():  # it counts its own failure when the client gives up
+                log.warning("the last records of this worker did not reach %s within %.0f s; they stay in %s",
+                            self.url, timeout_s, self.run_dir)
+
+
+def own_records(generation: int, rank: int) -> Callable[[str], bool]:
+    """What one worker wrote itself: its event log and its audit trail of this generation."""
+    mine = f"gen-{generation:06d}-rank-{rank:05d}.jsonl"
+    return lambda relative: relative.rsplit("/", 1)[-1] == mine
+
+
+# -- reading a run back --------------------------------------------------------------------------------------------
+
+
+def fetch_records(url: str, into: str | os.PathLike[str], fs: Any = None) -> Path:
+    """Rebuild the run's record files from ``url`` (``SNAPSHOT_URL/records``) in ``into``; returns ``into``.
+    Chunks are downloaded once (kept in ``into/.chunks``), so a second fetch costs a listing and what is new."""
+    target = private_dir(makedirs(Path(into)))
+    if fs is None:
+        fs, prefix = _filesystem(url)
+    else:
+        prefix = url.split("://", 1)[-1].rstrip("/")
+    chunks = private_dir(target / ".chunks")
+    ranges: dict[str, list[tuple[int, int, str]]] = {}
+    for key in _list(fs, prefix):
+        relative = key[len(prefix) + 1:]
+        if relative in WHOLE_FILES:
+            _write_private(target / relative, fs.cat_file(key))
+            continue
+        relative, m = _split_chunk(relative)
+        if m is None or not _safe(relative):
+            continue  # not ours (and nothing planted may name a path outside ``into``)
+        local = chunks / relative.replace("/", "__") / m.group(0)
+        if not local.is_file():
+            makedirs(local.parent)
+            _write_private(local, fs.cat_file(key))
+        ranges.setdefault(relative, []).append((int(m.group(1)), int(m.group(2)), str(local)))
+    for relative, spans in ranges.items():
+        _write_private(target / relative, _assemble(spans))
+    return target
+
+
+def _assemble(spans: list[tuple[int, int, str]]) -> bytes:
+    """The file from its ranges: from offset 0, each time the range that reaches furthest from where we are."""
+    out = bytearray()
+    while True:
+        here = len(out)
+        best = max((s for s in spans if s[0] <= here < s[1]), key=lambda s: s[1], default=None)
+        if best is None:
+            return bytes(out)
+        with open(best[2], "rb") as fh:
+            fh.seek(here - best[0])
+            out += fh.read(best[1] - here)
+
+
+def _chain_end(spans: list[tuple[int, int]]) -> int:
+    end = 0
+    for lo, hi in sorted(spans):
+        if lo > end:
+            break
+        end = max(end, hi)
+    return end
+
+
+def _split_chunk(relative: str) -> tuple[str, re.Match[str] | None]:
+    head, _, name = relative.rpartition("/")
+    m = _RANGE.fullmatch(name)
+    return (head, m) if m is not None and "/" in head else (relative, None)
+
+
+def _safe(relative: str) -> bool:
+    parts = relative.split("/")
+    return len(parts) == 2 and parts[0] in APPEND_ONLY and parts[1].endswith(".jsonl") and \
+        not parts[1].startswith(".") and "\\" not in relative
+
+
+def _list(fs: Any, prefix: str) -> list[str]:
+    try:
+        return [k for k in fs.find(prefix, detail=False) if k.startswith(prefix + "/")]
+    except FileNotFoundError:
+        return []
+
+
+def _write_private(path: Path, data: bytes) -> None:
+    makedirs(path.parent)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open_file(tmp, "wb") as fh:
+        fh.write(data)
+    os.replace(tmp, path)
+
+
+def run_view(location: str) -> str:
+    """The directory that ``audit``, ``report`` and the chaos checker read for ``location``: a run directory as it is,
+    or, for a run whose snapshots are in a bucket (``location`` is that URL, or a node's run directory whose effective
+    config names one), the whole run's records fetched from the bucket into a private local directory."""
+    from ..config.locations import is_url
+
+    url = location if is_url(location) else _snapshot_url_of(Path(location))
+    if url is None:
+        return location
+    from ..snapshot.object_store import default_local
+
+    return str(fetch_records(records_url(url), default_local(url) / "run"))
+
+
+def _snapshot_url_of(run_dir: Path) -> str | None:
+    import yaml
+
+    from ..config.locations import is_url
+
+    try:
+        cfg = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
+        custom = (cfg.get("snapshot") or {}).get("dir")
+    except (OSError, yaml.YAMLError, AttributeError):
+        return None
+    return custom if isinstance(custom, str) and is_url(custom) else None

@@ -1,0 +1,122 @@
+"""The run's records without a shared directory: each node's run.dir uploaded to the bucket, read back as one run."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from elastic_runner.observe.records import RecordSync, fetch_records, own_records, run_view
+from elastic_runner.testing.s3_server import S3Server
+
+pytestmark = [pytest.mark.timeout(180)]
+
+
+def append(path: Path, *lines: dict[str, Any], torn: str = "") -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as fh:
+        for line in lines:
+            fh.write(json.dumps(line) + "\n")
+        fh.write(torn)
+
+
+@pytest.fixture
+def records(s3_prefix: str) -> str:
+    return f"{s3_prefix}/snapshots/records"
+
+
+def test_two_nodes_records_come_back_as_one_run_with_only_whole_lines(
+        records: str, s3_server: S3Server, tmp_path: Path) -> None:
+    fs = s3_server.filesystem()
+    a, b = tmp_path / "node-a", tmp_path / "node-b"
+    (a / "config.yaml").parent.mkdir(parents=True)
+    (a / "config.yaml").write_text("run: {dir: x}\n")
+    append(a / "events/gen-000001-rank-00000.jsonl", {"kind": "start", "rank": 0}, torn='{"kind": "st')
+    append(b / "events/gen-000001-rank-00001.jsonl", {"kind": "start", "rank": 1})
+    sync_a, sync_b = RecordSync(a, records, fs=fs), RecordSync(b, records, fs=fs)
+    assert sync_a.sync() > 0 and sync_b.sync() > 0
+    view = fetch_records(records, tmp_path / "view", fs=fs)
+    assert (view / "config.yaml").read_text() == "run: {dir: x}\n"
+    first = (view / "events/gen-000001-rank-00000.jsonl").read_text()
+    assert first == '{"kind": "start", "rank": 0}\n', "the line still being written stays on the node"
+
+    # The line completes, more follow: only the new bytes go, as a new range.
+    append(a / "events/gen-000001-rank-00000.jsonl", torn='art"}\n')
+    append(a / "events/gen-000001-rank-00000.jsonl", {"kind": "end", "rank": 0})
+    before = len(fs.find(records.removeprefix("s3://")))
+    sync_a.sync()
+    assert len(fs.find(records.removeprefix("s3://"))) == before + 1
+    view = fetch_records(records, tmp_path / "view", fs=fs)
+    assert (view / "events/gen-000001-rank-00000.jsonl").read_bytes() == \
+        (a / "events/gen-000001-rank-00000.jsonl").read_bytes()
+    assert (view / "events/gen-000001-rank-00001.jsonl").read_bytes() == \
+        (b / "events/gen-000001-rank-00001.jsonl").read_bytes()
+
+
+def test_a_restarted_worker_goes_on_where_the_bucket_ends_and_overlapping_ranges_rebuild_the_file(
+        records: str, s3_server: S3Server, tmp_path: Path) -> None:
+    fs = s3_server.filesystem()
+    node = tmp_path / "node"
+    log = node / "audit/gen-000002-rank-00003.jsonl"
+    append(log, *({"step": s} for s in range(50)))
+    RecordSync(node, records, fs=fs).sync()
+    append(log, *({"step": s} for s in range(50, 80)))
+    # Two processes of the node upload the same new lines (the node's first worker and the rank itself, at its end).
+    mine = RecordSync(node, records, fs=fs, wanted=own_records(2, 3))
+    in_bucket = fs.du(records.removeprefix("s3://"))
+    assert mine.sync() == len(log.read_bytes()) - in_bucket, "only what is new"
+    RecordSync(node, records, fs=fs).sync()
+    assert RecordSync(node, records, fs=fs).sync() == 0, "nothing new, nothing sent"
+    view = fetch_records(records, tmp_path / "view", fs=fs)
+    assert (view / "audit/gen-000002-rank-00003.jsonl").read_bytes() == log.read_bytes()
+    assert RecordSync(node, records, fs=fs, wanted=own_records(2, 4)).sync() == 0, "another rank's file is not mine"
+
+
+def test_objects_planted_in_the_records_never_name_a_path_outside_the_view(
+        records: str, s3_server: S3Server, tmp_path: Path) -> None:
+    fs = s3_server.filesystem()
+    prefix = records.removeprefix("s3://")
+    fs.pipe_file(f"{prefix}/events/deeper/escape.jsonl/000000000000000-000000000000003", b"x\n")
+    fs.pipe_file(f"{prefix}/secrets/key.jsonl/000000000000000-000000000000003", b"x\n")
+    fs.pipe_file(f"{prefix}/events/ok.jsonl/000000000000000-000000000000011", b'{"kind":1}\n')
+    view = fetch_records(records, tmp_path / "deep" / "view", fs=fs)
+    written = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file() and ".chunks" not in str(p))
+    assert written == ["deep/view/events/ok.jsonl"]
+    assert (view.stat().st_mode & 0o077) == 0
+
+
+def test_an_unreachable_store_is_counted_and_said_once_then_the_records_go_when_it_is_back(
+        records: str, s3_server: S3Server, tmp_path: Path, caplog: pytest.LogCaptureFixture,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    for key, value in s3_server.env().items():
+        monkeypatch.setenv(key, value)
+    node = tmp_path / "node"
+    append(node / "events/gen-000001-rank-00000.jsonl", {"kind": "start"})
+    sync = RecordSync(node, records)  # its own client, as in a worker
+    sync.sync()
+    s3_server.stop()
+    try:
+        append(node / "events/gen-000001-rank-00000.jsonl", {"kind": "step"})
+        with caplog.at_level(logging.WARNING, logger="elastic_runner.records"):
+            began = time.monotonic()
+            sync.close(final=True, timeout_s=3.0)  # the worker's end: one bounded attempt, not a hang
+            assert time.monotonic() - began < 6.0
+            sync._attempt()
+    finally:
+        s3_server.start()
+    assert sync.failures >= 1
+    assert len([r for r in caplog.records if "could not upload the run's records" in r.message]) == 1
+    sync.sync()
+    view = fetch_records(records, tmp_path / "view", fs=s3_server.filesystem())
+    assert (view / "events/gen-000001-rank-00000.jsonl").read_text().count("\n") == 2
+
+
+def test_a_run_directory_is_read_as_it_is_and_a_bucket_run_through_its_records(tmp_path: Path) -> None:
+    plain = tmp_path / "run"
+    plain.mkdir()
+    (plain / "config.yaml").write_text("snapshot: {dir: null}\n")
+    assert run_view(str(plain)) == str(plain)
