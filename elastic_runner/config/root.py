@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .base import ConfigError, is_import_path
-from .locations import is_url
 from .operations import AuditConfig, DistConfig, LoggingConfig, MetricsConfig, ParallelConfig, SnapshotConfig
 from .training import (
     BUILTIN_LOSSES,
@@ -57,11 +56,6 @@ class Config:
             validate = getattr(section, "validate", None)
             if validate is not None:
                 validate()
-        if self.parallel.sharded and self.snapshot.dir and is_url(self.snapshot.dir):
-            raise ConfigError("snapshot.dir", f"{self.snapshot.dir!r} is a bucket, and parallel.strategy "
-                              f"{self.parallel.strategy}'s snapshot parts are written into a directory every node "
-                              "shares (not into object storage yet)",
-                              "Give snapshot.dir a shared directory for a sharded model, or use parallel.strategy: ddp")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -34,6 +34,7 @@ from urllib.parse import urlsplit
 
 from ..config.locations import is_url, location_problem
 from ..files import makedirs, private_dir
+from .shards import part_name, read_record, record_name
 from .store import (META, AlreadyCommittedError, LocalStore, SnapshotError, SnapshotRef, SnapshotUnavailableError,
                     StoreAccessError, fence_error)
 
@@ -263,9 +264,44 @@ class ObjectStore:
         return path
 
     def shared_staging(self, ref: SnapshotRef) -> Path:
-        raise SnapshotError(
-            f"sharded snapshots (parallel.strategy fsdp/hsdp) cannot be written to {self.location} yet: each rank's "
-            "part needs a directory every node shares. Give snapshot.dir a shared directory for a sharded model")
+        """No directory is shared: each rank of a sharded snapshot writes its part into a staging directory of its own
+        and uploads it (:meth:`share_part`) under the snapshot's name, where rank 0 finds it (:meth:`part_records`);
+        rank 0 uploads its own part with ``state.pt`` and creates ``meta.json`` once every part is there."""
+        return self.staging(ref)
+
+    def share_part(self, staging: Path, ref: SnapshotRef, rank: int) -> None:
+        """Upload this rank's part, then its record (what rank 0 waits for: the part is whole once it exists); the
+        local copy goes. Invisible to readers until rank 0 publishes ``meta.json``."""
+        remote = f"{self.prefix}/{ref.name}"
+        try:
+            with self._io(f"uploading {part_name(rank)} of {ref.name}"):
+                self.fs.put_file(str(staging / part_name(rank)), f"{remote}/{part_name(rank)}")
+                self.fs.put_file(str(staging / record_name(rank)), f"{remote}/{record_name(rank)}")
+        finally:
+            self.discard(staging)
+
+    def part_records(self, staging: Path, ref: SnapshotRef) -> dict[str, Any]:
+        """Rank 0 looks for the other ranks' records in the bucket (one listing a poll; a record is small JSON, never
+        more than a few hundred bytes taken), its own in ``staging``."""
+        remote = f"{self.prefix}/{ref.name}"
+
+        def records_of(missing: list[int]) -> dict[int, dict[str, Any]]:
+            found = read_record(staging, missing)
+            wanted = {record_name(r): r for r in missing if r not in found}
+            if not wanted:
+                return found
+            with self._io(f"waiting for the parts of {ref.name}"):
+                try:
+                    present = [k.rsplit("/", 1)[-1] for k in self.fs.ls(remote, detail=False, refresh=True)]
+                except FileNotFoundError:
+                    return found
+                for name in present:
+                    if name in wanted:
+                        with contextlib.suppress(ValueError, FileNotFoundError):
+                            found[wanted[name]] = json.loads(self.fs.cat_file(f"{remote}/{name}")[:4096])
+            return found
+
+        return {"records_of": records_of, "poll_s": 0.05}
 
     def publish(self, staging: Path, ref: SnapshotRef, entries_synced: bool = False) -> None:
         """Upload ``staging``'s files under ``ref``'s name, then create its ``meta.json``; the local copy goes."""

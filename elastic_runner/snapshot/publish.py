@@ -69,6 +69,8 @@ def write_sharded(store: LocalStore, generation: int, keep_last: int, ref: Snaps
         began = time.monotonic()
         if rank != 0:
             record = write_part(staging, rank, state["part"]) if rank in writers else None
+            if record is not None:
+                store.share_part(staging, ref, rank)  # a bucket: the part goes where rank 0 looks for it
             return Written(meta={"part": record, "step": ref.step})
         # Rank 0's own part in a thread while it writes state.pt (the rest of the state): the two fsyncs overlap.
         if rank in writers:
@@ -80,7 +82,8 @@ def write_sharded(store: LocalStore, generation: int, keep_last: int, ref: Snaps
             # The others started writing when rank 0 did, parts of about its size: a part that has not come in many
             # times rank 0's own time (and at least a minute) will not come (its rank died, or a newer round began).
             parts = wait_for_parts(staging, writers, timeout_s=max(PART_WAIT_MIN_S, 8 * (time.monotonic() - began)),
-                                   still_wanted=lambda: store.check_fence(generation))
+                                   still_wanted=lambda: store.check_fence(generation),
+                                   **store.part_records(staging, ref))
             return {"sharded": {"format": SHARD_FORMAT, "world_size": meta.get("world_size"), "writers": writers,
                                 "parts": parts}}
 
@@ -94,7 +97,7 @@ def write_sharded(store: LocalStore, generation: int, keep_last: int, ref: Snaps
         if own_part is not None:  # done writing before its directory goes
             with contextlib.suppress(Exception):
                 own_part()
-        if staging is not None and rank == 0:
+        if staging is not None and (rank == 0 or not store.is_local):  # a bucket's staging is each rank's own
             store.discard(staging)
         _raise_stale_or(store, generation, exc)
 

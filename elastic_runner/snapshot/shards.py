@@ -192,21 +192,32 @@ def write_part_bytes(directory: Path, rank: int, data: bytes) -> dict[str, Any]:
     return record
 
 
+def read_record(directory: Path, missing: list[int]) -> dict[int, dict[str, Any]]:
+    """The part records of ``missing`` ranks that are in ``directory`` by now."""
+    found = {}
+    for rank in missing:
+        try:
+            found[rank] = json.loads((directory / record_name(rank)).read_text())
+        except (FileNotFoundError, ValueError):
+            pass
+    return found
+
+
 def wait_for_parts(directory: Path, writers: list[int], *, timeout_s: float = PART_WAIT_MIN_S,
-                   still_wanted: Callable[[], None] = lambda: None) -> list[dict[str, Any]]:
+                   still_wanted: Callable[[], None] = lambda: None,
+                   records_of: Callable[[list[int]], dict[int, dict[str, Any]]] | None = None,
+                   poll_s: float = 0.005) -> list[dict[str, Any]]:
     """The records of every writer's part, once all are there (rank 0, before it publishes). ``still_wanted``
-    raises when the snapshot should be given up (a newer generation owns the run)."""
+    raises when the snapshot should be given up (a newer generation owns the run). ``records_of``: where the
+    records are looked for (default: ``directory``; a bucket for a store without a shared directory)."""
     deadline = time.monotonic() + timeout_s
     records: dict[int, dict[str, Any]] = {}
     next_check = 0.0
+    look = records_of or (lambda missing: read_record(directory, missing))
     while True:
-        for rank in writers:
-            if rank not in records:
-                path = directory / record_name(rank)
-                try:
-                    records[rank] = json.loads(path.read_text())
-                except (FileNotFoundError, ValueError):
-                    pass
+        missing = [r for r in writers if r not in records]
+        if missing:
+            records |= look(missing)
         if len(records) == len(writers):
             return [records[r] for r in writers]
         now = time.monotonic()
@@ -217,7 +228,7 @@ def wait_for_parts(directory: Path, writers: list[int], *, timeout_s: float = PA
         if now >= next_check:
             still_wanted()
             next_check = now + 1.0
-        time.sleep(0.005)  # a few small files read: cheap, and the snapshot is durable that much sooner
+        time.sleep(poll_s)  # a few small files read: cheap, and the snapshot is durable that much sooner
 
 
 def check_sharded_meta(name: str, meta: dict[str, Any]) -> list[dict[str, Any]]:

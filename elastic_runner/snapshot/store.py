@@ -229,6 +229,13 @@ class LocalStore:
             raise SnapshotError(f"cannot create {path} ({exc.strerror}); check that {self.root} is writable and has space") from exc
         return path
 
+    def share_part(self, staging: Path, ref: SnapshotRef, rank: int) -> None:
+        """Nothing to do: the ranks share ``staging`` (:meth:`shared_staging`)."""
+
+    def part_records(self, staging: Path, ref: SnapshotRef) -> dict[str, Any]:
+        """How rank 0 finds the parts' records (:func:`~.shards.wait_for_parts`): in ``staging``, the default."""
+        return {}
+
     def publish(self, staging: Path, ref: SnapshotRef, entries_synced: bool = False) -> None:
         """Rename ``staging`` to ``ref``'s name and make that durable. ``entries_synced``: the caller fsynced
         ``staging`` itself after its last file was created (``write_snapshot_files`` does, beside ``meta.json``)."""

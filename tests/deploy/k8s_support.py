@@ -283,8 +283,8 @@ def job_specs(pod: WorkerPod) -> list[dict[str, Any]]:
 
 def resolve_env(pod: WorkerPod, docs: list[dict[str, Any]], container: str = "pytorch") -> dict[str, str]:
     """The container's environment as the kubelet builds it: envFrom first, then env in order
-    (a later entry of the same name wins), $(VAR) references expanded, pod fields and Secret keys
-    as placeholders (``$(secret NAME/KEY)``)."""
+    (a later entry of the same name wins), $(VAR) references expanded, pod fields as placeholders.
+    A Secret's key in a variable is refused: Secrets are mounted as files, never passed as variables."""
     c = pod.container(container)
     env: dict[str, str] = {}
     for source in c.get("envFrom", []):
@@ -297,8 +297,7 @@ def resolve_env(pod: WorkerPod, docs: list[dict[str, Any]], container: str = "py
             path = var["valueFrom"]["fieldRef"]["fieldPath"]
             env[var["name"]] = FIELD_REF_PLACEHOLDERS.get(path, f"$({path})")
         elif "secretKeyRef" in var.get("valueFrom", {}):
-            ref = var["valueFrom"]["secretKeyRef"]
-            env[var["name"]] = f"$(secret {ref['name']}/{ref['key']})"
+            raise AssertionError(f"{var['name']} is taken from a Secret: mount the Secret as a file instead ({var})")
         else:
             raise AssertionError(f"unsupported env source {var}")
     return env

@@ -10,6 +10,7 @@ policies fit together. Needs kubectl >= 1.27 (skipped with the reason otherwise)
 
 from __future__ import annotations
 
+import base64
 import copy
 import json
 from collections.abc import Iterator
@@ -55,9 +56,10 @@ AGENT_EXIT_MARGIN_SECONDS = 15
 # The overlays without a shared volume (snapshots in a bucket), and the Job overlay each JobSet one derives from.
 OBJECT_STORAGE_OVERLAYS = ("object-storage", "object-storage-jobset")
 JOBSET_VARIANTS = {"object-storage-jobset": "object-storage"}
-# The object store's settings a pod may take from a Secret (botocore's variables); the first two are secrets.
+# botocore's variables for the object store's keys: never set in a manifest, not even from a Secret (the keys are a
+# credentials file in the mounted Secret OBJECT_STORE_SECRET, which AWS_SHARED_CREDENTIALS_FILE names).
 OBJECT_STORE_CREDENTIALS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
-OBJECT_STORE_SETTINGS = (*OBJECT_STORE_CREDENTIALS, "AWS_ENDPOINT_URL", "AWS_REGION")
+OBJECT_STORE_SECRET = "elastic-runner-object-store"
 
 
 def pods_of(docs: list[dict[str, Any]]) -> list[WorkerPod]:
@@ -491,11 +493,7 @@ def test_the_rendezvous_is_authenticated_end_to_end(overlay: tuple[str, list[dic
             assert mounted, f"{name}: Secret {secret} is not mounted"
             assert mounted[0]["secret"]["defaultMode"] & 0o007 == 0, f"{name}: {secret} readable by every user"
             assert str(path.parent) == mount_path(pod, mounted[0]["name"]), f"{name}: {key}={path} is not in {secret}"
-        from_secrets = {v["name"]: v["valueFrom"]["secretKeyRef"]["name"] for v in pod.container().get("env", [])
-                        if "secretKeyRef" in v.get("valueFrom", {})}
-        assert not {"elastic-runner-etcd-client", "elastic-runner-rdzv-key"} & set(from_secrets.values()), (
-            f"{name}: a rendezvous secret in env")
-        assert set(from_secrets) <= set(OBJECT_STORE_SETTINGS), f"{name}: a secret in env: {sorted(from_secrets)}"
+        assert not any("secretKeyRef" in str(v) for v in pod.container().get("env", [])), f"{name}: a secret in env"
         assert not any("secretRef" in source for source in pod.container().get("envFrom", [])), f"{name}: a Secret as env"
 
 
@@ -639,28 +637,50 @@ def test_the_object_storage_overlays_keep_the_snapshots_in_a_bucket_and_the_run_
             assert ours == theirs, f"{name}: the config differs from the base's beyond snapshot.dir"
 
 
-def test_the_object_storage_credentials_come_from_an_optional_secret_or_a_role(kubectl: str) -> None:
-    """Keys (and an S3-compatible endpoint) from the Secret the user creates, each optional, so that pods whose
-    ServiceAccount has a role (IRSA, Pod Identity, Workload Identity) start without it."""
+def test_the_object_storage_credentials_are_a_file_from_an_optional_secret_or_a_role(kubectl: str) -> None:
+    """The keys are an AWS shared-credentials file, the key ``credentials`` of the Secret the user creates, mounted
+    read-only, readable by the pod's group only and optional, so that pods whose ServiceAccount has a role (IRSA,
+    Pod Identity, Workload Identity) start without it; AWS_SHARED_CREDENTIALS_FILE names that file. The endpoint and
+    region are plain values, and no endpoint is set: unset means AWS S3."""
     for name in OBJECT_STORAGE_OVERLAYS:
         docs = render(kubectl, K8S / "overlays" / name)
         for pod in pods_of(docs):
+            mounted = [v for v in pod.spec["volumes"] if v.get("secret", {}).get("secretName") == OBJECT_STORE_SECRET]
+            assert len(mounted) == 1, f"{name}: Secret {OBJECT_STORE_SECRET} mounted {len(mounted)} times"
+            secret = mounted[0]["secret"]
+            assert secret.get("optional") is True, f"{name}: pods with a role and no Secret would not start"
+            assert secret.get("defaultMode") == 0o440, f"{name}: {OBJECT_STORE_SECRET} with mode {secret.get('defaultMode')}"
+            assert all(item.get("mode", 0o440) == 0o440 for item in secret.get("items", [])), name
+            mounts = [m for m in pod.container().get("volumeMounts", []) if m["name"] == mounted[0]["name"]]
+            assert len(mounts) == 1 and mounts[0].get("readOnly") is True, f"{name}: {mounts} not read-only"
+            assert "subPath" not in mounts[0], f"{name}: a subPath mount never sees a rotated Secret"
+            # Each key is a file named after it, unless `items` maps it elsewhere.
+            paths = {item["key"]: item["path"] for item in secret.get("items", [])} or {"credentials": "credentials"}
+            assert "credentials" in paths, f"{name}: the Secret's key `credentials` is not mounted"
             env = {v["name"]: v for v in pod.container().get("env", [])}
-            for variable in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL"):
-                ref = env[variable]["valueFrom"]["secretKeyRef"]
-                assert ref == {"name": "elastic-runner-object-store", "key": variable, "optional": True}, f"{name}: {ref}"
+            credentials_file = env["AWS_SHARED_CREDENTIALS_FILE"]
+            assert set(credentials_file) == {"name", "value"}, f"{name}: {credentials_file}"
+            assert Path(credentials_file["value"]) == Path(mounts[0]["mountPath"]) / paths["credentials"], (
+                f"{name}: AWS_SHARED_CREDENTIALS_FILE={credentials_file['value']} is not the mounted credentials file")
+            assert "AWS_ENDPOINT_URL" not in env, f"{name}: an endpoint set by default (unset: AWS S3)"
+            for setting in ("AWS_ENDPOINT_URL", "AWS_REGION"):  # not secret: where they are set, plain values
+                assert setting not in env or set(env[setting]) == {"name", "value"}, f"{name}: {env[setting]}"
             assert one(docs, "ServiceAccount", pod.spec["serviceAccountName"])["automountServiceAccountToken"] is False
 
 
 def test_no_manifest_holds_object_store_credentials(overlay: tuple[str, list[dict[str, Any]]]) -> None:
-    """An access key or secret key is never a literal: every variable of that name, anywhere, comes from a
-    Secret (secretKeyRef), and no ConfigMap or rendered Secret carries one."""
+    """An access key, secret key or session token is never a variable: no entry of that name, anywhere, has a value
+    or a valueFrom (a Secret's key in a variable is in every child's /proc/PID/environ and in crash dumps), and no
+    ConfigMap or rendered Secret carries one, as a key or as a credentials file."""
     name, docs = overlay
     for doc in docs:
         for node in walk(doc):
-            if node.get("name") in OBJECT_STORE_CREDENTIALS and ("value" in node or "valueFrom" in node):
-                assert "value" not in node and set(node["valueFrom"]) == {"secretKeyRef"}, (
-                    f"{name} {describe(doc)}: {node['name']} is not taken from a Secret")
+            assert not (node.get("name") in OBJECT_STORE_CREDENTIALS and ("value" in node or "valueFrom" in node)), (
+                f"{name} {describe(doc)}: {node['name']} is set as a variable")
         if doc["kind"] in ("ConfigMap", "Secret"):
             keys = set(doc.get("data", {})) | set(doc.get("stringData", {}))
             assert not keys & set(OBJECT_STORE_CREDENTIALS), f"{name} {describe(doc)} holds {sorted(keys)}"
+            texts = [*doc.get("stringData", {}).values()] + [
+                base64.b64decode(v).decode(errors="replace") if doc["kind"] == "Secret" else v
+                for v in doc.get("data", {}).values()]
+            assert not any("aws_secret_access_key" in text.lower() for text in texts), f"{name} {describe(doc)} holds keys"

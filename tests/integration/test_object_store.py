@@ -251,9 +251,28 @@ def test_open_store_picks_the_directory_or_the_bucket(url: str, tmp_path: Path) 
 
 
 
-def test_a_sharded_model_with_a_bucket_is_refused_until_its_parts_can_go_there(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="snapshot.dir.*shared directory for a sharded model"):
-        load_config(QUICKSTART, ["snapshot.dir=s3://bucket/prefix", "parallel.strategy=fsdp", f"run.dir={tmp_path}"])
+def test_a_sharded_snapshot_goes_to_the_bucket_part_by_part_and_reshards_from_it_exactly(
+        url: str, tmp_path: Path, s3_server: S3Server) -> None:
+    """fsdp at 4 ranks, each with a disk of its own: every rank uploads its part, rank 0 publishes once all are
+    there; the snapshot loads into fsdp at 3 and ddp at 1 (other "nodes", empty disks), every tensor exact."""
+    from ..unit.test_sharding import _assert_same, _load_worker, _save_worker, _spawn
+
+    node(url, tmp_path, "claim").claim_generation({})
+    saved_at = tmp_path / "saved.pt"
+    _spawn(_save_worker, 4, tmp_path, dict(strategy="fsdp", local_world=4, dir=url, local=str(tmp_path / "save"),
+                                           out=str(saved_at)))
+    saved = torch.load(saved_at)
+    keys = objects(s3_server, url)
+    assert [k for k in keys if "/part-" in k and k.endswith(".bin")] == [
+        f"step-000000001-gen-000001/part-0000{r}.bin" for r in range(4)]
+    meta = json.loads(s3_server.filesystem().cat_file(f"{url.removeprefix('s3://')}/step-000000001-gen-000001/meta.json"))
+    assert len(meta["sharded"]["parts"]) == 4
+    assert not [p for p in (tmp_path / "save").rglob("part-*")], "no rank keeps a staging copy"
+    for strategy, world in (("fsdp", 3), ("ddp", 1)):
+        out = tmp_path / f"loaded-{strategy}-{world}.pt"
+        _spawn(_load_worker, world, tmp_path, dict(strategy=strategy, local_world=world, dir=url,
+                                                   local=str(tmp_path / f"load-{strategy}"), out=str(out)))
+        _assert_same(torch.load(out), saved, f"fsdp at 4 -> {strategy} at {world}, through the bucket")
 
 
 def test_no_credentials_at_all_is_a_clear_error_naming_where_they_come_from(

@@ -34,9 +34,11 @@ def run(config: Path, run_dir: Path, env: dict[str, str], steps: int, *more: str
     assert result.returncode == 0, result.stdout[-4000:]
 
 
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_a_job_with_no_shared_directory_resumes_from_the_bucket_on_a_node_with_an_empty_disk(
-        small_config: Path, s3_server: S3Server, s3_prefix: str, tmp_path: Path) -> None:
+        small_config: Path, s3_server: S3Server, s3_prefix: str, tmp_path: Path, strategy: str) -> None:
     url = f"{s3_prefix}/snapshots"
+    parallel = f"parallel.strategy={strategy}"
     # Every start is a fresh node: its own empty run.dir and its own empty node memory.
     def node_env(name: str) -> dict[str, str]:
         shm = tmp_path / f"shm-{name}"
@@ -44,8 +46,8 @@ def test_a_job_with_no_shared_directory_resumes_from_the_bucket_on_a_node_with_a
         return s3_server.env() | {"ELASTIC_RUNNER_SHM_DIR": str(shm)}
 
     first, second = tmp_path / "node-1", tmp_path / "node-2"
-    run(small_config, first, node_env("1"), 30, f"snapshot.dir={url}")
-    run(small_config, second, node_env("2"), 60, f"snapshot.dir={url}")
+    run(small_config, first, node_env("1"), 30, f"snapshot.dir={url}", parallel)
+    run(small_config, second, node_env("2"), 60, f"snapshot.dir={url}", parallel)
     (resume,) = [e for e in events(second, "resume") if e["rank"] == 0]
     assert resume["tier"] == "disk" and resume["step"] == 30, resume
     assert not (second / "snapshots").exists() and not (first / "snapshots").exists(), "nothing of it on a node"
@@ -53,8 +55,8 @@ def test_a_job_with_no_shared_directory_resumes_from_the_bucket_on_a_node_with_a
     # The same two runs with a directory (max_steps shapes the schedule: 30 then 60 is not 60 in one go): the
     # same model, bit for bit.
     reference = tmp_path / "reference"
-    run(small_config, reference, node_env("ref-1"), 30)
-    run(small_config, reference, node_env("ref-2"), 60)
+    run(small_config, reference, node_env("ref-1"), 30, parallel)
+    run(small_config, reference, node_env("ref-2"), 60, parallel)
     ours, theirs = end_events(second), end_events(reference)
     assert {e["params_sha256"] for e in ours} == {e["params_sha256"] for e in theirs}, "the bucket changed the model"
 

@@ -144,6 +144,13 @@ def _whole_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str
             "optimizer": {i: {n: _full(v).clone() for n, v in s.items()} for i, s in opt["state"].items()}}
 
 
+def _store(job: dict[str, Any], rank: int) -> Any:
+    """The job's snapshot store as this rank sees it: a directory, or a bucket with a node directory of its own."""
+    from elastic_runner.snapshot import open_store
+
+    return open_store(job["dir"], local=Path(job["local"]) / f"rank-{rank}" if "local" in job else None)
+
+
 def _save_worker(rank: int, world: int, store_path: str, job: dict[str, Any]) -> None:
     """Train one step sharded, write a sharded snapshot (every rank its part), rank 0 the whole state for reference."""
     from elastic_runner.snapshot.shards import split
@@ -157,7 +164,7 @@ def _save_worker(rank: int, world: int, store_path: str, job: dict[str, Any]) ->
     optimizer.step()
     state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "train": {"step": 1}}
     replicated, tensors, offsets = split(state)
-    store = LocalStore(job["dir"])
+    store = _store(job, rank)
     writers = list(range(world)) if job["strategy"] == "fsdp" else list(range(job["local_world"]))
     write_sharded(store, 1, 3, SnapshotRef(generation=1, step=1),
                   {"replicated": replicated if rank == 0 else None, "part": {"tensors": tensors, "offsets": offsets}},
@@ -177,14 +184,14 @@ def _load_worker(rank: int, world: int, store_path: str, job: dict[str, Any]) ->
     if job["strategy"] != "ddp":
         shard_model(model, ParallelConfig(strategy=job["strategy"]), CPU, world, job["local_world"])
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
-    loaded = find_newest(LocalStore(job["dir"])) if rank == 0 else None
+    loaded = find_newest(_store(job, rank)) if rank == 0 else None
     import torch.distributed as tdist
 
     box = [loaded.ref.name if loaded is not None else None]
     tdist.broadcast_object_list(box)
     from elastic_runner.snapshot import load_exact
 
-    loaded = load_exact(LocalStore(job["dir"]), SnapshotRef.parse(box[0]), map_location="cpu")  # type: ignore[arg-type]
+    loaded = load_exact(_store(job, rank), SnapshotRef.parse(box[0]), map_location="cpu")  # type: ignore[arg-type]
     state = localize(loaded.state, model, optimizer, loaded.parts)
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"] | {"param_groups": optimizer.state_dict()["param_groups"]})
