@@ -16,11 +16,14 @@ rendezvous store of torch's defaults makes joins hang) and ends that variant.
         --compile 0,1                                         # a compiled model's recovery vs the same uncompiled
     .venv-vision/bin/python benchmarks/recovery.py --variants elastic-runner --scenarios node \
         --parallel ddp,fsdp                                   # a sharded model's node loss vs the replicated one
+    .venv-vision/bin/python benchmarks/recovery.py --variants elastic-runner --scenarios node \
+        --storage dir,s3                                      # node loss and join with snapshots in a bucket
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import signal
 import time
 from pathlib import Path
@@ -39,13 +42,24 @@ from common import (
     write_json,
 )
 
+from elastic_runner.testing.s3_server import S3Server
+
+
+#: The bucket of ``--storage s3`` on the local SeaweedFS.
+BUCKET = "bench"
+
 
 def measure(variant: str, repeats: int, hang_after: float, workdir: Path, scenarios: list[str],
-            loader_workers: int = 0, compiled: bool = False, parallel: str = "ddp") -> dict[str, Any]:
-    run_dir = workdir / variant_key(variant, loader_workers, compiled, parallel)
+            loader_workers: int = 0, compiled: bool = False, parallel: str = "ddp",
+            s3: S3Server | None = None) -> dict[str, Any]:
+    key = variant_key(variant, loader_workers, compiled, parallel, "s3" if s3 else "dir")
+    run_dir = workdir / key
     overrides = ({"model.compile": True} if compiled else {}) | \
-        ({"parallel.strategy": parallel} if parallel != "ddp" else {})
+        ({"parallel.strategy": parallel} if parallel != "ddp" else {}) | \
+        ({"snapshot.dir": f"s3://{BUCKET}/{key}/snapshots"} if s3 else {})
     job = make_job(variant, Workload(workers=loader_workers), run_dir, **overrides)
+    if s3 is not None:
+        job.env |= s3.env()  # the agents and workers reach the bucket the AWS way
     result: dict[str, Any] = {"worker_kill": [], "node_loss": [], "node_join": [], "steps_lost": [], "hangs": []}
     try:
         job.start_agent()
@@ -89,9 +103,9 @@ def measure(variant: str, repeats: int, hang_after: float, workdir: Path, scenar
         job.close()
 
 
-def variant_key(variant: str, loader_workers: int, compiled: bool, parallel: str = "ddp") -> str:
+def variant_key(variant: str, loader_workers: int, compiled: bool, parallel: str = "ddp", storage: str = "dir") -> str:
     return variant + (f"@loader{loader_workers}" if loader_workers else "") + ("@compiled" if compiled else "") + \
-        (f"@{parallel}" if parallel != "ddp" else "")
+        (f"@{parallel}" if parallel != "ddp" else "") + (f"@{storage}" if storage != "dir" else "")
 
 
 def summarize(raw: dict[str, dict[str, Any]], hang_after: float) -> dict[str, Any]:
@@ -146,11 +160,20 @@ def main() -> None:
     p.add_argument("--parallel", default="ddp",
                    help="parallel.strategy, comma-separated: each of our variants runs once per value, e.g. ddp,fsdp to "
                         "compare a sharded model's recovery (from the shards in node memory) with the replicated one")
+    p.add_argument("--storage", default="dir",
+                   help="where snapshots live, comma-separated: dir (RUN_DIR/snapshots) and/or s3 (a bucket on a local "
+                        "SeaweedFS started here): each of our variants runs once per value, e.g. dir,s3 to compare a "
+                        "join (and every recovery) with snapshots in object storage against a shared directory")
     p.add_argument("--workdir", default=None)
     p.add_argument("--out", default=None, help="write the JSON result here too")
     args = p.parse_args()
-    with scratch_dir(args.workdir, "er-bench-recovery-") as workdir:
+    with scratch_dir(args.workdir, "er-bench-recovery-") as workdir, contextlib.ExitStack() as servers:
         raw = {}
+        storages = [s.strip() for s in args.storage.split(",") if s.strip()]
+        s3 = None
+        if "s3" in storages:
+            s3 = servers.enter_context(S3Server(workdir / "seaweedfs"))
+            s3.create_bucket(BUCKET)
         loader_counts = [int(n) for n in args.loader_workers.split(",") if n.strip()]
         compiles = [bool(int(n)) for n in args.compile.split(",") if n.strip()]
         strategies = [s.strip() for s in args.parallel.split(",") if s.strip()]
@@ -158,14 +181,15 @@ def main() -> None:
             for workers in loader_counts:
                 for compiled in compiles if variant in OURS else [False]:
                     for parallel in strategies if variant in OURS else ["ddp"]:
-                        key = variant_key(variant, workers, compiled, parallel)
-                        started = time.monotonic()
-                        repeats = (args.default_repeats if variant == "torchrun-default" and args.default_repeats
-                                   else args.repeats)
-                        raw[key] = measure(variant, repeats, args.hang_after, workdir, args.scenarios.split(","),
-                                           workers, compiled, parallel)
-                        raw[key]["wall_s"] = round(time.monotonic() - started, 1)
-                        print(f"{key}: {raw[key]}", flush=True)
+                        for storage in storages if variant in OURS else ["dir"]:
+                            key = variant_key(variant, workers, compiled, parallel, storage)
+                            started = time.monotonic()
+                            repeats = (args.default_repeats if variant == "torchrun-default" and args.default_repeats
+                                       else args.repeats)
+                            raw[key] = measure(variant, repeats, args.hang_after, workdir, args.scenarios.split(","),
+                                               workers, compiled, parallel, s3 if storage == "s3" else None)
+                            raw[key]["wall_s"] = round(time.monotonic() - started, 1)
+                            print(f"{key}: {raw[key]}", flush=True)
         result = summarize(raw, args.hang_after)
         # Loader processes, compiling and sharding must not slow recovery: each such variant against itself without.
         for key, medians in result["medians"].items():

@@ -94,6 +94,13 @@ def audited_step(run_dir: Path) -> int:
     return latest_step(run_dir)
 
 
+def job_step(job: Any) -> int:
+    """:func:`audited_step` of a LocalJob, over every node's own run.dir where they have one each."""
+    if getattr(job, "separate_run_dirs", False):
+        return max((latest_step(p) for p in Path(job.run_dir).glob("node-*")), default=0)
+    return audited_step(job.run_dir)
+
+
 def wait_for_step(run_dir: Path, step: int, timeout: float, job: Any = None) -> int:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -173,7 +180,7 @@ def stop_workers_at_step(job: Any, step: int, count: int, timeout: float = 90,
     while True:
         for w in workers:
             job.signal_worker(w, signal.SIGSTOP)
-        reached = audited_step(job.run_dir)
+        reached = job_step(job)
         if reached >= step:
             return workers, reached
         continue_workers(job, workers)
@@ -237,7 +244,7 @@ def start_agent_until_waiting(job: Any, paused: Sequence[Any], waiting: Callable
     group for the join, and it SIGKILLs workers that are stopped (SIGSTOP) instead of letting them save."""
     try:
         agent = job.start_agent()
-        log = Path(job.run_dir) / "events" / f"agent-{socket.gethostname()}-{agent.pid}.jsonl"
+        log = Path(job.node_run_dir(agent.index)) / "events" / f"agent-{socket.gethostname()}-{agent.pid}.jsonl"
         deadline = time.monotonic() + timeout
         asked = 0.0
         while not log.exists():

@@ -129,7 +129,11 @@ def adopt(launcher_api: Any, config: Any, entrypoint: Any, args: Sequence[Any],
     worker_cfg = worker_config(worker_args) if worker_args is not None else None
     if zygote_wanted and worker_args is not None:
         # forked from this agent, which has imported torch by now
-        zygote.start_warming(compiled=worker_cfg is not None and worker_cfg.model.compile)
+        from ..config.locations import is_url
+
+        zygote.start_warming(compiled=worker_cfg is not None and worker_cfg.model.compile,
+                             object_store=worker_cfg is not None and bool(worker_cfg.snapshot.dir)
+                             and is_url(worker_cfg.snapshot.dir))
         entrypoint, args = zygote.worker_main, worker_args
         config.start_method = "forkserver"
     fast_rendezvous.install()
@@ -182,16 +186,27 @@ def upload_agent_events(cfg: Any) -> None:
 
     if not (cfg.snapshot.dir and is_url(cfg.snapshot.dir)):
         return
-    from ..observe.records import RecordSync, records_url
+
+    import threading
+    import time
 
     mine = f"events/agent-{socket.gethostname()}-{os.getpid()}.jsonl"
-    try:
-        sync = RecordSync(cfg.run.dir, records_url(cfg.snapshot.dir), every_s=cfg.snapshot.records_every_seconds,
-                          wanted=lambda relative: relative == mine).start()
-    except Exception as exc:  # noqa: BLE001 - the workers' records still go; the store is checked by them
-        log.warning("the agent's events will not be uploaded to %s: %s", cfg.snapshot.dir, exc)
-        return
-    atexit.register(sync.close)
+
+    def start() -> None:
+        # Off the agent's start and its first rendezvous (a join's critical path): the client library's imports
+        # would take the GIL from them. The first upload is due after one interval anyway.
+        time.sleep(cfg.snapshot.records_every_seconds)
+        from ..observe.records import RecordSync, records_url
+
+        try:
+            sync = RecordSync(cfg.run.dir, records_url(cfg.snapshot.dir), every_s=cfg.snapshot.records_every_seconds,
+                              wanted=lambda relative: relative == mine).start()
+        except Exception as exc:  # noqa: BLE001 - the workers' records still go; the store is checked by them
+            log.warning("the agent's events will not be uploaded to %s: %s", cfg.snapshot.dir, exc)
+            return
+        atexit.register(sync.close)
+
+    threading.Thread(target=start, name="agent-record-sync-start", daemon=True).start()
 
 
 def agent_events(cfg: Any) -> Any:

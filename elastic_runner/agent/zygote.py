@@ -33,19 +33,22 @@ PRELOAD = ["elastic_runner.agent.warm"]
 #: Preloaded too when the workers compile their model (``model.compile``): torch.compile's code generator (0.85 s
 #: of imports here, which every restarted worker would pay again; nothing else pays it).
 COMPILE_PRELOAD = ["elastic_runner.agent.warm_compile"]
+#: Preloaded too when the snapshots live in a bucket (``snapshot.dir: s3://...``): its client library.
+OBJECT_STORE_PRELOAD = ["elastic_runner.agent.warm_object_store"]
 WORKER_MODULE = "elastic_runner.train"
 
 _warming: threading.Thread | None = None
 
 
-def start_warming(compiled: bool = False) -> None:
+def start_warming(compiled: bool = False, object_store: bool = False) -> None:
     """Start the zygote now (idempotent): forked from this process when it has imported torch already
     (:func:`fork_zygote`), else a new interpreter, warming in the background. ``compiled``: the workers compile
-    their model (:data:`COMPILE_PRELOAD`)."""
+    their model (:data:`COMPILE_PRELOAD`); ``object_store``: their snapshots are in a bucket
+    (:data:`OBJECT_STORE_PRELOAD`)."""
     global _warming
     if _warming is not None:
         return
-    preload = PRELOAD + (COMPILE_PRELOAD if compiled else [])
+    preload = PRELOAD + (COMPILE_PRELOAD if compiled else []) + (OBJECT_STORE_PRELOAD if object_store else [])
     forkserver.set_forkserver_preload(preload)
     if "torch" in sys.modules and fork_zygote(preload):
         _warming = threading.current_thread()

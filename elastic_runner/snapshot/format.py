@@ -116,9 +116,10 @@ class _HashingWriter:
 
 
 def write_snapshot_files(directory: Path, state: dict[str, Any], meta: dict[str, Any],
-                         more_meta: Callable[[], dict[str, Any]] | None = None) -> dict[str, Any]:
+                         more_meta: Callable[[], dict[str, Any]] | None = None, sync: bool = True) -> dict[str, Any]:
     """Write state.pt, then meta.json (the marker) into ``directory``; fsync both. ``more_meta``: called between the
-    two, for fields known only then (a sharded snapshot's parts, which its other ranks write meanwhile)."""
+    two, for fields known only then (a sharded snapshot's parts, which its other ranks write meanwhile). ``sync``
+    False: no fsync (a staging copy that an upload makes durable, not the disk)."""
     state_path = directory / STATE
     writer: _HashingWriter | None = None
     try:
@@ -131,7 +132,8 @@ def write_snapshot_files(directory: Path, state: dict[str, Any], meta: dict[str,
                     raise writer.os_error from exc
                 raise
             fh.flush()
-            os.fsync(fh.fileno())
+            if sync:
+                os.fsync(fh.fileno())
         full_meta = dict(meta) | (more_meta() if more_meta is not None else {}) | {
             "format": FORMAT_VERSION,
             "sha256": writer.sha.hexdigest(),
@@ -148,9 +150,10 @@ def write_snapshot_files(directory: Path, state: dict[str, Any], meta: dict[str,
         with open_file(directory / META, "w", exclusive=True) as fh:
             json.dump(full_meta, fh, indent=1, sort_keys=True)
             fh.flush()
-            synced_dir = in_background(fsync_dir, directory)
-            os.fsync(fh.fileno())
-            synced_dir()
+            if sync:
+                synced_dir = in_background(fsync_dir, directory)
+                os.fsync(fh.fileno())
+                synced_dir()
     except OSError as exc:
         reason = "disk full" if exc.errno == errno.ENOSPC else (exc.strerror or str(exc))
         raise SnapshotError(

@@ -26,6 +26,7 @@ import re
 import shutil
 import socket
 import tempfile
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -50,20 +51,46 @@ def check_location(location: str, key: str = "snapshot.dir") -> None:
         raise StoreAccessError(f"{key}: {problem[0]}. {problem[1]}")
 
 
+#: One filesystem per (process, scheme, bucket, credentials): its client is created once (botocore loads its
+#: service description, ~0.2 s) and shared by the store, the record upload and a warm-up (:func:`prewarm`).
+_FILESYSTEMS: dict[tuple[Any, ...], Any] = {}
+_FILESYSTEMS_LOCK = threading.Lock()
+
+
 def open_filesystem(location: str) -> tuple[Any, str]:
     """The fsspec filesystem of ``location`` (and the path in it), set to give up within seconds on a store that is
     down rather than minutes: a snapshot that cannot be uploaded is reported and the next one tried (a step waits
     for a write still in flight), and a worker's exit never waits long on a store. No listing cache (other nodes
-    publish), no instance cache (a fork or a new credential gets its own)."""
+    publish); fsspec's own instance cache is not used (a forked process, or other credentials, get their own)."""
     import fsspec
 
-    options: dict[str, Any] = {}
-    if location.startswith("s3://"):
-        options["config_kwargs"] = {"connect_timeout": 5, "read_timeout": 60, "retries": {"max_attempts": 3}}
-    fs, path = fsspec.core.url_to_fs(location, use_listings_cache=False, skip_instance_cache=True, **options)
-    if hasattr(fs, "retries"):
-        fs.retries = 2  # s3fs's own retries, on top of botocore's (5 by default)
+    parts = urlsplit(location)
+    credentials = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith(("AWS_", "GOOGLE_"))))
+    key = (os.getpid(), parts.scheme, parts.netloc, credentials)
+    path = f"{parts.netloc}{parts.path}"
+    with _FILESYSTEMS_LOCK:
+        fs = _FILESYSTEMS.get(key)
+        if fs is None:
+            options: dict[str, Any] = {}
+            if location.startswith("s3://"):
+                options["config_kwargs"] = {"connect_timeout": 5, "read_timeout": 60, "retries": {"max_attempts": 3}}
+            fs, path = fsspec.core.url_to_fs(location, use_listings_cache=False, skip_instance_cache=True, **options)
+            if hasattr(fs, "retries"):
+                fs.retries = 2  # s3fs's own retries, on top of botocore's (5 by default)
+            _FILESYSTEMS[key] = fs
     return fs, path
+
+
+def prewarm(location: str) -> None:
+    """Create the store's client in the background (a worker calls this before its process group is up, so the
+    attempt's first request to the store does not pay for it); errors are left for the real requests to report."""
+    def warm() -> None:
+        with contextlib.suppress(Exception):
+            fs, _ = open_filesystem(location)
+            if hasattr(fs, "set_session"):
+                fs.set_session()
+
+    threading.Thread(target=warm, name="object-store-warmup", daemon=True).start()
 
 
 def default_local(location: str) -> Path:
@@ -401,7 +428,8 @@ class ObjectStore:
         return claimed[-1] if claimed else 0
 
     def claim_generation(self, info: dict[str, Any]) -> int:
-        self.ensure()
+        """The next generation, created exclusively (a refused create takes the next number). The caller checked
+        the store first (:meth:`ensure`: one request less on every attempt's start)."""
         candidate = self.newest_generation() + 1
         body = json.dumps({"claimed_at": time.time(), "host": socket.gethostname(), "pid": os.getpid()} | info)
         while not self._create(f"{self.prefix}/generations/{candidate:06d}", body.encode()):

@@ -42,7 +42,8 @@ def write_and_publish(store: LocalStore, generation: int, keep_last: int, ref: S
     try:
         store.check_fence(generation)
         staging = store.staging(ref)
-        written = _publish(store, generation, keep_last, staging, ref, Written(write_snapshot_files(staging, state, meta)))
+        written = _publish(store, generation, keep_last, staging, ref,
+                           Written(write_snapshot_files(staging, state, meta, sync=store.is_local)))
         staging = None
         return written
     except Exception as exc:
@@ -88,7 +89,8 @@ def write_sharded(store: LocalStore, generation: int, keep_last: int, ref: Snaps
                                 "parts": parts}}
 
         # meta.json once every part is there.
-        written = Written(write_snapshot_files(staging, state["replicated"], meta, more_meta=parts_written))
+        written = Written(write_snapshot_files(staging, state["replicated"], meta, more_meta=parts_written,
+                                               sync=store.is_local))
         # What the snapshot takes on disk (meta.json's size_bytes stays that of state.pt, which it checks).
         parts = written.meta["sharded"]["parts"]
         written.meta = written.meta | {"size_bytes": written.meta["size_bytes"] + sum(p["size_bytes"] for p in parts)}

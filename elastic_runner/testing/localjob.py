@@ -152,6 +152,9 @@ class LocalJob:
     #: Give every agent its own node-memory directory (ELASTIC_RUNNER_SHM_DIR), as separate
     #: machines would have: losing a node then loses its memory copy too.
     separate_node_memory: bool = True
+    #: Give every agent its own run.dir (``RUN_DIR/node-<index>``), as machines without a shared filesystem have
+    #: (snapshots then in a bucket: snapshot.dir s3://...).
+    separate_run_dirs: bool = False
     agents: list[Agent] = field(default_factory=list)
     _orphans: set[int] = field(default_factory=set)
 
@@ -190,7 +193,7 @@ class LocalJob:
             cmd.append(f"--rdzv_conf={','.join(conf)}")
         if self.program is not None:
             return cmd + list(self.program)
-        cmd += ["-m", "elastic_runner.train", "--config", self.config, "--set", f"run.dir={self.run_dir}"]
+        cmd += ["-m", "elastic_runner.train", "--config", self.config, "--set", f"run.dir={self.node_run_dir(index)}"]
         for item in self.overrides:
             cmd += ["--set", item]
         return cmd
@@ -219,6 +222,10 @@ class LocalJob:
                       hosts_store=any(a.startswith("--rdzv_conf=") and "is_host=true" in a for a in command))
         self.agents.append(agent)
         return agent
+
+    def node_run_dir(self, index: int) -> str:
+        """The run.dir agent ``index`` gives its workers (see separate_run_dirs)."""
+        return str(Path(self.run_dir) / f"node-{index}") if self.separate_run_dirs else self.run_dir
 
     @property
     def rdzv_id(self) -> str:

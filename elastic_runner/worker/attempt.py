@@ -57,7 +57,7 @@ from ..workload.spec import Workload, check, check_batchnorm, from_config
 from .dist import Dist
 from .ending import Ending, RetryableSetupError, SetupError, ending_for, peer_lost_exit
 from .env import WorkerEnv
-from .lifecycle import StopRequest, exit_now
+from .lifecycle import EXIT_FINAL, StopRequest, exit_now
 from .preflight import largest_world_size, parent_cmdline
 from .run_dir import prepare_run_dir, record_sync
 from .watchdog import PeerWatchdog, start_watchdog
@@ -127,14 +127,21 @@ class Attempt:
         metrics.serve(cfg.metrics.port, cfg.metrics.bind)
         metrics.set_restarts(env.restart_count)
         metrics.set_generation(generation)
+        # A worker that ends because a peer failed leaves its last records to the node's next worker (the node is
+        # still there, the files too): uploading them now would hold up the recovery.
+        last_upload = False
         try:
             parts = self.build()
             resumed = self.resume(parts)
             result = self.train(parts, resumed)
             self.checkpointer.finished()
             self._report_end(result)
+            last_upload = True
         except BaseException as exc:
-            self.record_end(ending_for(exc, self.stop.requested), exc)
+            ending = ending_for(exc, self.stop.requested)
+            # A restart comes after a peer's failure (keeps_state); a job-ending status (2, 3, 4) or a stop does not.
+            last_upload = self.stop.requested or not ending.keeps_state or ending.exit_code in EXIT_FINAL
+            self.record_end(ending, exc)
             raise
         finally:
             if self.watchdog is not None:
@@ -142,7 +149,7 @@ class Attempt:
             metrics.close()
             events.close()
             if records is not None:
-                records.close()  # after the last event: the whole attempt reaches the bucket
+                records.close(final=last_upload)  # after the last event: the whole attempt reaches the bucket
 
     def keep_for_next_attempt(self, ending: Ending) -> None:
         """The loop broke (usually a peer died): leave the last completed step for the next attempt."""

@@ -17,10 +17,12 @@ import torch
 
 from .. import files
 from ..config import Config
+from ..config.locations import is_url
 from ..observe.events import agent_stop_reason
 from ..observe.logs import say, setup_logging
 from ..snapshot import SnapshotError
 from ..snapshot.format import set_signing_key, signing_key_from_environment
+from ..snapshot.object_store import prewarm
 from .attempt import Attempt
 from .dist import Dist
 from .ending import ending_for
@@ -60,6 +62,8 @@ def run(cfg: Config, env: WorkerEnv, make_workload: Callable[[], Workload] | Non
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
         torch.backends.cudnn.benchmark = False
+    if env.rank == 0 and cfg.snapshot.dir and is_url(cfg.snapshot.dir):
+        prewarm(cfg.snapshot.dir)  # rank 0 opens the attempt in the bucket: its client, while the group comes up
     dist: Dist | None = None
     try:
         dist = Dist.up(env, backend=cfg.dist.backend, device=cfg.dist.device,

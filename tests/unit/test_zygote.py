@@ -45,3 +45,11 @@ def test_with_a_gpu_device_a_spoilt_agent_starts_the_zygote_as_a_new_interpreter
                           "torch.cuda.is_available(); print(clean, z._fork_poisoned(), z.fork_zygote())")
     assert out == "False True False"
 
+
+
+def test_warming_for_a_bucket_imports_its_client_library_and_starts_no_thread() -> None:
+    # A thread in the zygote would be copied half-alive into every forked worker.
+    out = in_fresh_python("import threading, sys; import elastic_runner.agent.warm; "
+                          "import elastic_runner.agent.warm_object_store; "
+                          "print(threading.active_count(), 's3fs' in sys.modules, 'botocore' in sys.modules)")
+    assert out == "1 True True"

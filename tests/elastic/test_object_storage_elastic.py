@@ -1,0 +1,86 @@
+"""Elastic jobs whose nodes share no directory: snapshots and the run's records in a bucket of a real S3 server."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from elastic_runner.observe.audit import check_audit
+from elastic_runner.observe.events import read_events
+from elastic_runner.observe.records import run_view
+from elastic_runner.snapshot.object_store import ObjectStore
+from elastic_runner.testing.s3_server import S3Server
+
+from ..support import job_step, kill_worker_at_step, start_agent_while_paused
+
+STEPS = 3000
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.timeout(600)]
+
+
+def node_events(run_dir: Path, kind: str) -> list[dict[str, Any]]:
+    return [e for node in sorted(run_dir.glob("node-*")) for e in read_events(node) if e["kind"] == kind]
+
+
+def resumes(run_dir: Path) -> list[dict[str, Any]]:
+    return node_events(run_dir, "resume")
+
+
+def wait_for(what: str, condition: Any, timeout: float, job: Any) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout:.0f} s\n{job.logs_tail()}")
+        time.sleep(0.1)
+
+
+def test_nodes_with_private_directories_survive_a_worker_kill_a_newcomer_and_losing_every_node(
+        resume_config: Path, s3_server: S3Server, s3_prefix: str, local_job: Any, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    url = f"{s3_prefix}/snapshots"
+    # Long enough (~30 s) for a newcomer and a loss of every node on the way; a durable snapshot every 1,000 steps (the
+    # newest state of a run that loses every node at once), the records every second.
+    overrides = [f"snapshot.dir={url}", "snapshot.records_every_seconds=1", f"train.max_steps={STEPS}",
+                 "snapshot.every_steps=1000"]
+    job = local_job(config=str(resume_config), nnodes="2:3", launcher="elastic-runner", separate_run_dirs=True,
+                    overrides=overrides, env=s3_server.env(), run_dir=str(tmp_path / "first"))
+    job.start_agent()
+    job.start_agent()
+    kill_worker_at_step(job, 60)
+    wait_for("the restart after the worker kill", lambda: bool(resumes(Path(job.run_dir))), 120, job)
+    assert resumes(Path(job.run_dir))[0]["tier"] == "memory", "a survivor's memory, not the bucket"
+
+    at = job_step(job)
+    start_agent_while_paused(job, at + 20, count=2)  # a new node, its run.dir and its memory empty
+    wait_for("the newcomer stepping", lambda: job_step(job) > at + 40 and
+             any(e.get("world_size") == 3 for e in node_events(Path(job.run_dir), "start")), 180, job)
+
+    # Every node lost at once, some seconds after the snapshot of step 1,000: the records of the steps before it
+    # reached the bucket by then (a node loses at most the last second of its records: steps the next run redoes
+    # from that snapshot). SIGKILL every agent with its workers, and their directories go.
+    store = ObjectStore(url, local=tmp_path / "reader", fs=s3_server.filesystem())
+    wait_for("the snapshot of step 1000", lambda: any(r.step == 1000 for r in store.complete()), 120, job)
+    time.sleep(3)
+    for agent in list(job.running_agents()):
+        job.kill_agent(agent)
+    assert store.complete()[-1].step == 1000, "killed before the next durable snapshot"
+    for node in Path(job.run_dir).glob("node-*"):
+        shutil.rmtree(node)
+
+    fresh = local_job(config=str(resume_config), nnodes="2:3", launcher="elastic-runner", separate_run_dirs=True,
+                      overrides=overrides, env=s3_server.env(), run_dir=str(tmp_path / "second"))
+    fresh.start_agent()
+    fresh.start_agent()
+    assert fresh.wait(timeout=300) == [0, 0], fresh.logs_tail()
+    first_resume = resumes(Path(fresh.run_dir))[0]
+    assert first_resume["tier"] == "disk" and first_resume["step"] == 1000, "no node held anything: the bucket"
+
+    for key, value in s3_server.env().items():
+        monkeypatch.setenv(key, value)
+    report = check_audit(run_view(url))  # from the bucket alone: every node's directory could be gone
+    assert report.ok and report.finished and report.final_step == STEPS, report.render()
+    assert report.generations and len(report.generations) >= 4, report.render()
