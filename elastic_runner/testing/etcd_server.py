@@ -31,6 +31,7 @@ import requests
 from ..worker.lifecycle import child_dies_with_starter
 from . import debian
 from .localjob import free_port
+from .server_process import ServerProcess
 
 
 @dataclass(frozen=True)
@@ -68,7 +69,7 @@ def ensure_installed(timeout: float = 600) -> str:
 
 
 @dataclass
-class EtcdServer:
+class EtcdServer(ServerProcess):
     """One local etcd member; see the module docstring. Use as a context manager to always stop it."""
 
     data_dir: Path
@@ -104,13 +105,6 @@ class EtcdServer:
     @property
     def url(self) -> str:
         return f"{self.scheme}://{self.host}:{self.client_port}"
-
-    @property
-    def pid(self) -> int | None:
-        return self.proc.pid if self.proc else None
-
-    def running(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
 
     # -- life cycle ------------------------------------------------------------------------------------------------
 
@@ -186,43 +180,12 @@ class EtcdServer:
                 time.sleep(0.05)
         raise RuntimeError(f"etcd did not become healthy at {self.url} within {timeout:.0f} s:\n{self.log_tail()}")
 
-    def stop(self, timeout: float = 10.0) -> None:
-        """Graceful stop (SIGTERM, then SIGKILL after ``timeout``)."""
-        if self.proc is None:
-            return
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                self.kill()
-        self.proc.wait()
-
-    def kill(self) -> None:
-        """Crash stop (SIGKILL)."""
-        if self.proc is None:
-            return
-        self.proc.kill()  # a no-op once it has been reaped
-        self.proc.wait()
-
     def restart(self, down_seconds: float = 0.0, crash: bool = False, timeout: float = 20.0) -> None:
         """Stop (or crash) and start again on the same data directory and ports."""
         self.kill() if crash else self.stop()
         if down_seconds > 0:
             time.sleep(down_seconds)
         self.start(timeout)
-
-    def __enter__(self) -> "EtcdServer":
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-    def log_tail(self, chars: int = 3000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-chars:] if self.log_path else ""
-        except OSError:
-            return ""
 
     # -- administration --------------------------------------------------------------------------------------------
 

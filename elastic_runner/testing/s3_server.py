@@ -27,6 +27,7 @@ import requests
 
 from ..worker.lifecycle import child_dies_with_starter
 from .localjob import free_port
+from .server_process import ServerProcess
 
 #: name -> (access key, secret key, allowed actions)
 IDENTITIES = {
@@ -44,7 +45,7 @@ def find_binary() -> str | None:
 
 
 @dataclass
-class S3Server:
+class S3Server(ServerProcess):
     """One local SeaweedFS with its S3 gateway; see the module docstring. Use as a context manager."""
 
     data_dir: Path
@@ -61,13 +62,6 @@ class S3Server:
     @property
     def endpoint(self) -> str:
         return f"http://{self.host}:{self.port}"
-
-    @property
-    def pid(self) -> int | None:
-        return self.proc.pid if self.proc else None
-
-    def running(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
 
     def env(self, identity: str = "runner") -> dict[str, str]:
         """The environment a client uses to reach this server as ``identity`` (the AWS conventions)."""
@@ -155,21 +149,7 @@ class S3Server:
         raise RuntimeError(f"SeaweedFS did not serve S3 at {self.endpoint} within {timeout:.0f} s:\n{self.log_tail()}")
 
     def stop(self, timeout: float = 5.0) -> None:
-        if self.proc is None:
-            return
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                self.kill()
-        self.proc.wait()
-
-    def kill(self) -> None:
-        if self.proc is None:
-            return
-        self.proc.kill()
-        self.proc.wait()
+        super().stop(timeout)
 
     def restart(self, down_seconds: float = 0.0, timeout: float = 60.0) -> None:
         """Stop and start again on the same data and ports."""
@@ -177,15 +157,3 @@ class S3Server:
         if down_seconds > 0:
             time.sleep(down_seconds)
         self.start(timeout)
-
-    def __enter__(self) -> "S3Server":
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-    def log_tail(self, chars: int = 3000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-chars:] if self.log_path else ""
-        except OSError:
-            return ""
