@@ -177,3 +177,21 @@ def test_a_final_snapshot_that_cannot_be_uploaded_stays_in_node_memory_exit_4_an
     assert persisted.returncode == 0, persisted.stdout[-3000:]
     assert json.loads(persisted.stdout.strip().splitlines()[-1])["step"] == 1500
     assert store.complete()[-1].step == 1500
+
+
+@pytest.mark.parametrize("problem, env_change, expected", [
+    ("wrong secret", {"AWS_SECRET_ACCESS_KEY": "not-the-secret"}, "refused access"),
+    ("missing bucket", {}, "does not exist"),
+])
+def test_wrong_credentials_or_a_missing_bucket_stop_the_job_before_training_with_one_line_and_exit_2(
+        small_config: Path, s3_server: S3Server, s3_prefix: str, tmp_path: Path, problem: str,
+        env_change: dict[str, str], expected: str) -> None:
+    url = f"{s3_prefix}/snapshots" if problem != "missing bucket" else "s3://no-such-bucket-here/snapshots"
+    env = os.environ | s3_server.env() | env_change | {"PYTHONUNBUFFERED": "1"}
+    result = run_bounded([sys.executable, "-m", "elastic_runner.train", "--config", str(small_config),
+                          "--set", f"run.dir={tmp_path / 'run'}", "--set", f"snapshot.dir={url}"], timeout=120, env=env)
+    assert result.returncode == 2, result.stdout[-3000:]
+    lines = [line for line in result.stdout.splitlines() if line.startswith("elastic_runner:")]
+    assert len(lines) == 1 and "snapshot.dir" in lines[0] and expected in lines[0], result.stdout[-3000:]
+    assert "not-the-secret" not in result.stdout and "Traceback" not in result.stdout
+    assert not list((tmp_path / "run").rglob("audit/*")), "no step was trained"
