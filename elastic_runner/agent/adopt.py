@@ -177,8 +177,9 @@ def worker_config(worker_args: Sequence[str]) -> Any:
 
 def upload_agent_events(cfg: Any) -> None:
     """With snapshots in a bucket, the agent's own event log is uploaded with the run's records
-    (:mod:`~elastic_runner.observe.records`) as the workers' are, and once more when the agent exits: its last
-    events come after its workers'."""
+    (:mod:`~elastic_runner.observe.records`) as the workers' are; when the agent exits, everything of the node's
+    run.dir that the bucket still lacks: its own last events (they come after its workers'), and the last records of
+    a worker that failed on its own when no worker followed it on this node."""
     import atexit
     import socket
 
@@ -191,21 +192,32 @@ def upload_agent_events(cfg: Any) -> None:
     import time
 
     mine = f"events/agent-{socket.gethostname()}-{os.getpid()}.jsonl"
+    started: list[Any] = []
+
+    def make(wanted: Any) -> Any:
+        from ..observe.records import RecordSync, records_url
+
+        return RecordSync(cfg.run.dir, records_url(cfg.snapshot.dir), every_s=cfg.snapshot.records_every_seconds,
+                          wanted=wanted)
 
     def start() -> None:
         # Off the agent's start and its first rendezvous (a join's critical path): the client library's imports
         # would take the GIL from them. The first upload is due after one interval anyway.
         time.sleep(cfg.snapshot.records_every_seconds)
-        from ..observe.records import RecordSync, records_url
-
         try:
-            sync = RecordSync(cfg.run.dir, records_url(cfg.snapshot.dir), every_s=cfg.snapshot.records_every_seconds,
-                              wanted=lambda relative: relative == mine).start()
+            started.append(make(lambda relative: relative == mine).start())
         except Exception as exc:  # noqa: BLE001 - the workers' records still go; the store is checked by them
             log.warning("the agent's events will not be uploaded to %s: %s", cfg.snapshot.dir, exc)
-            return
-        atexit.register(sync.close)
 
+    def at_exit() -> None:
+        try:
+            sync = started[0] if started else make(lambda relative: True)
+        except Exception:  # noqa: BLE001 - said when it was started
+            return
+        sync.wanted = lambda relative: True  # the workers are gone: whatever of the node the bucket lacks
+        sync.close(final=True)
+
+    atexit.register(at_exit)
     threading.Thread(target=start, name="agent-record-sync-start", daemon=True).start()
 
 

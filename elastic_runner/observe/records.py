@@ -4,14 +4,17 @@ Without a shared filesystem every node keeps its own ``run.dir`` (events, the au
 :class:`RecordSync` copies what a node wrote to ``SNAPSHOT_URL/records/`` every ``every_s`` seconds and once more
 when its worker ends, from a thread (a step never waits for it). The record files are append-only JSON lines with
 names of their own on every node (``gen-G-rank-R``, ``agent-HOST-PID``), so a node uploads only what was appended
-since its last upload, as an object named by its byte range: ``records/events/gen-000002-rank-00001.jsonl/
-000000000004096-000000000008192``. Whole lines only: a reader never sees a torn line that was not torn on the node.
+since its last upload, as an object named by the file's *incarnation* (a digest of its first line: a file of the
+same name written anew, e.g. by an agent of a replaced pod with the same hostname and pid, is another incarnation)
+and its byte range: ``records/events/gen-000002-rank-00001.jsonl/3f9a0c21b7e4/000000000004096-000000000008192``.
+Whole lines only: a reader never sees a torn line that was not torn on the node.
 Small whole files (``config.yaml``) are replaced.
 
 :func:`fetch_records` rebuilds the whole run from those objects into a local directory that ``elastic-runner
 audit``, ``report`` and the chaos checker read as they read a shared ``run.dir``. Ranges may overlap (a restarted
 worker uploads a file again from where the bucket ends, two processes of a node may upload the same lines): the
-bytes of an append-only file at an offset never change, so any chain of ranges that starts at 0 rebuilds it.
+bytes of an append-only file at an offset never change, so any chain of ranges that starts at 0 rebuilds it; the
+incarnations of one name are joined (whole lines each).
 
 A node lost with its disk loses what it had not uploaded: at most ``every_s`` seconds of its records (and the
 records of a worker killed on a node that is never seen again since its last upload). The upload errors of an
@@ -20,6 +23,7 @@ unreachable store are counted and logged once in full, then at most once a minut
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import re
@@ -37,6 +41,7 @@ APPEND_ONLY = ("events", "audit")
 WHOLE_FILES = ("config.yaml",)
 RECORDS = "records"
 _RANGE = re.compile(r"([0-9]{15})-([0-9]{15})")
+_INCARNATION = re.compile(r"[0-9a-f]{16}")
 #: A chunk is at most this many bytes (a long run's first upload after a restart is split).
 MAX_CHUNK = 8 << 20
 
@@ -46,7 +51,7 @@ def records_url(snapshot_url: str) -> str:
 
 
 def _filesystem(url: str) -> tuple[Any, str]:
-    from ..snapshot.object_store import open_filesystem
+    from ..snapshot.object_client import open_filesystem
 
     fs, path = open_filesystem(url)  # gives up within seconds: records are retried at the next sync anyway
     return fs, path.rstrip("/")
@@ -68,7 +73,8 @@ class RecordSync:
         self.wanted = wanted
         self.failures = 0
         self.uploaded_bytes = 0
-        self._sent: dict[str, int] | None = None  # relative path -> bytes the bucket has (learned on first sync)
+        #: (relative path, incarnation) -> bytes the bucket has (learned on the first sync)
+        self._sent: dict[tuple[str, str], int] | None = None
         self._whole: dict[str, tuple[int, int]] = {}  # relative path -> (size, mtime_ns) last uploaded
         self._last_report = 0.0
         self._lock = threading.Lock()
@@ -77,14 +83,15 @@ class RecordSync:
 
     # -- one pass ----------------------------------------------------------------------------------------------
 
-    def _remote_ends(self) -> dict[str, int]:
+    def _remote_ends(self) -> dict[tuple[str, str], int]:
         """How far the bucket has each append-only file (the end of its chain of ranges from 0)."""
-        ranges: dict[str, list[tuple[int, int]]] = {}
+        ranges: dict[tuple[str, str], list[tuple[int, int]]] = {}
         for key in _list(self.fs, self.prefix):
-            relative, m = _split_chunk(key[len(self.prefix) + 1:])
-            if m is not None:
-                ranges.setdefault(relative, []).append((int(m.group(1)), int(m.group(2))))
-        return {relative: _chain_end(spans) for relative, spans in ranges.items()}
+            chunk = _split_chunk(key[len(self.prefix) + 1:])
+            if chunk is not None:
+                relative, incarnation, lo, hi = chunk
+                ranges.setdefault((relative, incarnation), []).append((lo, hi))
+        return {name: _chain_end(spans) for name, spans in ranges.items()}
 
     def _local_files(self) -> list[tuple[str, Path]]:
         found = []
@@ -111,9 +118,13 @@ class RecordSync:
 
     def _sync_appended(self, relative: str, path: Path) -> int:
         assert self._sent is not None
-        start = self._sent.get(relative, 0)
         try:
             with open(path, "rb") as fh:
+                first = fh.readline(1 << 16)
+                if not first.endswith(b"\n"):
+                    return 0  # not one whole line yet
+                incarnation = hashlib.sha256(first).hexdigest()[:16]
+                start = self._sent.get((relative, incarnation), 0)
                 fh.seek(start)
                 data = fh.read(MAX_CHUNK * 16)
         except FileNotFoundError:
@@ -125,9 +136,9 @@ class RecordSync:
             if len(piece) == MAX_CHUNK and not piece.endswith(b"\n"):
                 piece = piece[:piece.rfind(b"\n") + 1] or piece
             lo, hi = start + sent, start + sent + len(piece)
-            self.fs.pipe_file(f"{self.prefix}/{relative}/{lo:015d}-{hi:015d}", piece)
+            self.fs.pipe_file(f"{self.prefix}/{relative}/{incarnation}/{lo:015d}-{hi:015d}", piece)
             sent += len(piece)
-            self._sent[relative] = hi
+            self._sent[(relative, incarnation)] = hi
         return sent
 
     def _sync_whole(self, relative: str, path: Path) -> int:
@@ -170,12 +181,13 @@ class RecordSync:
         """Stop the thread; with ``final``, one last upload of everything written so far (the worker's end), given
         at most ``timeout_s``: a store that does not answer never holds up a worker's exit (or a recovery)."""
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=timeout_s)
+        deadline = time.monotonic() + timeout_s
+        if self._thread is not None and final:
+            self._thread.join(timeout=timeout_s)  # a periodic upload in flight ends first (then nothing is sent twice)
         if final:
             last = threading.Thread(target=self._attempt, name="record-sync-final", daemon=True)
             last.start()
-            last.join(timeout=timeout_s)
+            last.join(timeout=max(0.0, deadline - time.monotonic()))
             if last.is_alive():  # it counts its own failure when the client gives up
                 log.warning("the last records of this worker did not reach %s within %.0f s; they stay in %s",
                             self.url, timeout_s, self.run_dir)
@@ -199,22 +211,23 @@ def fetch_records(url: str, into: str | os.PathLike[str], fs: Any = None) -> Pat
     else:
         prefix = url.split("://", 1)[-1].rstrip("/")
     chunks = private_dir(target / ".chunks")
-    ranges: dict[str, list[tuple[int, int, str]]] = {}
+    ranges: dict[str, dict[str, list[tuple[int, int, str]]]] = {}
     for key in _list(fs, prefix):
         relative = key[len(prefix) + 1:]
         if relative in WHOLE_FILES:
             _write_private(target / relative, fs.cat_file(key))
             continue
-        relative, m = _split_chunk(relative)
-        if m is None or not _safe(relative):
-            continue  # not ours (and nothing planted may name a path outside ``into``)
-        local = chunks / relative.replace("/", "__") / m.group(0)
+        chunk = _split_chunk(relative)
+        if chunk is None:
+            continue  # not ours (and nothing planted may name a path outside ``into``: checked there)
+        relative, incarnation, lo, hi = chunk
+        local = chunks / relative.replace("/", "__") / incarnation / f"{lo:015d}-{hi:015d}"
         if not local.is_file():
             makedirs(local.parent)
             _write_private(local, fs.cat_file(key))
-        ranges.setdefault(relative, []).append((int(m.group(1)), int(m.group(2)), str(local)))
-    for relative, spans in ranges.items():
-        _write_private(target / relative, _assemble(spans))
+        ranges.setdefault(relative, {}).setdefault(incarnation, []).append((lo, hi, str(local)))
+    for relative, incarnations in ranges.items():
+        _write_private(target / relative, b"".join(_assemble(spans) for _, spans in sorted(incarnations.items())))
     return target
 
 
@@ -228,7 +241,10 @@ def _assemble(spans: list[tuple[int, int, str]]) -> bytes:
             return bytes(out)
         with open(best[2], "rb") as fh:
             fh.seek(here - best[0])
-            out += fh.read(best[1] - here)
+            piece = fh.read(best[1] - here)
+        out += piece
+        if len(piece) < best[1] - here:  # a chunk shorter than its name says (damaged, planted): stop there
+            return bytes(out[:out.rfind(b"\n") + 1])
 
 
 def _chain_end(spans: list[tuple[int, int]]) -> int:
@@ -240,16 +256,18 @@ def _chain_end(spans: list[tuple[int, int]]) -> int:
     return end
 
 
-def _split_chunk(relative: str) -> tuple[str, re.Match[str] | None]:
-    head, _, name = relative.rpartition("/")
-    m = _RANGE.fullmatch(name)
-    return (head, m) if m is not None and "/" in head else (relative, None)
-
-
-def _safe(relative: str) -> bool:
-    parts = relative.split("/")
-    return len(parts) == 2 and parts[0] in APPEND_ONLY and parts[1].endswith(".jsonl") and \
-        not parts[1].startswith(".") and "\\" not in relative
+def _split_chunk(key: str) -> tuple[str, str, int, int] | None:
+    """``(relative path, incarnation, start, end)`` of a chunk's key below ``records/``, or None if the key is not
+    one (nothing planted may name a path outside the directory it is fetched into)."""
+    parts = key.split("/")
+    if len(parts) != 4:
+        return None
+    sub, name, incarnation, span = parts
+    m = _RANGE.fullmatch(span)
+    if (m is None or sub not in APPEND_ONLY or not name.endswith(".jsonl") or name.startswith(".")
+            or "\\" in name or not _INCARNATION.fullmatch(incarnation) or int(m.group(2)) <= int(m.group(1))):
+        return None
+    return f"{sub}/{name}", incarnation, int(m.group(1)), int(m.group(2))
 
 
 def _list(fs: Any, prefix: str) -> list[str]:
@@ -276,7 +294,7 @@ def run_view(location: str) -> str:
     url = location if is_url(location) else _snapshot_url_of(Path(location))
     if url is None:
         return location
-    from ..snapshot.object_store import default_local
+    from ..snapshot.object_client import default_local
 
     return str(fetch_records(records_url(url), default_local(url) / "run"))
 

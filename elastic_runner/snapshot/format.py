@@ -92,6 +92,11 @@ def meta_signature(meta: dict[str, Any], key: bytes) -> str:
     return hmac.new(key, json.dumps(body, sort_keys=True, separators=(",", ":")).encode(), hashlib.sha256).hexdigest()
 
 
+def current_signing_key() -> bytes | None:
+    """The job's key this process signs and checks with (None: unsigned)."""
+    return _signing_key
+
+
 class _HashingWriter:
     """File wrapper that hashes what torch.save writes, so no second read is needed."""
 

@@ -20,13 +20,14 @@ config file, which :func:`check_location` refuses.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import hmac
 import json
 import os
 import re
 import shutil
 import socket
 import tempfile
-import threading
 import time
 import uuid
 from pathlib import Path
@@ -35,6 +36,8 @@ from urllib.parse import urlsplit
 
 from ..config.locations import is_url, location_problem
 from ..files import makedirs, private_dir
+from .format import current_signing_key
+from .object_client import default_local, open_filesystem
 from .shards import part_name, read_record, record_name
 from .store import (META, AlreadyCommittedError, LocalStore, SnapshotError, SnapshotRef, SnapshotUnavailableError,
                     StoreAccessError, fence_error)
@@ -51,65 +54,21 @@ def check_location(location: str, key: str = "snapshot.dir") -> None:
         raise StoreAccessError(f"{key}: {problem[0]}. {problem[1]}")
 
 
-#: One filesystem per (process, scheme, bucket, credentials): its client is created once (botocore loads its
-#: service description, ~0.2 s) and shared by the store, the record upload and a warm-up (:func:`prewarm`).
-_FILESYSTEMS: dict[tuple[Any, ...], Any] = {}
-_FILESYSTEMS_LOCK = threading.Lock()
-
-
-def open_filesystem(location: str) -> tuple[Any, str]:
-    """The fsspec filesystem of ``location`` (and the path in it), set to give up within seconds on a store that is
-    down rather than minutes: a snapshot that cannot be uploaded is reported and the next one tried (a step waits
-    for a write still in flight), and a worker's exit never waits long on a store. No listing cache (other nodes
-    publish); fsspec's own instance cache is not used (a forked process, or other credentials, get their own)."""
-    import fsspec
-
-    parts = urlsplit(location)
-    credentials = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith(("AWS_", "GOOGLE_"))))
-    key = (os.getpid(), parts.scheme, parts.netloc, credentials)
-    path = f"{parts.netloc}{parts.path}"
-    with _FILESYSTEMS_LOCK:
-        fs = _FILESYSTEMS.get(key)
-        if fs is None:
-            options: dict[str, Any] = {}
-            if location.startswith("s3://"):
-                options["config_kwargs"] = {"connect_timeout": 5, "read_timeout": 60, "retries": {"max_attempts": 3}}
-            fs, path = fsspec.core.url_to_fs(location, use_listings_cache=False, skip_instance_cache=True, **options)
-            if hasattr(fs, "retries"):
-                fs.retries = 2  # s3fs's own retries, on top of botocore's (5 by default)
-            _FILESYSTEMS[key] = fs
-    return fs, path
-
-
-def prewarm(location: str) -> None:
-    """Create the store's client in the background (a worker calls this before its process group is up, so the
-    attempt's first request to the store does not pay for it); errors are left for the real requests to report."""
-    def warm() -> None:
-        with contextlib.suppress(Exception):
-            fs, _ = open_filesystem(location)
-            if hasattr(fs, "set_session"):
-                fs.set_session()
-
-    threading.Thread(target=warm, name="object-store-warmup", daemon=True).start()
-
-
-def default_local(location: str) -> Path:
-    """This user's private directory on this node for one object-store location (staging and read cache) where the
-    caller names none: ``$TMPDIR/elastic-runner-objects-<uid>/<digest of the URL>``."""
-    import hashlib
-
-    base = private_dir(Path(tempfile.gettempdir()) / f"elastic-runner-objects-{os.getuid()}")
-    return private_dir(base / hashlib.sha256(location.encode()).hexdigest()[:16])
-
-
 def _is_precondition_failure(exc: BaseException) -> bool:
-    """The store refused a create because the object exists (S3: 412 PreconditionFailed, GCS: 412)."""
-    if isinstance(exc, FileExistsError):
-        return True
+    """The store refused a create because the object exists: S3's ``PreconditionFailed`` (HTTP 412) in botocore's
+    structured error, GCS's HTTP 412, or fsspec's ``FileExistsError`` — never a guess from a message's text (a
+    connection error's message carries the object's URL, whose name may hold "412")."""
     seen: BaseException | None = exc
     while seen is not None:
-        text = f"{type(seen).__name__} {seen}"
-        if "PreconditionFailed" in text or "pre-condition" in text or "412" in text:
+        if isinstance(seen, FileExistsError):
+            return True
+        response = getattr(seen, "response", None)
+        if isinstance(response, dict):
+            code = (response.get("Error") or {}).get("Code")
+            status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
+            if code in ("PreconditionFailed", "412") or status == 412:
+                return True
+        if type(seen).__name__ == "HttpError" and getattr(seen, "code", None) == 412:  # gcsfs
             return True
         seen = seen.__cause__ or seen.__context__
     return False
@@ -182,8 +141,9 @@ class ObjectStore:
                 "reachable?") from exc
 
     def _endpoint(self) -> str:
-        return str(getattr(self.fs, "endpoint_url", None) or os.environ.get("AWS_ENDPOINT_URL")
-                   or f"the {urlsplit(self.location).scheme}:// service")
+        endpoint = str(getattr(self.fs, "endpoint_url", None) or os.environ.get("AWS_ENDPOINT_URL")
+                       or f"the {urlsplit(self.location).scheme}:// service")
+        return re.sub(r"://[^/@\s]*@", "://***@", endpoint)  # an endpoint with user:password in it
 
     # -- small objects -----------------------------------------------------------------------------------------
 
@@ -226,9 +186,9 @@ class ObjectStore:
     # -- listing -----------------------------------------------------------------------------------------------
 
     def ensure(self) -> None:
-        """The bucket exists and these credentials may list it (writing is checked by the generation claim)."""
-        with self._io("opening the snapshot store"):
-            self.fs.ls(self.bucket, detail=False, refresh=True)
+        """The bucket exists and these credentials may list the run's prefix (only that: a policy that grants the
+        job its prefix and nothing else of the bucket works); writing is checked by the generation claim."""
+        self._names()
 
     def complete(self) -> list[SnapshotRef]:
         keys = self._keys()
@@ -263,19 +223,21 @@ class ObjectStore:
                     self.fs.get_file(key, str(tmp / key.rsplit("/", 1)[-1]))
             for child in tmp.iterdir():
                 os.chmod(child, 0o600)
-            try:
-                os.rename(tmp, target)
-            except OSError:  # another rank of this node fetched it first (same bytes: names are never reused)
-                shutil.rmtree(tmp, ignore_errors=True)
+            if (tmp / META).is_file():  # else: removed or still being uploaded; the reader finds no marker
+                try:
+                    os.rename(tmp, target)
+                except OSError:  # another rank of this node fetched it first (same bytes: names are never reused)
+                    shutil.rmtree(tmp, ignore_errors=True)
         finally:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
-        self._trim_cache(cache)
+        self._trim_cache(cache, keep=ref)
         return target
 
-    def _trim_cache(self, cache: Path) -> None:
-        cached = sorted((r, p) for p in cache.iterdir() if (r := SnapshotRef.parse(p.name)) is not None)
-        for _, stale in cached[:-CACHE_KEEP]:
+    def _trim_cache(self, cache: Path, keep: SnapshotRef) -> None:
+        """The newest :data:`CACHE_KEEP` copies stay, and ``keep`` (just fetched: its reader is about to open it)."""
+        cached = sorted((r, p) for p in cache.iterdir() if (r := SnapshotRef.parse(p.name)) is not None and r != keep)
+        for _, stale in cached[:-(CACHE_KEEP - 1) or None]:
             shutil.rmtree(stale, ignore_errors=True)
 
     # -- writing -----------------------------------------------------------------------------------------------
@@ -298,12 +260,18 @@ class ObjectStore:
 
     def share_part(self, staging: Path, ref: SnapshotRef, rank: int) -> None:
         """Upload this rank's part, then its record (what rank 0 waits for: the part is whole once it exists); the
-        local copy goes. Invisible to readers until rank 0 publishes ``meta.json``."""
+        local copy goes. Invisible to readers until rank 0 publishes ``meta.json``. With the job's key the record
+        is signed: rank 0 signs ``meta.json`` over the parts' checksums, and takes none that someone who can write
+        the bucket (but lacks the key) planted under the snapshot's predictable name."""
         remote = f"{self.prefix}/{ref.name}"
         try:
+            record = json.loads((staging / record_name(rank)).read_text())
+            key = current_signing_key()
+            if key is not None:
+                record["hmac"] = _record_signature(ref, rank, record, key)
             with self._io(f"uploading {part_name(rank)} of {ref.name}"):
                 self.fs.put_file(str(staging / part_name(rank)), f"{remote}/{part_name(rank)}")
-                self.fs.put_file(str(staging / record_name(rank)), f"{remote}/{record_name(rank)}")
+                self.fs.pipe_file(f"{remote}/{record_name(rank)}", json.dumps(record).encode())
         finally:
             self.discard(staging)
 
@@ -317,18 +285,29 @@ class ObjectStore:
             wanted = {record_name(r): r for r in missing if r not in found}
             if not wanted:
                 return found
+            key = current_signing_key()
             with self._io(f"waiting for the parts of {ref.name}"):
                 try:
                     present = [k.rsplit("/", 1)[-1] for k in self.fs.ls(remote, detail=False, refresh=True)]
                 except FileNotFoundError:
                     return found
                 for name in present:
-                    if name in wanted:
-                        with contextlib.suppress(ValueError, FileNotFoundError):
-                            found[wanted[name]] = json.loads(self.fs.cat_file(f"{remote}/{name}")[:4096])
+                    if name not in wanted:
+                        continue
+                    rank = wanted[name]
+                    with contextlib.suppress(ValueError, FileNotFoundError):
+                        record = json.loads(self.fs.cat_file(f"{remote}/{name}", start=0, end=4096))
+                        if not isinstance(record, dict):
+                            continue
+                        signature = record.pop("hmac", None)
+                        if key is not None and not (isinstance(signature, str) and hmac.compare_digest(
+                                signature, _record_signature(ref, rank, record, key))):
+                            continue  # not signed with the job's key: never the part's checksum in meta.json
+                        found[rank] = record
             return found
 
-        return {"records_of": records_of, "poll_s": 0.05}
+        # A listing every 0.2 s: a part takes about as long to upload as rank 0's own takes to write.
+        return {"records_of": records_of, "poll_s": 0.2}
 
     def publish(self, staging: Path, ref: SnapshotRef, entries_synced: bool = False) -> None:
         """Upload ``staging``'s files under ``ref``'s name, then create its ``meta.json``; the local copy goes."""
@@ -340,6 +319,9 @@ class ObjectStore:
                 raise AlreadyCommittedError(f"{ref.name} was already published")
             if files:
                 self.fs.put([str(p) for p in files], [f"{remote}/{p.name}" for p in files])
+        # Fenced again after the upload (which may take minutes), right before the marker: a round that began
+        # meanwhile may have swept what this writer uploaded.
+        self.check_fence(ref.generation)
         if not self._create(f"{remote}/{META}", (staging / META).read_bytes()):
             raise AlreadyCommittedError(f"{ref.name} was already published")
         self.discard(staging)
@@ -446,6 +428,13 @@ class ObjectStore:
         newest = self.newest_generation()
         if newest > generation:
             raise fence_error(generation, newest, self.generation_info(newest), self.location)
+
+
+def _record_signature(ref: SnapshotRef, rank: int, record: dict[str, Any], key: bytes) -> str:
+    """HMAC-SHA256 under the job's key of a part's record, bound to its snapshot and rank."""
+    body = json.dumps({"snapshot": ref.name, "rank": rank} | {k: v for k, v in record.items() if k != "hmac"},
+                      sort_keys=True, separators=(",", ":")).encode()
+    return hmac.new(key, body, hashlib.sha256).hexdigest()
 
 
 def _short(exc: BaseException) -> str:

@@ -72,6 +72,8 @@ def write_sharded(store: LocalStore, generation: int, keep_last: int, ref: Snaps
             record = write_part(staging, rank, state["part"]) if rank in writers else None
             if record is not None:
                 store.share_part(staging, ref, rank)  # a bucket: the part goes where rank 0 looks for it
+            elif not store.is_local:
+                store.discard(staging)  # a bucket's staging is this rank's own, and it wrote nothing into it
             return Written(meta={"part": record, "step": ref.step})
         # Rank 0's own part in a thread while it writes state.pt (the rest of the state): the two fsyncs overlap.
         if rank in writers:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -65,6 +66,9 @@ def test_nodes_with_private_directories_survive_a_worker_kill_a_newcomer_and_los
     store = ObjectStore(url, local=tmp_path / "reader", fs=s3_server.filesystem())
     wait_for("the snapshot of step 1000", lambda: any(r.step == 1000 for r in store.complete()), 120, job)
     time.sleep(3)
+    # At once: frozen first, so that no survivor of the first kill reacts (a stop snapshot) before the last.
+    for worker in job.workers():
+        job.signal_worker(worker, signal.SIGSTOP)
     for agent in list(job.running_agents()):
         job.kill_agent(agent)
     assert store.complete()[-1].step == 1000, "killed before the next durable snapshot"

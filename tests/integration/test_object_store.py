@@ -23,6 +23,7 @@ from elastic_runner.snapshot import (SnapshotError, SnapshotRef, SnapshotWriter,
                                      load_snapshot, open_store, require_ok)
 from elastic_runner.snapshot.object_store import ObjectStore
 from elastic_runner.snapshot.format import write_snapshot_files
+from elastic_runner.snapshot.publish import write_and_publish
 from elastic_runner.snapshot.store import AlreadyCommittedError, StoreAccessError
 from elastic_runner.testing.s3_server import S3Server
 
@@ -283,3 +284,57 @@ def test_no_credentials_at_all_is_a_clear_error_naming_where_they_come_from(
     monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
     with pytest.raises(StoreAccessError, match="no credentials .* were found.*AWS_ACCESS_KEY_ID"):
         node(url, tmp_path)
+
+
+def test_a_round_that_begins_while_a_snapshot_uploads_stops_it_before_its_marker(
+        url: str, tmp_path: Path, s3_server: S3Server) -> None:
+    writer_node, newer = node(url, tmp_path, "slow"), node(url, tmp_path, "newer")
+    gen = writer_node.claim_generation({})
+    upload = writer_node.fs.put
+
+    def upload_then_a_newer_round_starts(*args: Any, **kwargs: Any) -> Any:
+        done = upload(*args, **kwargs)
+        newer.sweep(newer.claim_generation({}))  # what a new attempt's rank 0 does: claim, then sweep
+        return done
+
+    writer_node.fs.put = upload_then_a_newer_round_starts
+    try:
+        with pytest.raises(StaleWriterError):
+            write_and_publish(writer_node, gen, 3, SnapshotRef(gen, 10), *capture(10)())
+    finally:
+        del writer_node.fs.put
+    assert writer_node.complete() == [], "no marker over what the newer round swept"
+
+
+def test_only_the_store_s_own_precondition_answer_means_the_object_exists() -> None:
+    from elastic_runner.snapshot.object_store import _is_precondition_failure
+
+    class ClientError(Exception):
+        def __init__(self, code: str, status: int) -> None:
+            super().__init__(code)
+            self.response = {"Error": {"Code": code}, "ResponseMetadata": {"HTTPStatusCode": status}}
+
+    def wrapped(cause: BaseException) -> OSError:
+        try:
+            raise OSError(22, "translated") from cause
+        except OSError as exc:
+            return exc
+
+    assert _is_precondition_failure(wrapped(ClientError("PreconditionFailed", 412)))
+    assert _is_precondition_failure(FileExistsError("x"))
+    timeout = ConnectionError('Read timeout on endpoint URL: "http://s3/ml-412/step-000004120-gen-000001/meta.json"')
+    assert not _is_precondition_failure(wrapped(timeout)), "a connection error is never 'already there'"
+    assert not _is_precondition_failure(wrapped(ClientError("InternalError", 500)))
+
+
+def test_a_node_reads_any_snapshot_the_bucket_keeps_even_beyond_its_cache_of_three(
+        store: ObjectStore, url: str, tmp_path: Path) -> None:
+    w = writer_for(store, keep_last=5)
+    for step in (10, 20, 30, 40, 50):
+        require_ok(w.save(step, capture(step), sync=True))
+    reader = node(url, tmp_path, "reader")
+    for ref in reversed(reader.complete()):  # newest first, as a reader falls back
+        meta, state = load_snapshot(reader.path(ref))
+        assert meta["step"] == ref.step and torch.equal(state["model"]["w"], torch.full((4,), float(ref.step)))
+    cached = sorted(p.name for p in (tmp_path / "reader" / ".objects" / "cache").iterdir())
+    assert len(cached) == 3 and cached[0] == "step-000000010-gen-000001", "the newest fetch stays, two others"

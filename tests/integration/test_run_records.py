@@ -80,12 +80,18 @@ def test_objects_planted_in_the_records_never_name_a_path_outside_the_view(
         records: str, s3_server: S3Server, tmp_path: Path) -> None:
     fs = s3_server.filesystem()
     prefix = records.removeprefix("s3://")
-    fs.pipe_file(f"{prefix}/events/deeper/escape.jsonl/000000000000000-000000000000003", b"x\n")
-    fs.pipe_file(f"{prefix}/secrets/key.jsonl/000000000000000-000000000000003", b"x\n")
-    fs.pipe_file(f"{prefix}/events/ok.jsonl/000000000000000-000000000000011", b'{"kind":1}\n')
+    inc = "0123456789abcdef"
+    fs.pipe_file(f"{prefix}/events/deeper/escape.jsonl/{inc}/000000000000000-000000000000003", b"x\n")
+    fs.pipe_file(f"{prefix}/secrets/key.jsonl/{inc}/000000000000000-000000000000003", b"x\n")
+    fs.pipe_file(f"{prefix}/events/.hidden.jsonl/{inc}/000000000000000-000000000000003", b"x\n")
+    fs.pipe_file(f"{prefix}/events/ok.jsonl/extra/{inc}/000000000000000-000000000000003", b"x\n")
+    fs.pipe_file(f"{prefix}/events/ok.jsonl/{inc}/000000000000000-000000000000011", b'{"kind":1}\n')
+    # A chunk shorter than its name says ends the file at its last whole line (and does not hang the reader).
+    fs.pipe_file(f"{prefix}/events/short.jsonl/{inc}/000000000000000-000000000000100", b'{"kind":2}\n{"ki')
     view = fetch_records(records, tmp_path / "deep" / "view", fs=fs)
     written = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file() and ".chunks" not in str(p))
-    assert written == ["deep/view/events/ok.jsonl"]
+    assert written == ["deep/view/events/ok.jsonl", "deep/view/events/short.jsonl"]
+    assert (view / "events/short.jsonl").read_bytes() == b'{"kind":2}\n'
     assert (view.stat().st_mode & 0o077) == 0
 
 
@@ -120,3 +126,20 @@ def test_a_run_directory_is_read_as_it_is_and_a_bucket_run_through_its_records(t
     plain.mkdir()
     (plain / "config.yaml").write_text("snapshot: {dir: null}\n")
     assert run_view(str(plain)) == str(plain)
+
+
+def test_a_log_of_the_same_name_written_anew_on_a_replaced_node_is_kept_beside_the_first_not_spliced_into_it(
+        records: str, s3_server: S3Server, tmp_path: Path) -> None:
+    fs = s3_server.filesystem()
+    # A replaced pod: the same hostname and pid, so the agent's log has the same name; its disk was new.
+    old, new = tmp_path / "pod-1", tmp_path / "pod-1-replaced"
+    append(old / "events/agent-host-7.jsonl", *({"kind": "old", "n": n} for n in range(20)))
+    RecordSync(old, records, fs=fs).sync()
+    append(new / "events/agent-host-7.jsonl", {"kind": "new", "n": 0})
+    RecordSync(new, records, fs=fs).sync()
+    append(new / "events/agent-host-7.jsonl", *({"kind": "new", "n": n} for n in range(1, 30)))
+    RecordSync(new, records, fs=fs).sync()
+    lines = [json.loads(line) for line in
+             (fetch_records(records, tmp_path / "view", fs=fs) / "events/agent-host-7.jsonl").read_text().splitlines()]
+    assert sorted((e["kind"], e["n"]) for e in lines) == sorted(
+        [("old", n) for n in range(20)] + [("new", n) for n in range(30)]), "every line of both, none torn"

@@ -1,0 +1,69 @@
+"""The client side of an object store: one fsspec filesystem per process and credentials, set to fail fast; its
+warm-up; and the node's private directory for a bucket's staging copies and read cache.
+
+Apart from :mod:`.object_store` (the snapshot contract) because the run's records (:mod:`~elastic_runner.observe.
+records`) and the worker's start (:func:`prewarm`) use it too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from ..files import private_dir
+
+#: One filesystem per (process, scheme, bucket, credentials): its client is created once (botocore loads its
+#: service description, ~0.2 s) and shared by the store, the record upload and a warm-up (:func:`prewarm`).
+_FILESYSTEMS: dict[tuple[Any, ...], Any] = {}
+_FILESYSTEMS_LOCK = threading.Lock()
+
+
+def open_filesystem(location: str) -> tuple[Any, str]:
+    """The fsspec filesystem of ``location`` (and the path in it), set to give up within seconds on a store that is
+    down rather than minutes: a snapshot that cannot be uploaded is reported and the next one tried (a step waits
+    for a write still in flight), and a worker's exit never waits long on a store. No listing cache (other nodes
+    publish); fsspec's own instance cache is not used (a forked process, or other credentials, get their own)."""
+    import fsspec
+
+    parts = urlsplit(location)
+    credentials = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith(("AWS_", "GOOGLE_"))))
+    key = (os.getpid(), parts.scheme, parts.netloc, credentials)
+    path = f"{parts.netloc}{parts.path}"
+    with _FILESYSTEMS_LOCK:
+        fs = _FILESYSTEMS.get(key)
+        if fs is None:
+            options: dict[str, Any] = {}
+            if location.startswith("s3://"):
+                options["config_kwargs"] = {"connect_timeout": 5, "read_timeout": 60, "retries": {"max_attempts": 3}}
+            fs, path = fsspec.core.url_to_fs(location, use_listings_cache=False, skip_instance_cache=True, **options)
+            if hasattr(fs, "retries"):
+                fs.retries = 2  # s3fs's own retries, on top of botocore's (5 by default)
+            _FILESYSTEMS[key] = fs
+    return fs, path
+
+
+def prewarm(location: str) -> None:
+    """Create the store's client in the background (a worker calls this before its process group is up, so the
+    attempt's first request to the store does not pay for it); errors are left for the real requests to report."""
+    def warm() -> None:
+        with contextlib.suppress(Exception):
+            fs, _ = open_filesystem(location)
+            if hasattr(fs, "set_session"):
+                fs.set_session()
+
+    threading.Thread(target=warm, name="object-store-warmup", daemon=True).start()
+
+
+def default_local(location: str) -> Path:
+    """This user's private directory on this node for one object-store location (staging and read cache) where the
+    caller names none: ``$TMPDIR/elastic-runner-objects-<uid>/<digest of the URL>``."""
+    base = private_dir(Path(tempfile.gettempdir()) / f"elastic-runner-objects-{os.getuid()}")
+    return private_dir(base / hashlib.sha256(location.encode()).hexdigest()[:16])
+
+
