@@ -121,7 +121,7 @@ def test_an_unreachable_store_is_counted_and_said_once_then_the_records_go_when_
     assert (view / "events/gen-000001-rank-00000.jsonl").read_text().count("\n") == 2
 
 
-def test_a_run_directory_is_read_as_it_is_and_a_bucket_run_through_its_records(tmp_path: Path) -> None:
+def test_a_run_directory_without_a_bucket_is_read_as_it_is(tmp_path: Path) -> None:
     plain = tmp_path / "run"
     plain.mkdir()
     (plain / "config.yaml").write_text("snapshot: {dir: null}\n")
