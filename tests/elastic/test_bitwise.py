@@ -131,3 +131,39 @@ def test_a_resume_from_disk_ends_bitwise_identical(
     assert resumed and resumed[0]["tier"] == "disk" and resumed[0]["step"] % 20 == 0, what
     assert_clean_audit(run_dir, what)
     assert_same_model(run_dir, tmp_path, uninterrupted("3x1"), what)
+
+
+def test_a_graceful_stop_and_restart_on_nodes_with_empty_disks_resumes_from_a_bucket_bitwise_identical(
+        resume_config: Path, uninterrupted: Callable[[str], Any], local_job, tmp_path: Path,  # noqa: ANN001
+        s3_server: Any, s3_prefix: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """2 agents x 2 processes, each agent with a run.dir of its own and the snapshots in a bucket: the whole job
+    preempted (SIGTERM), then two new nodes with empty directories and empty memory: they resume from the bucket
+    alone, and the model is the uninterrupted run's to the bit; the audit, read from the bucket, is clean."""
+    from elastic_runner.observe.events import read_events
+    from elastic_runner.observe.records import run_view
+
+    url = f"{s3_prefix}/snapshots"
+    agents, nproc = LAYOUTS["2x2"]
+    job = local_job(config=str(resume_config), nnodes=f"{agents}:{agents}", nproc_per_node=nproc,
+                    separate_run_dirs=True, env=s3_server.env(), overrides=[f"snapshot.dir={url}"])
+    start(job, agents)
+    workers, reached = stop_workers_at_step(job, fault_step("bucket-2x2"), count=agents * nproc, timeout=150)
+    continue_workers(job, workers)
+    for agent in list(job.agents):
+        agent.proc.send_signal(signal.SIGTERM)
+    job.wait(timeout=90)
+
+    def node_events(kind: str) -> list[dict[str, Any]]:
+        return [e for node in sorted(Path(job.run_dir).glob("node-*")) for e in read_events(node) if e["kind"] == kind]
+
+    stop_steps = {e["step"] for e in node_events("stop")}
+    assert len(stop_steps) == 1, f"the job stopped at one step (seed {SEED}, near step {reached}): {stop_steps}"
+    start(job, agents)  # nodes 2 and 3: their run.dir and their memory are new
+    assert job.wait(timeout=300)[-2:] == [0, 0], job.logs_tail()
+    what = f"2x2 with a bucket, stopped at step {min(stop_steps)} and started again on new nodes"
+    resumed = [e for e in node_events("resume") if e["generation"] > 1]
+    assert resumed and resumed[0]["tier"] == "disk" and resumed[0]["step"] == min(stop_steps), what
+    for key, value in s3_server.env().items():
+        monkeypatch.setenv(key, value)
+    assert_clean_audit(Path(run_view(url)), what)
+    assert_same_model(url, tmp_path, uninterrupted("2x2"), what)  # type: ignore[arg-type] - a bucket URL is a run too
