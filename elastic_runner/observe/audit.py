@@ -19,6 +19,15 @@ it win (a restart that resumed from an earlier snapshot re-does those steps).
 The checker then reports per epoch: samples seen, duplicates, missing (and
 samples outside the epoch's expected order); any of those, a step without
 records from all its ranks, or a changing global batch is a violation.
+
+Records lost with a node: a run without a shared directory keeps each node's trail on the node and uploads it to
+the bucket every ``snapshot.records_every_seconds`` (:mod:`elastic_runner.observe.records`); a node lost with its
+disk takes the lines of its last interval along. Read from a bucket (the view carries
+:data:`~elastic_runner.observe.records.FROM_BUCKET`), a step of an earlier generation whose records lack some ranks
+is accepted when each of those ranks' trails in that generation *ends before the step* (what an upload that stopped
+looks like: never a hole in the middle) and the dataset order is the elastic sampler's, whose shares
+``window[rank::world]`` the other ranks' records of the step fix; their samples are counted from there and the
+report names the ranks and steps (``records_lost``). Anywhere else, and for a custom sampler, it stays a violation.
 """
 
 from __future__ import annotations
@@ -34,6 +43,7 @@ import numpy as np
 
 from ..data.sampler import epoch_permutation
 from ..files import makedirs, open_file
+from .records import FROM_BUCKET
 
 AUDIT_DIR = "audit"
 
@@ -116,6 +126,9 @@ class AuditReport:
     global_batches: list[int] = field(default_factory=list)
     torn_lines: int = 0
     steps_superseded: int = 0
+    #: Spans of steps whose records some ranks' nodes took along (a bucket's view only: see the module docstring):
+    #: ``{"generation", "ranks", "first_step", "last_step"}``.
+    records_lost: list[dict[str, Any]] = field(default_factory=list)
     #: False when the run kept no audit trail (audit.samples off): nothing to judge, not a violation.
     audited: bool = True
 
@@ -128,7 +141,8 @@ class AuditReport:
             "ok": self.ok, "audited": self.audited, "finished": self.finished, "final_step": self.final_step,
             "generations": self.generations, "world_sizes": {str(k): v for k, v in self.world_sizes.items()},
             "global_batches": self.global_batches, "torn_lines": self.torn_lines,
-            "steps_superseded": self.steps_superseded, "violations": self.violations,
+            "steps_superseded": self.steps_superseded, "records_lost": self.records_lost,
+            "violations": self.violations,
             "epochs": [
                 {"epoch": e.epoch, "complete": e.complete, "expected": e.expected, "seen": e.seen,
                  "duplicates": len(e.duplicates), "missing": len(e.missing), "unexpected": len(e.unexpected),
@@ -154,6 +168,11 @@ class AuditReport:
             lines.append(f"  violation: {v}")
         if self.torn_lines:
             lines.append(f"  note: {self.torn_lines} torn line(s) from killed writers were ignored")
+        for lost in self.records_lost:
+            lines.append(
+                f"  note: generation {lost['generation']}, ranks {lost['ranks']}: the records of steps "
+                f"{lost['first_step']}-{lost['last_step']} were lost with their node before they were uploaded; "
+                "their samples follow from the sampler's order and the other ranks' records")
         return "\n".join(lines)
 
 
@@ -218,6 +237,7 @@ def check_audit(run_dir: str | os.PathLike[str]) -> AuditReport:
     headers, ends = [], []
     # Pass 1: every step record without its indices, to find the generation that owns each step.
     by_step: dict[int, dict[int, list[tuple[int, int, int, int, int, int]]]] = defaultdict(lambda: defaultdict(list))
+    last_of: dict[tuple[int, int], int] = {}  # (generation, rank) -> the last step its trail reached
     for r in lines:
         kind = r.get("type")
         if kind == "header":
@@ -227,6 +247,8 @@ def check_audit(run_dir: str | os.PathLike[str]) -> AuditReport:
         elif kind == "step":
             by_step[r["step"]][r["generation"]].append(
                 (r["rank"], r["world_size"], r["epoch"], r["start"], r["global_count"], len(r["indices"])))
+            key = (r["generation"], r["rank"])
+            last_of[key] = max(last_of.get(key, 0), r["step"])
     report.torn_lines = lines.torn
     if not headers:
         report.violations.append("the audit trail has no header records")
@@ -247,7 +269,13 @@ def check_audit(run_dir: str | os.PathLike[str]) -> AuditReport:
         report.final_step = max(by_step, default=0)
 
     batch_of = {h["generation"]: h["global_batch"] for h in headers}
+    canonical = header.get("sampler", "elastic") == "elastic"
+    # Records may have been lost with a node only in a bucket's view, only in a generation that a later one ended.
+    lossy = canonical and (Path(run_dir) / FROM_BUCKET).is_file()
+    last_generation = max([*report.generations, *(g for gens in by_step.values() for g in gens)], default=0)
     owner: dict[int, int] = {}  # step -> the generation whose records count
+    # step -> (world size, ranks whose shares follow from the order, epoch, start, global batch)
+    derived: dict[int, tuple[int, list[int], int, int, int]] = {}
     epoch_end: dict[int, tuple[int, int]] = {}  # epoch -> (end position, global batch there)
     for step in range(1, report.final_step + 1):
         gens = by_step.get(step)
@@ -259,14 +287,26 @@ def check_audit(run_dir: str | os.PathLike[str]) -> AuditReport:
         recs = gens[newest]
         world = recs[0][1]
         ranks = sorted(r[0] for r in recs)
+        missing = sorted(set(range(world)) - set(ranks))
+        lost_with_node = False
         if ranks != list(range(world)):
-            report.violations.append(f"step {step} (generation {newest}) has records from ranks {ranks}, expected 0..{world - 1}")
+            lost_with_node = bool(lossy and newest < last_generation and missing and len(set(ranks)) == len(ranks)
+                                  and set(ranks) <= set(range(world))
+                                  and all(last_of.get((newest, r), 0) < step for r in missing))
+            if lost_with_node:
+                _note_lost(report.records_lost, newest, missing, step)
+            else:
+                report.violations.append(
+                    f"step {step} (generation {newest}) has records from ranks {ranks}, expected 0..{world - 1}")
         shape = {r[2:5] for r in recs}
         if len(shape) != 1:
             report.violations.append(f"step {step}: ranks disagree on (epoch, start, global batch): {sorted(shape)}")
             continue
         epoch, start, count = shape.pop()
         consumed = sum(r[5] for r in recs)
+        if lost_with_node:
+            derived[step] = (world, missing, epoch, start, count)
+            consumed += sum(len(range(r, count, world)) for r in missing)
         if consumed != count:
             report.violations.append(f"step {step}: ranks consumed {consumed} samples, the global batch is {count}")
         nominal = batch_of.get(newest, count)
@@ -284,7 +324,7 @@ def check_audit(run_dir: str | os.PathLike[str]) -> AuditReport:
     counts: dict[int, np.ndarray] = {}
     outside: dict[int, set[int]] = defaultdict(set)
     seen_total: Counter[int] = Counter()
-    for r in lines:
+    for r in _with_derived(lines, derived, owner, num_samples, seed, shuffle):
         if r.get("type") != "step" or owner.get(r["step"]) != r["generation"]:
             continue
         epoch, indices = r["epoch"], r["indices"]
@@ -299,7 +339,6 @@ def check_audit(run_dir: str | os.PathLike[str]) -> AuditReport:
                 if arr[i] < 255:
                     arr[i] += 1
 
-    canonical = header.get("sampler", "elastic") == "elastic"
     last_epoch = max(counts, default=-1)
     for epoch in sorted(counts):
         arr = counts.pop(epoch)
@@ -323,3 +362,29 @@ def check_audit(run_dir: str | os.PathLike[str]) -> AuditReport:
             unexpected=sorted((seen_set - expected) | outside[epoch]),
         ))
     return report
+
+
+def _note_lost(spans: list[dict[str, Any]], generation: int, ranks: list[int], step: int) -> None:
+    """Add ``step`` to the span of lost records it continues, or start one."""
+    last = spans[-1] if spans else None
+    if last is not None and last["generation"] == generation and last["ranks"] == ranks \
+            and last["last_step"] == step - 1:
+        last["last_step"] = step
+    else:
+        spans.append({"generation": generation, "ranks": ranks, "first_step": step, "last_step": step})
+
+
+def _with_derived(lines: _Lines, derived: dict[int, tuple[int, list[int], int, int, int]], owner: dict[int, int],
+                  num_samples: int, seed: int, shuffle: bool) -> Iterator[dict[str, Any]]:
+    """The trail's records, and for each step in ``derived`` the shares of the ranks whose records were lost with
+    their node: ``window[rank::world]`` of the step's window in the epoch's order (the elastic sampler's rule)."""
+    yield from lines
+    order: tuple[int, list[int]] | None = None  # one epoch's permutation at a time: the steps come in order
+    for step in sorted(derived):
+        world, ranks, epoch, start, count = derived[step]
+        if order is None or order[0] != epoch:
+            order = (epoch, epoch_permutation(num_samples, seed, epoch, shuffle).tolist())
+        window = order[1][start:start + count]
+        for rank in ranks:
+            yield {"type": "step", "generation": owner[step], "step": step, "epoch": epoch, "rank": rank,
+                   "indices": window[rank::world]}

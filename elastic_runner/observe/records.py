@@ -44,6 +44,9 @@ _RANGE = re.compile(r"([0-9]{15})-([0-9]{15})")
 _INCARNATION = re.compile(r"[0-9a-f]{16}")
 #: A chunk is at most this many bytes (a long run's first upload after a restart is split).
 MAX_CHUNK = 8 << 20
+#: In a directory :func:`fetch_records` rebuilt: the records' URL. The audit checker reads it as "the nodes' records
+#: came through a bucket" (a node lost with its disk took its last lines along: :mod:`elastic_runner.observe.audit`).
+FROM_BUCKET = ".records-from"
 
 
 def records_url(snapshot_url: str) -> str:
@@ -228,6 +231,7 @@ def fetch_records(url: str, into: str | os.PathLike[str], fs: Any = None) -> Pat
         ranges.setdefault(relative, {}).setdefault(incarnation, []).append((lo, hi, str(local)))
     for relative, incarnations in ranges.items():
         _write_private(target / relative, b"".join(_assemble(spans) for _, spans in sorted(incarnations.items())))
+    _write_private(target / FROM_BUCKET, f"{url}\n".encode())
     return target
 
 

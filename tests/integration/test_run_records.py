@@ -90,7 +90,7 @@ def test_objects_planted_in_the_records_never_name_a_path_outside_the_view(
     fs.pipe_file(f"{prefix}/events/short.jsonl/{inc}/000000000000000-000000000000100", b'{"kind":2}\n{"ki')
     view = fetch_records(records, tmp_path / "deep" / "view", fs=fs)
     written = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file() and ".chunks" not in str(p))
-    assert written == ["deep/view/events/ok.jsonl", "deep/view/events/short.jsonl"]
+    assert written == ["deep/view/.records-from", "deep/view/events/ok.jsonl", "deep/view/events/short.jsonl"]
     assert (view / "events/short.jsonl").read_bytes() == b'{"kind":2}\n'
     assert (view.stat().st_mode & 0o077) == 0
 

@@ -6,6 +6,7 @@ from pathlib import Path
 
 from elastic_runner.data.sampler import ElasticSampler
 from elastic_runner.observe.audit import AuditWriter, check_audit
+from elastic_runner.observe.records import FROM_BUCKET
 
 N, G = 40, 8
 
@@ -107,3 +108,70 @@ def test_a_changing_global_batch_is_a_violation(tmp_path: Path) -> None:
 def test_no_audit_directory_is_reported(tmp_path: Path) -> None:
     report = check_audit(tmp_path)
     assert not report.ok and "audit.samples" in report.violations[0]
+
+
+# -- a node lost with its disk, records read from a bucket ----------------------------------------------------------
+
+
+def keep_steps_up_to(run_dir: Path, generation: int, rank: int, last: int, hole: int | None = None) -> None:
+    """Cut a rank's trail as an upload that stopped at step ``last`` leaves it (``hole``: also drop that step)."""
+    path = run_dir / "audit" / f"gen-{generation:06d}-rank-{rank:05d}.jsonl"
+    kept = [line for line in path.read_text().splitlines(keepends=True)
+            if '"type":"step"' not in line or (int(line.split('"step":')[1].split(",")[0]) <= last
+                                                and f'"step":{hole},' not in line)]
+    path.write_text("".join(kept))
+
+
+def node_lost_after_upload(run_dir: Path, *, from_bucket: bool, hole: int | None = None, final: bool = False,
+                           sampler: str = "elastic") -> None:
+    """Generation 1 at world 3: rank 2's node uploaded its records up to step 5 and was lost with its disk at step 9;
+    the survivors resumed from memory at step 9 at world 2 (generation 2) and finished."""
+    snap = simulate(run_dir, 1, 3, None, 9, 0)
+    keep_steps_up_to(run_dir, 1, 2, 5, hole)
+    if not final:
+        simulate(run_dir, 2, 2, snap, 11, 9, end=True)
+    if sampler != "elastic":
+        for path in (run_dir / "audit").glob("*.jsonl"):
+            path.write_text(path.read_text().replace('"sampler":"elastic"', f'"sampler":"{sampler}"'))
+    if from_bucket:
+        (run_dir / FROM_BUCKET).write_text("s3://bucket/run/records\n")
+
+
+def test_records_a_lost_node_had_not_uploaded_are_named_and_their_samples_follow_from_the_order(tmp_path: Path) -> None:
+    node_lost_after_upload(tmp_path, from_bucket=True)
+    report = check_audit(tmp_path)
+    assert report.ok and report.finished and report.final_step == 20, report.render()
+    assert report.records_lost == [{"generation": 1, "ranks": [2], "first_step": 6, "last_step": 9}]
+    assert [e.seen for e in report.epochs] == [40, 40, 40, 40]
+    assert "steps 6-9 were lost with their node" in report.render()
+
+
+def test_on_a_shared_directory_nothing_is_lost_with_a_node_so_a_missing_rank_stays_a_violation(tmp_path: Path) -> None:
+    node_lost_after_upload(tmp_path, from_bucket=False)
+    report = check_audit(tmp_path)
+    assert not report.ok and not report.records_lost
+    assert any("step 6 (generation 1) has records from ranks [0, 1]" in v for v in report.violations)
+
+
+def test_a_hole_in_a_trail_is_not_a_lost_upload(tmp_path: Path) -> None:
+    node_lost_after_upload(tmp_path, from_bucket=True, hole=3)
+    report = check_audit(tmp_path)
+    assert not report.ok
+    assert any(v.startswith("step 3 (generation 1)") for v in report.violations), report.render()
+
+
+def test_the_last_generation_and_a_custom_sampler_lose_nothing_silently(tmp_path: Path) -> None:
+    node_lost_after_upload(tmp_path / "last", from_bucket=True, final=True)
+    assert not check_audit(tmp_path / "last").ok, "nothing ended the generation: its ranks owe their records"
+    node_lost_after_upload(tmp_path / "custom", from_bucket=True, sampler="custom")
+    assert not check_audit(tmp_path / "custom").ok, "a custom sampler's order cannot stand in for the records"
+
+
+def test_samples_of_lost_records_still_count_towards_exactly_once(tmp_path: Path) -> None:
+    snap = simulate(tmp_path, 1, 3, None, 9, 0)
+    keep_steps_up_to(tmp_path, 1, 2, 5)
+    # Resumed with the sampler one step behind the step count: step 9's window, rank 2's share included, again.
+    simulate(tmp_path, 2, 2, dict(snap, consumed=snap["consumed"] - G), 11, 9, end=True)
+    (tmp_path / FROM_BUCKET).write_text("s3://bucket/run/records\n")
+    report = check_audit(tmp_path)
+    assert not report.ok and len(report.epochs[1].duplicates) == G, report.render()
