@@ -56,6 +56,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                         "train at one world size throughout; off by default, as soaks that change it match in distribution")
     p.add_argument("--loss-tolerance", type=float, default=None, help="relative final-loss tolerance when the world size changed (default 0.1)")
     p.add_argument("--timeout", type=float, default=None, help="give up after this many seconds (default 600)")
+    p.add_argument("--private-dirs", action="store_true",
+                   help="give every agent its own run.dir (RUN_DIR/node-N), as nodes without a shared filesystem "
+                        "have: snapshot.dir must be a bucket (s3://, gs://); kill-node deletes the node's directory "
+                        "and memory; the audit and report are read from the bucket")
 
 
 def build_scenario(args: argparse.Namespace) -> Scenario:
@@ -97,6 +101,8 @@ def build_scenario(args: argparse.Namespace) -> Scenario:
         scenario.reference = True
     if args.bitwise:
         scenario.bitwise = True
+    if args.private_dirs:
+        scenario.private_dirs = True
     if scenario.bitwise:
         scenario.reference = True
     if not scenario.faults and not scenario.random_types:

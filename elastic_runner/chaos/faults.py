@@ -33,7 +33,7 @@ class FaultContext:
     min_agents: int
     max_agents: int
     hang_seconds: float
-    snapshot_dir: Path
+    snapshot_dir: Path | None  #: None: the snapshots are in a bucket
     etcd: Any = None  #: elastic_runner.testing.etcd_server.EtcdServer when self-started
     fill_seconds: float = 8.0
     #: Undo what a fault left behind (a filler file) when the run ends early; each runs once.
@@ -86,7 +86,12 @@ def kill_agent(ctx: FaultContext) -> str:
 def kill_node(ctx: FaultContext) -> str:
     agent = ctx.rng.choice(_removable_agents(ctx))
     killed = ctx.job.kill_agent(agent, signal.SIGKILL, with_workers=True)
-    return f"node loss: SIGKILL agent {agent.index} (pid {agent.pid}) and its {len(killed)} process(es)"
+    gone = ""
+    if ctx.job.separate_run_dirs:  # a node of its own: its disk and its memory go with it
+        shutil.rmtree(ctx.job.node_run_dir(agent.index), ignore_errors=True)
+        shutil.rmtree(ctx.job.memory_dir(agent.index), ignore_errors=True)
+        gone = "; its run.dir and node memory deleted"
+    return f"node loss: SIGKILL agent {agent.index} (pid {agent.pid}) and its {len(killed)} process(es){gone}"
 
 
 def join(ctx: FaultContext) -> str:
@@ -123,6 +128,9 @@ def restart_etcd(ctx: FaultContext) -> str:
 
 
 def corrupt_snapshot(ctx: FaultContext) -> str:
+    if ctx.snapshot_dir is None:
+        raise Skip("the snapshots are in a bucket: corrupt-snapshot damages a directory's (a damaged or planted "
+                   "object in a bucket: tests/integration/test_object_store.py)")
     store = LocalStore(ctx.snapshot_dir)
     complete = store.complete()
     if len(complete) < 2:
@@ -146,6 +154,8 @@ def fill_disk(ctx: FaultContext) -> str:
     """The snapshot volume runs full for ``fill_seconds`` (another tenant's files, a log that grew): every
     durable write in that time fails, training must go on, and snapshots must resume once space is back."""
     volume = ctx.snapshot_dir
+    if volume is None:
+        raise Skip("the snapshots are in a bucket: there is no snapshot volume to fill")
     if not volume.is_dir():
         raise Skip(f"no snapshot directory yet ({volume})")
     if any(volume.glob(FILLER_NAME + "-*")):

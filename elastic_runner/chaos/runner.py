@@ -19,7 +19,9 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from ..observe.audit import check_audit, latest_step
+from ..config.locations import is_url
 from ..observe.events import EventFollower, read_events
+from ..observe.records import run_view
 from ..testing.localjob import LocalJob
 from .faults import FAULTS, FaultContext, Skip
 from .scenario import FaultSpec, Scenario, ScenarioError
@@ -31,7 +33,8 @@ class ChaosRun:
         self.s = scenario
         self.out = out
         self.run_dir = Path(scenario.run_dir)
-        self.live = EventFollower(self.run_dir)  #: the job's events while it runs
+        #: the job's events while it runs (on every node's own directory with private_dirs)
+        self.live = EventFollower(self.run_dir, "node-*/events/*.jsonl" if scenario.private_dirs else "events/*.jsonl")
         self.history = History()  #: what judging a fault needs from them, kept up to date
         self.faults: list[Injected] = []
         self.t0 = 0.0
@@ -39,6 +42,7 @@ class ChaosRun:
         self._injected_step = 0  #: the step the job had reached when the last fault was injected
         self._reaped_at = 0.0  #: when dead orphans were last collected
         self._short_since: float | None = None
+        self.records = self.run_dir  #: where the verdict reads the run's records (a bucket's, fetched: private_dirs)
 
     def log(self, text: str) -> None:
         elapsed = time.time() - self.t0 if self.t0 else 0.0
@@ -51,6 +55,10 @@ class ChaosRun:
         s.validate()
         if self.run_dir.exists() and any(self.run_dir.iterdir()):
             raise ScenarioError(f"run directory {self.run_dir} is not empty: a chaos run starts from scratch, choose a new --run-dir")
+        location = self._snapshot_location()
+        if s.private_dirs and not is_url(location):
+            raise ScenarioError(f"--private-dirs: the nodes share no directory, so snapshot.dir must be a bucket "
+                                f"(s3://BUCKET/PREFIX or gs://...), not {location!r}: add --set snapshot.dir=s3://...")
         with self._etcd() as etcd:
             reference = self._reference(etcd) if s.reference else None
             job = self._job(etcd, self.run_dir)
@@ -58,9 +66,11 @@ class ChaosRun:
                 finished, leftover = self._drive(job, etcd)
             finally:
                 job.close()
-        events = read_events(self.run_dir)
+        # With private directories, what the run recorded is what reached the bucket (a lost node took the rest).
+        self.records = Path(run_view(location)) if s.private_dirs else self.run_dir
+        events = read_events(self.records)
         attribute_recoveries(self.faults, events, self.s.hang_seconds)
-        audit = check_audit(self.run_dir)
+        audit = check_audit(self.records)
         comparison = self._compare(reference, events) if reference is not None else None
         verdict = verify(audit=audit, events=events, faults=self.faults, leftover=leftover, finished=finished,
                          reference=comparison)
@@ -87,7 +97,8 @@ class ChaosRun:
         endpoint = s.etcd_endpoint or (etcd.endpoint if etcd is not None else None)
         return LocalJob(config=s.config, run_dir=str(run_dir), overrides=[*s.overrides, "audit.samples=true", *extra],
                         nnodes=s.nnodes, nproc_per_node=s.nproc_per_node, rdzv_backend=s.rdzv_backend,
-                        rdzv_endpoint=endpoint, launcher=s.launcher, max_restarts=1000)
+                        rdzv_endpoint=endpoint, launcher=s.launcher, max_restarts=1000,
+                        separate_run_dirs=s.private_dirs and run_dir == self.run_dir)
 
     def _reference(self, etcd: Any) -> dict[str, Any]:
         ref_dir = self.run_dir.with_name(self.run_dir.name + "-reference")
@@ -107,8 +118,10 @@ class ChaosRun:
 
     def _drive(self, job: LocalJob, etcd: Any) -> tuple[bool, list[int]]:
         s = self.s
+        location = self._snapshot_location()
         ctx = FaultContext(job=job, rng=random.Random(s.seed), min_agents=s.min_agents, max_agents=s.max_agents,
-                           hang_seconds=s.hang_seconds, snapshot_dir=self._snapshot_dir(), etcd=etcd,
+                           hang_seconds=s.hang_seconds, etcd=etcd,
+                           snapshot_dir=None if is_url(location) else Path(location),
                            fill_seconds=s.fill_seconds)
         try:
             return self._inject(job, ctx)
@@ -148,7 +161,7 @@ class ChaosRun:
             if self.faults and self.faults[-1].generation is not None:
                 time.sleep(s.settle_seconds)
             at = time.time()
-            reached = latest_step(self.run_dir)
+            reached = self._step()
             try:
                 description = FAULTS[spec.type](ctx)
             except Skip as why:
@@ -205,9 +218,9 @@ class ChaosRun:
 
     def _due(self, spec: FaultSpec) -> bool:
         if spec.after_steps is not None:
-            return latest_step(self.run_dir) >= self._injected_step + spec.after_steps
+            return self._step() >= self._injected_step + spec.after_steps
         if spec.step is not None:
-            return latest_step(self.run_dir) >= spec.step
+            return self._step() >= spec.step
         return time.time() - self.t0 >= spec.at
 
     def _wait_stepping(self, job: LocalJob) -> None:
@@ -251,14 +264,20 @@ class ChaosRun:
         self.history.add(self.live.read_new())
         return self.live.events
 
-    def _snapshot_dir(self) -> Path:
+    def _step(self) -> int:
+        """The highest step the job has started (over every node's directory with private_dirs)."""
+        if not self.s.private_dirs:
+            return latest_step(self.run_dir)
+        return max((latest_step(node) for node in self.run_dir.glob("node-*")), default=0)
+
+    def _snapshot_location(self) -> str:
         from ..config import ConfigError, load_config
 
         try:
             cfg = load_config(self.s.config, list(self.s.overrides) + [f"run.dir={self.run_dir}"])
         except ConfigError as exc:
             raise ScenarioError(f"the training config does not load: {exc}") from exc
-        return Path(cfg.snapshot_dir)
+        return str(cfg.snapshot_dir)
 
     # -- judging ----------------------------------------------------------------------------------
 
@@ -276,7 +295,7 @@ class ChaosRun:
 
             out = self.run_dir / "chaos"
             out.mkdir(parents=True, exist_ok=True)
-            export(str(self.run_dir), str(out / "model.pt"))
+            export(self._snapshot_location() if self.s.private_dirs else str(self.run_dir), str(out / "model.pt"))
             export(reference["run_dir"], str(out / "reference-model.pt"))
             a = torch.load(out / "model.pt", weights_only=True)
             b = torch.load(out / "reference-model.pt", weights_only=True)
@@ -307,7 +326,7 @@ class ChaosRun:
             "faults": as_dicts(self.faults),
             "recovery": stats,
             "replacements": self.replacements,
-            "goodput": _goodput_of(self.run_dir, events),
+            "goodput": _goodput_of(self.records, events),
             "outcomes": {o: sum(1 for f in self.faults if f.outcome == o) for o in ("recovered", "absorbed", "job ended")}
             | {"undecided": sum(1 for f in self.faults if f.outcome is None)},
             "steps_recomputed": [f.steps_recomputed for f in self.faults if f.steps_recomputed is not None],
@@ -323,7 +342,7 @@ class ChaosRun:
         with contextlib.suppress(Exception):
             from ..observe.report import render_timeline
 
-            render_timeline(str(self.run_dir), str(out / "timeline.png"), events=events)
+            render_timeline(str(self.records), str(out / "timeline.png"), events=events)
             report["timeline"] = str(out / "timeline.png")
         return report
 

@@ -69,6 +69,10 @@ class Scenario:
     reference_agents: int | None = None
     loss_tolerance: float = 0.1
     timeout: float = 600.0
+    #: Every agent its own run.dir (``RUN_DIR/node-N``), as nodes without a shared filesystem have: snapshot.dir
+    #: must be a bucket; a lost node (kill-node) takes its directory and memory along; the verdict reads the run's
+    #: records back from the bucket.
+    private_dirs: bool = False
 
     @property
     def min_agents(self) -> int:

@@ -61,8 +61,10 @@ class EventFollower:
     appended since the last one (a run writes thousands of events; re-reading them all every
     0.1 s takes CPU from the job being watched)."""
 
-    def __init__(self, run_dir: str | os.PathLike[str]) -> None:
-        self.dir = Path(run_dir) / EVENTS_DIR
+    def __init__(self, run_dir: str | os.PathLike[str], pattern: str = f"{EVENTS_DIR}/*.jsonl") -> None:
+        self.dir = Path(run_dir)
+        #: The event files below ``run_dir`` (``node-*/events/*.jsonl``: nodes with a directory each).
+        self.pattern = pattern
         self._offsets: dict[Path, int] = {}
         self._events: list[dict[str, Any]] = []
 
@@ -79,7 +81,7 @@ class EventFollower:
         """Only the events appended since the last call (in time order among themselves); :meth:`read`
         still returns them all."""
         new: list[dict[str, Any]] = []
-        for path in sorted(self.dir.glob("*.jsonl")):
+        for path in sorted(self.dir.glob(self.pattern)):
             try:
                 if path.stat().st_size <= self._offsets.get(path, 0):
                     continue  # nothing appended (most files: the attempts that ended)

@@ -108,3 +108,48 @@ def test_nodes_with_private_directories_survive_a_worker_kill_a_newcomer_losing_
     assert len(report.records_lost) <= 1, report.render()
     for lost in report.records_lost:
         assert len(lost["ranks"]) == 1 and report.world_sizes[lost["generation"]] == 3, report.render()
+
+
+def test_the_chaos_tool_judges_a_run_whose_nodes_share_no_directory_from_the_bucket(
+        s3_server: S3Server, s3_prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import json
+    import os
+    import sys
+
+    from ..support import run_bounded, write_config
+
+    config = write_config(tmp_path / "chaos.yaml", train={"epochs": 16, "max_steps": None, "eval_every_steps": 0},
+                          snapshot={"every_steps": 25, "records_every_seconds": 1}, logging={"every_steps": 25},
+                          dist={"heartbeat_seconds": 2})
+    run_dir = tmp_path / "run"
+    url = f"{s3_prefix}/snapshots"
+    # Paced (>= 40 ms a step): the job outlasts the three faults and a joining node's start-up.
+    result = run_bounded([sys.executable, "-m", "elastic_runner", "chaos", "--config", str(config), "--run-dir",
+                          str(run_dir), "--private-dirs", "--agents", "2", "--nnodes", "1:3",
+                          "--at", "2:kill-worker,3:kill-node,4:join", "--set", f"snapshot.dir={url}",
+                          "--set", "data.sampler=tests.broken_components:PacedSampler"],
+                         timeout=420, env=os.environ | s3_server.env())
+    assert result.returncode == 0, result.stdout[-4000:]
+    report = json.loads((run_dir / "chaos" / "report.json").read_text())
+    assert report["ok"] and all(check["ok"] for check in report["checks"].values()), report["checks"]
+    assert [(f["type"], f["outcome"]) for f in report["faults"]] == [
+        ("kill-worker", "recovered"), ("kill-node", "recovered"), ("join", "recovered")]
+    assert "its run.dir and node memory deleted" in report["faults"][1]["description"]
+    assert not (run_dir / "node-1").exists(), "the lost node's directory went with it"
+    assert report["audit"]["ok"] and report["audit"]["finished"], report["audit"]
+    # Read from the bucket: the lost node's records are there up to its last upload.
+    for key, value in s3_server.env().items():
+        monkeypatch.setenv(key, value)
+    assert any(r["kind"] == "first_step" for r in read_events(run_view(url)))
+
+
+def test_the_chaos_tool_refuses_private_directories_without_a_bucket(tmp_path: Path) -> None:
+    import sys
+
+    from ..support import run_bounded, write_config
+
+    config = write_config(tmp_path / "chaos.yaml", train={"max_steps": 10})
+    result = run_bounded([sys.executable, "-m", "elastic_runner", "chaos", "--config", str(config), "--run-dir",
+                          str(tmp_path / "run"), "--private-dirs", "--at", "2:kill-node"], timeout=60)
+    assert result.returncode == 2
+    assert "--private-dirs" in result.stdout and "snapshot.dir must be a bucket" in result.stdout, result.stdout
