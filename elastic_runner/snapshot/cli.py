@@ -13,12 +13,12 @@ from typing import Any
 import yaml
 
 from ..files import UnsafeDirectoryError, open_file, write_file_atomically
-from .format import load_snapshot, read_meta, read_verified_bytes, set_signing_key, signing_key_from_environment
+from .format import load_snapshot, parse_meta, read_meta, read_verified_bytes, set_signing_key, signing_key_from_environment
 from .loader import find_newest
-from .shards import verify_parts
+from .shards import check_part_sizes, verify_parts
 from ..config.locations import is_url
 from .object_store import open_store
-from .store import LocalStore, SnapshotError, SnapshotRef
+from .store import META, STATE, LocalStore, SnapshotError, SnapshotRef
 
 
 def snapshot_dir_of(run_dir: str) -> str:
@@ -51,23 +51,28 @@ def inspect(run_dir: str, verify: bool = False) -> dict[str, Any]:
     for ref in store.complete():
         entry: dict[str, Any] = {"name": ref.name, "step": ref.step, "generation": ref.generation, "complete": True}
         try:
-            meta = read_meta(store.path(ref))
+            # The marker and a listing of sizes: on a bucket, nothing else is downloaded unless --verify asks.
+            marker, sizes = store.describe(ref)
+            meta = parse_meta(ref.name, marker)
             entry |= {
                 "epoch": meta.get("epoch"), "consumed_samples": meta.get("consumed"),
                 "world_size": meta.get("world_size"), "world_size_history": meta.get("world_history"),
                 "size_bytes": meta.get("size_bytes"), "age_seconds": round(now - meta.get("written_at", now), 1),
                 "sha256": meta.get("sha256"),
             }
-            # Sizes always (a stat: a torn or replaced state.pt shows), checksums with --verify (reads it all).
-            size = (store.path(ref) / "state.pt").stat().st_size if (store.path(ref) / "state.pt").is_file() else None
+            # Sizes always (a torn or replaced state.pt shows), checksums with --verify (reads, or downloads, it all).
+            size = sizes.get(STATE)
             if size != meta["size_bytes"]:
                 raise SnapshotError(f"state.pt has {size if size is not None else 'no'} bytes, the marker says "
                                     f"{meta['size_bytes']} (torn or replaced)")
             if "sharded" in meta:  # every rank's part there with its size (and with --verify its checksum)
-                verify_parts(store.path(ref), meta, verify)
+                check_part_sizes(ref.name, meta, sizes)
                 entry["parts"] = len(meta["sharded"]["parts"])
             if verify:
-                read_verified_bytes(store.path(ref), meta, True)
+                local = store.path(ref)
+                if "sharded" in meta:
+                    verify_parts(local, meta, True)
+                read_verified_bytes(local, parse_meta(ref.name, (local / META).read_bytes()), True)
                 entry["verified"] = True
         except SnapshotError as exc:
             entry |= {"complete": False, "error": str(exc)}
@@ -76,9 +81,8 @@ def inspect(run_dir: str, verify: bool = False) -> dict[str, Any]:
     for name in store.incomplete():
         entries.append({"name": name, "complete": False, "error": "incomplete (no completion marker or still being written)"})
     for name in store.corrupt():
-        reason_file = Path(location) / name / "REASON"
         entries.append({"name": name, "complete": False,
-                        "error": reason_file.read_text().strip() if reason_file.is_file() else "moved aside as corrupt"})
+                        "error": store.corrupt_reason(name) or "moved aside as corrupt"})
         damaged.append(name)
     good = [e for e in entries if e["complete"]]
     latest = max(good, key=lambda e: (e["generation"], e["step"])) if good else None

@@ -36,7 +36,8 @@ from typing import Any, BinaryIO, Callable
 import torch
 
 from ..files import open_file
-from .store import META, STATE, CorruptSnapshotError, SnapshotError, SnapshotUnavailableError, fsync_dir, in_background
+from .store import (MAX_META_BYTES, META, STATE, CorruptSnapshotError, SnapshotError, SnapshotUnavailableError,
+                    fsync_dir, in_background)
 
 FORMAT_VERSION = 2
 #: Formats this version reads: 1 lacks ``meta_sha256``.
@@ -168,8 +169,6 @@ def write_snapshot_files(directory: Path, state: dict[str, Any], meta: dict[str,
     return full_meta
 
 
-#: A meta.json larger than this is not one of ours (a real one is a few KB; its config at most).
-MAX_META_BYTES = 4 << 20
 
 #: The fields a snapshot's meta.json must hold, and their types (``int`` excludes ``bool``).
 _META_FIELDS: dict[str, type | tuple[type, ...]] = {
@@ -189,17 +188,26 @@ def read_meta(directory: Path) -> dict[str, Any]:
         size = path.stat().st_size
         if size > MAX_META_BYTES:
             raise CorruptSnapshotError(f"{directory.name}: {META} has {size} bytes, far more than any marker")
-        meta = json.loads(path.read_bytes())
+        data = path.read_bytes()
     except FileNotFoundError as exc:
         raise CorruptSnapshotError(f"{directory.name}: no {META} (incomplete snapshot)") from exc
-    except (ValueError, RecursionError) as exc:
-        raise CorruptSnapshotError(f"{directory.name}: unreadable {META} ({type(exc).__name__}: {str(exc)[:120]})") from exc
     except OSError as exc:
         raise SnapshotUnavailableError(f"{directory.name}: cannot read {META} ({exc.strerror}); is the filesystem healthy?") from exc
+    return parse_meta(directory.name, data)
+
+
+def parse_meta(name: str, data: bytes) -> dict[str, Any]:
+    """The checks of :func:`read_meta` on the bytes of snapshot ``name``'s marker (fetched from a bucket alone)."""
+    if len(data) > MAX_META_BYTES:
+        raise CorruptSnapshotError(f"{name}: {META} has {len(data)} bytes, far more than any marker")
+    try:
+        meta = json.loads(data)
+    except (ValueError, RecursionError) as exc:
+        raise CorruptSnapshotError(f"{name}: unreadable {META} ({type(exc).__name__}: {str(exc)[:120]})") from exc
     if not isinstance(meta, dict) or "sha256" not in meta:
-        raise CorruptSnapshotError(f"{directory.name}: {META} lacks its checksum")
+        raise CorruptSnapshotError(f"{name}: {META} lacks its checksum")
     if meta.get("format") not in READABLE_FORMATS and isinstance(meta.get("format"), int):
-        raise SnapshotError(f"{directory.name}: format {meta.get('format')} is not supported (this version reads "
+        raise SnapshotError(f"{name}: format {meta.get('format')} is not supported (this version reads "
                             f"{', '.join(map(str, READABLE_FORMATS))}); resume with the elastic_runner version that wrote it")
     for fields, required in ((_META_FIELDS, True), (_OPTIONAL_FIELDS, False)):
         for name, kind in fields.items():
@@ -207,28 +215,28 @@ def read_meta(directory: Path) -> dict[str, Any]:
                 continue
             value = meta.get(name)
             if not isinstance(value, kind) or isinstance(value, bool) and kind is int:
-                raise CorruptSnapshotError(f"{directory.name}: {META} field '{name}' is {type(value).__name__} "
+                raise CorruptSnapshotError(f"{name}: {META} field '{name}' is {type(value).__name__} "
                                            f"{str(value)[:40]!r}, not {getattr(kind, '__name__', kind)}")
     if not (len(meta["sha256"]) == 64 and all(c in "0123456789abcdef" for c in meta["sha256"])):
-        raise CorruptSnapshotError(f"{directory.name}: {META} field 'sha256' is not a SHA-256 hex digest")
+        raise CorruptSnapshotError(f"{name}: {META} field 'sha256' is not a SHA-256 hex digest")
     if meta["size_bytes"] < 0 or meta["step"] < 0 or meta["generation"] < 0:
-        raise CorruptSnapshotError(f"{directory.name}: {META} has a negative size, step or generation")
+        raise CorruptSnapshotError(f"{name}: {META} has a negative size, step or generation")
     fingerprint = meta.get("fingerprint", {})
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in fingerprint.items()):
-        raise CorruptSnapshotError(f"{directory.name}: {META} field 'fingerprint' is not a mapping of strings")
+        raise CorruptSnapshotError(f"{name}: {META} field 'fingerprint' is not a mapping of strings")
     if meta["format"] >= 2:
         if not isinstance(meta.get("meta_sha256"), str):
-            raise CorruptSnapshotError(f"{directory.name}: {META} lacks its own checksum (meta_sha256)")
+            raise CorruptSnapshotError(f"{name}: {META} lacks its own checksum (meta_sha256)")
         try:
             digest = meta_digest(meta)
         except (TypeError, ValueError, RecursionError) as exc:
-            raise CorruptSnapshotError(f"{directory.name}: {META} cannot be checked ({type(exc).__name__})") from exc
+            raise CorruptSnapshotError(f"{name}: {META} cannot be checked ({type(exc).__name__})") from exc
         if digest != meta["meta_sha256"]:
-            raise CorruptSnapshotError(f"{directory.name}: {META} was modified or damaged (its checksum does not match)")
+            raise CorruptSnapshotError(f"{name}: {META} was modified or damaged (its checksum does not match)")
     if _signing_key is not None:
         signature = meta.get("meta_hmac")
         if not isinstance(signature, str) or not hmac.compare_digest(signature, meta_signature(meta, _signing_key)):
-            raise CorruptSnapshotError(f"{directory.name}: {META} is not signed with the job's key (written without "
+            raise CorruptSnapshotError(f"{name}: {META} is not signed with the job's key (written without "
                                        f"it, with another, or changed); a reader with {KEY_FILE_VAR} takes only "
                                        "snapshots signed with it")
     return meta

@@ -39,8 +39,8 @@ from ..files import makedirs, private_dir
 from .format import current_signing_key
 from .object_client import default_local, open_filesystem
 from .shards import part_name, read_record, record_name
-from .store import (META, AlreadyCommittedError, LocalStore, SnapshotError, SnapshotRef, SnapshotUnavailableError,
-                    StoreAccessError, fence_error)
+from .store import (MAX_META_BYTES, META, AlreadyCommittedError, CorruptSnapshotError, LocalStore, SnapshotError,
+                    SnapshotRef, SnapshotUnavailableError, StoreAccessError, fence_error)
 
 #: Snapshots kept in the node's read cache (the newest by (generation, step)); older ones are deleted.
 CACHE_KEEP = 3
@@ -202,6 +202,30 @@ class ObjectStore:
 
     def corrupt(self) -> list[str]:
         return sorted(n for n in self._names() if n.startswith("corrupt-"))
+
+    def describe(self, ref: SnapshotRef) -> tuple[bytes, dict[str, int]]:
+        """The bytes of ``ref``'s marker and the size of each of its objects: one listing and one small
+        download, never the snapshot itself (``snapshot inspect`` of a bucket with large snapshots)."""
+        remote = f"{self.prefix}/{ref.name}"
+        with self._io(f"describing {ref.name}"):
+            listing = self.fs.find(remote, detail=True)
+            sizes = {key[len(remote) + 1:]: int(info.get("size") or 0) for key, info in listing.items()
+                     if key.startswith(remote + "/") and "/" not in key[len(remote) + 1:]}
+            if META not in sizes:
+                raise CorruptSnapshotError(f"{ref.name}: no {META} (removed or incomplete)")
+            if sizes[META] > MAX_META_BYTES:
+                return b" " * (MAX_META_BYTES + 1), sizes  # what parse_meta refuses, not downloaded
+            try:
+                return self.fs.cat_file(f"{remote}/{META}"), sizes
+            except FileNotFoundError as exc:
+                raise CorruptSnapshotError(f"{ref.name}: no {META} (removed meanwhile)") from exc
+
+    def corrupt_reason(self, name: str) -> str | None:
+        """Why a run moved ``name`` (``corrupt-...``) aside, as it wrote it."""
+        with contextlib.suppress(Exception):
+            return self.fs.cat_file(f"{self.prefix}/{name}/REASON", start=0, end=2000).decode(errors="replace").strip() \
+                or None
+        return None
 
     def path(self, ref: SnapshotRef) -> Path:
         """A local copy of ``ref`` (downloaded once into the node's private cache). What it holds is checked by

@@ -249,6 +249,17 @@ def check_sharded_meta(name: str, meta: dict[str, Any]) -> list[dict[str, Any]]:
     return parts
 
 
+def check_part_sizes(name: str, meta: dict[str, Any], sizes: dict[str, int]) -> None:
+    """Every part of a sharded snapshot is there with its size, by a listing (``sizes``: file name -> bytes)."""
+    for part in check_sharded_meta(name, meta):
+        size = sizes.get(part["file"])
+        if size is None:
+            raise CorruptSnapshotError(f"{name}: {part['file']} is missing (a rank's part)")
+        if size != part["size_bytes"]:
+            raise CorruptSnapshotError(f"{name}: {part['file']} has {size} bytes, the marker says "
+                                       f"{part['size_bytes']} (truncated or replaced)")
+
+
 def verify_parts(directory: Path, meta: dict[str, Any], verify: bool = True) -> None:
     """Every part is there with its size, and (``verify``) its SHA-256; read in pieces, never whole."""
     for part in check_sharded_meta(directory.name, meta):

@@ -43,6 +43,8 @@ from ..files import dir_mode, makedirs, open_file, sharing
 NAME_RE = re.compile(r"step-([0-9]{9})-gen-([0-9]{6})", re.ASCII)
 META = "meta.json"
 STATE = "state.pt"
+#: A meta.json larger than this is not one of ours (a real one is a few KB; its config at most).
+MAX_META_BYTES = 4 << 20
 
 
 class SnapshotError(RuntimeError):
@@ -98,6 +100,8 @@ class SnapshotStore(Protocol):
     def complete(self) -> list[SnapshotRef]: ...
     def incomplete(self) -> list[str]: ...
     def path(self, ref: SnapshotRef) -> Path: ...
+    def describe(self, ref: SnapshotRef) -> tuple[bytes, dict[str, int]]: ...
+    def corrupt_reason(self, name: str) -> str | None: ...
     def staging(self, ref: SnapshotRef) -> Path: ...
     def shared_staging(self, ref: SnapshotRef) -> Path: ...
     def share_part(self, staging: Path, ref: SnapshotRef, rank: int) -> None: ...
@@ -215,6 +219,31 @@ class LocalStore:
 
     def path(self, ref: SnapshotRef) -> Path:
         return self.root / ref.name
+
+    def describe(self, ref: SnapshotRef) -> tuple[bytes, dict[str, int]]:
+        """The bytes of ``ref``'s marker and the size of each of its files, without reading the rest (what
+        ``snapshot inspect`` shows; on a bucket, what it can show without downloading the snapshot)."""
+        sizes: dict[str, int] = {}
+        try:
+            with os.scandir(self.path(ref)) as it:
+                for entry in it:
+                    if entry.is_file(follow_symlinks=False):
+                        sizes[entry.name] = entry.stat(follow_symlinks=False).st_size
+            if sizes.get(META, 0) > MAX_META_BYTES:
+                return b" " * (MAX_META_BYTES + 1), sizes  # what parse_meta refuses, unread
+            return (self.path(ref) / META).read_bytes(), sizes
+        except FileNotFoundError as exc:
+            raise CorruptSnapshotError(f"{ref.name}: no {META} (removed or incomplete)") from exc
+        except OSError as exc:
+            raise SnapshotUnavailableError(f"{ref.name}: cannot read it ({exc.strerror}); is the filesystem "
+                                           "healthy?") from exc
+
+    def corrupt_reason(self, name: str) -> str | None:
+        """Why a run moved ``name`` (``corrupt-...``) aside, as it wrote it."""
+        try:
+            return (self.root / name / "REASON").read_text(errors="replace")[:2000].strip() or None
+        except OSError:
+            return None
 
     # -- writing -------------------------------------------------------------------------
 

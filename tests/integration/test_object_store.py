@@ -338,3 +338,32 @@ def test_a_node_reads_any_snapshot_the_bucket_keeps_even_beyond_its_cache_of_thr
         assert meta["step"] == ref.step and torch.equal(state["model"]["w"], torch.full((4,), float(ref.step)))
     cached = sorted(p.name for p in (tmp_path / "reader" / ".objects" / "cache").iterdir())
     assert len(cached) == 3 and cached[0] == "step-000000010-gen-000001", "the newest fetch stays, two others"
+
+
+def test_inspect_reads_a_bucket_from_markers_and_sizes_and_downloads_only_to_verify(
+        store: ObjectStore, url: str, s3_server: S3Server) -> None:
+    from elastic_runner.snapshot.cli import inspect
+    from elastic_runner.snapshot.object_client import default_local
+
+    writer = writer_for(store, keep_last=5)
+    for step in (10, 20, 30, 40):
+        require_ok(writer.save(step, capture(step), sync=True))
+    fs: Any = s3_server.filesystem()
+    prefix = url.removeprefix("s3://")
+    torn = f"{prefix}/step-000000030-gen-000001/state.pt"
+    fs.pipe_file(torn, fs.cat_file(torn)[:100])  # replaced by a torn copy: the marker's size no longer matches
+    store.quarantine(SnapshotRef(1, 10), "planted: state.pt's checksum does not match")
+    cache = default_local(url) / "cache"
+
+    report = inspect(url)
+    by_name = {e["name"]: e for e in report["snapshots"]}
+    assert [n for n, e in by_name.items() if e["complete"]] == ["step-000000020-gen-000001", "step-000000040-gen-000001"]
+    assert "state.pt has 100 bytes" in by_name["step-000000030-gen-000001"]["error"]
+    assert by_name["corrupt-step-000000010-gen-000001"]["error"] == "planted: state.pt's checksum does not match"
+    assert report["latest"] == "step-000000040-gen-000001" and report["step"] == 40
+    assert not cache.is_dir() or not [p for p in cache.iterdir() if p.name.startswith("step-")], \
+        "listing the snapshots downloads none of them"
+
+    verified = {e["name"]: e for e in inspect(url, verify=True)["snapshots"]}
+    assert verified["step-000000040-gen-000001"].get("verified") and verified["step-000000020-gen-000001"].get("verified")
+    assert not verified["step-000000030-gen-000001"]["complete"]
