@@ -10,6 +10,7 @@ import hashlib
 import json
 import os
 import pickle
+import shutil
 import threading
 from pathlib import Path
 from typing import Any
@@ -354,6 +355,7 @@ def test_inspect_reads_a_bucket_from_markers_and_sizes_and_downloads_only_to_ver
     fs.pipe_file(torn, fs.cat_file(torn)[:100])  # replaced by a torn copy: the marker's size no longer matches
     store.quarantine(SnapshotRef(1, 10), "planted: state.pt's checksum does not match")
     cache = default_local(url) / "cache"
+    shutil.rmtree(cache, ignore_errors=True)  # this user's cache of the URL, from an earlier run of this test
 
     report = inspect(url)
     by_name = {e["name"]: e for e in report["snapshots"]}
