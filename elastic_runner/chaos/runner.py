@@ -59,6 +59,8 @@ class ChaosRun:
         if s.private_dirs and not is_url(location):
             raise ScenarioError(f"--private-dirs: the nodes share no directory, so snapshot.dir must be a bucket "
                                 f"(s3://BUCKET/PREFIX or gs://...), not {location!r}: add --set snapshot.dir=s3://...")
+        if is_url(location):
+            _require_empty(location)
         with self._etcd() as etcd:
             reference = self._reference(etcd) if s.reference else None
             job = self._job(etcd, self.run_dir)
@@ -345,6 +347,24 @@ class ChaosRun:
             render_timeline(str(self.records), str(out / "timeline.png"), events=events)
             report["timeline"] = str(out / "timeline.png")
         return report
+
+
+def _require_empty(location: str) -> None:
+    """A chaos run starts from scratch in the bucket too: objects under ``location`` would be resumed from (and
+    their records judged with the run's)."""
+    from ..snapshot.object_client import open_filesystem
+
+    try:
+        fs, prefix = open_filesystem(location)
+        found = fs.find(prefix.rstrip("/"), maxdepth=None, withdirs=False, detail=False)
+    except FileNotFoundError:
+        return
+    except Exception as exc:  # noqa: BLE001 - credentials, endpoint, bucket: said in one line
+        raise ScenarioError(f"cannot list snapshot.dir {location} ({type(exc).__name__}: {str(exc)[:200]}): check "
+                            "AWS_ENDPOINT_URL and the credentials, and that the bucket exists") from exc
+    if found:
+        raise ScenarioError(f"snapshot.dir {location} already holds {len(found)} object(s): a chaos run starts from "
+                            "scratch, choose a new prefix")
 
 
 def _goodput_of(run_dir: Path, events: list[dict[str, Any]]) -> dict[str, Any] | None:

@@ -102,6 +102,10 @@ class Scenario:
         for t in wanted:
             if t not in FAULT_TYPES:
                 raise ScenarioError(f"unknown fault {t!r}: choose from {', '.join(FAULT_TYPES)}")
+        on_disk = sorted({t for t in wanted if t in ("corrupt-snapshot", "fill-disk")})
+        if self.private_dirs and on_disk:
+            raise ScenarioError(f"{' and '.join(on_disk)} damage a snapshot directory; with private_dirs the snapshots "
+                                "are in a bucket: leave them out")
         if "restart-etcd" in wanted and self.rdzv_backend != "etcd-v3":
             raise ScenarioError("restart-etcd needs --rdzv-backend etcd-v3")
         if "restart-etcd" in wanted and self.etcd_endpoint is not None:

@@ -197,6 +197,18 @@ def newest_snapshot_violations(events: list[dict[str, Any]], wiped_at: Sequence[
     return problems
 
 
+#: Faults after which a node's last records may never reach the bucket (its processes SIGKILLed; with
+#: ``--private-dirs`` kill-node also deletes its directory, and no later worker of the node uploads it).
+LOSES_RECORDS = ("kill-node", "kill-agent")
+
+
+def generations_hit(events: list[dict[str, Any]], faults: Sequence[Injected]) -> set[int]:
+    """The generations that were running when each of ``faults`` was injected."""
+    starts = sorted((info["start"], g) for g, info in generations(events).items() if "start" in info)
+    times = [t for t, _ in starts]
+    return {starts[i - 1][1] for f in faults if (i := bisect.bisect_right(times, f.at)) > 0}
+
+
 def recovery_stats(faults: list[Injected]) -> dict[str, Any]:
     times = [f.recovery_s for f in faults if f.recovery_s is not None and f.interrupted]
     if not times:
@@ -236,6 +248,14 @@ def verify(*, audit: AuditReport, events: list[dict[str, Any]], faults: list[Inj
                     f"{during} durable write(s) failed while the volume was full ({len(fills)} time(s)); "
                     + ("a snapshot was saved after each" if not not_back else
                        f"none saved after the fill at {not_back[0].offset} s"))
+    if audit.records_lost:  # a bucket's view only: each span must belong to a generation a lost node ended
+        explained = generations_hit(events, [f for f in faults if f.type in LOSES_RECORDS])
+        unexplained = [s for s in audit.records_lost if s["generation"] not in explained]
+        verdict.add("records lost only with a lost node", not unexplained,
+                    f"{len(audit.records_lost)} span(s) of records a lost node had not uploaded, each in a generation "
+                    f"a {' or '.join(LOSES_RECORDS)} ended" if not unexplained else
+                    f"records of generation(s) {sorted({s['generation'] for s in unexplained})} are missing, but no "
+                    f"node was lost then: {unexplained[:3]}")
     verdict.add("no orphan processes", not leftover, f"left running: {leftover}" if leftover else "none left")
     if reference is not None:
         name = "bitwise at the end" if reference.get("mode") == "bitwise" else "matches the reference run"

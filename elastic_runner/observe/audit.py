@@ -22,12 +22,13 @@ records from all its ranks, or a changing global batch is a violation.
 
 Records lost with a node: a run without a shared directory keeps each node's trail on the node and uploads it to
 the bucket every ``snapshot.records_every_seconds`` (:mod:`elastic_runner.observe.records`); a node lost with its
-disk takes the lines of its last interval along. Read from a bucket (the view carries
-:data:`~elastic_runner.observe.records.FROM_BUCKET`), a step of an earlier generation whose records lack some ranks
-is accepted when each of those ranks' trails in that generation *ends before the step* (what an upload that stopped
-looks like: never a hole in the middle) and the dataset order is the elastic sampler's, whose shares
-``window[rank::world]`` the other ranks' records of the step fix; their samples are counted from there and the
-report names the ranks and steps (``records_lost``). Anywhere else, and for a custom sampler, it stays a violation.
+disk takes the lines of its last interval along. Read from a bucket (:func:`~elastic_runner.observe.records.bucket_view`),
+a step whose records lack some ranks is accepted only when all of these hold: each of those ranks has records of that
+generation that *end before the step* (it took part, agreed on the steps it recorded, and its upload stopped: never a
+hole, never a rank with no records at all, never a file the bucket has a gap in); a later generation stepped (the
+loss ended this one); and this generation's order is the elastic sampler's, whose shares ``window[rank::world]`` the
+other ranks' records of the step fix. Their samples are counted from there and the report names the ranks and steps
+(``records_lost``). Anywhere else, and for a custom sampler, it stays a violation.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ import numpy as np
 
 from ..data.sampler import epoch_permutation
 from ..files import makedirs, open_file
-from .records import FROM_BUCKET
+from .records import bucket_view
 
 AUDIT_DIR = "audit"
 
@@ -176,15 +177,33 @@ class AuditReport:
         return "\n".join(lines)
 
 
+#: The fields each kind of record must have, with their types (a record without them is malformed, not a crash).
+_SHAPES: dict[str, dict[str, type]] = {
+    "header": {"generation": int, "rank": int, "world_size": int, "global_batch": int, "num_samples": int},
+    "end": {"generation": int, "step": int},
+    "step": {"generation": int, "step": int, "rank": int, "world_size": int, "epoch": int, "start": int,
+             "global_count": int, "indices": list},
+}
+
+
+def _well_formed(record: Any) -> bool:
+    if not isinstance(record, dict):
+        return False
+    shape = _SHAPES.get(record.get("type"))  # type: ignore[arg-type]
+    return shape is None or all(isinstance(record.get(k), t) and not isinstance(record.get(k), bool)
+                                for k, t in shape.items())
+
+
 class _Lines:
     """The records of every audit file, read one line at a time (a second pass reads them again)."""
 
     def __init__(self, directory: Path) -> None:
         self.paths = sorted(directory.glob("gen-*-rank-*.jsonl"))
         self.torn = 0
+        self.malformed: list[str] = []  #: the files of whole lines that are not records of ours
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        self.torn = 0
+        self.torn, self.malformed = 0, []
         for path in self.paths:
             with open(path) as fh:
                 for line in fh:
@@ -192,9 +211,14 @@ class _Lines:
                         self.torn += 1
                         continue
                     try:
-                        yield json.loads(line)
+                        record = json.loads(line)
                     except ValueError:
                         self.torn += 1
+                        continue
+                    if _well_formed(record):
+                        yield record
+                    else:
+                        self.malformed.append(path.name)
 
 
 def latest_step(run_dir: str | os.PathLike[str]) -> int:
@@ -250,6 +274,9 @@ def check_audit(run_dir: str | os.PathLike[str]) -> AuditReport:
             key = (r["generation"], r["rank"])
             last_of[key] = max(last_of.get(key, 0), r["step"])
     report.torn_lines = lines.torn
+    if lines.malformed:
+        report.violations.append(f"{len(lines.malformed)} record(s) of the audit trail are malformed (first in "
+                                 f"{lines.malformed[0]}): written by something else, or changed")
     if not headers:
         report.violations.append("the audit trail has no header records")
         return report
@@ -270,9 +297,14 @@ def check_audit(run_dir: str | os.PathLike[str]) -> AuditReport:
 
     batch_of = {h["generation"]: h["global_batch"] for h in headers}
     canonical = header.get("sampler", "elastic") == "elastic"
-    # Records may have been lost with a node only in a bucket's view, only in a generation that a later one ended.
-    lossy = canonical and (Path(run_dir) / FROM_BUCKET).is_file()
-    last_generation = max([*report.generations, *(g for gens in by_step.values() for g in gens)], default=0)
+    # Records may have been lost with a node only in a bucket's view, only in a generation that a later one ended
+    # (one that stepped), and only where that generation's order is the elastic sampler's.
+    view = bucket_view(run_dir)
+    lossy = view is not None
+    cut_short = {_generation_rank(name) for name in (view or {}).get("cut_short", [])}  # a gap is no lost tail
+    elastic_in = {h["generation"] for h in headers if h.get("sampler", "elastic") == "elastic"} \
+        - {h["generation"] for h in headers if h.get("sampler", "elastic") != "elastic"}
+    last_stepped = max((g for gens in by_step.values() for g in gens), default=0)
     owner: dict[int, int] = {}  # step -> the generation whose records count
     # step -> (world size, ranks whose shares follow from the order, epoch, start, global batch)
     derived: dict[int, tuple[int, list[int], int, int, int]] = {}
@@ -287,12 +319,16 @@ def check_audit(run_dir: str | os.PathLike[str]) -> AuditReport:
         recs = gens[newest]
         world = recs[0][1]
         ranks = sorted(r[0] for r in recs)
-        missing = sorted(set(range(world)) - set(ranks))
+        missing: list[int] = []
         lost_with_node = False
         if ranks != list(range(world)):
-            lost_with_node = bool(lossy and newest < last_generation and missing and len(set(ranks)) == len(ranks)
-                                  and set(ranks) <= set(range(world))
-                                  and all(last_of.get((newest, r), 0) < step for r in missing))
+            missing = sorted(set(range(world)) - set(ranks))
+            # Each missing rank's trail *ended* before the step: it has records of this generation (it took part and
+            # agreed on the steps it recorded), none from this step on (an upload that stopped, never a hole).
+            lost_with_node = bool(lossy and newest in elastic_in and newest < last_stepped and missing
+                                  and len(set(ranks)) == len(ranks) and set(ranks) <= set(range(world))
+                                  and all((newest, r) in last_of and last_of[(newest, r)] < step for r in missing)
+                                  and not cut_short & {(newest, r) for r in missing})
             if lost_with_node:
                 _note_lost(report.records_lost, newest, missing, step)
             else:
@@ -388,3 +424,13 @@ def _with_derived(lines: _Lines, derived: dict[int, tuple[int, list[int], int, i
         for rank in ranks:
             yield {"type": "step", "generation": owner[step], "step": step, "epoch": epoch, "rank": rank,
                    "indices": window[rank::world]}
+
+
+def _generation_rank(relative: str) -> tuple[int, int] | None:
+    """``(generation, rank)`` of an audit file's path (``audit/gen-GGGGGG-rank-RRRRR[-part-NNNN].jsonl``)."""
+    name = relative.rsplit("/", 1)[-1]
+    try:
+        generation, rank = name.removeprefix("gen-").split("-rank-", 1)
+        return int(generation), int(rank[:5])
+    except ValueError:
+        return None

@@ -24,6 +24,7 @@ unreachable store are counted and logged once in full, then at most once a minut
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import re
@@ -44,8 +45,9 @@ _RANGE = re.compile(r"([0-9]{15})-([0-9]{15})")
 _INCARNATION = re.compile(r"[0-9a-f]{16}")
 #: A chunk is at most this many bytes (a long run's first upload after a restart is split).
 MAX_CHUNK = 8 << 20
-#: In a directory :func:`fetch_records` rebuilt: the records' URL. The audit checker reads it as "the nodes' records
-#: came through a bucket" (a node lost with its disk took its last lines along: :mod:`elastic_runner.observe.audit`).
+#: In a directory :func:`fetch_records` rebuilt: the records' URL and the files it found a gap in (JSON,
+#: :func:`bucket_view`). The audit checker reads it as "the nodes' records came through a bucket" (a node lost with
+#: its disk took its last lines along: :mod:`elastic_runner.observe.audit`).
 FROM_BUCKET = ".records-from"
 
 
@@ -82,6 +84,7 @@ class RecordSync:
         self._last_report = 0.0
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._wake = threading.Event()
         self._thread: threading.Thread | None = None
 
     # -- one pass ----------------------------------------------------------------------------------------------
@@ -162,8 +165,17 @@ class RecordSync:
         return self
 
     def _run(self) -> None:
-        while not self._stop.wait(self.every_s):
+        while True:
+            self._wake.wait(self.every_s)
+            if self._stop.is_set():
+                return
+            self._wake.clear()
             self._attempt()
+
+    def soon(self) -> None:
+        """Upload now rather than at the end of the interval (the first step of an attempt: a node lost in its
+        first interval would otherwise leave the bucket no record of its ranks in that attempt)."""
+        self._wake.set()
 
     def _attempt(self) -> None:
         try:
@@ -184,6 +196,7 @@ class RecordSync:
         """Stop the thread; with ``final``, one last upload of everything written so far (the worker's end), given
         at most ``timeout_s``: a store that does not answer never holds up a worker's exit (or a recovery)."""
         self._stop.set()
+        self._wake.set()
         deadline = time.monotonic() + timeout_s
         if self._thread is not None and final:
             self._thread.join(timeout=timeout_s)  # a periodic upload in flight ends first (then nothing is sent twice)
@@ -215,10 +228,12 @@ def fetch_records(url: str, into: str | os.PathLike[str], fs: Any = None) -> Pat
         prefix = url.split("://", 1)[-1].rstrip("/")
     chunks = private_dir(target / ".chunks")
     ranges: dict[str, dict[str, list[tuple[int, int, str]]]] = {}
+    produced: set[str] = set()
     for key in _list(fs, prefix):
         relative = key[len(prefix) + 1:]
         if relative in WHOLE_FILES:
             _write_private(target / relative, fs.cat_file(key))
+            produced.add(relative)
             continue
         chunk = _split_chunk(relative)
         if chunk is None:
@@ -229,26 +244,52 @@ def fetch_records(url: str, into: str | os.PathLike[str], fs: Any = None) -> Pat
             makedirs(local.parent)
             _write_private(local, fs.cat_file(key))
         ranges.setdefault(relative, {}).setdefault(incarnation, []).append((lo, hi, str(local)))
+    cut_short = []
     for relative, incarnations in ranges.items():
-        _write_private(target / relative, b"".join(_assemble(spans) for _, spans in sorted(incarnations.items())))
-    _write_private(target / FROM_BUCKET, f"{url}\n".encode())
+        pieces = [_assemble(spans) for _, spans in sorted(incarnations.items())]
+        _write_private(target / relative, b"".join(data for data, _ in pieces))
+        produced.add(relative)
+        if any(short for _, short in pieces):
+            cut_short.append(relative)
+    # What an earlier fetch of the same URL left and the bucket no longer has (a prefix emptied and used again).
+    listed = {span[2] for incarnations in ranges.values() for spans in incarnations.values() for span in spans}
+    for path in list(target.rglob("*")):
+        relative = path.relative_to(target).as_posix()
+        if path.is_file() and relative != FROM_BUCKET and (
+                str(path) not in listed if relative.startswith(".chunks/") else relative not in produced):
+            path.unlink()
+    _write_private(target / FROM_BUCKET, json.dumps({"url": url, "cut_short": sorted(cut_short)}).encode())
     return target
 
 
-def _assemble(spans: list[tuple[int, int, str]]) -> bytes:
-    """The file from its ranges: from offset 0, each time the range that reaches furthest from where we are."""
+def bucket_view(run_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """What :func:`fetch_records` said about the directory it rebuilt (``url``; ``cut_short``: the files whose
+    chunks in the bucket have a gap, so they end early), or None if ``run_dir`` is not such a directory."""
+    try:
+        info = json.loads((Path(run_dir) / FROM_BUCKET).read_bytes())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(info, dict) or not isinstance(info.get("cut_short"), list):
+        return None
+    return info
+
+
+def _assemble(spans: list[tuple[int, int, str]]) -> tuple[bytes, bool]:
+    """The file from its ranges: from offset 0, each time the range that reaches furthest from where we are; and
+    whether it ends before the furthest range does (a gap: a chunk missing or shorter than its name says)."""
     out = bytearray()
+    furthest = max((s[1] for s in spans), default=0)
     while True:
         here = len(out)
         best = max((s for s in spans if s[0] <= here < s[1]), key=lambda s: s[1], default=None)
         if best is None:
-            return bytes(out)
+            return bytes(out), here < furthest
         with open(best[2], "rb") as fh:
             fh.seek(here - best[0])
             piece = fh.read(best[1] - here)
         out += piece
         if len(piece) < best[1] - here:  # a chunk shorter than its name says (damaged, planted): stop there
-            return bytes(out[:out.rfind(b"\n") + 1])
+            return bytes(out[:out.rfind(b"\n") + 1]), True
 
 
 def _chain_end(spans: list[tuple[int, int]]) -> int:
@@ -300,7 +341,31 @@ def run_view(location: str) -> str:
         return location
     from ..snapshot.object_client import default_local
 
-    return str(fetch_records(records_url(url), default_local(url) / "run"))
+    view = fetch_records(records_url(url), default_local(url) / "run")
+    if not is_url(location):
+        _take_local(Path(location), view)
+    return str(view)
+
+
+def _take_local(run_dir: Path, view: Path) -> None:
+    """Where ``run_dir``'s own record files go further than the bucket's (lines not uploaded yet; a shared directory
+    holds every node's), the view takes them: whole lines, and only where the bucket's copy is their beginning."""
+    info = bucket_view(view)
+    cut_short = set(info["cut_short"]) if info is not None else set()
+    for sub in APPEND_ONLY:
+        for path in sorted((run_dir / sub).glob("*.jsonl")):
+            try:
+                data = path.read_bytes()
+            except OSError:
+                continue
+            whole = data[:data.rfind(b"\n") + 1]
+            target = view / sub / path.name
+            fetched = target.read_bytes() if target.is_file() else b""
+            if len(whole) > len(fetched) and whole.startswith(fetched):
+                _write_private(target, whole)
+                cut_short.discard(f"{sub}/{path.name}")
+    if info is not None:
+        _write_private(view / FROM_BUCKET, json.dumps(info | {"cut_short": sorted(cut_short)}).encode())
 
 
 def _snapshot_url_of(run_dir: Path) -> str | None:

@@ -15,7 +15,7 @@ import hashlib
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -60,12 +60,13 @@ class Trainer:
     def __init__(self, cfg: Config, dist: Dist, parts: TrainingParts, step: TrainStep, books: StepBooks,
                  evaluator: Evaluator, source: BatchSource, checkpointer: Checkpointer, *, total_steps: int,
                  start: AttemptStart, stop: StopRequest, events: EventLog, metrics: Metrics,
-                 watchdog: PeerWatchdog | None) -> None:
+                 watchdog: PeerWatchdog | None, on_first_step: Callable[[], None] | None = None) -> None:
         self.cfg, self.dist, self.parts, self.step, self.books = cfg, dist, parts, step, books
         self.evaluator, self.source, self.checkpointer = evaluator, source, checkpointer
         self.total_steps, self.start, self.stop = total_steps, start, stop
         self.events, self.metrics, self.watchdog = events, metrics, watchdog
         self._first_step_done = False
+        self._on_first_step = on_first_step  #: e.g. the records' upload, at once (see RecordSync.soon)
 
     # ------------------------------------------------------------------ the loop
 
@@ -143,6 +144,8 @@ class Trainer:
             self.metrics.recovery.set(since_start)
         # "All ranks stepping" for tools: the last rank's first_step of a generation.
         self.events.emit("first_step", step=step, since_process_start_s=since_start, resumed=self.start.resumed)
+        if self._on_first_step is not None:
+            self._on_first_step()
         if self.start.resume_info is not None:
             self.tell_story(self.start.resume_info)
 

@@ -41,6 +41,7 @@ from ..observe.events import EventLog, furthest_step_reached
 from ..observe.goodput import publish_goodput
 from ..observe.logs import say
 from ..observe.metrics import Metrics
+from ..observe.records import RecordSync
 from ..training import parallel
 from ..training.adapt import planned_total_steps, refresh_schedule, rescale_lr
 from ..training.bookkeeping import StepBooks
@@ -103,13 +104,14 @@ class Attempt:
         self.state = TrainState()
         self.watchdog: PeerWatchdog | None = None
         self.resume_info: dict[str, Any] | None = None  #: rank 0, once resumed: the ``resume`` event's fields
+        self.records: RecordSync | None = None  #: the upload of the node's records (snapshots in a bucket)
 
     def run(self) -> None:
         cfg, env, dist = self.cfg, self.env, self.dist
         self.prepare()  # before anything is written: a bad input leaves run.dir as it was
         store, generation, run_uid = prepare_run_dir(cfg, env, dist)
         self.generation = generation
-        records = record_sync(cfg, env, store, generation)
+        records = self.records = record_sync(cfg, env, store, generation)
         events = self.events = EventLog(cfg.run.dir, f"gen-{generation:06d}-rank-{env.rank:05d}",
                                         generation=generation, rank=env.rank)
         events.emit("start", world_size=env.world_size, local_rank=env.local_rank, restart_count=env.restart_count,
@@ -312,7 +314,8 @@ class Attempt:
         trainer = Trainer(cfg, dist, parts, step, books, evaluator,
                           self._source(w.train, cfg.run.seed + parts.sampler.epoch), ckpt,
                           total_steps=self.total_steps, start=AttemptStart(self.started_at, resumed, self.resume_info),
-                          stop=self.stop, events=self.events, metrics=self.metrics, watchdog=self.watchdog)
+                          stop=self.stop, events=self.events, metrics=self.metrics, watchdog=self.watchdog,
+                          on_first_step=self.records.soon if self.records is not None else None)
         try:
             return trainer.fit()
         except BaseException as exc:

@@ -118,16 +118,16 @@ def test_the_chaos_tool_judges_a_run_whose_nodes_share_no_directory_from_the_buc
 
     from ..support import run_bounded, write_config
 
-    config = write_config(tmp_path / "chaos.yaml", train={"epochs": 16, "max_steps": None, "eval_every_steps": 0},
+    # The elastic sampler (a custom one, such as the tests' paced sampler, cannot stand in for records lost with a
+    # node) and enough steps (~40 s here) to outlast the three faults and a joining node's start-up.
+    config = write_config(tmp_path / "chaos.yaml", train={"epochs": 100, "max_steps": 4000, "eval_every_steps": 0},
                           snapshot={"every_steps": 25, "records_every_seconds": 1}, logging={"every_steps": 25},
                           dist={"heartbeat_seconds": 2})
     run_dir = tmp_path / "run"
     url = f"{s3_prefix}/snapshots"
-    # Paced (>= 40 ms a step): the job outlasts the three faults and a joining node's start-up.
     result = run_bounded([sys.executable, "-m", "elastic_runner", "chaos", "--config", str(config), "--run-dir",
                           str(run_dir), "--private-dirs", "--agents", "2", "--nnodes", "1:3",
-                          "--at", "2:kill-worker,3:kill-node,4:join", "--set", f"snapshot.dir={url}",
-                          "--set", "data.sampler=tests.broken_components:PacedSampler"],
+                          "--at", "2:kill-worker,3:kill-node,4:join", "--set", f"snapshot.dir={url}"],
                          timeout=420, env=os.environ | s3_server.env())
     assert result.returncode == 0, result.stdout[-4000:]
     report = json.loads((run_dir / "chaos" / "report.json").read_text())
@@ -141,6 +141,12 @@ def test_the_chaos_tool_judges_a_run_whose_nodes_share_no_directory_from_the_buc
     for key, value in s3_server.env().items():
         monkeypatch.setenv(key, value)
     assert any(r["kind"] == "first_step" for r in read_events(run_view(url)))
+    # A second run on the same prefix would resume from the first one's snapshots: refused, as a used --run-dir is.
+    again = run_bounded([sys.executable, "-m", "elastic_runner", "chaos", "--config", str(config), "--run-dir",
+                         str(tmp_path / "again"), "--private-dirs", "--at", "2:kill-node", "--set",
+                         f"snapshot.dir={url}"], timeout=120, env=os.environ | s3_server.env())
+    assert again.returncode == 2 and "already holds" in again.stdout and "choose a new prefix" in again.stdout, \
+        again.stdout[-2000:]
 
 
 def test_the_chaos_tool_refuses_private_directories_without_a_bucket(tmp_path: Path) -> None:
@@ -153,3 +159,7 @@ def test_the_chaos_tool_refuses_private_directories_without_a_bucket(tmp_path: P
                           str(tmp_path / "run"), "--private-dirs", "--at", "2:kill-node"], timeout=60)
     assert result.returncode == 2
     assert "--private-dirs" in result.stdout and "snapshot.dir must be a bucket" in result.stdout, result.stdout
+    result = run_bounded([sys.executable, "-m", "elastic_runner", "chaos", "--config", str(config), "--run-dir",
+                          str(tmp_path / "run"), "--private-dirs", "--faults", "kill-node,fill-disk", "--count", "3",
+                          "--set", "snapshot.dir=s3://bucket/chaos"], timeout=60)
+    assert result.returncode == 2 and "fill-disk damage a snapshot directory" in result.stdout, result.stdout

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from elastic_runner.observe.records import RecordSync, fetch_records, own_records, run_view
+from elastic_runner.observe.records import RecordSync, bucket_view, fetch_records, own_records, run_view
 from elastic_runner.testing.s3_server import S3Server
 
 pytestmark = [pytest.mark.timeout(180)]
@@ -93,6 +93,37 @@ def test_objects_planted_in_the_records_never_name_a_path_outside_the_view(
     assert written == ["deep/view/.records-from", "deep/view/events/ok.jsonl", "deep/view/events/short.jsonl"]
     assert (view / "events/short.jsonl").read_bytes() == b'{"kind":2}\n'
     assert (view.stat().st_mode & 0o077) == 0
+    assert bucket_view(view)["cut_short"] == ["events/short.jsonl"], "a short chunk is a gap, said so"
+
+
+def test_a_gap_in_the_bucket_is_said_and_what_the_bucket_no_longer_has_leaves_the_view(
+        records: str, s3_server: S3Server, tmp_path: Path) -> None:
+    fs = s3_server.filesystem()
+    node = tmp_path / "node"
+    log = node / "audit/gen-000001-rank-00002.jsonl"
+    append(log, *({"step": s} for s in range(10)))
+    sync = RecordSync(node, records, fs=fs)
+    sync.sync()
+    append(log, *({"step": s} for s in range(10, 20)))
+    sync.sync()
+    append(log, *({"step": s} for s in range(20, 30)))
+    sync.sync()
+    view = fetch_records(records, tmp_path / "view", fs=fs)
+    assert bucket_view(view) == {"url": records, "cut_short": []}
+    assert (view / "audit/gen-000001-rank-00002.jsonl").read_bytes() == log.read_bytes()
+
+    prefix = records.removeprefix("s3://")
+    chunks = sorted(k for k in fs.find(prefix) if "/audit/" in k)
+    assert len(chunks) == 3
+    fs.rm_file(chunks[1])  # the middle range is gone: the file ends after the first, and the view says why
+    view = fetch_records(records, tmp_path / "view", fs=fs)
+    assert bucket_view(view)["cut_short"] == ["audit/gen-000001-rank-00002.jsonl"]
+    assert (view / "audit/gen-000001-rank-00002.jsonl").read_text().count("\n") == 10
+
+    fs.rm(prefix, recursive=True)  # the prefix emptied (and perhaps used again): nothing of the old run stays
+    view = fetch_records(records, tmp_path / "view", fs=fs)
+    assert not (view / "audit/gen-000001-rank-00002.jsonl").exists()
+    assert not [p for p in (view / ".chunks").rglob("*") if p.is_file()]
 
 
 def test_an_unreachable_store_is_counted_and_said_once_then_the_records_go_when_it_is_back(
@@ -119,6 +150,46 @@ def test_an_unreachable_store_is_counted_and_said_once_then_the_records_go_when_
     sync.sync()
     view = fetch_records(records, tmp_path / "view", fs=s3_server.filesystem())
     assert (view / "events/gen-000001-rank-00000.jsonl").read_text().count("\n") == 2
+
+
+def test_a_run_directory_that_names_a_bucket_adds_what_it_holds_beyond_the_bucket(
+        records: str, s3_server: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for key, value in s3_server.env().items():
+        monkeypatch.setenv(key, value)
+    snapshots = records.removesuffix("/records")
+    run = tmp_path / "run"  # a node's own directory, or a shared one: its lines may not all be uploaded yet
+    append(run / "audit/gen-000001-rank-00000.jsonl", *({"step": s} for s in range(5)))
+    RecordSync(run, records, fs=s3_server.filesystem()).sync()
+    append(run / "audit/gen-000001-rank-00000.jsonl", *({"step": s} for s in range(5, 9)), torn='{"st')
+    append(run / "audit/gen-000001-rank-00001.jsonl", {"step": 1})  # never uploaded at all
+    (run / "config.yaml").write_text(f"snapshot: {{dir: '{snapshots}'}}\n")
+    view = Path(run_view(str(run)))
+    assert view != run and (view / "audit/gen-000001-rank-00000.jsonl").read_text().count("\n") == 9
+    assert (view / "audit/gen-000001-rank-00001.jsonl").read_text() == '{"step": 1}\n'
+    assert bucket_view(view) is not None
+    assert run_view(snapshots) == str(view)  # the URL alone: what the bucket has (the files above left the view)
+    assert (view / "audit/gen-000001-rank-00000.jsonl").read_text().count("\n") == 5
+    assert not (view / "audit/gen-000001-rank-00001.jsonl").exists()
+
+
+def test_an_attempt_s_first_step_is_uploaded_at_once_not_at_the_end_of_the_interval(
+        records: str, s3_server: S3Server, tmp_path: Path) -> None:
+    fs = s3_server.filesystem()
+    node = tmp_path / "node"
+    append(node / "audit/gen-000003-rank-00000.jsonl", {"type": "header"})
+    sync = RecordSync(node, records, fs=fs, every_s=600).start()
+    try:
+        append(node / "audit/gen-000003-rank-00000.jsonl", {"type": "step", "step": 1})
+        sync.soon()
+        deadline = time.monotonic() + 20
+        while sync.uploaded_bytes < len((node / "audit/gen-000003-rank-00000.jsonl").read_bytes()):
+            assert time.monotonic() < deadline, "soon() did not upload within 20 s (the interval is 600 s)"
+            time.sleep(0.05)
+    finally:
+        sync.close(final=False)
+    assert sync._thread is not None
+    sync._thread.join(5)
+    assert not sync._thread.is_alive(), "close() ends the thread without waiting out its interval"
 
 
 def test_a_run_directory_without_a_bucket_is_read_as_it_is(tmp_path: Path) -> None:

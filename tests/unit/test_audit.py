@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from elastic_runner.data.sampler import ElasticSampler
@@ -134,7 +135,12 @@ def node_lost_after_upload(run_dir: Path, *, from_bucket: bool, hole: int | None
         for path in (run_dir / "audit").glob("*.jsonl"):
             path.write_text(path.read_text().replace('"sampler":"elastic"', f'"sampler":"{sampler}"'))
     if from_bucket:
-        (run_dir / FROM_BUCKET).write_text("s3://bucket/run/records\n")
+        fetched_from_bucket(run_dir)
+
+
+def fetched_from_bucket(run_dir: Path, cut_short: tuple[str, ...] = ()) -> None:
+    """Mark ``run_dir`` as fetch_records leaves a directory it rebuilt from a bucket."""
+    (run_dir / FROM_BUCKET).write_text(json.dumps({"url": "s3://bucket/run/records", "cut_short": list(cut_short)}))
 
 
 def test_records_a_lost_node_had_not_uploaded_are_named_and_their_samples_follow_from_the_order(tmp_path: Path) -> None:
@@ -172,6 +178,45 @@ def test_samples_of_lost_records_still_count_towards_exactly_once(tmp_path: Path
     keep_steps_up_to(tmp_path, 1, 2, 5)
     # Resumed with the sampler one step behind the step count: step 9's window, rank 2's share included, again.
     simulate(tmp_path, 2, 2, dict(snap, consumed=snap["consumed"] - G), 11, 9, end=True)
-    (tmp_path / FROM_BUCKET).write_text("s3://bucket/run/records\n")
+    fetched_from_bucket(tmp_path)
     report = check_audit(tmp_path)
     assert not report.ok and len(report.epochs[1].duplicates) == G, report.render()
+
+
+def test_a_rank_without_any_record_of_a_generation_is_not_a_lost_upload(tmp_path: Path) -> None:
+    snap = simulate(tmp_path, 1, 3, None, 9, 0)
+    (tmp_path / "audit" / "gen-000001-rank-00002.jsonl").unlink()  # never took part, or claimed a world it lacked
+    simulate(tmp_path, 2, 2, snap, 11, 9, end=True)
+    fetched_from_bucket(tmp_path)
+    report = check_audit(tmp_path)
+    assert not report.ok and not report.records_lost
+    assert any(v.startswith("step 1 (generation 1)") for v in report.violations), report.render()
+
+
+def test_a_file_the_bucket_has_a_gap_in_is_not_a_lost_upload(tmp_path: Path) -> None:
+    node_lost_after_upload(tmp_path, from_bucket=False)
+    fetched_from_bucket(tmp_path, cut_short=("audit/gen-000001-rank-00002.jsonl",))
+    report = check_audit(tmp_path)
+    assert not report.ok and not report.records_lost, report.render()
+
+
+def test_lost_records_need_a_later_generation_that_stepped_and_the_elastic_order_of_their_own(tmp_path: Path) -> None:
+    # A later generation that only wrote its headers did not end the one that lost records.
+    snap = simulate(tmp_path / "headers", 1, 3, None, 9, 0)
+    keep_steps_up_to(tmp_path / "headers", 1, 2, 5)
+    simulate(tmp_path / "headers", 2, 2, snap, 0, 9)
+    fetched_from_bucket(tmp_path / "headers")
+    assert not check_audit(tmp_path / "headers").ok
+    # A custom sampler in the generation that lost them, the elastic one later: its order cannot stand in.
+    node_lost_after_upload(tmp_path / "mixed", from_bucket=True)
+    first = tmp_path / "mixed" / "audit" / "gen-000001-rank-00000.jsonl"
+    first.write_text(first.read_text().replace('"sampler":"elastic"', '"sampler":"custom"', 1))
+    assert not check_audit(tmp_path / "mixed").ok
+
+
+def test_a_malformed_record_is_a_violation_not_a_crash(tmp_path: Path) -> None:
+    simulate(tmp_path, 1, 2, None, 4, 0, end=True)
+    with open(tmp_path / "audit" / "gen-000001-rank-00001.jsonl", "a") as fh:
+        fh.write('[1, 2]\n{"type": "step", "generation": 1, "step": "five"}\n')
+    report = check_audit(tmp_path)
+    assert not report.ok and any("2 record(s) of the audit trail are malformed" in v for v in report.violations)

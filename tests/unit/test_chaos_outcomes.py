@@ -200,3 +200,24 @@ def test_bitwise_needs_the_reference_at_the_jobs_own_size(tmp_path: Path) -> Non
                         bitwise=True, reference_agents=3, random_types=["kill-worker"])
     with pytest.raises(ScenarioError, match="reference_agents=3 differs from agents=2"):
         scenario.validate()
+
+
+def test_records_lost_must_belong_to_a_generation_a_lost_node_ended() -> None:
+    from elastic_runner.chaos.verify import verify
+    from elastic_runner.observe.audit import AuditReport
+
+    events = attempt(1, 0.0, 3, 10.0) + attempt(2, 10.6, 2, 20.0) + attempt(3, 20.6, 2, 30.0, finished=True)
+    for e in events:
+        if e["kind"] == "world":
+            e |= {"global_batch": 6, "micro_batch": 6 // e["world_size"], "accumulation": 1}
+    lost = [{"generation": 1, "ranks": [2], "first_step": 90, "last_step": 99}]
+    audit = AuditReport(finished=True, final_step=300, records_lost=lost)
+    checks = verify(audit=audit, events=events, faults=[fault("kill-node", 10.0), fault("kill-worker", 20.0)],
+                    leftover=[], finished=True, reference=None).checks
+    assert checks["records lost only with a lost node"][0], checks
+    # The same records missing in generation 2, which only a worker kill ended: not explained by any lost node.
+    audit.records_lost = [dict(lost[0], generation=2)]
+    checks = verify(audit=audit, events=events, faults=[fault("kill-node", 10.0), fault("kill-worker", 20.0)],
+                    leftover=[], finished=True, reference=None).checks
+    ok, detail = checks["records lost only with a lost node"]
+    assert not ok and "generation(s) [2]" in detail
