@@ -54,6 +54,14 @@ def check_location(location: str, key: str = "snapshot.dir") -> None:
         raise StoreAccessError(f"{key}: {problem[0]}. {problem[1]}")
 
 
+def _refusal(exc: BaseException) -> bool:
+    """The store refused these credentials: gcsfs turns HTTP 403 into ``OSError("Forbidden: ...")`` and 401 into
+    its ``HttpError`` with ``code`` 401 (S3's answers arrive as ``PermissionError`` from s3fs)."""
+    if type(exc).__name__ == "HttpError" and getattr(exc, "code", None) == 401:
+        return True
+    return type(exc) is OSError and str(exc).startswith("Forbidden: ")
+
+
 def _is_precondition_failure(exc: BaseException) -> bool:
     """The store refused a create because the object exists: S3's ``PreconditionFailed`` (HTTP 412) in botocore's
     structured error, GCS's HTTP 412, or fsspec's ``FileExistsError`` — never a guess from a message's text (a
@@ -120,17 +128,17 @@ class ObjectStore:
         except SnapshotError:
             raise
         except PermissionError as exc:
-            raise StoreAccessError(
-                f"{what}: the object store refused access to {self.location} ({_short(exc)}). Check the credentials "
-                "(AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE, the pod's or instance's role; "
-                "GOOGLE_APPLICATION_CREDENTIALS) and that they may read and write this prefix") from exc
+            raise self._refused(what, exc) from exc
         except FileNotFoundError as exc:
-            if "bucket" in str(exc).lower():
+            # S3 names the bucket in its error; GCS answers 404 to a create only when the bucket is missing.
+            if "bucket" in str(exc).lower() or what.startswith("creating "):
                 raise StoreAccessError(
                     f"{what}: the bucket {self.bucket!r} does not exist at {self._endpoint()}; create it, or fix "
                     "snapshot.dir (or AWS_ENDPOINT_URL)") from exc
             raise
         except Exception as exc:  # noqa: BLE001 - connection errors of aiohttp/botocore/gcsfs: all may pass
+            if _refusal(exc):
+                raise self._refused(what, exc) from exc
             if "Credentials" in type(exc).__name__ or "credentials" in str(exc).lower()[:200]:
                 raise StoreAccessError(
                     f"{what}: no credentials for {self.location} were found ({_short(exc)}). Give them the usual way: "
@@ -139,6 +147,12 @@ class ObjectStore:
             raise SnapshotUnavailableError(
                 f"{what}: {self.location} did not answer as expected ({_short(exc)}); is {self._endpoint()} "
                 "reachable?") from exc
+
+    def _refused(self, what: str, exc: BaseException) -> StoreAccessError:
+        return StoreAccessError(
+            f"{what}: the object store refused access to {self.location} ({_short(exc)}). Check the credentials "
+            "(AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE, the pod's or instance's role; "
+            "GOOGLE_APPLICATION_CREDENTIALS) and that they may read and write this prefix")
 
     def _endpoint(self) -> str:
         endpoint = str(getattr(self.fs, "endpoint_url", None) or os.environ.get("AWS_ENDPOINT_URL")

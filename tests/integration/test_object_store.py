@@ -328,6 +328,41 @@ def test_only_the_store_s_own_precondition_answer_means_the_object_exists() -> N
     assert not _is_precondition_failure(wrapped(ClientError("InternalError", 500)))
 
 
+def test_gcs_answers_for_refused_credentials_and_a_missing_bucket_are_set_up_errors(tmp_path: Path) -> None:
+    """What gcsfs raises (gcsfs.retry.validate_response, reproduced here: the extra is not installed for the tests):
+    403 -> OSError("Forbidden: ..."), 401 -> HttpError(code=401), 404 on a create -> FileNotFoundError(path). Each is a
+    StoreAccessError (exit 2 at start), not a store that may come back."""
+
+    class HttpError(Exception):
+        def __init__(self, code: int) -> None:
+            super().__init__(f"Unauthorized, {code}")
+            self.code = code
+
+    class Answering:
+        def __init__(self, error: BaseException) -> None:
+            self.error = error
+
+        def ls(self, *args: Any, **kwargs: Any) -> list[str]:
+            raise self.error
+
+        def pipe_file(self, *args: Any, **kwargs: Any) -> None:
+            raise self.error
+
+    def store(error: BaseException) -> ObjectStore:
+        return ObjectStore("s3://bucket/run/snapshots", local=tmp_path / "node", fs=Answering(error))
+
+    for refused in (OSError("Forbidden: bucket/run/snapshots\nno storage.objects.list"), HttpError(401)):
+        with pytest.raises(StoreAccessError, match="refused access"):
+            store(refused).ensure()
+        with pytest.raises(StoreAccessError, match="refused access"):
+            store(refused).claim_generation({})
+    with pytest.raises(StoreAccessError, match="does not exist"):
+        store(FileNotFoundError("bucket/run/snapshots/generations/000001")).claim_generation({})
+    with pytest.raises(SnapshotError) as unavailable:
+        store(OSError("Service Unavailable, 503")).ensure()
+    assert not isinstance(unavailable.value, StoreAccessError), "a store that may come back is retried"
+
+
 def test_a_node_reads_any_snapshot_the_bucket_keeps_even_beyond_its_cache_of_three(
         store: ObjectStore, url: str, tmp_path: Path) -> None:
     w = writer_for(store, keep_last=5)
