@@ -24,8 +24,9 @@ Records lost with a node: a run without a shared directory keeps each node's tra
 the bucket every ``snapshot.records_every_seconds`` (:mod:`elastic_runner.observe.records`); a node lost with its
 disk takes the lines of its last interval along. Read from a bucket (:func:`~elastic_runner.observe.records.bucket_view`),
 a step whose records lack some ranks is accepted only when all of these hold: each of those ranks has records of that
-generation that *end before the step* (it took part, agreed on the steps it recorded, and its upload stopped: never a
-hole, never a rank with no records at all, never a file the bucket has a gap in); a later generation stepped (the
+generation (its header at least, uploaded as soon as it is written) that *end before the step* (it started in the
+attempt, agreed on the steps it recorded, and its upload stopped: never a hole, never a rank with no record at all,
+never a file the bucket has a gap in); a later generation stepped (the
 loss ended this one); and this generation's order is the elastic sampler's, whose shares ``window[rank::world]`` the
 other ranks' records of the step fix. Their samples are counted from there and the report names the ranks and steps
 (``records_lost``). Anywhere else, and for a custom sampler, it stays a violation.
@@ -262,10 +263,12 @@ def check_audit(run_dir: str | os.PathLike[str]) -> AuditReport:
     # Pass 1: every step record without its indices, to find the generation that owns each step.
     by_step: dict[int, dict[int, list[tuple[int, int, int, int, int, int]]]] = defaultdict(lambda: defaultdict(list))
     last_of: dict[tuple[int, int], int] = {}  # (generation, rank) -> the last step its trail reached
+    present: set[tuple[int, int]] = set()  # (generation, rank) with any record (a header at least)
     for r in lines:
         kind = r.get("type")
         if kind == "header":
             headers.append(r)
+            present.add((r["generation"], r["rank"]))
         elif kind == "end":
             ends.append(r)
         elif kind == "step":
@@ -273,6 +276,7 @@ def check_audit(run_dir: str | os.PathLike[str]) -> AuditReport:
                 (r["rank"], r["world_size"], r["epoch"], r["start"], r["global_count"], len(r["indices"])))
             key = (r["generation"], r["rank"])
             last_of[key] = max(last_of.get(key, 0), r["step"])
+            present.add(key)
     report.torn_lines = lines.torn
     if lines.malformed:
         report.violations.append(f"{len(lines.malformed)} record(s) of the audit trail are malformed (first in "
@@ -323,11 +327,13 @@ def check_audit(run_dir: str | os.PathLike[str]) -> AuditReport:
         lost_with_node = False
         if ranks != list(range(world)):
             missing = sorted(set(range(world)) - set(ranks))
-            # Each missing rank's trail *ended* before the step: it has records of this generation (it took part and
-            # agreed on the steps it recorded), none from this step on (an upload that stopped, never a hole).
+            # Each missing rank's trail *ended* before the step: it has records of this generation (its header at
+            # least: it started in this attempt; its steps agreed with the others'), none from this step on (an
+            # upload that stopped, never a hole).
             lost_with_node = bool(lossy and newest in elastic_in and newest < last_stepped and missing
                                   and len(set(ranks)) == len(ranks) and set(ranks) <= set(range(world))
-                                  and all((newest, r) in last_of and last_of[(newest, r)] < step for r in missing)
+                                  and all((newest, r) in present and last_of.get((newest, r), 0) < step
+                                          for r in missing)
                                   and not cut_short & {(newest, r) for r in missing})
             if lost_with_node:
                 _note_lost(report.records_lost, newest, missing, step)

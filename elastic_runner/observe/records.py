@@ -229,7 +229,7 @@ def fetch_records(url: str, into: str | os.PathLike[str], fs: Any = None) -> Pat
     chunks = private_dir(target / ".chunks")
     ranges: dict[str, dict[str, list[tuple[int, int, str]]]] = {}
     produced: set[str] = set()
-    for key in _list(fs, prefix):
+    for key, version in _listed_versions(fs, prefix):
         relative = key[len(prefix) + 1:]
         if relative in WHOLE_FILES:
             _write_private(target / relative, fs.cat_file(key))
@@ -239,7 +239,9 @@ def fetch_records(url: str, into: str | os.PathLike[str], fs: Any = None) -> Pat
         if chunk is None:
             continue  # not ours (and nothing planted may name a path outside ``into``: checked there)
         relative, incarnation, lo, hi = chunk
-        local = chunks / relative.replace("/", "__") / incarnation / f"{lo:015d}-{hi:015d}"
+        # Named by the object's version too: a prefix emptied and used again holds objects of the same names (the
+        # same header, the same ranges) with other bytes, which a copy kept from the earlier run must not stand for.
+        local = chunks / relative.replace("/", "__") / incarnation / f"{lo:015d}-{hi:015d}-{version}"
         if not local.is_file():
             makedirs(local.parent)
             _write_private(local, fs.cat_file(key))
@@ -313,6 +315,22 @@ def _split_chunk(key: str) -> tuple[str, str, int, int] | None:
             or "\\" in name or not _INCARNATION.fullmatch(incarnation) or int(m.group(2)) <= int(m.group(1))):
         return None
     return f"{sub}/{name}", incarnation, int(m.group(1)), int(m.group(2))
+
+
+def _listed_versions(fs: Any, prefix: str) -> list[tuple[str, str]]:
+    """The keys below ``prefix`` with a short digest of what identifies their bytes (S3's ETag, GCS's generation or
+    MD5, else size and modification time)."""
+    try:
+        found = fs.find(prefix, detail=True)
+    except FileNotFoundError:
+        return []
+    out = []
+    for key, info in found.items():
+        if key.startswith(prefix + "/"):
+            tag = next((str(info[k]) for k in ("ETag", "etag", "generation", "md5Hash") if info.get(k)),
+                       f"{info.get('size')}:{info.get('LastModified') or info.get('mtime') or info.get('updated')}")
+            out.append((key, hashlib.sha256(tag.encode()).hexdigest()[:12]))
+    return out
 
 
 def _list(fs: Any, prefix: str) -> list[str]:

@@ -288,6 +288,8 @@ class Attempt:
                 "partial_batch": cfg.data.partial_batch, "global_batch": self.layout.global_size,
                 "sampler": cfg.data.sampler,
             })
+            if self.records is not None:
+                self.records.soon()  # the header says this rank is in the attempt, should its node be lost early
         sync: parallel.GradientSync
         if cfg.parallel.sharded:
             if cfg.model.compile or w.compiled is not None:

@@ -102,7 +102,7 @@ def test_nodes_with_private_directories_survive_a_worker_kill_a_newcomer_losing_
         monkeypatch.setenv(key, value)
     report = check_audit(run_view(url))  # from the bucket alone: every node's directory could be gone
     assert report.ok and report.finished and report.final_step == STEPS, report.render()
-    assert report.generations and len(report.generations) >= 6, report.render()
+    assert len(report.generations) >= 5, report.render()  # five phases; a round that never trained has no trail
     # What the lost node had not uploaded (often some steps, possibly none): its one rank, of the generation at
     # world size 3 that its loss ended.
     assert len(report.records_lost) <= 1, report.render()

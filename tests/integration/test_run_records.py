@@ -125,6 +125,22 @@ def test_a_gap_in_the_bucket_is_said_and_what_the_bucket_no_longer_has_leaves_th
     assert not (view / "audit/gen-000001-rank-00002.jsonl").exists()
     assert not [p for p in (view / ".chunks").rglob("*") if p.is_file()]
 
+    # Used again by a run whose file has the same name, header and ranges but other bytes: they are what the view
+    # shows, not the copies kept from the earlier run.
+    first, second = tmp_path / "first", tmp_path / "second"
+    for run, mark in ((first, "a"), (second, "b")):
+        append(run / "audit/gen-000001-rank-00002.jsonl", {"type": "header"},
+               *({"step": s, "x": mark} for s in range(10)))
+    RecordSync(first, records, fs=fs).sync()
+    fetch_records(records, tmp_path / "view", fs=fs)
+    names = fs.find(prefix)
+    fs.rm(prefix, recursive=True)
+    RecordSync(second, records, fs=fs).sync()
+    assert fs.find(prefix) == names, "the same object name as the first run's"
+    view = fetch_records(records, tmp_path / "view", fs=fs)
+    assert (view / "audit/gen-000001-rank-00002.jsonl").read_bytes() == \
+        (second / "audit/gen-000001-rank-00002.jsonl").read_bytes()
+
 
 def test_an_unreachable_store_is_counted_and_said_once_then_the_records_go_when_it_is_back(
         records: str, s3_server: S3Server, tmp_path: Path, caplog: pytest.LogCaptureFixture,

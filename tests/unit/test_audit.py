@@ -193,6 +193,14 @@ def test_a_rank_without_any_record_of_a_generation_is_not_a_lost_upload(tmp_path
     assert any(v.startswith("step 1 (generation 1)") for v in report.violations), report.render()
 
 
+def test_a_node_lost_before_its_first_step_reached_the_bucket_left_its_header_which_is_enough(tmp_path: Path) -> None:
+    node_lost_after_upload(tmp_path, from_bucket=True)
+    keep_steps_up_to(tmp_path, 1, 2, 0)  # only the header: its attempt had just begun
+    report = check_audit(tmp_path)
+    assert report.ok, report.render()
+    assert report.records_lost == [{"generation": 1, "ranks": [2], "first_step": 1, "last_step": 9}]
+
+
 def test_a_file_the_bucket_has_a_gap_in_is_not_a_lost_upload(tmp_path: Path) -> None:
     node_lost_after_upload(tmp_path, from_bucket=False)
     fetched_from_bucket(tmp_path, cut_short=("audit/gen-000001-rank-00002.jsonl",))
