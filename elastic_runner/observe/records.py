@@ -66,7 +66,8 @@ class RecordSync:
     """Uploads the record files of ``run_dir`` (those ``wanted`` accepts) below ``url``; see the module docstring."""
 
     def __init__(self, run_dir: str | os.PathLike[str], url: str, *, every_s: float = 15.0,
-                 wanted: Callable[[str], bool] = lambda relative: True, fs: Any = None) -> None:
+                 wanted: Callable[[str], bool] = lambda relative: True, fs: Any = None,
+                 fresh: Callable[[str], bool] | None = None) -> None:
         self.run_dir = Path(run_dir)
         self.url = url.rstrip("/")
         if fs is None:
@@ -76,10 +77,13 @@ class RecordSync:
         self.fs = fs
         self.every_s = every_s
         self.wanted = wanted
+        #: Files this attempt creates (none of them in the bucket yet): what :meth:`soon` uploads, with no listing.
+        self.fresh = fresh
         self.failures = 0
         self.uploaded_bytes = 0
         #: (relative path, incarnation) -> bytes the bucket has (learned on the first sync)
         self._sent: dict[tuple[str, str], int] | None = None
+        self._fresh_sent: dict[tuple[str, str], int] = {}  # the same for fresh files, before the first listing
         self._whole: dict[str, tuple[int, int]] = {}  # relative path -> (size, mtime_ns) last uploaded
         self._last_report = 0.0
         self._lock = threading.Lock()
@@ -108,29 +112,35 @@ class RecordSync:
         found += [(name, self.run_dir / name) for name in WHOLE_FILES if (self.run_dir / name).is_file()]
         return [(relative, path) for relative, path in found if self.wanted(relative)]
 
-    def sync(self) -> int:
-        """Upload what is new; returns the bytes sent. Raises what the store raised (the thread counts it)."""
+    def sync(self, fresh_only: bool = False) -> int:
+        """Upload what is new; returns the bytes sent. Raises what the store raised (the thread counts it).
+        ``fresh_only``: only the files :attr:`fresh` names, which the bucket cannot have yet from anyone else, so no
+        listing is needed (a new attempt's first uploads stay off the recovery's requests)."""
         with self._lock:
+            if fresh_only and self.fresh is not None and self._sent is None:
+                sent = sum(self._sync_appended(relative, path, self._fresh_sent) for relative, path in
+                           self._local_files() if relative not in WHOLE_FILES and self.fresh(relative))
+                self.uploaded_bytes += sent
+                return sent
             if self._sent is None:
-                self._sent = self._remote_ends()
+                self._sent = self._remote_ends()  # the fresh files' uploads so far are listed there too
             sent = 0
             for relative, path in self._local_files():
                 if relative in WHOLE_FILES:
                     sent += self._sync_whole(relative, path)
                 else:
-                    sent += self._sync_appended(relative, path)
+                    sent += self._sync_appended(relative, path, self._sent)
             self.uploaded_bytes += sent
             return sent
 
-    def _sync_appended(self, relative: str, path: Path) -> int:
-        assert self._sent is not None
+    def _sync_appended(self, relative: str, path: Path, ends: dict[tuple[str, str], int]) -> int:
         try:
             with open(path, "rb") as fh:
                 first = fh.readline(1 << 16)
                 if not first.endswith(b"\n"):
                     return 0  # not one whole line yet
                 incarnation = hashlib.sha256(first).hexdigest()[:16]
-                start = self._sent.get((relative, incarnation), 0)
+                start = ends.get((relative, incarnation), 0)
                 fh.seek(start)
                 data = fh.read(MAX_CHUNK * 16)
         except FileNotFoundError:
@@ -144,7 +154,7 @@ class RecordSync:
             lo, hi = start + sent, start + sent + len(piece)
             self.fs.pipe_file(f"{self.prefix}/{relative}/{incarnation}/{lo:015d}-{hi:015d}", piece)
             sent += len(piece)
-            self._sent[(relative, incarnation)] = hi
+            ends[(relative, incarnation)] = hi
         return sent
 
     def _sync_whole(self, relative: str, path: Path) -> int:
@@ -165,21 +175,26 @@ class RecordSync:
         return self
 
     def _run(self) -> None:
+        due = time.monotonic() + self.every_s
         while True:
-            self._wake.wait(self.every_s)
+            woken = self._wake.wait(max(0.0, due - time.monotonic()))
             if self._stop.is_set():
                 return
             self._wake.clear()
-            self._attempt()
+            if woken and time.monotonic() < due:
+                self._attempt(fresh_only=True)
+            else:
+                self._attempt()
+                due = time.monotonic() + self.every_s
 
     def soon(self) -> None:
-        """Upload now rather than at the end of the interval (the first step of an attempt: a node lost in its
-        first interval would otherwise leave the bucket no record of its ranks in that attempt)."""
+        """Upload this attempt's new files now rather than at the end of the interval (its audit header, its first
+        step: a node lost in its first interval would otherwise leave the bucket no record of its ranks)."""
         self._wake.set()
 
-    def _attempt(self) -> None:
+    def _attempt(self, fresh_only: bool = False) -> None:
         try:
-            self.sync()
+            self.sync(fresh_only)
         except Exception as exc:  # noqa: BLE001 - the store unreachable or refusing: training goes on
             self.failures += 1
             now = time.monotonic()

@@ -37,8 +37,9 @@ def record_sync(cfg: Config, env: WorkerEnv, store: Any, generation: int) -> Rec
         return None
     try:
         if env.local_rank == 0:
-            return RecordSync(cfg.run.dir, records_url(store.location),
-                              every_s=cfg.snapshot.records_every_seconds).start()
+            fresh = f"gen-{generation:06d}-rank-"  # this attempt's files: none in the bucket yet
+            return RecordSync(cfg.run.dir, records_url(store.location), every_s=cfg.snapshot.records_every_seconds,
+                              fresh=lambda relative: relative.rsplit("/", 1)[-1].startswith(fresh)).start()
         return RecordSync(cfg.run.dir, records_url(store.location), wanted=own_records(generation, env.rank))
     except Exception as exc:  # noqa: BLE001 - records are not worth a failed attempt; the snapshots still go
         log.warning("the run's records will not be uploaded to %s: %s", store.location, exc)

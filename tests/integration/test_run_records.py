@@ -192,8 +192,10 @@ def test_an_attempt_s_first_step_is_uploaded_at_once_not_at_the_end_of_the_inter
         records: str, s3_server: S3Server, tmp_path: Path) -> None:
     fs = s3_server.filesystem()
     node = tmp_path / "node"
+    append(node / "audit/gen-000002-rank-00000.jsonl", *({"step": s} for s in range(100)))  # an earlier attempt's
     append(node / "audit/gen-000003-rank-00000.jsonl", {"type": "header"})
-    sync = RecordSync(node, records, fs=fs, every_s=600).start()
+    sync = RecordSync(node, records, fs=fs, every_s=600,
+                      fresh=lambda relative: relative.endswith("gen-000003-rank-00000.jsonl")).start()
     try:
         append(node / "audit/gen-000003-rank-00000.jsonl", {"type": "step", "step": 1})
         sync.soon()
@@ -201,6 +203,12 @@ def test_an_attempt_s_first_step_is_uploaded_at_once_not_at_the_end_of_the_inter
         while sync.uploaded_bytes < len((node / "audit/gen-000003-rank-00000.jsonl").read_bytes()):
             assert time.monotonic() < deadline, "soon() did not upload within 20 s (the interval is 600 s)"
             time.sleep(0.05)
+        # Only this attempt's file, with no listing of the bucket (off the recovery's requests); the rest waits for
+        # the interval's full sync, which lists once and sends only what the bucket lacks.
+        assert sync._sent is None
+        assert [k.split("/records/", 1)[1].split("/")[1] for k in fs.find(records.removeprefix("s3://"))] == [
+            "gen-000003-rank-00000.jsonl"]
+        assert sync.sync() == len((node / "audit/gen-000002-rank-00000.jsonl").read_bytes())
     finally:
         sync.close(final=False)
     assert sync._thread is not None
