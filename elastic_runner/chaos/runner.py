@@ -43,6 +43,7 @@ class ChaosRun:
         self._reaped_at = 0.0  #: when dead orphans were last collected
         self._short_since: float | None = None
         self.records = self.run_dir  #: where the verdict reads the run's records (a bucket's, fetched: private_dirs)
+        self.location = ""  #: snapshot.dir of the job (a directory or a bucket's URL), read once by :meth:`run`
 
     def log(self, text: str) -> None:
         elapsed = time.time() - self.t0 if self.t0 else 0.0
@@ -55,7 +56,7 @@ class ChaosRun:
         s.validate()
         if self.run_dir.exists() and any(self.run_dir.iterdir()):
             raise ScenarioError(f"run directory {self.run_dir} is not empty: a chaos run starts from scratch, choose a new --run-dir")
-        location = self._snapshot_location()
+        location = self.location = self._snapshot_location()
         if s.private_dirs and not is_url(location):
             raise ScenarioError(f"--private-dirs: the nodes share no directory, so snapshot.dir must be a bucket "
                                 f"(s3://BUCKET/PREFIX or gs://...), not {location!r}: add --set snapshot.dir=s3://...")
@@ -120,7 +121,7 @@ class ChaosRun:
 
     def _drive(self, job: LocalJob, etcd: Any) -> tuple[bool, list[int]]:
         s = self.s
-        location = self._snapshot_location()
+        location = self.location
         ctx = FaultContext(job=job, rng=random.Random(s.seed), min_agents=s.min_agents, max_agents=s.max_agents,
                            hang_seconds=s.hang_seconds, etcd=etcd,
                            snapshot_dir=None if is_url(location) else Path(location),
@@ -297,7 +298,7 @@ class ChaosRun:
 
             out = self.run_dir / "chaos"
             out.mkdir(parents=True, exist_ok=True)
-            export(self._snapshot_location() if self.s.private_dirs else str(self.run_dir), str(out / "model.pt"))
+            export(self.location if self.s.private_dirs else str(self.run_dir), str(out / "model.pt"))
             export(reference["run_dir"], str(out / "reference-model.pt"))
             a = torch.load(out / "model.pt", weights_only=True)
             b = torch.load(out / "reference-model.pt", weights_only=True)

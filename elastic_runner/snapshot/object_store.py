@@ -228,7 +228,7 @@ class ObjectStore:
             if META not in sizes:
                 raise CorruptSnapshotError(f"{ref.name}: no {META} (removed or incomplete)")
             if sizes[META] > MAX_META_BYTES:
-                return b" " * (MAX_META_BYTES + 1), sizes  # what parse_meta refuses, not downloaded
+                raise CorruptSnapshotError(f"{ref.name}: {META} has {sizes[META]} bytes, far more than any marker")
             try:
                 return self.fs.cat_file(f"{remote}/{META}"), sizes
             except FileNotFoundError as exc:

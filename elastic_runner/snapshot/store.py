@@ -230,7 +230,7 @@ class LocalStore:
                     if entry.is_file(follow_symlinks=False):
                         sizes[entry.name] = entry.stat(follow_symlinks=False).st_size
             if sizes.get(META, 0) > MAX_META_BYTES:
-                return b" " * (MAX_META_BYTES + 1), sizes  # what parse_meta refuses, unread
+                raise CorruptSnapshotError(f"{ref.name}: {META} has {sizes[META]} bytes, far more than any marker")
             return (self.path(ref) / META).read_bytes(), sizes
         except FileNotFoundError as exc:
             raise CorruptSnapshotError(f"{ref.name}: no {META} (removed or incomplete)") from exc
