@@ -184,7 +184,8 @@ def persist(run_dir: str, shm_dir: str | None = None) -> dict[str, Any]:
                 shutil.copyfileobj(src, dst, 1 << 20)
                 dst.flush()
                 os.fsync(dst.fileno())
-        store.publish(staging, ref)
+        # What a writer of this name left without a marker (a final upload that failed) is replaced: its job ended.
+        store.publish(staging, ref, replace_incomplete=True)
         staging = None
     except OSError as exc:
         note = space_note(location, int(meta.get("size_bytes", 0)))

@@ -1,5 +1,6 @@
 """The client side of an object store: one fsspec filesystem per process and credentials, set to fail fast; its
-warm-up; and the node's private directory for a bucket's staging copies and read cache.
+warm-up; the node's private directory for a bucket's staging copies and read cache; and what the store's error
+answers mean (credentials refused, an object that already exists).
 
 Apart from :mod:`.object_store` (the snapshot contract) because the run's records (:mod:`~elastic_runner.observe.
 records`) and the worker's start (:func:`prewarm`) use it too.
@@ -67,3 +68,29 @@ def default_local(location: str) -> Path:
     return private_dir(base / hashlib.sha256(location.encode()).hexdigest()[:16])
 
 
+def is_refusal(exc: BaseException) -> bool:
+    """The store refused these credentials: gcsfs turns HTTP 403 into ``OSError("Forbidden: ...")`` and 401 into
+    its ``HttpError`` with ``code`` 401 (S3's answers arrive as ``PermissionError`` from s3fs)."""
+    if type(exc).__name__ == "HttpError" and getattr(exc, "code", None) == 401:
+        return True
+    return type(exc) is OSError and str(exc).startswith("Forbidden: ")
+
+
+def is_precondition_failure(exc: BaseException) -> bool:
+    """The store refused a create because the object exists: S3's ``PreconditionFailed`` (HTTP 412) in botocore's
+    structured error, GCS's HTTP 412, or fsspec's ``FileExistsError`` — never a guess from a message's text (a
+    connection error's message carries the object's URL, whose name may hold "412")."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, FileExistsError):
+            return True
+        response = getattr(seen, "response", None)
+        if isinstance(response, dict):
+            code = (response.get("Error") or {}).get("Code")
+            status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
+            if code in ("PreconditionFailed", "412") or status == 412:
+                return True
+        if type(seen).__name__ == "HttpError" and getattr(seen, "code", None) == 412:  # gcsfs
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False

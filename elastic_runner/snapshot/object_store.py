@@ -37,7 +37,7 @@ from urllib.parse import urlsplit
 from ..config.locations import is_url, location_problem
 from ..files import makedirs, private_dir
 from .format import current_signing_key
-from .object_client import default_local, open_filesystem
+from .object_client import default_local, is_precondition_failure, is_refusal, open_filesystem
 from .shards import part_name, read_record, record_name
 from .store import (MAX_META_BYTES, META, AlreadyCommittedError, CorruptSnapshotError, LocalStore, SnapshotError,
                     SnapshotRef, SnapshotUnavailableError, StoreAccessError, fence_error)
@@ -52,34 +52,6 @@ def check_location(location: str, key: str = "snapshot.dir") -> None:
     problem = location_problem(location)
     if problem is not None:
         raise StoreAccessError(f"{key}: {problem[0]}. {problem[1]}")
-
-
-def _refusal(exc: BaseException) -> bool:
-    """The store refused these credentials: gcsfs turns HTTP 403 into ``OSError("Forbidden: ...")`` and 401 into
-    its ``HttpError`` with ``code`` 401 (S3's answers arrive as ``PermissionError`` from s3fs)."""
-    if type(exc).__name__ == "HttpError" and getattr(exc, "code", None) == 401:
-        return True
-    return type(exc) is OSError and str(exc).startswith("Forbidden: ")
-
-
-def _is_precondition_failure(exc: BaseException) -> bool:
-    """The store refused a create because the object exists: S3's ``PreconditionFailed`` (HTTP 412) in botocore's
-    structured error, GCS's HTTP 412, or fsspec's ``FileExistsError`` — never a guess from a message's text (a
-    connection error's message carries the object's URL, whose name may hold "412")."""
-    seen: BaseException | None = exc
-    while seen is not None:
-        if isinstance(seen, FileExistsError):
-            return True
-        response = getattr(seen, "response", None)
-        if isinstance(response, dict):
-            code = (response.get("Error") or {}).get("Code")
-            status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
-            if code in ("PreconditionFailed", "412") or status == 412:
-                return True
-        if type(seen).__name__ == "HttpError" and getattr(seen, "code", None) == 412:  # gcsfs
-            return True
-        seen = seen.__cause__ or seen.__context__
-    return False
 
 
 class ObjectStore:
@@ -104,6 +76,8 @@ class ObjectStore:
         self._local = Path(local) if local is not None else None
         #: Where this node's copies are written before the upload (what :mod:`.space` measures); created on first use.
         self.root = self._local or Path(tempfile.gettempdir())
+        #: Objects this store uploaded for a snapshot: a retry of that snapshot may replace them, no other writer's.
+        self._uploaded: set[str] = set()
 
     @property
     def local(self) -> Path:
@@ -137,7 +111,7 @@ class ObjectStore:
                     "snapshot.dir (or AWS_ENDPOINT_URL)") from exc
             raise
         except Exception as exc:  # noqa: BLE001 - connection errors of aiohttp/botocore/gcsfs: all may pass
-            if _refusal(exc):
+            if is_refusal(exc):
                 raise self._refused(what, exc) from exc
             if "Credentials" in type(exc).__name__ or "credentials" in str(exc).lower()[:200]:
                 raise StoreAccessError(
@@ -166,10 +140,22 @@ class ObjectStore:
         try:
             self.fs.pipe_file(key, data, mode="create")
         except Exception as exc:  # noqa: BLE001 - precondition failures arrive as several types
-            if _is_precondition_failure(exc):
+            if is_precondition_failure(exc):
                 return False
             with self._io(f"creating {key}"):
                 raise
+        return True
+
+    def _upload_new(self, path: Path, key: str, replace: bool) -> bool:
+        """Upload ``path`` as ``key`` unless the key exists (then False), or over it where ``replace``."""
+        try:
+            self.fs.put_file(str(path), key, mode="create")
+        except Exception as exc:  # noqa: BLE001 - precondition failures arrive as several types
+            if not is_precondition_failure(exc):
+                raise
+            if not replace:
+                return False
+            self.fs.put_file(str(path), key)
         return True
 
     def _names(self, sub: str = "") -> list[str]:
@@ -347,16 +333,28 @@ class ObjectStore:
         # A listing every 0.2 s: a part takes about as long to upload as rank 0's own takes to write.
         return {"records_of": records_of, "poll_s": 0.2}
 
-    def publish(self, staging: Path, ref: SnapshotRef, entries_synced: bool = False) -> None:
-        """Upload ``staging``'s files under ``ref``'s name, then create its ``meta.json``; the local copy goes."""
+    def publish(self, staging: Path, ref: SnapshotRef, entries_synced: bool = False,
+                replace_incomplete: bool = False) -> None:
+        """Upload ``staging``'s files under ``ref``'s name, then create its ``meta.json``; the local copy goes.
+
+        Each object is created only if it does not exist (the store's precondition), as the marker is: two writers of
+        one name (every node's first worker writes on a stop) would otherwise interleave, one's ``state.pt`` under
+        the other's marker — a directory's rename cannot mix them, a bucket's objects can. The writer that finds an
+        object of the name there stops (:class:`AlreadyCommittedError`; its own copy stays in node memory), unless it
+        uploaded that object itself in an earlier try whose marker never came. ``replace_incomplete``: the objects of
+        a name without a marker are replaced (``snapshot persist``, once the job that left them has ended)."""
         del entries_synced  # the upload is what makes it durable
         remote = f"{self.prefix}/{ref.name}"
         files = sorted(p for p in staging.iterdir() if p.is_file() and p.name != META and not p.name.startswith("."))
         with self._io(f"uploading {ref.name}"):
             if self.fs.exists(f"{remote}/{META}"):
                 raise AlreadyCommittedError(f"{ref.name} was already published")
-            if files:
-                self.fs.put([str(p) for p in files], [f"{remote}/{p.name}" for p in files])
+            for path in files:
+                key = f"{remote}/{path.name}"
+                if not self._upload_new(path, key, replace=replace_incomplete or key in self._uploaded):
+                    raise AlreadyCommittedError(f"{ref.name} is being published by another writer (its "
+                                                f"{path.name} is there)")
+                self._uploaded.add(key)
         # Fenced again after the upload (which may take minutes), right before the marker: a round that began
         # meanwhile may have swept what this writer uploaded.
         self.check_fence(ref.generation)

@@ -119,6 +119,40 @@ def test_the_writer_process_uploads_off_the_training_interpreter(store: ObjectSt
     assert torch.equal(loaded.state["model"]["w"], torch.arange(3_000_000, dtype=torch.float32) + 3)
 
 
+def test_two_writers_of_one_name_never_mix_their_objects_and_only_a_retry_replaces_its_own(
+        url: str, tmp_path: Path) -> None:
+    """On a stop every node's first worker writes the same snapshot, each with bytes of its own. In a bucket the
+    second writer's ``state.pt`` would land under the first one's marker (a checksum mismatch on resume, found by a
+    stop-and-restart test): the second stops instead, and only the writer whose marker never came may upload again."""
+    first, second, operator = node(url, tmp_path, "first"), node(url, tmp_path, "second"), node(url, tmp_path, "op")
+    gen = first.claim_generation({})
+    ref, leftover = SnapshotRef(gen, 10), SnapshotRef(gen, 20)
+
+    def staged(store: ObjectStore, at: SnapshotRef, value: float) -> Path:
+        staging = store.staging(at)
+        write_snapshot_files(staging, {"model": {"w": torch.full((4,), value)}},
+                             {"step": at.step, "generation": at.generation, "epoch": 0, "consumed": 0})
+        return staging
+
+    def store_down(generation: int) -> None:
+        raise StoreAccessError("the store went away before the marker")
+
+    first.check_fence = store_down  # type: ignore[method-assign] - its objects are up, its marker is not
+    for at in (ref, leftover):
+        with pytest.raises(StoreAccessError):
+            first.publish(staged(first, at, 1.0), at)
+    with pytest.raises(AlreadyCommittedError, match="another writer"):
+        second.publish(staged(second, ref, 2.0), ref)
+    assert second.complete() == [], "no marker over objects of another writer"
+    del first.check_fence
+    first.publish(staged(first, ref, 1.0), ref)  # its own retry
+    operator.publish(staged(operator, leftover, 3.0), leftover, replace_incomplete=True)  # `snapshot persist`
+    reader = node(url, tmp_path, "reader")
+    for at, value in ((ref, 1.0), (leftover, 3.0)):
+        _, state = load_snapshot(reader.path(at))
+        assert torch.equal(state["model"]["w"], torch.full((4,), value)), at.name
+
+
 def test_a_stale_generation_cannot_publish_and_of_two_racing_rounds_only_the_newer_becomes_latest(
         url: str, tmp_path: Path) -> None:
     old_node, new_node = node(url, tmp_path, "old"), node(url, tmp_path, "new")
@@ -291,24 +325,24 @@ def test_a_round_that_begins_while_a_snapshot_uploads_stops_it_before_its_marker
         url: str, tmp_path: Path, s3_server: S3Server) -> None:
     writer_node, newer = node(url, tmp_path, "slow"), node(url, tmp_path, "newer")
     gen = writer_node.claim_generation({})
-    upload = writer_node.fs.put
+    upload = writer_node.fs.put_file
 
     def upload_then_a_newer_round_starts(*args: Any, **kwargs: Any) -> Any:
         done = upload(*args, **kwargs)
         newer.sweep(newer.claim_generation({}))  # what a new attempt's rank 0 does: claim, then sweep
         return done
 
-    writer_node.fs.put = upload_then_a_newer_round_starts
+    writer_node.fs.put_file = upload_then_a_newer_round_starts
     try:
         with pytest.raises(StaleWriterError):
             write_and_publish(writer_node, gen, 3, SnapshotRef(gen, 10), *capture(10)())
     finally:
-        del writer_node.fs.put
+        del writer_node.fs.put_file
     assert writer_node.complete() == [], "no marker over what the newer round swept"
 
 
 def test_only_the_store_s_own_precondition_answer_means_the_object_exists() -> None:
-    from elastic_runner.snapshot.object_store import _is_precondition_failure
+    from elastic_runner.snapshot.object_client import is_precondition_failure
 
     class ClientError(Exception):
         def __init__(self, code: str, status: int) -> None:
@@ -321,11 +355,11 @@ def test_only_the_store_s_own_precondition_answer_means_the_object_exists() -> N
         except OSError as exc:
             return exc
 
-    assert _is_precondition_failure(wrapped(ClientError("PreconditionFailed", 412)))
-    assert _is_precondition_failure(FileExistsError("x"))
+    assert is_precondition_failure(wrapped(ClientError("PreconditionFailed", 412)))
+    assert is_precondition_failure(FileExistsError("x"))
     timeout = ConnectionError('Read timeout on endpoint URL: "http://s3/ml-412/step-000004120-gen-000001/meta.json"')
-    assert not _is_precondition_failure(wrapped(timeout)), "a connection error is never 'already there'"
-    assert not _is_precondition_failure(wrapped(ClientError("InternalError", 500)))
+    assert not is_precondition_failure(wrapped(timeout)), "a connection error is never 'already there'"
+    assert not is_precondition_failure(wrapped(ClientError("InternalError", 500)))
 
 
 def test_gcs_answers_for_refused_credentials_and_a_missing_bucket_are_set_up_errors(tmp_path: Path) -> None:
