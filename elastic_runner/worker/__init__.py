@@ -6,6 +6,7 @@
 - ``run_dir``    rank 0 claims the generation in the run directory; every rank learns the outcome.
 - ``env``        what torchrun's environment says (rank, world, restart count, run id).
 - ``dist``       device and backend, the process group (with a deadline), the few collectives we use.
+- ``regroup``    the process group rebuilt for a new membership in the same process (in-process recovery's core).
 - ``lifecycle``  exit statuses, stop signals, leaving at once, dying with the parent: process primitives
                  that the agent, the data loaders and the test tools use too.
 - ``watchdog``   peer liveness: a dead or hung peer ends the attempt everywhere within seconds.
