@@ -360,6 +360,7 @@ class ObjectStore:
         self.check_fence(ref.generation)
         if not self._create(f"{remote}/{META}", (staging / META).read_bytes()):
             raise AlreadyCommittedError(f"{ref.name} was already published")
+        self._uploaded.difference_update(f"{remote}/{p.name}" for p in files)  # published: never retried
         self.discard(staging)
 
     def discard(self, staging: Path) -> None:
