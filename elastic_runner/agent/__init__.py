@@ -10,6 +10,7 @@ workers from), never in the training loop.
 - ``agent``            ``ElasticRunnerAgent``: torch's ``LocalElasticAgent`` with corrections and observers.
 - ``fast_rendezvous``  rendezvous rounds that complete as soon as everyone known is back.
 - ``zygote``, ``warm`` workers forked from a pre-imported process.
+- ``worker_context``   the node's workers kept when one fails, that one replaced (in-process recovery's agent side).
 - ``metrics``          the agent's Prometheus metrics and events.
 - ``terminal``         what the agent prints, and what it keeps quiet.
 - ``torch_patches``    every private torch internal we change or rely on, with its canary.

@@ -175,7 +175,31 @@ PROCESS_GROUP_ABORT = TorchPatch(
     needs=(Need(C10D, "_abort_process_group"),),
 )
 
-ALL: tuple[TorchPatch, ...] = (FAST_RENDEZVOUS, OUTAGE_TOLERANT_HANDLER, AGENT_CORRECTIONS, PROCESS_GROUP_ABORT)
+ELASTIC_MP = "torch.distributed.elastic.multiprocessing.api"
+SPAWN = "torch.multiprocessing.spawn"
+
+KEEPING_WORKERS = TorchPatch(
+    name="a failed worker replaced while the node's other workers run on (in-process recovery)",
+    where="elastic_runner.agent.worker_context",
+    without="torch's all-or-nothing policy: a failed worker's siblings are terminated and every worker restarts",
+    needs=(
+        Need(ELASTIC_MP, "MultiprocessContext._poll"),
+        Need(ELASTIC_MP, "MultiprocessContext._pc", init_attr=True),
+        Need(ELASTIC_MP, "MultiprocessContext._ret_vals", init_attr=True),
+        Need(ELASTIC_MP, "MultiprocessContext._worker_finished_event", init_attr=True),
+        Need(ELASTIC_MP, "MultiprocessContext._numa_options", init_attr=True),
+        Need(ELASTIC_MP, "PContext.error_files", init_attr=True),
+        Need(ELASTIC_MP, "_wrap", params=("local_rank", "fn", "args", "envs", "stdout_redirects", "stderr_redirects",
+                                          "ret_vals", "queue_finished_reading_event", "numa_options")),
+        Need(SPAWN, "_wrap", params=("fn", "i", "args", "error_file")),
+        Need(SPAWN, "ProcessContext.processes", init_attr=True),
+        Need(SPAWN, "ProcessContext.sentinels", init_attr=True),
+        Need(SPAWN, "ProcessContext.error_files", init_attr=True),
+    ),
+)
+
+ALL: tuple[TorchPatch, ...] = (FAST_RENDEZVOUS, OUTAGE_TOLERANT_HANDLER, AGENT_CORRECTIONS, PROCESS_GROUP_ABORT,
+                               KEEPING_WORKERS)
 
 
 def usable(patch: TorchPatch, logger: logging.Logger = log) -> bool:

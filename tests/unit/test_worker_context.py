@@ -1,0 +1,95 @@
+"""The agent's worker processes kept when one fails (:mod:`elastic_runner.agent.worker_context`): real processes
+started by torch's own ``start_processes`` with a function entrypoint and the forkserver, as the zygote does."""
+
+from __future__ import annotations
+
+import os
+import signal
+import tempfile
+import time
+from typing import Any
+
+import pytest
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_processes
+
+from elastic_runner.agent.worker_context import KeepingContext, as_keeping
+
+pytestmark = [pytest.mark.timeout(120)]
+
+
+def _worker(name: str) -> tuple[str, int, str]:
+    """Waits for its go-file (so that the test decides when it ends); returns who it was."""
+    go = os.environ["GO_FILE"]
+    while not os.path.exists(go):
+        time.sleep(0.02)
+    return name, os.getpid(), os.environ.get("WHO", "")
+
+
+def _start(tmp: str, count: int) -> Any:
+    return start_processes(
+        name="trainer", entrypoint=_worker, args={r: (f"w{r}",) for r in range(count)},
+        envs={r: {"GO_FILE": os.path.join(tmp, "go"), "WHO": "first"} for r in range(count)},
+        logs_specs=DefaultLogsSpecs(log_dir=tempfile.mkdtemp(dir=tmp)), start_method="forkserver")
+
+
+def _wait(context: Any, timeout: float = 60) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        result = context.wait(0)
+        if result is not None:
+            return result
+        time.sleep(0.05)
+    raise AssertionError("the context never reported")
+
+
+def test_a_failed_worker_is_reported_alone_and_replaced_while_its_siblings_run_on(tmp_path: Any) -> None:
+    context = as_keeping(_start(str(tmp_path), 3))
+    assert isinstance(context, KeepingContext)
+    try:
+        before = context.pids()
+        os.kill(before[1], signal.SIGKILL)
+        failed = _wait(context)
+        assert list(failed.failures) == [1] and failed.failures[1].exitcode == -signal.SIGKILL
+        alive = [p.is_alive() for p in context._pc.processes]
+        assert alive == [True, False, True], "torch's own context would have terminated local ranks 0 and 2"
+        new_pid = context.replace(1, env={"GO_FILE": str(tmp_path / "go"), "WHO": "replacement"})
+        assert context.pids() == {0: before[0], 1: new_pid, 2: before[2]}
+        with pytest.raises(RuntimeError, match="still running"):
+            context.replace(0)
+        (tmp_path / "go").touch()
+        done = _wait(context)
+        assert not done.is_failed()
+        assert done.return_values == {0: ("w0", before[0], "first"), 1: ("w1", new_pid, "replacement"),
+                                      2: ("w2", before[2], "first")}
+    finally:
+        context.close()
+
+
+def test_a_replacement_that_fails_is_reported_like_any_worker_and_close_ends_them_all(tmp_path: Any) -> None:
+    context = as_keeping(_start(str(tmp_path), 2))
+    assert context is not None
+    try:
+        os.kill(context.pids()[0], signal.SIGKILL)
+        _wait(context)
+        replacement = context.replace(0)
+        os.kill(replacement, signal.SIGKILL)
+        failed = _wait(context)
+        assert list(failed.failures) == [0] and failed.failures[0].pid == replacement
+        survivor = context._pc.processes[1]
+        assert survivor.is_alive()
+    finally:
+        context.close()
+    assert not survivor.is_alive(), "closing the context ends every worker, replacements and survivors alike"
+
+
+def test_without_keeping_survivors_torch_s_all_or_nothing_policy_holds(tmp_path: Any) -> None:
+    context = as_keeping(_start(str(tmp_path), 2))
+    assert context is not None
+    context.keep_survivors = False
+    try:
+        os.kill(context.pids()[0], signal.SIGKILL)
+        failed = _wait(context)
+        assert list(failed.failures) == [0]
+        assert not any(p.is_alive() for p in context._pc.processes), "torch's policy: the sibling was terminated"
+    finally:
+        context.close()
