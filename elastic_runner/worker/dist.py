@@ -114,6 +114,20 @@ def _import_dynamo_first() -> None:
     import torch._dynamo  # noqa: F401
 
 
+def destroy_default_group() -> None:
+    """Destroy the default process group, if any; a failure is logged, never raised (teardown after a failure must
+    not mask it)."""
+    # Objects in reference cycles (a worker's DDP model after an exception) hold the group
+    # until the collector runs: free them first, or gloo's threads outlive the group
+    # (see _import_dynamo_first for why that matters).
+    gc.collect()
+    if tdist.is_initialized():
+        try:
+            tdist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - teardown after a failure must not mask it
+            log.debug("destroy_process_group failed", exc_info=True)
+
+
 def job_store(env: WorkerEnv, timeout: datetime.timedelta) -> Any:
     """The job's TCPStore as ``env://`` would make it, except that rank 0 binds MASTER_PORT with ``SO_REUSEPORT``:
     the agent that offered the port still holds it that way (:mod:`elastic_runner.rendezvous.ports`), so that no
@@ -214,15 +228,7 @@ class Dist:
             log.debug("process group abort failed", exc_info=True)
 
     def down(self) -> None:
-        # Objects in reference cycles (a worker's DDP model after an exception) hold the group
-        # until the collector runs: free them first, or gloo's threads outlive the group
-        # (see _import_dynamo_first for why that matters).
-        gc.collect()
-        if tdist.is_initialized():
-            try:
-                tdist.destroy_process_group()
-            except Exception:  # noqa: BLE001 - teardown after a failure must not mask it
-                log.debug("destroy_process_group failed", exc_info=True)
+        destroy_default_group()
 
     # -- collectives -----------------------------------------------------------------
 

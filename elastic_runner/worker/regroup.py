@@ -33,6 +33,8 @@ from typing import Any
 import torch
 import torch.distributed as tdist
 
+from .dist import destroy_default_group
+
 log = logging.getLogger(__name__)
 
 #: Where the members' handles go in the job's store: ``regroup/<generation>/<member>``.
@@ -45,10 +47,12 @@ class RegroupError(RuntimeError):
 
 def regroup_method(backend: str) -> tuple[str, str]:
     """How this torch build rebuilds a ``backend`` group in the process: ``("reconfigure" | "recreate", why)``."""
-    missing = [name for name in ("_reconfigure", "_get_reconfigure_handle", "_supports_reconfigure")
-               if not hasattr(tdist, name)]
+    from ..agent.torch_patches import PROCESS_GROUP_RECONFIGURE
+
+    missing = PROCESS_GROUP_RECONFIGURE.problems()
     if missing:
-        return "recreate", f"torch {_torch_version()} has no process-group reconfigure API ({', '.join(missing)})"
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        return "recreate", f"torch {_torch_version()} has no process-group reconfigure API ({missing[0]}{more})"
     if backend != "gloo":
         # Only gloo has been run through reconfigure here; NCCL's support depends on the NCCL build.
         return "recreate", f"reconfigure is only used on gloo so far (this group is {backend})"
@@ -81,7 +85,7 @@ class Regroup:
                  method: str | None = None, device: torch.device | None = None) -> None:
         self.store, self.member, self.backend, self.timeout = store, member, backend, timeout
         self.device = device if device is not None else torch.device("cpu")
-        self.method, self.why = (method, "asked for") if method is not None else regroup_method(backend)
+        self.method = method if method is not None else regroup_method(backend)[0]
         if self.method not in ("reconfigure", "recreate"):
             raise ValueError(f"regroup method {self.method!r}: use 'reconfigure' or 'recreate'")
         self.membership: Membership | None = None
@@ -96,7 +100,8 @@ class Regroup:
                 self._reconfigure(membership, rank)
             else:
                 self._recreate(membership, rank)
-            tdist.all_reduce(torch.zeros(1, device=self.device))  # every member is there and reachable, not just registered
+            # Every member is there and reachable, not just registered.
+            tdist.all_reduce(torch.zeros(1, device=self.device))
         except RegroupError:
             raise
         except Exception as exc:  # noqa: BLE001 - store timeouts and backend errors alike: the caller falls back
@@ -123,11 +128,7 @@ class Regroup:
 
     def leave(self) -> None:
         """Destroy the group (the process ends, or falls back to a restart)."""
-        if tdist.is_initialized():
-            try:
-                tdist.destroy_process_group()
-            except Exception:  # noqa: BLE001 - teardown after a failure must not mask it
-                log.debug("destroy_process_group failed", exc_info=True)
+        destroy_default_group()
         self.membership = None
 
     # -- the two ways ------------------------------------------------------------------------------------------
