@@ -18,6 +18,8 @@ rendezvous store of torch's defaults makes joins hang) and ends that variant.
         --parallel ddp,fsdp                                   # a sharded model's node loss vs the replicated one
     .venv-vision/bin/python benchmarks/recovery.py --variants elastic-runner --scenarios node \
         --storage dir,s3                                      # node loss and join with snapshots in a bucket
+    .venv-vision/bin/python benchmarks/recovery.py --variants elastic-runner,elastic-runner-torchrun \
+        --scenarios worker_kill --in-process 0,1              # the survivor kept (recovery.in_process) vs restarted
 """
 
 from __future__ import annotations
@@ -51,10 +53,10 @@ BUCKET = "bench"
 
 def measure(variant: str, repeats: int, hang_after: float, workdir: Path, scenarios: list[str],
             loader_workers: int = 0, compiled: bool = False, parallel: str = "ddp",
-            s3: S3Server | None = None) -> dict[str, Any]:
-    key = variant_key(variant, loader_workers, compiled, parallel, "s3" if s3 else "dir")
+            s3: S3Server | None = None, in_process: bool = False) -> dict[str, Any]:
+    key = variant_key(variant, loader_workers, compiled, parallel, "s3" if s3 else "dir", in_process)
     run_dir = workdir / key
-    overrides = ({"model.compile": True} if compiled else {}) | \
+    overrides = ({"model.compile": True} if compiled else {}) | ({"recovery.in_process": True} if in_process else {}) | \
         ({"parallel.strategy": parallel} if parallel != "ddp" else {}) | \
         ({"snapshot.dir": f"s3://{BUCKET}/{key}/snapshots"} if s3 else {})
     job = make_job(variant, Workload(workers=loader_workers), run_dir, **overrides)
@@ -83,7 +85,8 @@ def measure(variant: str, repeats: int, hang_after: float, workdir: Path, scenar
 
         if "worker_kill" in scenarios:
             for _ in range(repeats):
-                victim = next(w for w in job.workers(second))
+                # Rank 1's: rank 0's worker hosts the job's store, whose loss in-process recovery cannot survive.
+                victim = next(w for w in job.workers() if w.rank == 1)
                 t = time.time()
                 job.signal_worker(victim, signal.SIGKILL)
                 if not timed("worker_kill", t, 2):
@@ -103,9 +106,11 @@ def measure(variant: str, repeats: int, hang_after: float, workdir: Path, scenar
         job.close()
 
 
-def variant_key(variant: str, loader_workers: int, compiled: bool, parallel: str = "ddp", storage: str = "dir") -> str:
+def variant_key(variant: str, loader_workers: int, compiled: bool, parallel: str = "ddp", storage: str = "dir",
+                in_process: bool = False) -> str:
     return variant + (f"@loader{loader_workers}" if loader_workers else "") + ("@compiled" if compiled else "") + \
-        (f"@{parallel}" if parallel != "ddp" else "") + (f"@{storage}" if storage != "dir" else "")
+        (f"@{parallel}" if parallel != "ddp" else "") + (f"@{storage}" if storage != "dir" else "") + \
+        ("@in-process" if in_process else "")
 
 
 def summarize(raw: dict[str, dict[str, Any]], hang_after: float) -> dict[str, Any]:
@@ -164,6 +169,9 @@ def main() -> None:
                    help="where snapshots live, comma-separated: dir (RUN_DIR/snapshots) and/or s3 (a bucket on a local "
                         "SeaweedFS started here): each of our variants runs once per value, e.g. dir,s3 to compare a "
                         "join (and every recovery) with snapshots in object storage against a shared directory")
+    p.add_argument("--in-process", default="0",
+                   help="recovery.in_process, comma-separated 0/1: each of our variants runs once per value, e.g. 0,1 "
+                        "to compare keeping the survivors' processes with restarting every worker")
     p.add_argument("--workdir", default=None)
     p.add_argument("--out", default=None, help="write the JSON result here too")
     args = p.parse_args()
@@ -177,21 +185,25 @@ def main() -> None:
         loader_counts = [int(n) for n in args.loader_workers.split(",") if n.strip()]
         compiles = [bool(int(n)) for n in args.compile.split(",") if n.strip()]
         strategies = [s.strip() for s in args.parallel.split(",") if s.strip()]
+        kept = [bool(int(n)) for n in args.in_process.split(",") if n.strip()]
         for variant in [v.strip() for v in args.variants.split(",") if v.strip()]:
             for workers in loader_counts:
                 for compiled in compiles if variant in OURS else [False]:
                     for parallel in strategies if variant in OURS else ["ddp"]:
-                        for storage in storages if variant in OURS else ["dir"]:
-                            key = variant_key(variant, workers, compiled, parallel, storage)
+                        for storage, in_process in [(s, k) for s in (storages if variant in OURS else ["dir"])
+                                                    for k in (kept if variant in OURS else [False])]:
+                            key = variant_key(variant, workers, compiled, parallel, storage, in_process)
                             started = time.monotonic()
                             repeats = (args.default_repeats if variant == "torchrun-default" and args.default_repeats
                                        else args.repeats)
                             raw[key] = measure(variant, repeats, args.hang_after, workdir, args.scenarios.split(","),
-                                               workers, compiled, parallel, s3 if storage == "s3" else None)
+                                               workers, compiled, parallel, s3 if storage == "s3" else None,
+                                               in_process)
                             raw[key]["wall_s"] = round(time.monotonic() - started, 1)
                             print(f"{key}: {raw[key]}", flush=True)
         result = summarize(raw, args.hang_after)
-        # Loader processes, compiling and sharding must not slow recovery: each such variant against itself without.
+        # Loader processes, compiling and sharding must not slow recovery, and in-process recovery must speed it up:
+        # each such variant against itself without.
         for key, medians in result["medians"].items():
             variant, _, extra = key.partition("@")
             base = result["medians"].get(variant, {})

@@ -25,6 +25,14 @@
   happens there. (It used to be paid up front in a background thread after
   the first round, which on a joining node competed with its first workers.)
 
+- **A failed worker is replaced alone** (``recovery.in_process``, :mod:`elastic_runner.agent.worker_context`):
+  torch's process context ends every worker of the node when one fails, and torch's agent then restarts every
+  worker of the job through a new rendezvous round. With in-process recovery a worker killed or crashed (not rank
+  0's, whose process hosts the job's store, and not one that exited with a job-ending status or because its
+  peers were lost) is started again alone, in the same context, with the same rank: no rendezvous round, the
+  other agents uninvolved, the other workers kept (they rebuild their process group with it:
+  :mod:`elastic_runner.worker.regroup`). Each replacement counts as a restart against ``--max-restarts``.
+
 Observers (agent metrics and events, :mod:`elastic_runner.agent.metrics`) hear of every
 rendezvous round, failed worker group and restart. The private methods overridden here are
 checked by :data:`elastic_runner.agent.torch_patches.AGENT_CORRECTIONS`; ``elastic-runner launch``
@@ -44,9 +52,21 @@ from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, W
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
-from ..worker.lifecycle import EXIT_DIVERGED, EXIT_FINAL, EXIT_NOT_DURABLE, EXIT_USAGE, proc_state, process_start_time
+from ..worker.env import REPLACES_VAR
+from ..worker.lifecycle import (
+    EXIT_DIVERGED,
+    EXIT_FINAL,
+    EXIT_NOT_DURABLE,
+    EXIT_PEER_LOST,
+    EXIT_PEER_TIMEOUT,
+    EXIT_USAGE,
+    proc_state,
+    process_start_time,
+)
 from . import fast_rendezvous
 from .round_members import MemberWatch, WatchfulStore, gone_check
+from .torch_patches import KEEPING_WORKERS, usable
+from .worker_context import KeepingContext, as_keeping
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +93,9 @@ class ElasticRunnerAgent(LocalElasticAgent):
     #: Callables ``(event, **fields)`` given to every new agent (torch's launcher
     #: constructs the agent itself; see elastic_runner.agent.metrics).
     default_observers: list[Any] = []
+    #: The workers' ``recovery.in_process`` (set from their config where the agent can read it): a failed worker
+    #: is replaced alone, the others kept.
+    in_process: bool = False
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -81,6 +104,7 @@ class ElasticRunnerAgent(LocalElasticAgent):
         self._rounds = 0
         self._stopping_group = False
         self._members = MemberWatch()
+        self._keeping: KeepingContext | None = None
 
     def _notify(self, event: str, **fields: Any) -> None:
         for observer in self.observers:
@@ -175,14 +199,55 @@ class ElasticRunnerAgent(LocalElasticAgent):
             self._announce_stop(f"the agent is shutting down on {death_sig.name}")
         super()._shutdown(death_sig, timeout)
 
+    # -- starting and replacing ------------------------------------------------------------------
+
+    def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
+        ids = super()._start_workers(worker_group)
+        self._keeping = None
+        if self.in_process and usable(KEEPING_WORKERS, log):
+            self._keeping = as_keeping(getattr(self, "_pcontext", None))
+            if self._keeping is None:
+                log.info("recovery.in_process: the workers are not started from a function (ELASTIC_RUNNER_ZYGOTE=0?); "
+                         "a failed worker restarts every worker")
+        return ids
+
+    def _replace_failed(self, worker_group: WorkerGroup, result: RunResult) -> bool:
+        """Start the failed workers again alone, the others kept (in-process recovery); False: every worker
+        restarts (torch's way), and why is logged."""
+        keeping = self._keeping
+        if keeping is None or self._remaining_restarts < len(result.failures):
+            return False
+        codes = {f.exitcode for f in result.failures.values()}
+        if 0 in result.failures:
+            why = "rank 0's worker hosts the job's store"
+        elif codes & (EXIT_FINAL | {EXIT_PEER_LOST, EXIT_PEER_TIMEOUT, 0}):
+            why = f"exit status {sorted(codes)}: a job-ending status, or its peers were lost"
+        else:
+            why = ""
+        if why:
+            log.info("a worker failed (%s); every worker restarts", why)
+            return False
+        for rank, failure in sorted(result.failures.items()):
+            env = dict(keeping.envs[failure.local_rank]) | {REPLACES_VAR: str(failure.pid)}
+            pid = keeping.replace(failure.local_rank, env)
+            worker_group.workers[failure.local_rank].id = pid
+            self._remaining_restarts -= 1
+            log.warning("worker of rank %d (pid %d) failed with exit status %s; started again alone as pid %d, the "
+                        "other workers keep their process (in process; %d restarts left)", rank, failure.pid,
+                        failure.exitcode, pid, self._remaining_restarts)
+            self._notify("worker_replaced", rank=rank, local_rank=failure.local_rank, pid=failure.pid, new_pid=pid,
+                         exitcode=failure.exitcode)
+        return True
+
     # -- monitoring -----------------------------------------------------------------------------
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         # When a worker has exited, torch's process context SIGTERMs the others and
         # waits up to 30 s for them, before _stop_workers ever runs: a stopped
-        # sibling must be gone before that wait starts.
+        # sibling must be gone before that wait starts. (A keeping context leaves them.)
         pcontext = getattr(self, "_pcontext", None)
-        if pcontext is not None and any(proc_state(pid) in ("", "Z", "X") for pid in pcontext.pids().values()):
+        if pcontext is not None and self._keeping is None and \
+                any(proc_state(pid) in ("", "Z", "X") for pid in pcontext.pids().values()):
             self._kill_stopped_workers()
             self._announce_stop("a worker of the same node failed")
         result = super()._monitor_workers(worker_group)
@@ -194,6 +259,9 @@ class ElasticRunnerAgent(LocalElasticAgent):
             self._notify("worker_failed", exit_codes=codes, count=len(result.failures),
                          failures=[{"rank": rank, "local_rank": f.local_rank, "pid": f.pid, "exitcode": f.exitcode}
                                    for rank, f in sorted(result.failures.items())])
+            if self._replace_failed(worker_group, result):
+                self._notify("state", state=WorkerState.HEALTHY.name, remaining_restarts=self._remaining_restarts)
+                return RunResult(state=WorkerState.HEALTHY)
             final = sorted(set(codes) & EXIT_FINAL)
             if final and self._remaining_restarts > 0:
                 why = {EXIT_USAGE: "configuration or resume error", EXIT_DIVERGED: "the gradient became NaN or inf",

@@ -53,6 +53,8 @@ class AgentMetrics:
         self.set_state("INIT")
         self.restarts = Counter(PREFIX + "restarts", "Worker-group restarts by this agent (failures and membership changes).", registry=r)
         self.failures = Counter(PREFIX + "worker_failures", "Worker-group failures this agent detected.", registry=r)
+        self.replaced = Counter(PREFIX + "workers_replaced", "Failed workers this agent started again alone, the others kept "
+                                "(recovery.in_process).", registry=r)
         self.rendezvous = Counter(PREFIX + "rendezvous", "Rendezvous rounds this agent completed.", registry=r)
         self.rendezvous_duration = Histogram(PREFIX + "rendezvous_duration_seconds", "Time from joining to a complete rendezvous round.",
                                              buckets=DURATION_BUCKETS, registry=r)
@@ -85,6 +87,8 @@ class AgentMetrics:
             self.failures.inc()
         elif event == "restart":
             self.restarts.inc()
+        elif event == "worker_replaced":
+            self.replaced.inc()
         if self.events is not None:
             self.events.emit(f"agent_{event}", **fields)
 

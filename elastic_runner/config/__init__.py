@@ -37,6 +37,7 @@ from .root import (
     ModelConfig,
     OptimConfig,
     ParallelConfig,
+    RecoveryConfig,
     RunConfig,
     ScheduleConfig,
     SnapshotConfig,
@@ -48,7 +49,8 @@ from .root import (
 __all__ = [
     "BUILTIN_LOSSES", "BUILTIN_METRICS", "RESUME_FREE", "SECTIONS", "AuditConfig", "BatchConfig", "Config",
     "ConfigError", "DataConfig", "DistConfig", "EvalConfig",
-    "LoggingConfig", "MetricsConfig", "ModelConfig", "OptimConfig", "ParallelConfig", "RunConfig", "ScheduleConfig", "SnapshotConfig",
+    "LoggingConfig", "MetricsConfig", "ModelConfig", "OptimConfig", "ParallelConfig", "RecoveryConfig", "RunConfig", "ScheduleConfig",
+    "SnapshotConfig",
     "TrainConfig", "coerce", "config_from_dict", "diff_configs", "dump_yaml", "is_import_path", "load_config",
     "parse_override", "reference_markdown", "resume_free_keys", "write_effective_config",
 ]

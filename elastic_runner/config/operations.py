@@ -202,6 +202,20 @@ class DistConfig:
 
 
 @dataclass
+class RecoveryConfig:
+    """How a job recovers from a failed worker."""
+
+    in_process: bool = _help(
+        "A worker killed or crashed while its node and rank 0's worker live is replaced alone, and the other "
+        "workers keep their process (no new interpreter, CUDA context or data loader start) and rebuild only "
+        "their process group; anything else (rank 0's worker lost, a node lost or joining, a script's model "
+        "through elastic_runner.fit, torch's own agent) is today's restart of every worker. Experimental: off "
+        "until it covers membership changes.",
+        default=False,
+    )
+
+
+@dataclass
 class ParallelConfig:
     """How the model is spread over the ranks: replicated whole (ddp) or sharded (fsdp, hsdp)."""
 

@@ -12,7 +12,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .base import ConfigError, is_import_path
-from .operations import AuditConfig, DistConfig, LoggingConfig, MetricsConfig, ParallelConfig, SnapshotConfig
+from .operations import (
+    AuditConfig,
+    DistConfig,
+    LoggingConfig,
+    MetricsConfig,
+    ParallelConfig,
+    RecoveryConfig,
+    SnapshotConfig,
+)
 from .training import (
     BUILTIN_LOSSES,
     BUILTIN_METRICS,
@@ -28,7 +36,7 @@ from .training import (
 
 __all__ = [
     "BUILTIN_LOSSES", "BUILTIN_METRICS", "AuditConfig", "BatchConfig", "Config", "EvalConfig", "ConfigError", "DataConfig", "DistConfig", "LoggingConfig",
-    "MetricsConfig", "ModelConfig", "OptimConfig", "ParallelConfig", "RESUME_FREE", "RunConfig", "SECTIONS", "ScheduleConfig",
+    "MetricsConfig", "ModelConfig", "OptimConfig", "ParallelConfig", "RecoveryConfig", "RESUME_FREE", "RunConfig", "SECTIONS", "ScheduleConfig",
     "SnapshotConfig", "TrainConfig", "is_import_path", "resume_free_keys",
 ]
 
@@ -49,6 +57,7 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     dist: DistConfig = field(default_factory=DistConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
 
     def validate(self) -> None:
         for f in dataclasses.fields(self):

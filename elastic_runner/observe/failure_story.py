@@ -3,6 +3,8 @@
     rank 1 (node b, pid 4242) was killed by SIGKILL at step 225 → recovered in 0.87 s at world size 2,
     resumed step 225 from memory, 0 steps lost
 
+("recovered in process" where rank 0 kept its process: in-process recovery.)
+
 Pieced together from the run's event log: the agents' ``agent_worker_failed`` events name the processes
 that failed (rank, pid, exit status or signal; our agent, under ``launch`` and plain torchrun), the
 previous attempt's events its world size and furthest step, and this attempt's resume what it resumed
@@ -77,5 +79,10 @@ def failure_story(run_dir: str | os.PathLike[str], generation: int, world_size: 
     took = f" in {now - first_at:.2f} s" if first_at is not None else ""
     lost = resume.get("steps_recomputed")
     verb = "training" if previous_world is not None and previous_world < world_size and not causes else "recovered"
+    # In-process recovery: this rank kept the process it had in the attempt before (its peers kept theirs).
+    mine = {e.get("pid") for e in events if e.get("kind") == "start" and e.get("generation") == generation
+            and e.get("rank") == 0}
+    if verb == "recovered" and mine & {e.get("pid") for e in of_previous if e.get("kind") == "start"}:
+        verb = "recovered in process"
     return (f"{cause} → {verb}{took} at world size {world_size}, resumed step {resume.get('step')} from "
             f"{resume.get('tier', 'a snapshot')}" + (f", {lost} steps lost" if lost is not None else ""))

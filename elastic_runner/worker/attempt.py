@@ -84,7 +84,13 @@ class PeerLost:
         self.events.emit("failure", error=f"peer lost: {reason}", step=ckpt.state.step, detected_by="watchdog")
         if ckpt.ending.is_set():
             return  # the main thread is already keeping state and exiting
-        if self.dist.device.type == "cuda":
+        if self.dist.in_process is not None and not self.stop.requested:
+            # This process is kept (in-process recovery): the aborted group makes the main thread's collective
+            # raise, and the main thread ends the attempt and rebuilds the group.
+            self.dist.give_up(reason)
+            if ckpt.ending.wait(5.0):
+                return
+        elif self.dist.device.type == "cuda":
             self.dist.abort()
             # The main thread now raises out of its collective and ends the attempt
             # through its own failure path; if it does not, we do it here.

@@ -14,7 +14,6 @@ starts the next rendezvous round.
 from __future__ import annotations
 
 import datetime
-import gc
 import json
 import logging
 import threading
@@ -28,6 +27,7 @@ import torch.distributed as tdist
 from ..training.parallel import broadcast_coalesced
 from .env import WorkerEnv
 from .lifecycle import EXIT_PEER_TIMEOUT, exit_now
+from .regroup import RegroupError, SameMembers, destroy_default_group
 
 log = logging.getLogger(__name__)
 
@@ -114,20 +114,6 @@ def _import_dynamo_first() -> None:
     import torch._dynamo  # noqa: F401
 
 
-def destroy_default_group() -> None:
-    """Destroy the default process group, if any; a failure is logged, never raised (teardown after a failure must
-    not mask it)."""
-    # Objects in reference cycles (a worker's DDP model after an exception) hold the group
-    # until the collector runs: free them first, or gloo's threads outlive the group
-    # (see _import_dynamo_first for why that matters).
-    gc.collect()
-    if tdist.is_initialized():
-        try:
-            tdist.destroy_process_group()
-        except Exception:  # noqa: BLE001 - teardown after a failure must not mask it
-            log.debug("destroy_process_group failed", exc_info=True)
-
-
 def job_store(env: WorkerEnv, timeout: datetime.timedelta) -> Any:
     """The job's TCPStore as ``env://`` would make it, except that rank 0 binds MASTER_PORT with ``SO_REUSEPORT``:
     the agent that offered the port still holds it that way (:mod:`elastic_runner.rendezvous.ports`), so that no
@@ -163,6 +149,13 @@ class Dist:
     env: WorkerEnv
     device: torch.device
     backend: str
+    #: The job's store, held for the process's life: a rebuilt group needs it, and on rank 0 it hosts it.
+    store: Any = None
+    #: In-process recovery (``recovery.in_process``): how this worker rebuilds its group with a failed peer's
+    #: replacement (:class:`~elastic_runner.worker.regroup.SameMembers`); None: a failure ends the process.
+    in_process: Any = None
+    #: Why the group was given up from another thread (the watchdog found a peer lost); None while it works.
+    peer_lost: str | None = None
 
     @property
     def rank(self) -> int:
@@ -176,7 +169,11 @@ class Dist:
 
     @classmethod
     def up(cls, env: WorkerEnv, *, backend: str = "auto", device: str = "auto",
-           timeout_seconds: float = 300.0, init_timeout_seconds: float = 30.0) -> "Dist":
+           timeout_seconds: float = 300.0, init_timeout_seconds: float = 30.0, in_process: bool = False,
+           regroup_wait_seconds: float = 5.0) -> "Dist":
+        """The process group of this worker. ``in_process``: a failed peer is replaced and this worker rebuilds
+        its group with the replacement (:meth:`rejoin`), waiting ``regroup_wait_seconds`` for it; a worker that
+        *is* a replacement (``ELASTIC_RUNNER_REPLACES``) joins the group its predecessor's survivors rebuild."""
         dev = choose_device(env, device)
         chosen = choose_backend(dev, backend)
         if dev.type == "cuda":
@@ -191,27 +188,36 @@ class Dist:
         )
         _import_dynamo_first()
         started = time.monotonic()
+        same, joined = None, False
         with Deadline(init_timeout_seconds, message):
             if env.world_size == 1 and env.master_port is None:
                 tdist.init_process_group(chosen, store=tdist.HashStore(), rank=0, world_size=1, timeout=timeout)
+                store = None
             else:
                 if env.master_addr is None or env.master_port is None:
                     raise DistError(
                         f"WORLD_SIZE={env.world_size} but MASTER_ADDR/MASTER_PORT are not set; "
                         "launch with torchrun (or elastic-runner launch)"
                     )
-                kwargs: dict[str, Any] = {}
-                if dev.type == "cuda":
-                    kwargs["device_id"] = dev
                 store = job_store(env, timeout)
-                if store is not None:
-                    kwargs["store"] = store
+                if in_process and env.world_size > 1 and store is not None:
+                    same = SameMembers(store, env.rank, env.world_size, chosen, dev, timeout,
+                                       datetime.timedelta(seconds=regroup_wait_seconds))
+                if same is not None and env.replaces is not None and env.rank != 0:
+                    same.replace()  # the group the survivors rebuild for this process
+                    joined = True
                 else:
-                    kwargs["init_method"] = "env://"
-                tdist.init_process_group(chosen, rank=env.rank, world_size=env.world_size, timeout=timeout, **kwargs)
-            dist = cls(env=env, device=dev, backend=chosen)
-            # The first collective proves every peer is reachable, not just registered.
-            dist.all_reduce_sum(torch.zeros(1, device=dev))
+                    kwargs: dict[str, Any] = {"device_id": dev} if dev.type == "cuda" else {}
+                    if store is not None:
+                        kwargs["store"] = store
+                    else:
+                        kwargs["init_method"] = "env://"
+                    tdist.init_process_group(chosen, rank=env.rank, world_size=env.world_size, timeout=timeout,
+                                             **kwargs)
+            dist = cls(env=env, device=dev, backend=chosen, store=store, in_process=same)
+            if not joined:  # (a rebuilt group's join ends with one)
+                # The first collective proves every peer is reachable, not just registered.
+                dist.all_reduce_sum(torch.zeros(1, device=dev))
         log.debug("process group up in %.3fs", time.monotonic() - started)
         return dist
 
@@ -229,6 +235,28 @@ class Dist:
 
     def down(self) -> None:
         destroy_default_group()
+
+    def give_up(self, reason: str) -> None:
+        """A peer is lost while this process keeps going (in-process recovery; called from the watchdog's
+        thread): abort the group, so that a collective waiting on the lost peer raises in the main thread."""
+        self.peer_lost = reason
+        if self.in_process is not None:
+            self.in_process.regroup.abandon()
+        if self.device.type == "cuda":
+            self.abort()
+
+    def rejoin(self, deadline_seconds: float) -> float:
+        """In-process recovery: rebuild the group with the failed peer's replacement (the survivors keep their
+        process); seconds it took. Raises :class:`~elastic_runner.worker.regroup.RegroupError` when a member does
+        not come; a rebuild stuck past ``deadline_seconds`` (a second failure inside it) ends the process."""
+        if self.in_process is None:
+            raise RegroupError("in-process recovery is off for this worker")
+        message = (f"rank {self.rank}: the process group was not rebuilt within {deadline_seconds:g}s of a peer's "
+                   "failure (dist.init_timeout_seconds); ending this worker so that every worker restarts")
+        with Deadline(deadline_seconds, message):
+            seconds = self.in_process.survive()
+        self.peer_lost = None
+        return seconds
 
     # -- collectives -----------------------------------------------------------------
 

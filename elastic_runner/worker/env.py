@@ -34,6 +34,9 @@ AGENT_ID_VAR = "ELASTIC_RUNNER_AGENT_ID"
 #: Set by elastic_runner's agent: a file in its private directory where local rank 0 leaves the job's live
 #: goodput clock for the agent's own metric (elastic_runner.observe.goodput).
 GOODPUT_FILE_VAR = "ELASTIC_RUNNER_GOODPUT_FILE"
+#: Set by elastic_runner's agent for a worker it started in place of a failed one whose peers kept their process
+#: (in-process recovery): the failed worker's pid.
+REPLACES_VAR = "ELASTIC_RUNNER_REPLACES"
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,8 @@ class WorkerEnv:
     hostname: str = ""
     #: The agent that started this worker (``launch`` or an adopted torchrun; None under torch's own agent).
     agent_id: str | None = None
+    #: The pid of the failed worker this one replaces while its peers kept their process; None: a new round.
+    replaces: int | None = None
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None, legacy_local_rank: int | None = None) -> "WorkerEnv":
@@ -81,6 +86,7 @@ class WorkerEnv:
             under_torchrun="TORCHELASTIC_RUN_ID" in env,
             hostname=socket.gethostname(),
             agent_id=env.get(AGENT_ID_VAR) or None,
+            replaces=_int(env, REPLACES_VAR, 0) or None,
         )
 
     @property

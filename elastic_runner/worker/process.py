@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import traceback
 from typing import TYPE_CHECKING, Callable
 
 import torch
@@ -27,8 +28,9 @@ from .attempt import Attempt
 from .dist import Dist
 from .ending import ending_for
 from .env import WorkerEnv
-from .lifecycle import EXIT_USAGE, StopRequest, die_with_parent, name_process, process_start_time
+from .lifecycle import EXIT_PEER_LOST, EXIT_USAGE, StopRequest, die_with_parent, name_process, process_start_time
 from .preflight import warn_known_bad_setups
+from .regroup import RegroupError
 
 if TYPE_CHECKING:
     from ..workload.spec import Workload
@@ -67,8 +69,24 @@ def run(cfg: Config, env: WorkerEnv, make_workload: Callable[[], Workload] | Non
     dist: Dist | None = None
     try:
         dist = Dist.up(env, backend=cfg.dist.backend, device=cfg.dist.device,
-                       timeout_seconds=cfg.dist.timeout_seconds, init_timeout_seconds=cfg.dist.init_timeout_seconds)
-        Attempt(cfg, env, dist, stop, started_at, make_workload).run()
+                       timeout_seconds=cfg.dist.timeout_seconds, init_timeout_seconds=cfg.dist.init_timeout_seconds,
+                       in_process=in_process_wanted(cfg, env, make_workload),
+                       regroup_wait_seconds=cfg.dist.heartbeat_seconds or cfg.dist.init_timeout_seconds)
+        while True:
+            try:
+                Attempt(cfg, env, dist, stop, started_at, make_workload).run()
+                break
+            except Exception as exc:
+                if not peer_failure(exc, dist, stop.requested):
+                    raise
+                cause = dist.peer_lost or f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ''}"
+                try:
+                    seconds = dist.rejoin(cfg.dist.init_timeout_seconds)
+                except RegroupError as regroup_failed:
+                    say(f"elastic_runner: rank {env.rank}: {regroup_failed}; every worker restarts")
+                    return EXIT_PEER_LOST
+                log.warning("rank %d: a peer failed (%s); this worker kept its process and rebuilt the process group "
+                            "with its replacement in %.3fs (in process)", env.rank, cause, seconds)
         return ending_for(None, stop.requested).exit_code  # type: ignore[return-value]
     except BaseException as exc:
         ending = ending_for(exc, stop.requested)
@@ -84,3 +102,25 @@ def run(cfg: Config, env: WorkerEnv, make_workload: Callable[[], Workload] | Non
         stop.uninstall()
         if dist is not None:
             dist.down()
+
+
+def in_process_wanted(cfg: Config, env: WorkerEnv, make_workload: Callable[[], Workload] | None) -> bool:
+    """Whether this worker keeps its process when a peer fails (``recovery.in_process``): only under our agent
+    (which replaces the failed worker; torch's own restarts every worker) and for a model built from the config
+    (a script's model object would carry the abandoned step into the next attempt)."""
+    return cfg.recovery.in_process and env.agent_id is not None and env.world_size > 1 and make_workload is None
+
+
+def peer_failure(exc: Exception, dist: Dist, stop_requested: bool) -> bool:
+    """Whether the attempt ended because a peer failed (in-process recovery goes on), rather than on this rank's
+    own error, a stop, or a job-ending condition (those end the process as ever)."""
+    if dist.in_process is None or stop_requested or ending_for(exc, False).exit_code is not None:
+        return False
+    if dist.peer_lost is not None or isinstance(exc, torch.distributed.DistError):
+        return True
+    # gloo and NCCL raise a plain RuntimeError from inside a collective's wait.
+    frames = traceback.extract_tb(exc.__traceback__)
+    return isinstance(exc, RuntimeError) and (
+        any("/torch/distributed/" in frame.filename.replace("\\", "/") for frame in frames[-3:])
+        or any(word in str(exc) for word in ("Connection closed", "Connection reset", "Broken pipe", "NCCL",
+                                             "gloo", "aborted")))

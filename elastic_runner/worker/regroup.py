@@ -33,12 +33,24 @@ from typing import Any
 import torch
 import torch.distributed as tdist
 
-from .dist import destroy_default_group
-
 log = logging.getLogger(__name__)
 
 #: Where the members' handles go in the job's store: ``regroup/<generation>/<member>``.
 PREFIX = "regroup"
+
+
+def destroy_default_group() -> None:
+    """Destroy the default process group, if any; a failure is logged, never raised (teardown after a failure must
+    not mask it)."""
+    # Objects in reference cycles (a worker's DDP model after an exception) hold the group
+    # until the collector runs: free them first, or gloo's threads outlive the group
+    # (see _import_dynamo_first for why that matters).
+    gc.collect()
+    if tdist.is_initialized():
+        try:
+            tdist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - teardown after a failure must not mask it
+            log.debug("destroy_process_group failed", exc_info=True)
 
 
 class RegroupError(RuntimeError):
@@ -82,8 +94,12 @@ class Regroup:
     """
 
     def __init__(self, store: Any, member: str, backend: str, timeout: datetime.timedelta,
-                 method: str | None = None, device: torch.device | None = None) -> None:
+                 method: str | None = None, device: torch.device | None = None,
+                 wait: datetime.timedelta | None = None) -> None:
         self.store, self.member, self.backend, self.timeout = store, member, backend, timeout
+        #: How long a member waits for the others to arrive (``timeout``, the group's own, by default); the
+        #: rebuilt group's collectives keep ``timeout``.
+        self.wait = wait if wait is not None else timeout
         self.device = device if device is not None else torch.device("cpu")
         self.method = method if method is not None else regroup_method(backend)[0]
         if self.method not in ("reconfigure", "recreate"):
@@ -146,13 +162,17 @@ class Regroup:
                                timeout=self.timeout).wait()
         keys = [f"{PREFIX}/{membership.generation}/{m}" for m in membership.members]
         self.store.set(keys[rank], tdist._get_reconfigure_handle())
-        self.store.wait(keys, self.timeout)
+        self.store.wait(keys, self.wait)
         handles = [self.store.get(key).decode() for key in keys]
         # The id is the generation's: every member passes the same one, and no two generations share it.
         tdist._reconfigure(uuid=membership.generation, handles=handles, timeout=self.timeout).wait()
 
     def _recreate(self, membership: Membership, rank: int) -> None:
         self.leave()
+        # Every member there first, within the wait: the group's own start would wait its whole timeout.
+        arrived = [f"{PREFIX}/{membership.generation}/arrived/{m}" for m in membership.members]
+        self.store.set(arrived[rank], b"1")
+        self.store.wait(arrived, self.wait)
         store = tdist.PrefixStore(f"{PREFIX}/{membership.generation}", self.store)
         tdist.init_process_group(self.backend, store=store, rank=rank, world_size=len(membership.members),
                                  timeout=self.timeout)
@@ -160,3 +180,41 @@ class Regroup:
 
 def _torch_version() -> str:
     return torch.__version__.split("+")[0]
+
+
+def _generation_key(rank: int) -> str:
+    """Where rank ``rank`` says which generation of the group it is in: its replacement joins the next one."""
+    return f"{PREFIX}/in/{rank}"
+
+
+class SameMembers:
+    """In-process recovery at an unchanged membership: a failed worker is replaced on its node under the same rank,
+    and the other workers keep their process and rebuild their group with it.
+
+    Members are the ranks ``0..world_size-1``. Generation 0 is the round's first group (made by
+    :meth:`~elastic_runner.worker.dist.Dist.up`); each rebuild is the next one. Survivors know theirs; a
+    replacement reads its predecessor's from the store, so both sides name the same generation without talking.
+    Always ``recreate``: a survivor's first group was not created reconfigurable.
+    """
+
+    def __init__(self, store: Any, rank: int, world_size: int, backend: str, device: torch.device,
+                 timeout: datetime.timedelta, wait: datetime.timedelta) -> None:
+        self.rank, self.world_size, self.generation = rank, world_size, 0
+        self.regroup = Regroup(store, str(rank), backend, timeout, method="recreate", device=device, wait=wait)
+
+    def survive(self) -> float:
+        """A peer failed: rebuild the group for the next generation, with its replacement; seconds it took."""
+        self.regroup.abandon()
+        return self._join(self.generation + 1)
+
+    def replace(self) -> float:
+        """This process replaces a failed worker of the same rank: join the generation after its predecessor's."""
+        store, key = self.regroup.store, _generation_key(self.rank)
+        before = int(store.get(key)) if store.check([key]) else 0
+        return self._join(before + 1)
+
+    def _join(self, generation: int) -> float:
+        seconds = self.regroup.join(Membership(generation, tuple(str(r) for r in range(self.world_size))))
+        self.generation = generation
+        self.regroup.store.set(_generation_key(self.rank), str(generation).encode())
+        return seconds

@@ -31,6 +31,11 @@ def resumes(run_dir: Path) -> list[dict[str, Any]]:
     return node_events(run_dir, "resume")
 
 
+def in_bucket(fs: Any, url: str) -> bool:
+    fs.invalidate_cache()
+    return bool(fs.find(url.split("://", 1)[1]))
+
+
 def wait_for(what: str, condition: Any, timeout: float, job: Any) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
@@ -62,7 +67,16 @@ def test_nodes_with_private_directories_survive_a_worker_kill_a_newcomer_losing_
 
     # That node lost with its disk and its memory (SIGKILL, then its directories go): the records it wrote since its
     # last upload (at most a second of them) go too. The survivors resume from their memory; then a fresh node with
-    # an empty directory joins.
+    # an empty directory joins. Killed only once its trail of this attempt reached the bucket: a rank with no record
+    # at all cannot be told from a rank that never recorded (the audit's documented limit), and on a loaded machine
+    # the first upload can come after the 40 steps waited for above.
+    fs = s3_server.filesystem()
+
+    def newcomer_trail_uploaded() -> bool:
+        trails = sorted((Path(job.node_run_dir(newcomer.index)) / "audit").glob("gen-*-rank-*.jsonl"))
+        return bool(trails) and in_bucket(fs, f"{url}/records/audit/{trails[-1].name}")
+
+    wait_for("the newcomer's audit trail in the bucket", newcomer_trail_uploaded, 60, job)
     before = len(resumes(Path(job.run_dir)))
     job.kill_agent(newcomer)
     shutil.rmtree(job.node_run_dir(newcomer.index))

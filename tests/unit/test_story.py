@@ -46,3 +46,19 @@ def test_a_node_that_left_or_joined_is_told_as_such(tmp_path: Path) -> None:
 
 def test_a_first_start_has_no_story(tmp_path: Path) -> None:
     assert failure_story(tmp_path, 1, 2, RESUME, now=0.0) is None
+
+
+def test_a_recovery_where_rank_0_kept_its_process_is_told_in_process(tmp_path: Path) -> None:
+    previous_attempt(tmp_path, 2)  # this process's pid, as rank 0 and 1 of generation 1
+    agent_saw(tmp_path, "b", {"rank": 1, "pid": 4242, "exitcode": -9})
+    EventLog(tmp_path, "gen-000002-rank-00000", generation=2, rank=0).emit("start", world_size=2)
+    story = failure_story(tmp_path, 2, 2, RESUME, now=__import__("time").time() + 0.5)
+    assert story is not None and "was killed by SIGKILL at step 41 → recovered in process in " in story, story
+
+
+def test_a_recovery_in_new_processes_is_not_told_in_process(tmp_path: Path) -> None:
+    previous_attempt(tmp_path, 2)
+    agent_saw(tmp_path, "b", {"rank": 1, "pid": 4242, "exitcode": -9})
+    EventLog(tmp_path, "gen-000002-rank-00000", generation=2, rank=0, pid=4343).emit("start", world_size=2)
+    story = failure_story(tmp_path, 2, 2, RESUME, now=__import__("time").time() + 0.5)
+    assert story is not None and "→ recovered in " in story and "in process" not in story, story

@@ -93,3 +93,64 @@ def test_without_keeping_survivors_torch_s_all_or_nothing_policy_holds(tmp_path:
         assert not any(p.is_alive() for p in context._pc.processes), "torch's policy: the sibling was terminated"
     finally:
         context.close()
+
+
+# -- the agent's choice (recovery.in_process): which failed workers are started again alone ------------------------
+
+
+class FakeKeeping:
+    """What the agent uses of a KeepingContext: the workers' environments and replace()."""
+
+    def __init__(self) -> None:
+        self.envs = {0: {"RANK": "2"}, 1: {"RANK": "3"}}
+        self.replaced: list[tuple[int, dict[str, str]]] = []
+
+    def replace(self, local_rank: int, env: dict[str, str]) -> int:
+        self.replaced.append((local_rank, env))
+        return 9000 + local_rank
+
+
+def _agent_choice(keeping: FakeKeeping | None, failures: dict[int, tuple[int, int]], restarts: int = 3,
+                  first_rank: int = 2) -> tuple[bool, Any, Any]:
+    """``failures``: global rank -> (local rank, exit code) on a node whose workers are ranks first_rank.."""
+    from types import SimpleNamespace
+
+    from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from elastic_runner.agent.agent import ElasticRunnerAgent
+
+    agent = ElasticRunnerAgent.__new__(ElasticRunnerAgent)  # its policy alone, without torch's agent set-up
+    agent._keeping, agent._remaining_restarts, agent.observers = keeping, restarts, []
+    group = SimpleNamespace(workers=[SimpleNamespace(id=100 + i, global_rank=first_rank + i) for i in range(2)])
+    result = RunResult(state=WorkerState.FAILED, failures={
+        rank: ProcessFailure(local_rank=local, pid=100 + local, exitcode=code, error_file="/nonexistent")
+        for rank, (local, code) in failures.items()})
+    return agent._replace_failed(group, result), agent, group
+
+
+def test_a_killed_worker_is_started_again_alone_with_the_pid_it_replaces_in_its_environment() -> None:
+    keeping = FakeKeeping()
+    replaced, agent, group = _agent_choice(keeping, {3: (1, -9)})
+    assert replaced and keeping.replaced == [(1, {"RANK": "3", "ELASTIC_RUNNER_REPLACES": "101"})]
+    assert group.workers[1].id == 9001 and group.workers[0].id == 100, "torch's agent tracks the new pid"
+    assert agent._remaining_restarts == 2, "a replacement counts as a restart"
+
+
+@pytest.mark.parametrize("failures, restarts, first_rank, why", [
+    ({0: (0, -9)}, 3, 0, "rank 0's worker hosts the job's store"),
+    ({3: (1, 76)}, 3, 2, "it left because its peers were lost"),
+    ({3: (1, 75)}, 3, 2, "its process group timed out"),
+    ({3: (1, 2)}, 3, 2, "a configuration error fails again"),
+    ({2: (0, -9), 3: (1, -9)}, 1, 2, "fewer restarts left than failed workers"),
+])
+def test_every_worker_restarts_when_a_replacement_cannot_help(failures: dict[int, tuple[int, int]], restarts: int,
+                                                                first_rank: int, why: str) -> None:
+    keeping = FakeKeeping()
+    replaced, agent, _ = _agent_choice(keeping, failures, restarts, first_rank)
+    assert not replaced and not keeping.replaced, why
+    assert agent._remaining_restarts == restarts
+
+
+def test_without_a_keeping_context_every_worker_restarts() -> None:
+    assert not _agent_choice(None, {3: (1, -9)})[0]

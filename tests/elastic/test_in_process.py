@@ -1,0 +1,66 @@
+"""In-process recovery (``recovery.in_process``): a killed worker is started again alone by its agent, the other
+workers keep their process and rebuild their process group with it, and the run is the uninterrupted run's."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from elastic_runner.observe.audit import check_audit
+from elastic_runner.observe.events import read_events
+
+from ..support import assert_bitwise_equal, events, exported_model, kill_worker_at_step
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
+
+
+@pytest.mark.parametrize("launcher", ["elastic-runner", "torchrun"])
+def test_a_killed_worker_is_replaced_alone_its_peer_keeps_its_process_and_the_run_ends_bitwise_identical(
+        launcher: str, resume_config: Path, reference_model: Any, local_job: Any, tmp_path: Path) -> None:
+    job = local_job(config=str(resume_config), nnodes="2:2", launcher=launcher,
+                    overrides=["recovery.in_process=true"])
+    job.start_agent()
+    job.start_agent()
+    run_dir = Path(job.run_dir)
+    victim = kill_worker_at_step(job, 130)
+    assert job.wait(timeout=180) == [0, 0], job.logs_tail()
+
+    starts = events(run_dir, "start")
+    assert len({e["pid"] for e in starts if e["rank"] == 0}) == 1, "rank 0 kept its process\n" + job.logs_tail()
+    pids_of_rank_1 = [e["pid"] for e in starts if e["rank"] == 1]
+    assert victim.pid in pids_of_rank_1 and len(set(pids_of_rank_1)) == 2, "rank 1 was started again, once"
+    assert len({e["generation"] for e in starts}) == 2, "one recovery: a second attempt"
+    rounds = [e for e in read_events(run_dir) if e["kind"] == "agent_rendezvous"]
+    assert len(rounds) == 2, f"one rendezvous round per agent, none for the recovery: {rounds}"
+    replaced = [e for e in read_events(run_dir) if e["kind"] == "agent_worker_replaced"]
+    assert [(e["rank"], e["pid"]) for e in replaced] == [(1, victim.pid)], replaced
+
+    assert sum("→ recovered in process in " in agent.log_text() for agent in job.agents) == 1, job.logs_tail()
+
+    resume = [e for e in events(run_dir, "resume") if e["generation"] > 1]
+    assert resume and resume[0]["tier"] == "memory" and resume[0]["steps_recomputed"] <= 1, resume
+    report = check_audit(run_dir)
+    assert report.ok and report.finished, report.render()
+    assert_bitwise_equal(exported_model(run_dir, tmp_path), reference_model)
+
+
+def test_with_rank_0s_worker_killed_every_worker_restarts_as_without_in_process_recovery(
+        resume_config: Path, reference_model: Any, local_job: Any, tmp_path: Path) -> None:
+    # Rank 0's worker hosts the job's store: nothing can be rebuilt without it.
+    job = local_job(config=str(resume_config), nnodes="2:2", launcher="elastic-runner",
+                    overrides=["recovery.in_process=true"])
+    job.start_agent()
+    job.start_agent()
+    run_dir = Path(job.run_dir)
+    kill_worker_at_step(job, 130, rank=0)
+    assert job.wait(timeout=180) == [0, 0], job.logs_tail()
+
+    starts = events(run_dir, "start")
+    assert all(len({e["pid"] for e in starts if e["rank"] == rank}) == 2 for rank in (0, 1)), "new processes"
+    assert not [e for e in read_events(run_dir) if e["kind"] == "agent_worker_replaced"]
+    assert len([e for e in read_events(run_dir) if e["kind"] == "agent_rendezvous"]) == 4, "a second round"
+    report = check_audit(run_dir)
+    assert report.ok and report.finished, report.render()
+    assert_bitwise_equal(exported_model(run_dir, tmp_path), reference_model)
