@@ -187,18 +187,24 @@ def attempts(variant: str, run_dir: Path, events: EventFollower | None = None) -
             g = e.get("generation")
             if g is None or e.get("role") == "agent":
                 continue
-            info = gens.setdefault(g, {"first": {}, "resume": None})
+            info = gens.setdefault(g, {"first": {}, "resume": None, "starts": []})
             if e["kind"] == "start":
-                info["start"] = min(info.get("start", e["time"]), e["process_start"])
+                info["starts"].append(e)
                 info["world"] = e["world_size"]
             elif e["kind"] == "first_step":
                 info["first"][e["rank"]] = e["time"]
             elif e["kind"] == "snapshot_loaded":
                 info["resume"] = e["step"]
+        earlier_pids: set[Any] = set()
         for g in sorted(gens):
             info = gens[g]
-            if "start" not in info:
+            if not info["starts"]:
                 continue
+            # An attempt starts with its newest process; a process kept from an earlier attempt (in-process
+            # recovery) starts it when the attempt does.
+            info["start"] = min(e["time"] if e.get("pid") in earlier_pids else e["process_start"]
+                                for e in info["starts"])
+            earlier_pids |= {e.get("pid") for e in info["starts"]}
             done = len(info["first"]) >= info["world"]
             found.append(Attempt(info["start"], info["world"], max(info["first"].values()) if done else None,
                                  info["resume"]))

@@ -3,6 +3,8 @@ workers keep their process and rebuild their process group with it, and the run 
 
 from __future__ import annotations
 
+import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +13,14 @@ import pytest
 from elastic_runner.observe.audit import check_audit
 from elastic_runner.observe.events import read_events
 
-from ..support import assert_bitwise_equal, events, exported_model, kill_worker_at_step
+from ..support import (
+    assert_bitwise_equal,
+    continue_workers,
+    events,
+    exported_model,
+    kill_worker_at_step,
+    stop_workers_at_step,
+)
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
@@ -64,3 +73,45 @@ def test_with_rank_0s_worker_killed_every_worker_restarts_as_without_in_process_
     report = check_audit(run_dir)
     assert report.ok and report.finished, report.render()
     assert_bitwise_equal(exported_model(run_dir, tmp_path), reference_model)
+
+
+def _ends_as_the_uninterrupted_run(job: Any, run_dir: Path, reference_model: Any, tmp_path: Path) -> None:
+    assert job.wait(timeout=240) == [0, 0], job.logs_tail()
+    report = check_audit(run_dir)
+    assert report.ok and report.finished, report.render()
+    assert_bitwise_equal(exported_model(run_dir, tmp_path), reference_model)
+
+
+def test_a_replacement_killed_while_it_joins_ends_in_a_recovered_job(
+        resume_config: Path, reference_model: Any, local_job: Any, tmp_path: Path) -> None:
+    # Killed as soon as it exists: before it reached the group (the survivor stops waiting after
+    # dist.heartbeat_seconds and every worker restarts) or after (a second in-process recovery).
+    job = local_job(config=str(resume_config), nnodes="2:2", launcher="elastic-runner",
+                    overrides=["recovery.in_process=true"])
+    job.start_agent()
+    job.start_agent()
+    victim = kill_worker_at_step(job, 130)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        replacement = [w for w in job.workers() if w.rank == 1 and w.pid != victim.pid]
+        if replacement:
+            job.signal_worker(replacement[0], signal.SIGKILL)
+            break
+        time.sleep(0.01)
+    else:
+        pytest.fail("no replacement of rank 1 within 60 s\n" + job.logs_tail())
+    _ends_as_the_uninterrupted_run(job, Path(job.run_dir), reference_model, tmp_path)
+
+
+def test_a_peer_stopped_inside_a_collective_ends_in_a_recovered_job(
+        resume_config: Path, reference_model: Any, local_job: Any, tmp_path: Path) -> None:
+    # SIGSTOP: alive, so its agent replaces nothing; the survivor's watchdog gives the group up after
+    # dist.heartbeat_seconds, waits as long for a replacement, and every worker restarts (the stopped one killed).
+    job = local_job(config=str(resume_config), nnodes="2:2", launcher="elastic-runner",
+                    overrides=["recovery.in_process=true", "dist.heartbeat_seconds=2"])
+    job.start_agent()
+    job.start_agent()
+    workers, _ = stop_workers_at_step(job, 130, count=2)
+    continue_workers(job, [w for w in workers if w.rank == 0])
+    _ends_as_the_uninterrupted_run(job, Path(job.run_dir), reference_model, tmp_path)
+    assert [e for e in events(Path(job.run_dir), "resume") if e["generation"] > 1], "the job resumed after the stop"
