@@ -104,9 +104,12 @@ class Attempt:
     """One training attempt of one rank; :meth:`run` returns when training finished."""
 
     def __init__(self, cfg: Config, env: WorkerEnv, dist: Dist, stop: StopRequest, started_at: float,
-                 make_workload: Callable[[], Workload] | None = None) -> None:
+                 make_workload: Callable[[], Workload] | None = None, kept: Workload | None = None) -> None:
         self.cfg, self.env, self.dist, self.stop, self.started_at = cfg, env, dist, stop, started_at
         self.make_workload = make_workload or (lambda: from_config(cfg))
+        #: What an earlier attempt of this process built (in-process recovery): its model, on the device, with the
+        #: compiled code torch keeps for it; its state is replaced by the resumed one.
+        self.kept = kept
         self.state = TrainState()
         self.watchdog: PeerWatchdog | None = None
         self.resume_info: dict[str, Any] | None = None  #: rank 0, once resumed: the ``resume`` event's fields
@@ -159,6 +162,15 @@ class Attempt:
             if records is not None:
                 records.close(final=last_upload)  # after the last event: the whole attempt reaches the bucket
 
+    def reusable(self) -> Workload | None:
+        """What the next attempt of this process may train instead of building it again (in-process recovery):
+        the workload of a replicated model with the ordered gradient sync. A sharded model's parameters were
+        replaced by their shards, and a DDP wrapper holds hooks on them; those are built again."""
+        cfg = self.cfg
+        if cfg.parallel.sharded or cfg.dist.gradient_sync != "ordered":
+            return None
+        return getattr(self, "workload", None)
+
     def keep_for_next_attempt(self, ending: Ending) -> None:
         """The loop broke (usually a peer died): leave the last completed step for the next attempt."""
         if not ending.keeps_state:
@@ -194,9 +206,13 @@ class Attempt:
         cfg, env, dist = self.cfg, self.env, self.dist
         problem: BaseException | None = None
         try:
-            self.workload = self.make_workload()
+            self.workload = self.kept if self.kept is not None else self.make_workload()
             self.layout = layout_for(cfg.batch, env.world_size)
             self.model = self.workload.model.to(dist.device)
+            if self.kept is not None:
+                self.model.train()  # as built (the attempt may have ended inside an evaluation)
+                for param in self.model.parameters():
+                    param.grad = None  # views of the ended attempt's gradient buckets
             check(self.workload, dist.device, self.layout.micro_size)
             if cfg.parallel.sharded:
                 check_shardable(cfg, self.workload, env.world_size, env.local_world_size)
@@ -246,6 +262,9 @@ class Attempt:
     def resume(self, parts: TrainingParts) -> bool:
         cfg, env, state = self.cfg, self.env, self.state
         loaded = self.checkpointer.restore()
+        if loaded is None and self.kept is not None:
+            # Nothing to resume from anywhere: the run starts over, from the weights a new process would build.
+            self.model.load_state_dict(self.make_workload().model.state_dict())
         if loaded is not None:
             # The run's length and learning rate follow the current config and world size.
             self.total_steps = planned_total_steps(cfg, parts.sampler, state.step)

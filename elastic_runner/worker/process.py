@@ -72,21 +72,27 @@ def run(cfg: Config, env: WorkerEnv, make_workload: Callable[[], Workload] | Non
                        timeout_seconds=cfg.dist.timeout_seconds, init_timeout_seconds=cfg.dist.init_timeout_seconds,
                        in_process=in_process_wanted(cfg, env, make_workload),
                        regroup_wait_seconds=cfg.dist.heartbeat_seconds or cfg.dist.init_timeout_seconds)
+        kept = None
         while True:
+            attempt = Attempt(cfg, env, dist, stop, started_at, make_workload, kept)
             try:
-                Attempt(cfg, env, dist, stop, started_at, make_workload).run()
+                attempt.run()
                 break
             except Exception as exc:
                 if not peer_failure(exc, dist, stop.requested):
                     raise
-                cause = dist.peer_lost or f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ''}"
-                try:
-                    seconds = dist.rejoin(cfg.dist.init_timeout_seconds)
-                except RegroupError as regroup_failed:
-                    say(f"elastic_runner: rank {env.rank}: {regroup_failed}; every worker restarts")
-                    return EXIT_PEER_LOST
-                log.warning("rank %d: a peer failed (%s); this worker kept its process and rebuilt the process group "
-                            "with its replacement in %.3fs (in process)", env.rank, cause, seconds)
+                kept = attempt.reusable()
+                cause = dist.peer_lost or _first_line(exc)
+            # Out of the handler: the exception's traceback no longer holds the ended attempt (its gradient sync and
+            # wrappers, which hold the old group), so the collector can free them before the group is rebuilt.
+            del attempt
+            try:
+                seconds = dist.rejoin(cfg.dist.init_timeout_seconds)
+            except RegroupError as regroup_failed:
+                say(f"elastic_runner: rank {env.rank}: {regroup_failed}; every worker restarts")
+                return EXIT_PEER_LOST
+            log.warning("rank %d: a peer failed (%s); this worker kept its process and rebuilt the process group "
+                        "with its replacement in %.3fs (in process)", env.rank, cause, seconds)
         return ending_for(None, stop.requested).exit_code  # type: ignore[return-value]
     except BaseException as exc:
         ending = ending_for(exc, stop.requested)
@@ -124,3 +130,8 @@ def peer_failure(exc: Exception, dist: Dist, stop_requested: bool) -> bool:
         any("/torch/distributed/" in frame.filename.replace("\\", "/") for frame in frames[-3:])
         or any(word in str(exc) for word in ("Connection closed", "Connection reset", "Broken pipe", "NCCL",
                                              "gloo", "aborted")))
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0][:200]}" if text else type(exc).__name__

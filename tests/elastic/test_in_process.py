@@ -25,71 +25,68 @@ from ..support import (
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
 
+def _started(local_job: Any, resume_config: Path, launcher: str = "elastic-runner", *overrides: str) -> Any:
+    """Two agents of one worker each, with in-process recovery."""
+    job = local_job(config=str(resume_config), nnodes="2:2", launcher=launcher,
+                    overrides=["recovery.in_process=true", *overrides])
+    job.start_agent()
+    job.start_agent()
+    return job
+
+
+def _ends_as_the_uninterrupted_run(job: Any, reference_model: Any, tmp_path: Path) -> Path:
+    """The job finishes, its audit is clean and its model is the uninterrupted run's bit for bit; its run.dir."""
+    assert job.wait(timeout=240) == [0, 0], job.logs_tail()
+    run_dir = Path(job.run_dir)
+    report = check_audit(run_dir)
+    assert report.ok and report.finished, report.render()
+    assert_bitwise_equal(exported_model(run_dir, tmp_path), reference_model)
+    return run_dir
+
+
+def _agent_events(run_dir: Path, kind: str) -> list[dict[str, Any]]:
+    return [e for e in read_events(run_dir) if e["kind"] == f"agent_{kind}"]
+
+
 @pytest.mark.parametrize("launcher", ["elastic-runner", "torchrun"])
 def test_a_killed_worker_is_replaced_alone_its_peer_keeps_its_process_and_the_run_ends_bitwise_identical(
         launcher: str, resume_config: Path, reference_model: Any, local_job: Any, tmp_path: Path) -> None:
-    job = local_job(config=str(resume_config), nnodes="2:2", launcher=launcher,
-                    overrides=["recovery.in_process=true"])
-    job.start_agent()
-    job.start_agent()
-    run_dir = Path(job.run_dir)
+    job = _started(local_job, resume_config, launcher)
     victim = kill_worker_at_step(job, 130)
-    assert job.wait(timeout=180) == [0, 0], job.logs_tail()
+    run_dir = _ends_as_the_uninterrupted_run(job, reference_model, tmp_path)
 
     starts = events(run_dir, "start")
     assert len({e["pid"] for e in starts if e["rank"] == 0}) == 1, "rank 0 kept its process\n" + job.logs_tail()
     pids_of_rank_1 = [e["pid"] for e in starts if e["rank"] == 1]
     assert victim.pid in pids_of_rank_1 and len(set(pids_of_rank_1)) == 2, "rank 1 was started again, once"
     assert len({e["generation"] for e in starts}) == 2, "one recovery: a second attempt"
-    rounds = [e for e in read_events(run_dir) if e["kind"] == "agent_rendezvous"]
+    rounds = _agent_events(run_dir, "rendezvous")
     assert len(rounds) == 2, f"one rendezvous round per agent, none for the recovery: {rounds}"
-    replaced = [e for e in read_events(run_dir) if e["kind"] == "agent_worker_replaced"]
+    replaced = _agent_events(run_dir, "worker_replaced")
     assert [(e["rank"], e["pid"]) for e in replaced] == [(1, victim.pid)], replaced
-
     assert sum("→ recovered in process in " in agent.log_text() for agent in job.agents) == 1, job.logs_tail()
-
     resume = [e for e in events(run_dir, "resume") if e["generation"] > 1]
     assert resume and resume[0]["tier"] == "memory" and resume[0]["steps_recomputed"] <= 1, resume
-    report = check_audit(run_dir)
-    assert report.ok and report.finished, report.render()
-    assert_bitwise_equal(exported_model(run_dir, tmp_path), reference_model)
 
 
 def test_with_rank_0s_worker_killed_every_worker_restarts_as_without_in_process_recovery(
         resume_config: Path, reference_model: Any, local_job: Any, tmp_path: Path) -> None:
     # Rank 0's worker hosts the job's store: nothing can be rebuilt without it.
-    job = local_job(config=str(resume_config), nnodes="2:2", launcher="elastic-runner",
-                    overrides=["recovery.in_process=true"])
-    job.start_agent()
-    job.start_agent()
-    run_dir = Path(job.run_dir)
+    job = _started(local_job, resume_config)
     kill_worker_at_step(job, 130, rank=0)
-    assert job.wait(timeout=180) == [0, 0], job.logs_tail()
+    run_dir = _ends_as_the_uninterrupted_run(job, reference_model, tmp_path)
 
     starts = events(run_dir, "start")
     assert all(len({e["pid"] for e in starts if e["rank"] == rank}) == 2 for rank in (0, 1)), "new processes"
-    assert not [e for e in read_events(run_dir) if e["kind"] == "agent_worker_replaced"]
-    assert len([e for e in read_events(run_dir) if e["kind"] == "agent_rendezvous"]) == 4, "a second round"
-    report = check_audit(run_dir)
-    assert report.ok and report.finished, report.render()
-    assert_bitwise_equal(exported_model(run_dir, tmp_path), reference_model)
-
-
-def _ends_as_the_uninterrupted_run(job: Any, run_dir: Path, reference_model: Any, tmp_path: Path) -> None:
-    assert job.wait(timeout=240) == [0, 0], job.logs_tail()
-    report = check_audit(run_dir)
-    assert report.ok and report.finished, report.render()
-    assert_bitwise_equal(exported_model(run_dir, tmp_path), reference_model)
+    assert not _agent_events(run_dir, "worker_replaced")
+    assert len(_agent_events(run_dir, "rendezvous")) == 4, "a second round"
 
 
 def test_a_replacement_killed_while_it_joins_ends_in_a_recovered_job(
         resume_config: Path, reference_model: Any, local_job: Any, tmp_path: Path) -> None:
     # Killed as soon as it exists: before it reached the group (the survivor stops waiting after
     # dist.heartbeat_seconds and every worker restarts) or after (a second in-process recovery).
-    job = local_job(config=str(resume_config), nnodes="2:2", launcher="elastic-runner",
-                    overrides=["recovery.in_process=true"])
-    job.start_agent()
-    job.start_agent()
+    job = _started(local_job, resume_config)
     victim = kill_worker_at_step(job, 130)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -100,18 +97,15 @@ def test_a_replacement_killed_while_it_joins_ends_in_a_recovered_job(
         time.sleep(0.01)
     else:
         pytest.fail("no replacement of rank 1 within 60 s\n" + job.logs_tail())
-    _ends_as_the_uninterrupted_run(job, Path(job.run_dir), reference_model, tmp_path)
+    _ends_as_the_uninterrupted_run(job, reference_model, tmp_path)
 
 
 def test_a_peer_stopped_inside_a_collective_ends_in_a_recovered_job(
         resume_config: Path, reference_model: Any, local_job: Any, tmp_path: Path) -> None:
     # SIGSTOP: alive, so its agent replaces nothing; the survivor's watchdog gives the group up after
     # dist.heartbeat_seconds, waits as long for a replacement, and every worker restarts (the stopped one killed).
-    job = local_job(config=str(resume_config), nnodes="2:2", launcher="elastic-runner",
-                    overrides=["recovery.in_process=true", "dist.heartbeat_seconds=2"])
-    job.start_agent()
-    job.start_agent()
+    job = _started(local_job, resume_config, "elastic-runner", "dist.heartbeat_seconds=2")
     workers, _ = stop_workers_at_step(job, 130, count=2)
     continue_workers(job, [w for w in workers if w.rank == 0])
-    _ends_as_the_uninterrupted_run(job, Path(job.run_dir), reference_model, tmp_path)
-    assert [e for e in events(Path(job.run_dir), "resume") if e["generation"] > 1], "the job resumed after the stop"
+    run_dir = _ends_as_the_uninterrupted_run(job, reference_model, tmp_path)
+    assert [e for e in events(run_dir, "resume") if e["generation"] > 1], "the job resumed after the stop"
