@@ -41,18 +41,20 @@ uses torch's agent unchanged when they no longer fit.
 
 from __future__ import annotations
 
+import datetime
 import logging
 import os
 import signal
 import time
 from typing import Any
 
-from torch.distributed import DistNetworkError, DistStoreError
+from torch.distributed import DistNetworkError, DistStoreError, TCPStore
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
 from ..worker.env import REPLACES_VAR
+from ..worker.regroup import announce_replacement
 from ..worker.lifecycle import (
     EXIT_DIVERGED,
     EXIT_FINAL,
@@ -224,6 +226,8 @@ class ElasticRunnerAgent(LocalElasticAgent):
             why = f"exit status {sorted(codes)}: a job-ending status, or its peers were lost"
         else:
             why = ""
+        if not why:
+            why = self._announce_replacements(keeping, result)
         if why:
             log.info("a worker failed (%s); every worker restarts", why)
             return False
@@ -238,6 +242,20 @@ class ElasticRunnerAgent(LocalElasticAgent):
             self._notify("worker_replaced", rank=rank, local_rank=failure.local_rank, pid=failure.pid, new_pid=pid,
                          exitcode=failure.exitcode)
         return True
+
+    @staticmethod
+    def _announce_replacements(keeping: KeepingContext, result: RunResult) -> str:
+        """Tell the failed workers' peers, through the job's store (rank 0's worker hosts it), that replacements
+        come: they wait for that before they wait for the newcomers. Why not, or ""."""
+        env = keeping.envs[next(iter(result.failures.values())).local_rank]
+        try:
+            store = TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False,
+                             timeout=datetime.timedelta(seconds=2), wait_for_workers=False)
+            for rank in sorted(result.failures):
+                announce_replacement(store, rank)
+        except Exception as exc:  # noqa: BLE001 - unreachable or gone: nothing to rebuild with
+            return f"the job's store does not answer ({type(exc).__name__})"
+        return ""
 
     # -- monitoring -----------------------------------------------------------------------------
 

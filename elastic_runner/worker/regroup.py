@@ -182,9 +182,28 @@ def _torch_version() -> str:
     return torch.__version__.split("+")[0]
 
 
+#: How long survivors wait for an agent to say that it replaces a failed worker (it does so within its monitor
+#: interval, 0.1 s under launch) before they conclude that nobody does (a node lost: every worker restarts).
+ANNOUNCE_WAIT = datetime.timedelta(seconds=2)
+
+
 def _generation_key(rank: int) -> str:
     """Where rank ``rank`` says which generation of the group it is in: its replacement joins the next one."""
     return f"{PREFIX}/in/{rank}"
+
+
+def _coming_key(generation: int) -> str:
+    """Set by an agent that replaces a failed worker, for the generation its replacement joins."""
+    return f"{PREFIX}/{generation}/coming"
+
+
+def announce_replacement(store: Any, rank: int) -> int:
+    """An agent replaces the failed worker of ``rank``: tell the survivors, who wait for this before they wait for
+    the newcomer (:meth:`SameMembers.survive`); the generation it joins."""
+    key = _generation_key(rank)
+    generation = (int(store.get(key)) if store.check([key]) else 0) + 1
+    store.set(_coming_key(generation), str(rank).encode())
+    return generation
 
 
 class SameMembers:
@@ -202,10 +221,19 @@ class SameMembers:
         self.rank, self.world_size, self.generation = rank, world_size, 0
         self.regroup = Regroup(store, str(rank), backend, timeout, method="recreate", device=device, wait=wait)
 
-    def survive(self) -> float:
-        """A peer failed: rebuild the group for the next generation, with its replacement; seconds it took."""
+    def survive(self, announce_wait: datetime.timedelta = ANNOUNCE_WAIT) -> float:
+        """A peer failed: rebuild the group for the next generation, with its replacement; seconds it took. Raises
+        :class:`RegroupError` at once when no agent announced a replacement within ``announce_wait`` (a node was
+        lost, or a worker left for a reason a replacement would not mend)."""
         self.regroup.abandon()
-        return self._join(self.generation + 1)
+        generation = self.generation + 1
+        try:
+            self.regroup.store.wait([_coming_key(generation)], announce_wait)
+        except Exception as exc:  # noqa: BLE001 - a store timeout, or the store gone with rank 0's worker
+            raise RegroupError(f"no replacement was announced within {announce_wait.total_seconds():g}s of a peer's "
+                               f"failure ({type(exc).__name__}): a node was lost, or its agent restarts every "
+                               "worker") from exc
+        return self._join(generation)
 
     def replace(self) -> float:
         """This process replaces a failed worker of the same rank: join the generation after its predecessor's."""

@@ -99,10 +99,12 @@ def test_without_keeping_survivors_torch_s_all_or_nothing_policy_holds(tmp_path:
 
 
 class FakeKeeping:
-    """What the agent uses of a KeepingContext: the workers' environments and replace()."""
+    """What the agent uses of a KeepingContext: the workers' environments (with the job's store, as the workers
+    get it) and replace()."""
 
-    def __init__(self) -> None:
-        self.envs = {0: {"RANK": "2"}, 1: {"RANK": "3"}}
+    def __init__(self, store_port: int) -> None:
+        where = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store_port)}
+        self.envs = {0: {"RANK": "2"} | where, 1: {"RANK": "3"} | where}
         self.replaced: list[tuple[int, dict[str, str]]] = []
 
     def replace(self, local_rank: int, env: dict[str, str]) -> int:
@@ -129,12 +131,33 @@ def _agent_choice(keeping: FakeKeeping | None, failures: dict[int, tuple[int, in
     return agent._replace_failed(group, result), agent, group
 
 
-def test_a_killed_worker_is_started_again_alone_with_the_pid_it_replaces_in_its_environment() -> None:
-    keeping = FakeKeeping()
+@pytest.fixture
+def job_store() -> Any:
+    """The job's store, as rank 0's worker hosts it."""
+    import datetime
+
+    from torch.distributed import TCPStore
+
+    return TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=5), wait_for_workers=False)
+
+
+def test_a_killed_worker_is_started_again_alone_with_the_pid_it_replaces_in_its_environment(job_store: Any) -> None:
+    keeping = FakeKeeping(job_store.port)
+    job_store.set("regroup/in/3", b"4")  # the failed worker was in the group's generation 4
     replaced, agent, group = _agent_choice(keeping, {3: (1, -9)})
-    assert replaced and keeping.replaced == [(1, {"RANK": "3", "ELASTIC_RUNNER_REPLACES": "101"})]
+    assert replaced and [(r, env["ELASTIC_RUNNER_REPLACES"], env["RANK"]) for r, env in keeping.replaced] == \
+        [(1, "101", "3")]
     assert group.workers[1].id == 9001 and group.workers[0].id == 100, "torch's agent tracks the new pid"
     assert agent._remaining_restarts == 2, "a replacement counts as a restart"
+    assert job_store.get("regroup/5/coming") == b"3", "its peers are told that rank 3's replacement joins generation 5"
+
+
+def test_with_the_jobs_store_gone_every_worker_restarts() -> None:
+    from elastic_runner.testing.localjob import free_port
+
+    keeping = FakeKeeping(free_port())  # nothing listens there: rank 0's worker is gone
+    replaced, agent, _ = _agent_choice(keeping, {3: (1, -9)})
+    assert not replaced and not keeping.replaced and agent._remaining_restarts == 3
 
 
 @pytest.mark.parametrize("failures, restarts, first_rank, why", [
@@ -145,8 +168,8 @@ def test_a_killed_worker_is_started_again_alone_with_the_pid_it_replaces_in_its_
     ({2: (0, -9), 3: (1, -9)}, 1, 2, "fewer restarts left than failed workers"),
 ])
 def test_every_worker_restarts_when_a_replacement_cannot_help(failures: dict[int, tuple[int, int]], restarts: int,
-                                                                first_rank: int, why: str) -> None:
-    keeping = FakeKeeping()
+                                                                first_rank: int, why: str, job_store: Any) -> None:
+    keeping = FakeKeeping(job_store.port)
     replaced, agent, _ = _agent_choice(keeping, failures, restarts, first_rank)
     assert not replaced and not keeping.replaced, why
     assert agent._remaining_restarts == restarts
