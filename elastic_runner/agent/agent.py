@@ -54,7 +54,6 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
 from ..worker.env import REPLACES_VAR
-from ..worker.regroup import announce_replacement
 from ..worker.lifecycle import (
     EXIT_DIVERGED,
     EXIT_FINAL,
@@ -65,6 +64,7 @@ from ..worker.lifecycle import (
     proc_state,
     process_start_time,
 )
+from ..worker.regroup import announce_replacement
 from . import fast_rendezvous
 from .round_members import MemberWatch, WatchfulStore, gone_check
 from .torch_patches import KEEPING_WORKERS, usable

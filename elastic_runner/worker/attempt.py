@@ -16,7 +16,8 @@ An *attempt* is what runs between two rendezvous rounds. In order:
 How an attempt ends — the ``end`` event, what is kept for the next attempt, the exit status — is
 decided in one place, :mod:`elastic_runner.worker.ending`; :meth:`Attempt.run` records it. A peer
 lost while this rank waits in a collective is noticed on the watchdog's thread
-(:class:`PeerLost`), which keeps the state and leaves at once.
+(:class:`PeerLost`), which keeps the state and leaves at once (with in-process recovery: aborts the
+group, so that the main thread ends the attempt and the process goes on to the next one).
 """
 
 from __future__ import annotations
@@ -73,6 +74,8 @@ class PeerLost:
     leaves that to the main thread. Otherwise the main thread is stuck in a collective with the
     lost peer: with NCCL the process group is aborted first (only that returns the GPU stream to
     us), then the state is kept and the worker exits at once (:func:`~.ending.peer_lost_exit`).
+    With in-process recovery the group is aborted on any backend and the main thread, whose
+    collective then raises, ends the attempt itself (within 5 s, or the worker exits as above).
     """
 
     def __init__(self, env: WorkerEnv, dist: Dist, stop: StopRequest, events: EventLog,

@@ -3,7 +3,9 @@
 :func:`run` is what ``python -m elastic_runner.train`` and :func:`elastic_runner.fit` both run once
 they have a config and the worker's place in the job (:class:`~elastic_runner.worker.env.WorkerEnv`).
 The attempt itself is :class:`~elastic_runner.worker.attempt.Attempt`; how it ended, and so the exit
-status, is decided in :mod:`elastic_runner.worker.ending`.
+status, is decided in :mod:`elastic_runner.worker.ending`. With in-process recovery
+(``recovery.in_process``) a process whose peer failed rebuilds its process group with the peer's
+replacement and runs the next attempt itself, with the model it has (:func:`peer_failure`).
 """
 
 from __future__ import annotations
