@@ -207,10 +207,10 @@ class RecoveryConfig:
 
     in_process: bool = _help(
         "A worker killed or crashed while its node and rank 0's worker live is replaced alone, and the other "
-        "workers keep their process (no new interpreter, CUDA context or data loader start) and rebuild only "
-        "their process group; anything else (rank 0's worker lost, a node lost or joining, a script's model "
-        "through elastic_runner.fit, torch's own agent) is today's restart of every worker. Experimental: off "
-        "until it covers membership changes.",
+        "workers keep their process (its interpreter, CUDA context, datasets and model with its compiled code) "
+        "and rebuild only their process group; anything else (rank 0's worker lost, a node lost or joining, a "
+        "script's model through elastic_runner.fit, torch's own agent) restarts every worker as without it. "
+        "Experimental: off until it covers membership changes.",
         default=False,
     )
 
