@@ -15,6 +15,7 @@ from elastic_runner.observe.events import read_events
 
 from ..support import (
     assert_bitwise_equal,
+    run_uninterrupted,
     continue_workers,
     events,
     exported_model,
@@ -67,6 +68,27 @@ def test_a_killed_worker_is_replaced_alone_its_peer_keeps_its_process_and_the_ru
     assert sum("→ recovered in process in " in agent.log_text() for agent in job.agents) == 1, job.logs_tail()
     resume = [e for e in events(run_dir, "resume") if e["generation"] > 1]
     assert resume and resume[0]["tier"] == "memory" and resume[0]["steps_recomputed"] <= 1, resume
+
+
+def test_at_four_ranks_on_two_nodes_a_killed_worker_leaves_its_node_sibling_and_the_other_node_running_bitwise(
+        resume_config: Path, local_job: Any, tmp_path: Path) -> None:
+    # Two workers per node: the victim's sibling shares its agent's process context, which must keep it; the sums
+    # run over four ranks, so a changed order would show in the bits.
+    reference = exported_model(run_uninterrupted(resume_config, tmp_path / "uninterrupted" / "run", agents=2, nproc=2,
+                                                 timeout=240), tmp_path / "uninterrupted")
+    job = local_job(config=str(resume_config), nnodes="2:2", nproc_per_node=2, launcher="elastic-runner",
+                    overrides=["recovery.in_process=true"])
+    job.start_agent()
+    job.start_agent()
+    victim = kill_worker_at_step(job, 130, rank=3, count=4)
+    run_dir = _ends_as_the_uninterrupted_run(job, reference, tmp_path)
+
+    starts = events(run_dir, "start")
+    assert all(len({e["pid"] for e in starts if e["rank"] == rank}) == 1 for rank in (0, 1, 2)), \
+        "ranks 0-2 kept their processes (rank 2 beside the victim)\n" + job.logs_tail()
+    assert {e["pid"] for e in starts if e["rank"] == 3} - {victim.pid}, "rank 3 was started again"
+    assert [e["rank"] for e in _agent_events(run_dir, "worker_replaced")] == [3]
+    assert len(_agent_events(run_dir, "rendezvous")) == 2, "no rendezvous round for the recovery"
 
 
 def test_with_rank_0s_worker_killed_every_worker_restarts_as_without_in_process_recovery(
