@@ -222,7 +222,7 @@ class ElasticRunnerAgent(LocalElasticAgent):
         codes = {f.exitcode for f in result.failures.values()}
         if 0 in result.failures:
             why = "rank 0's worker hosts the job's store"
-        elif codes & (EXIT_FINAL | {EXIT_PEER_LOST, EXIT_PEER_TIMEOUT, 0}):
+        elif codes & (EXIT_FINAL | {EXIT_PEER_LOST, EXIT_PEER_TIMEOUT}):
             why = f"exit status {sorted(codes)}: a job-ending status, or its peers were lost"
         else:
             why = ""

@@ -241,9 +241,7 @@ class Dist:
         thread): abort the group, so that a collective waiting on the lost peer raises in the main thread."""
         self.peer_lost = reason
         if self.in_process is not None:
-            self.in_process.regroup.abandon()
-        if self.device.type == "cuda":
-            self.abort()
+            self.in_process.regroup.abandon()  # (aborts NCCL's communicators too)
 
     def rejoin(self, deadline_seconds: float) -> float:
         """In-process recovery: rebuild the group with the failed peer's replacement (the survivors keep their

@@ -129,7 +129,7 @@ def peer_failure(exc: Exception, dist: Dist, stop_requested: bool) -> bool:
     # gloo and NCCL raise a plain RuntimeError from inside a collective's wait.
     frames = traceback.extract_tb(exc.__traceback__)
     return isinstance(exc, RuntimeError) and (
-        any("/torch/distributed/" in frame.filename.replace("\\", "/") for frame in frames[-3:])
+        any("/torch/distributed/" in frame.filename for frame in frames[-3:])
         or any(word in str(exc) for word in ("Connection closed", "Connection reset", "Broken pipe", "NCCL",
                                              "gloo", "aborted")))
 

@@ -197,11 +197,16 @@ def _coming_key(generation: int) -> str:
     return f"{PREFIX}/{generation}/coming"
 
 
+def _replacement_generation(store: Any, rank: int) -> int:
+    """The generation a replacement of ``rank`` joins: the one after its predecessor's (0: the round's first)."""
+    key = _generation_key(rank)
+    return (int(store.get(key)) if store.check([key]) else 0) + 1
+
+
 def announce_replacement(store: Any, rank: int) -> int:
     """An agent replaces the failed worker of ``rank``: tell the survivors, who wait for this before they wait for
     the newcomer (:meth:`SameMembers.survive`); the generation it joins."""
-    key = _generation_key(rank)
-    generation = (int(store.get(key)) if store.check([key]) else 0) + 1
+    generation = _replacement_generation(store, rank)
     store.set(_coming_key(generation), str(rank).encode())
     return generation
 
@@ -237,9 +242,7 @@ class SameMembers:
 
     def replace(self) -> float:
         """This process replaces a failed worker of the same rank: join the generation after its predecessor's."""
-        store, key = self.regroup.store, _generation_key(self.rank)
-        before = int(store.get(key)) if store.check([key]) else 0
-        return self._join(before + 1)
+        return self._join(_replacement_generation(self.regroup.store, self.rank))
 
     def _join(self, generation: int) -> float:
         seconds = self.regroup.join(Membership(generation, tuple(str(r) for r in range(self.world_size))))
