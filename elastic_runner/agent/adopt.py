@@ -147,6 +147,7 @@ def adopt(launcher_api: Any, config: Any, entrypoint: Any, args: Sequence[Any],
         ElasticRunnerAgent.default_observers = [agent_metrics.observe]
         # The workers' choice; a script's workers (elastic_runner.fit, no --config) restart every worker.
         ElasticRunnerAgent.in_process = bool(worker_cfg is not None and worker_cfg.recovery.in_process)
+        ElasticRunnerAgent.standby = bool(worker_cfg is not None and worker_cfg.recovery.standby)
         # torch's launch_agent builds a LocalElasticAgent; ours adds the corrections
         # documented in elastic_runner.agent.agent. Only this process is affected.
         launcher_api.LocalElasticAgent = ElasticRunnerAgent

@@ -32,6 +32,10 @@
   peers were lost) is started again alone, in the same context, with the same rank: no rendezvous round, the
   other agents uninvolved, the other workers kept (they rebuild their process group with it:
   :mod:`elastic_runner.worker.regroup`). Each replacement counts as a restart against ``--max-restarts``.
+  With ``recovery.standby`` the node keeps a standby worker, started :data:`STANDBY_DELAY_S` after the workers,
+  which has built the workload ahead and takes the failed worker's place instead of a new process
+  (:mod:`elastic_runner.worker.standby`); one that ends on its own is started again, :data:`STANDBYS_LOST_LIMIT`
+  times in a row at most.
 
 Observers (agent metrics and events, :mod:`elastic_runner.agent.metrics`) hear of every
 rendezvous round, failed worker group and restart. The private methods overridden here are
@@ -72,6 +76,11 @@ from .worker_context import KeepingContext, as_keeping
 
 log = logging.getLogger(__name__)
 
+#: Seconds from the workers' start (or a replacement's) to the start of the node's next standby worker.
+STANDBY_DELAY_S = 2.0
+#: Standbys in a row that may end without taking a place (each is started again) before the agent stops starting them.
+STANDBYS_LOST_LIMIT = 3
+
 #: Rounds in a row a node leaves because a member never started in them, before torch's error ends it.
 ROUND_RETRIES = 5
 
@@ -98,6 +107,9 @@ class ElasticRunnerAgent(LocalElasticAgent):
     #: The workers' ``recovery.in_process`` (set from their config where the agent can read it): a failed worker
     #: is replaced alone, the others kept.
     in_process: bool = False
+    #: The workers' ``recovery.standby``: with ``in_process``, the node keeps a standby worker that takes a failed
+    #: worker's place (:mod:`elastic_runner.worker.standby`).
+    standby: bool = False
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -107,6 +119,8 @@ class ElasticRunnerAgent(LocalElasticAgent):
         self._stopping_group = False
         self._members = MemberWatch()
         self._keeping: KeepingContext | None = None
+        self._standby_due: float | None = None  #: when (monotonic) the node's next standby worker starts
+        self._standbys_lost = 0  #: standbys in a row that ended without taking a place
 
     def _notify(self, event: str, **fields: Any) -> None:
         for observer in self.observers:
@@ -211,7 +225,44 @@ class ElasticRunnerAgent(LocalElasticAgent):
             if self._keeping is None:
                 log.info("recovery.in_process: the workers are not started from a function (ELASTIC_RUNNER_ZYGOTE=0?); "
                          "a failed worker restarts every worker")
+        self._standbys_lost = 0
+        self._schedule_standby()
         return ids
+
+    def _schedule_standby(self) -> None:
+        """The node's next standby worker starts :data:`STANDBY_DELAY_S` from now: not while the workers it
+        would compete with for the CPU start (or a replacement joins), and ready long before the next failure."""
+        self._standby_due = time.monotonic() + STANDBY_DELAY_S if self._keeping is not None and self.standby else None
+
+    def _start_standby_when_due(self) -> None:
+        ready = self._keeping.standby_ready() if self._keeping is not None else None
+        if ready is not None:
+            pid, built, seconds = ready
+            log.debug("standby worker pid %d ready in %.2fs%s", pid, seconds, "" if built else
+                      " (without the workload: the worker it becomes builds it)")
+            self._notify("standby_ready", pid=pid, built=built, seconds=round(seconds, 3))
+        lost = self._keeping.standby_lost() if self._keeping is not None else None
+        if lost is not None:
+            self._standbys_lost += 1
+            again = self._standbys_lost <= STANDBYS_LOST_LIMIT
+            log.warning("the standby worker ended (exit status %d) before it took a place; %s", lost,
+                        f"another starts in {STANDBY_DELAY_S:g}s" if again else
+                        f"{self._standbys_lost} in a row: no more standbys for these workers (a failed one is "
+                        "replaced by a new process)")
+            self._notify("standby_lost", exitcode=lost)
+            if again:
+                self._schedule_standby()
+        if self._standby_due is None or time.monotonic() < self._standby_due or self._keeping is None:
+            return
+        self._standby_due = None
+        try:
+            pid = self._keeping.start_standby()
+        except Exception as exc:  # noqa: BLE001 - without a standby a failed worker is replaced by a new process
+            log.warning("the standby worker could not be started (%s: %s); a failed worker is replaced by a new "
+                        "process", type(exc).__name__, exc)
+            return
+        if pid is not None:
+            self._notify("standby_started", pid=pid)
 
     def _replace_failed(self, worker_group: WorkerGroup, result: RunResult) -> bool:
         """Start the failed workers again alone, the others kept (in-process recovery); False: every worker
@@ -233,14 +284,18 @@ class ElasticRunnerAgent(LocalElasticAgent):
             return False
         for rank, failure in sorted(result.failures.items()):
             env = dict(keeping.envs[failure.local_rank]) | {REPLACES_VAR: str(failure.pid)}
-            pid = keeping.replace(failure.local_rank, env)
+            pid, from_standby = keeping.replace(failure.local_rank, env)
+            if from_standby:
+                self._standbys_lost = 0
             worker_group.workers[failure.local_rank].id = pid
             self._remaining_restarts -= 1
-            log.warning("worker of rank %d (pid %d) failed with exit status %s; started again alone as pid %d, the "
-                        "other workers keep their process (in process; %d restarts left)", rank, failure.pid,
-                        failure.exitcode, pid, self._remaining_restarts)
+            log.warning("worker of rank %d (pid %d) failed with exit status %s; %s as pid %d, the other workers keep "
+                        "their process (in process; %d restarts left)", rank, failure.pid, failure.exitcode,
+                        "the standby took its place" if from_standby else "started again alone", pid,
+                        self._remaining_restarts)
             self._notify("worker_replaced", rank=rank, local_rank=failure.local_rank, pid=failure.pid, new_pid=pid,
-                         exitcode=failure.exitcode)
+                         exitcode=failure.exitcode, standby=from_standby)
+        self._schedule_standby()
         return True
 
     @staticmethod
@@ -263,6 +318,7 @@ class ElasticRunnerAgent(LocalElasticAgent):
         # When a worker has exited, torch's process context SIGTERMs the others and
         # waits up to 30 s for them, before _stop_workers ever runs: a stopped
         # sibling must be gone before that wait starts. (A keeping context leaves them.)
+        self._start_standby_when_due()
         pcontext = getattr(self, "_pcontext", None)
         if pcontext is not None and self._keeping is None and \
                 any(proc_state(pid) in ("", "Z", "X") for pid in pcontext.pids().values()):

@@ -213,6 +213,14 @@ class RecoveryConfig:
         "Experimental: off until it covers membership changes.",
         default=False,
     )
+    standby: bool = _help(
+        "With in_process: each node keeps one standby worker, forked ahead with the config read and the model and "
+        "datasets built (a compiled model's forward and backward traced on the first items), that takes a failed "
+        "worker's place instead of a new process: the survivors wait for the process group only, not for a start. "
+        "Costs one more copy of the model and datasets in each node's memory (on the CPU until it takes a place); "
+        "false starts a new process for each failed worker.",
+        default=True,
+    )
 
 
 @dataclass

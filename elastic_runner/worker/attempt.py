@@ -111,7 +111,8 @@ class Attempt:
         self.cfg, self.env, self.dist, self.stop, self.started_at = cfg, env, dist, stop, started_at
         self.make_workload = make_workload or (lambda: from_config(cfg))
         #: What an earlier attempt of this process built (in-process recovery): its model, on the device, with the
-        #: compiled code torch keeps for it; its state is replaced by the resumed one.
+        #: compiled code torch keeps for it; or what this process built as a standby (:mod:`.standby`). Its state
+        #: is replaced by the resumed one.
         self.kept = kept
         self.state = TrainState()
         self.watchdog: PeerWatchdog | None = None

@@ -236,6 +236,9 @@ def name_process(rank: int, local_rank: int) -> None:
     _prctl(PR_SET_NAME, ctypes.c_char_p(f"er-r{rank}-l{local_rank}".encode()[:15]))
 
 
+def name_standby() -> None:
+    """Show a standby worker (:mod:`elastic_runner.worker.standby`) as ``er-standby`` until it takes a place."""
+    _prctl(PR_SET_NAME, ctypes.c_char_p(b"er-standby"))
 
 
 def proc_state(pid: int) -> str:

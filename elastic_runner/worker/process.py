@@ -26,6 +26,7 @@ from ..observe.logs import say, setup_logging
 from ..snapshot import SnapshotError
 from ..snapshot.format import set_signing_key, signing_key_from_environment
 from ..snapshot.object_client import prewarm
+from . import standby
 from .attempt import Attempt
 from .dist import Dist
 from .ending import ending_for
@@ -42,7 +43,7 @@ log = logging.getLogger("elastic_runner.train")
 
 def run(cfg: Config, env: WorkerEnv, make_workload: Callable[[], Workload] | None = None) -> int:
     """One worker process: ``make_workload`` builds what is trained (default: from ``cfg``); the exit status."""
-    started_at = process_start_time()
+    started_at = standby.placed_at() or process_start_time()
     setup_logging(cfg.logging.level, env.rank, env.world_size)
     files.set_sharing(cfg.snapshot.mode)  # every file the run writes: private unless the team shares
     try:
@@ -74,7 +75,8 @@ def run(cfg: Config, env: WorkerEnv, make_workload: Callable[[], Workload] | Non
                        timeout_seconds=cfg.dist.timeout_seconds, init_timeout_seconds=cfg.dist.init_timeout_seconds,
                        in_process=in_process_wanted(cfg, env, make_workload),
                        regroup_wait_seconds=cfg.dist.heartbeat_seconds or cfg.dist.init_timeout_seconds)
-        kept = None
+        # A standby that took this worker's place built the workload ahead: the first attempt trains it.
+        kept = standby.take(cfg) if make_workload is None else None
         while True:
             attempt = Attempt(cfg, env, dist, stop, started_at, make_workload, kept)
             try:

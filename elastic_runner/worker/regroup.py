@@ -45,8 +45,8 @@ def destroy_default_group() -> None:
     # Objects in reference cycles (a worker's DDP model after an exception) hold the group
     # until the collector runs: free them first, or gloo's threads outlive the group
     # (see _import_dynamo_first for why that matters).
-    gc.collect()
     if tdist.is_initialized():
+        gc.collect()
         try:
             tdist.destroy_process_group()
         except Exception:  # noqa: BLE001 - teardown after a failure must not mask it

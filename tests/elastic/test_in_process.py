@@ -3,6 +3,7 @@ workers keep their process and rebuild their process group with it, and the run 
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 from pathlib import Path
@@ -21,7 +22,9 @@ from ..support import (
     exported_model,
     kill_worker_at_step,
     stop_workers_at_step,
+    write_config,
 )
+from .conftest import RESUME_SECTIONS
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
@@ -49,11 +52,33 @@ def _agent_events(run_dir: Path, kind: str) -> list[dict[str, Any]]:
     return [e for e in read_events(run_dir) if e["kind"] == f"agent_{kind}"]
 
 
+def _stopped_with_standbys_ready(job: Any, step: int, count: int = 2) -> tuple[list[Any], dict[int, int]]:
+    """Stop the job's workers at ``step`` and wait until every agent's standby is ready; the stopped workers and
+    each agent's standby pid (by agent pid)."""
+    workers, _ = stop_workers_at_step(job, step, count=count)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        ready = {int(e["source"].rsplit("-", 1)[1]): e["pid"] for e in _agent_events(Path(job.run_dir), "standby_ready")}
+        if len(ready) == len(job.agents):
+            assert all(e["built"] for e in _agent_events(Path(job.run_dir), "standby_ready"))
+            return workers, ready
+        time.sleep(0.05)
+    pytest.fail("the agents' standbys were not ready within 60 s\n" + job.logs_tail())
+
+
+def _kill(job: Any, workers: list[Any], rank: int) -> Any:
+    victim = next(w for w in workers if w.rank == rank)
+    job.signal_worker(victim, signal.SIGKILL)
+    continue_workers(job, [w for w in workers if w is not victim])
+    return victim
+
+
 @pytest.mark.parametrize("launcher", ["elastic-runner", "torchrun"])
 def test_a_killed_worker_is_replaced_alone_its_peer_keeps_its_process_and_the_run_ends_bitwise_identical(
         launcher: str, resume_config: Path, reference_model: Any, local_job: Any, tmp_path: Path) -> None:
     job = _started(local_job, resume_config, launcher)
-    victim = kill_worker_at_step(job, 130)
+    workers, standbys = _stopped_with_standbys_ready(job, 130)
+    victim = _kill(job, workers, rank=1)
     run_dir = _ends_as_the_uninterrupted_run(job, reference_model, tmp_path)
 
     starts = events(run_dir, "start")
@@ -64,7 +89,9 @@ def test_a_killed_worker_is_replaced_alone_its_peer_keeps_its_process_and_the_ru
     rounds = _agent_events(run_dir, "rendezvous")
     assert len(rounds) == 2, f"one rendezvous round per agent, none for the recovery: {rounds}"
     replaced = _agent_events(run_dir, "worker_replaced")
-    assert [(e["rank"], e["pid"]) for e in replaced] == [(1, victim.pid)], replaced
+    assert [(e["rank"], e["pid"], e["standby"]) for e in replaced] == [(1, victim.pid, True)], replaced
+    assert replaced[0]["new_pid"] == standbys[victim.agent.pid], "the node's standby took the place"
+    assert standbys[victim.agent.pid] in pids_of_rank_1, "and trained as rank 1"
     assert sum("→ recovered in process in " in agent.log_text() for agent in job.agents) == 1, job.logs_tail()
     resume = [e for e in events(run_dir, "resume") if e["generation"] > 1]
     assert resume and resume[0]["tier"] == "memory" and resume[0]["steps_recomputed"] <= 1, resume
@@ -76,8 +103,9 @@ def test_at_four_ranks_on_two_nodes_a_killed_worker_leaves_its_node_sibling_and_
     # run over four ranks, so a changed order would show in the bits.
     reference = exported_model(run_uninterrupted(resume_config, tmp_path / "uninterrupted" / "run", agents=2, nproc=2,
                                                  timeout=240), tmp_path / "uninterrupted")
+    # Without standbys: the replacement is a new process (the fork path).
     job = local_job(config=str(resume_config), nnodes="2:2", nproc_per_node=2, launcher="elastic-runner",
-                    overrides=["recovery.in_process=true"])
+                    overrides=["recovery.in_process=true", "recovery.standby=false"])
     job.start_agent()
     job.start_agent()
     victim = kill_worker_at_step(job, 130, rank=3, count=4)
@@ -87,8 +115,47 @@ def test_at_four_ranks_on_two_nodes_a_killed_worker_leaves_its_node_sibling_and_
     assert all(len({e["pid"] for e in starts if e["rank"] == rank}) == 1 for rank in (0, 1, 2)), \
         "ranks 0-2 kept their processes (rank 2 beside the victim)\n" + job.logs_tail()
     assert {e["pid"] for e in starts if e["rank"] == 3} - {victim.pid}, "rank 3 was started again"
-    assert [e["rank"] for e in _agent_events(run_dir, "worker_replaced")] == [3]
+    assert [(e["rank"], e["standby"]) for e in _agent_events(run_dir, "worker_replaced")] == [(3, False)]
+    assert not _agent_events(run_dir, "standby_started"), "recovery.standby: false"
     assert len(_agent_events(run_dir, "rendezvous")) == 2, "no rendezvous round for the recovery"
+
+
+def test_a_standby_that_died_leaves_the_place_to_a_new_process(
+        resume_config: Path, reference_model: Any, local_job: Any, tmp_path: Path) -> None:
+    job = _started(local_job, resume_config)
+    workers, standbys = _stopped_with_standbys_ready(job, 130)
+    node = next(w for w in workers if w.rank == 1).agent
+    os.kill(standbys[node.pid], signal.SIGKILL)  # as the kernel's OOM killer would
+    victim = _kill(job, workers, rank=1)
+    run_dir = _ends_as_the_uninterrupted_run(job, reference_model, tmp_path)
+
+    replaced = _agent_events(run_dir, "worker_replaced")
+    assert [(e["pid"], e["standby"]) for e in replaced] == [(victim.pid, False)], replaced
+    assert replaced[0]["new_pid"] != standbys[node.pid]
+    lost = [e for e in _agent_events(run_dir, "standby_lost") if e["source"].endswith(f"-{node.pid}")]
+    assert [e["exitcode"] for e in lost] == [-signal.SIGKILL], "the agent saw it go (and starts another: unit-tested)"
+    starts = events(run_dir, "start")
+    assert len({e["pid"] for e in starts if e["rank"] == 0}) == 1, "rank 0 kept its process"
+
+
+@pytest.mark.slow
+def test_a_compiled_model_recovers_in_process_through_the_standby_bitwise(
+        local_job: Any, tmp_path: Path) -> None:
+    # The standby traced the compiled model ahead; whatever it ran then must not reach the training.
+    config = write_config(tmp_path / "compiled.yaml", **RESUME_SECTIONS | {
+        "model": {"compile": True}, "train": RESUME_SECTIONS["train"] | {"max_steps": 200}})
+    reference = exported_model(run_uninterrupted(config, tmp_path / "uninterrupted" / "run", timeout=240),
+                               tmp_path / "uninterrupted")
+    job = local_job(config=str(config), nnodes="2:2", launcher="elastic-runner",
+                    overrides=["recovery.in_process=true"])
+    job.start_agent()
+    job.start_agent()
+    workers, standbys = _stopped_with_standbys_ready(job, 100)
+    victim = _kill(job, workers, rank=1)
+    run_dir = _ends_as_the_uninterrupted_run(job, reference, tmp_path)
+    replaced = _agent_events(run_dir, "worker_replaced")
+    assert [(e["new_pid"], e["standby"]) for e in replaced] == [(standbys[victim.agent.pid], True)], replaced
+    assert len({e["pid"] for e in events(run_dir, "start") if e["rank"] == 0}) == 1, "rank 0 kept its process"
 
 
 def test_with_rank_0s_worker_killed_every_worker_restarts_as_without_in_process_recovery(

@@ -52,7 +52,8 @@ def test_a_failed_worker_is_reported_alone_and_replaced_while_its_siblings_run_o
         assert list(failed.failures) == [1] and failed.failures[1].exitcode == -signal.SIGKILL
         alive = [p.is_alive() for p in context._pc.processes]
         assert alive == [True, False, True], "torch's own context would have terminated local ranks 0 and 2"
-        new_pid = context.replace(1, env={"GO_FILE": str(tmp_path / "go"), "WHO": "replacement"})
+        new_pid, from_standby = context.replace(1, env={"GO_FILE": str(tmp_path / "go"), "WHO": "replacement"})
+        assert not from_standby, "no standby was started: a new process takes the place"
         assert context.pids() == {0: before[0], 1: new_pid, 2: before[2]}
         with pytest.raises(RuntimeError, match="still running"):
             context.replace(0)
@@ -71,7 +72,7 @@ def test_a_replacement_that_fails_is_reported_like_any_worker_and_close_ends_the
     try:
         os.kill(context.pids()[0], signal.SIGKILL)
         _wait(context)
-        replacement = context.replace(0)
+        replacement, _ = context.replace(0)
         os.kill(replacement, signal.SIGKILL)
         failed = _wait(context)
         assert list(failed.failures) == [0] and failed.failures[0].pid == replacement
@@ -80,6 +81,67 @@ def test_a_replacement_that_fails_is_reported_like_any_worker_and_close_ends_the
     finally:
         context.close()
     assert not survivor.is_alive(), "closing the context ends every worker, replacements and survivors alike"
+
+
+def test_the_standby_takes_a_failed_worker_s_place_with_that_worker_s_environment_output_and_result(
+        tmp_path: Any) -> None:
+    context = as_keeping(_start(str(tmp_path), 2))
+    assert context is not None
+    try:
+        standby = context.start_standby()
+        assert standby is not None and context.start_standby() is None, "one standby per node"
+        assert standby not in context.pids().values(), "a standby is no worker until it takes a place"
+        before = context.pids()
+        os.kill(before[1], signal.SIGKILL)
+        _wait(context)
+        new_pid, from_standby = context.replace(1, env={"GO_FILE": str(tmp_path / "go"), "WHO": "replacement"})
+        assert (new_pid, from_standby) == (standby, True)
+        assert context.pids() == {0: before[0], 1: standby}
+        assert context.start_standby() not in (None, standby), "the next standby is a new process"
+        (tmp_path / "go").touch()
+        done = _wait(context)
+        assert not done.is_failed()
+        assert done.return_values == {0: ("w0", before[0], "first"), 1: ("w1", standby, "replacement")}
+    finally:
+        context.close()
+
+
+def test_a_standby_that_is_gone_leaves_the_place_to_a_new_process_and_close_ends_a_waiting_standby(
+        tmp_path: Any) -> None:
+    context = as_keeping(_start(str(tmp_path), 2))
+    assert context is not None
+    try:
+        gone = context.start_standby()
+        assert gone is not None
+        os.kill(gone, signal.SIGKILL)
+        os.kill(context.pids()[0], signal.SIGKILL)
+        _wait(context)
+        new_pid, from_standby = context.replace(0)
+        assert not from_standby and new_pid != gone
+        waiting = context._standby
+        assert waiting is None
+        context.start_standby()
+        waiting = context._standby[0]
+        assert waiting.is_alive()
+    finally:
+        context.close()
+    assert not waiting.is_alive(), "closing the context ends the standby too"
+
+
+def test_a_standby_that_took_a_place_and_fails_is_reported_like_any_worker(tmp_path: Any) -> None:
+    context = as_keeping(_start(str(tmp_path), 2))
+    assert context is not None
+    try:
+        standby = context.start_standby()
+        os.kill(context.pids()[1], signal.SIGKILL)
+        _wait(context)
+        assert context.replace(1) == (standby, True)
+        os.kill(standby, signal.SIGKILL)
+        failed = _wait(context)
+        assert list(failed.failures) == [1] and failed.failures[1].pid == standby
+        assert failed.failures[1].exitcode == -signal.SIGKILL
+    finally:
+        context.close()
 
 
 def test_without_keeping_survivors_torch_s_all_or_nothing_policy_holds(tmp_path: Any) -> None:
@@ -107,9 +169,9 @@ class FakeKeeping:
         self.envs = {0: {"RANK": "2"} | where, 1: {"RANK": "3"} | where}
         self.replaced: list[tuple[int, dict[str, str]]] = []
 
-    def replace(self, local_rank: int, env: dict[str, str]) -> int:
+    def replace(self, local_rank: int, env: dict[str, str]) -> tuple[int, bool]:
         self.replaced.append((local_rank, env))
-        return 9000 + local_rank
+        return 9000 + local_rank, False
 
 
 def _agent_choice(keeping: FakeKeeping | None, failures: dict[int, tuple[int, int]], restarts: int = 3,
@@ -177,3 +239,55 @@ def test_every_worker_restarts_when_a_replacement_cannot_help(failures: dict[int
 
 def test_without_a_keeping_context_every_worker_restarts() -> None:
     assert not _agent_choice(None, {3: (1, -9)})[0]
+
+
+class FakeStandbys:
+    """What the agent uses of a KeepingContext's standby: start it, hear that it is ready or that it ended."""
+
+    def __init__(self) -> None:
+        self.started: list[int] = []
+        self.ready: tuple[int, bool, float] | None = None
+        self.lost: int | None = None
+
+    def start_standby(self) -> int:
+        self.started.append(7000 + len(self.started))
+        return self.started[-1]
+
+    def standby_ready(self) -> tuple[int, bool, float] | None:
+        ready, self.ready = self.ready, None
+        return ready
+
+    def standby_lost(self) -> int | None:
+        lost, self.lost = self.lost, None
+        return lost
+
+
+def test_the_agent_starts_a_standby_after_a_delay_and_again_when_one_is_lost_but_not_forever(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from elastic_runner.agent import agent as agent_module
+    from elastic_runner.agent.agent import STANDBYS_LOST_LIMIT, ElasticRunnerAgent
+
+    monkeypatch.setattr(agent_module, "STANDBY_DELAY_S", 0.0)
+    heard: list[tuple[str, dict[str, Any]]] = []
+    agent = ElasticRunnerAgent.__new__(ElasticRunnerAgent)
+    agent.observers = [lambda event, **fields: heard.append((event, fields))]
+    agent._keeping, agent._standbys_lost, agent.standby = FakeStandbys(), 0, True
+    agent._schedule_standby()
+    agent._start_standby_when_due()
+    assert agent._keeping.started == [7000] and heard[-1] == ("standby_started", {"pid": 7000})
+    agent._start_standby_when_due()
+    assert agent._keeping.started == [7000], "one standby at a time"
+    agent._keeping.ready = (7000, True, 0.25)
+    agent._start_standby_when_due()
+    assert heard[-1] == ("standby_ready", {"pid": 7000, "built": True, "seconds": 0.25})
+    for lost in range(STANDBYS_LOST_LIMIT + 2):
+        agent._keeping.lost = -9
+        agent._start_standby_when_due()
+    assert len(agent._keeping.started) == 1 + STANDBYS_LOST_LIMIT, "lost ones are started again, a few times"
+    assert [e for e, _ in heard].count("standby_lost") == STANDBYS_LOST_LIMIT + 2
+
+    agent.standby = False  # recovery.standby: false
+    agent._keeping = FakeStandbys()
+    agent._schedule_standby()
+    agent._start_standby_when_due()
+    assert agent._keeping.started == []
