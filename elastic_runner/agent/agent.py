@@ -32,7 +32,8 @@
   peers were lost) is started again alone, in the same context, with the same rank: no rendezvous round, the
   other agents uninvolved, the other workers kept (they rebuild their process group with it:
   :mod:`elastic_runner.worker.regroup`). Each replacement counts as a restart against ``--max-restarts``.
-  With ``recovery.standby`` the node keeps a standby worker, started :data:`STANDBY_DELAY_S` after the workers,
+  With ``recovery.standby`` the node keeps a standby worker, started :data:`STANDBY_DELAY_S` after the workers
+  (:data:`STANDBY_AGAIN_S` after each replacement),
   which has built the workload ahead and takes the failed worker's place instead of a new process
   (:mod:`elastic_runner.worker.standby`); one that ends on its own is started again, :data:`STANDBYS_LOST_LIMIT`
   times in a row at most.
@@ -76,8 +77,11 @@ from .worker_context import KeepingContext, as_keeping
 
 log = logging.getLogger(__name__)
 
-#: Seconds from the workers' start (or a replacement's) to the start of the node's next standby worker.
+#: Seconds from the workers' start to the start of the node's standby worker (they build their workload meanwhile).
 STANDBY_DELAY_S = 2.0
+#: Seconds from a failed worker's replacement (or a standby's loss) to the start of the next standby: the replacement
+#: builds nothing when the standby took its place, and a second failure soon after the first is common.
+STANDBY_AGAIN_S = 0.5
 #: Standbys in a row that may end without taking a place (each is started again) before the agent stops starting them.
 STANDBYS_LOST_LIMIT = 3
 
@@ -229,10 +233,11 @@ class ElasticRunnerAgent(LocalElasticAgent):
         self._schedule_standby()
         return ids
 
-    def _schedule_standby(self) -> None:
-        """The node's next standby worker starts :data:`STANDBY_DELAY_S` from now: not while the workers it
-        would compete with for the CPU start (or a replacement joins), and ready long before the next failure."""
-        self._standby_due = time.monotonic() + STANDBY_DELAY_S if self._keeping is not None and self.standby else None
+    def _schedule_standby(self, delay: float | None = None) -> None:
+        """The node's next standby worker starts ``delay`` seconds from now (default :data:`STANDBY_DELAY_S`: not
+        while the workers it would compete with for the CPU build their workload)."""
+        wanted = self._keeping is not None and self.standby
+        self._standby_due = time.monotonic() + (STANDBY_DELAY_S if delay is None else delay) if wanted else None
 
     def _start_standby_when_due(self) -> None:
         ready = self._keeping.standby_ready() if self._keeping is not None else None
@@ -246,12 +251,12 @@ class ElasticRunnerAgent(LocalElasticAgent):
             self._standbys_lost += 1
             again = self._standbys_lost <= STANDBYS_LOST_LIMIT
             log.warning("the standby worker ended (exit status %d) before it took a place; %s", lost,
-                        f"another starts in {STANDBY_DELAY_S:g}s" if again else
+                        f"another starts in {STANDBY_AGAIN_S:g}s" if again else
                         f"{self._standbys_lost} in a row: no more standbys for these workers (a failed one is "
                         "replaced by a new process)")
             self._notify("standby_lost", exitcode=lost)
             if again:
-                self._schedule_standby()
+                self._schedule_standby(STANDBY_AGAIN_S)
         if self._standby_due is None or time.monotonic() < self._standby_due or self._keeping is None:
             return
         self._standby_due = None
@@ -295,7 +300,7 @@ class ElasticRunnerAgent(LocalElasticAgent):
                         self._remaining_restarts)
             self._notify("worker_replaced", rank=rank, local_rank=failure.local_rank, pid=failure.pid, new_pid=pid,
                          exitcode=failure.exitcode, standby=from_standby)
-        self._schedule_standby()
+        self._schedule_standby(STANDBY_AGAIN_S)
         return True
 
     @staticmethod

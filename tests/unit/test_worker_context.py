@@ -268,6 +268,7 @@ def test_the_agent_starts_a_standby_after_a_delay_and_again_when_one_is_lost_but
     from elastic_runner.agent.agent import STANDBYS_LOST_LIMIT, ElasticRunnerAgent
 
     monkeypatch.setattr(agent_module, "STANDBY_DELAY_S", 0.0)
+    monkeypatch.setattr(agent_module, "STANDBY_AGAIN_S", 0.0)
     heard: list[tuple[str, dict[str, Any]]] = []
     agent = ElasticRunnerAgent.__new__(ElasticRunnerAgent)
     agent.observers = [lambda event, **fields: heard.append((event, fields))]
