@@ -50,6 +50,7 @@ import datetime
 import logging
 import os
 import signal
+import socket
 import time
 from typing import Any
 
@@ -84,6 +85,9 @@ STANDBY_DELAY_S = 2.0
 STANDBY_AGAIN_S = 0.5
 #: Standbys in a row that may end without taking a place (each is started again) before the agent stops starting them.
 STANDBYS_LOST_LIMIT = 3
+
+#: Seconds the agent tries to reach the job's store to announce a replacement (on a node's network: milliseconds).
+ANNOUNCE_CONNECT_S = 0.5
 
 #: Rounds in a row a node leaves because a member never started in them, before torch's error ends it.
 ROUND_RETRIES = 5
@@ -309,6 +313,9 @@ class ElasticRunnerAgent(LocalElasticAgent):
         come: they wait for that before they wait for the newcomers. Why not, or ""."""
         env = keeping.envs[next(iter(result.failures.values())).local_rank]
         try:
+            # A refused connection first, at once: torch's client retries one until its timeout, and rank 0's worker
+            # is often gone too (every worker killed at once).
+            socket.create_connection((env["MASTER_ADDR"], int(env["MASTER_PORT"])), timeout=ANNOUNCE_CONNECT_S).close()
             store = TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False,
                              timeout=datetime.timedelta(seconds=2), wait_for_workers=False)
             for rank in sorted(result.failures):

@@ -217,10 +217,11 @@ def _as_worker() -> None:
 
 def standby_main(conn: Any, template_rank: int, wrap_args: tuple[Any, ...]) -> None:
     """A standby worker (:mod:`elastic_runner.worker.standby`): builds the workers' workload ahead, with the
-    environment of local rank ``template_rank``, then waits on ``conn`` for a place: ``(local_rank, env,
-    error_file)`` (it says first whether it built the workload, and in how many seconds). Given one, it runs as torch's process context runs that local rank's worker (``wrap_args``:
-    the context's arguments to torch's inner ``_wrap``, after the local rank), so that its result, output and
-    failure are that worker's; the agent's end of ``conn`` closed without a place, it exits."""
+    environment of local rank ``template_rank``, says on ``conn`` whether it did and in how many seconds, then waits
+    there for a place: ``(local_rank, env, error_file)``. Given one, it runs as torch's process context runs that
+    local rank's worker (``wrap_args``: the context's arguments to torch's inner ``_wrap``, after the local rank), so
+    that its result, output and failure are that worker's; the agent's end of ``conn`` closed without a place, it
+    exits."""
     from elastic_runner.agent.torch_patches import ELASTIC_MP, SPAWN
     from elastic_runner.worker import lifecycle, standby
 

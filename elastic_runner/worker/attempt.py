@@ -16,8 +16,8 @@ An *attempt* is what runs between two rendezvous rounds. In order:
 How an attempt ends — the ``end`` event, what is kept for the next attempt, the exit status — is
 decided in one place, :mod:`elastic_runner.worker.ending`; :meth:`Attempt.run` records it. A peer
 lost while this rank waits in a collective is noticed on the watchdog's thread
-(:class:`PeerLost`), which keeps the state and leaves at once (with in-process recovery: aborts the
-group, so that the main thread ends the attempt and the process goes on to the next one).
+(:class:`PeerLost`), which keeps the state and leaves at once (with in-process recovery too: no
+replacement comes for a peer that is alive but hung).
 """
 
 from __future__ import annotations
@@ -74,8 +74,8 @@ class PeerLost:
     leaves that to the main thread. Otherwise the main thread is stuck in a collective with the
     lost peer: with NCCL the process group is aborted first (only that returns the GPU stream to
     us), then the state is kept and the worker exits at once (:func:`~.ending.peer_lost_exit`).
-    With in-process recovery the group is aborted on any backend and the main thread, whose
-    collective then raises, ends the attempt itself (within 5 s, or the worker exits as above).
+    With in-process recovery too: a peer that stops answering without its connections failing is
+    alive (hung) or on a lost node, and no agent replaces it, so every worker restarts.
     """
 
     def __init__(self, env: WorkerEnv, dist: Dist, stop: StopRequest, events: EventLog,
@@ -87,13 +87,7 @@ class PeerLost:
         self.events.emit("failure", error=f"peer lost: {reason}", step=ckpt.state.step, detected_by="watchdog")
         if ckpt.ending.is_set():
             return  # the main thread is already keeping state and exiting
-        if self.dist.in_process is not None and not self.stop.requested:
-            # This process is kept (in-process recovery): the aborted group makes the main thread's collective
-            # raise, and the main thread ends the attempt and rebuilds the group.
-            self.dist.give_up(reason)
-            if ckpt.ending.wait(5.0):
-                return
-        elif self.dist.device.type == "cuda":
+        if self.dist.device.type == "cuda":
             self.dist.abort()
             # The main thread now raises out of its collective and ends the attempt
             # through its own failure path; if it does not, we do it here.

@@ -154,8 +154,6 @@ class Dist:
     #: In-process recovery (``recovery.in_process``): how this worker rebuilds its group with a failed peer's
     #: replacement (:class:`~elastic_runner.worker.regroup.SameMembers`); None: a failure ends the process.
     in_process: Any = None
-    #: Why the group was given up from another thread (the watchdog found a peer lost); None while it works.
-    peer_lost: str | None = None
 
     @property
     def rank(self) -> int:
@@ -236,13 +234,6 @@ class Dist:
     def down(self) -> None:
         destroy_default_group()
 
-    def give_up(self, reason: str) -> None:
-        """A peer is lost while this process keeps going (in-process recovery; called from the watchdog's
-        thread): abort the group, so that a collective waiting on the lost peer raises in the main thread."""
-        self.peer_lost = reason
-        if self.in_process is not None:
-            self.in_process.regroup.abandon()  # (aborts NCCL's communicators too)
-
     def rejoin(self, deadline_seconds: float) -> float:
         """In-process recovery: rebuild the group with the failed peer's replacement (the survivors keep their
         process); seconds it took. Raises :class:`~elastic_runner.worker.regroup.RegroupError` when a member does
@@ -252,9 +243,7 @@ class Dist:
         message = (f"rank {self.rank}: the process group was not rebuilt within {deadline_seconds:g}s of a peer's "
                    "failure (dist.init_timeout_seconds); ending this worker so that every worker restarts")
         with Deadline(deadline_seconds, message):
-            seconds = self.in_process.survive()
-        self.peer_lost = None
-        return seconds
+            return self.in_process.survive()
 
     # -- collectives -----------------------------------------------------------------
 

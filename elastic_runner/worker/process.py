@@ -86,7 +86,7 @@ def run(cfg: Config, env: WorkerEnv, make_workload: Callable[[], Workload] | Non
                 if not peer_failure(exc, dist, stop.requested):
                     raise
                 kept = attempt.reusable()
-                cause = dist.peer_lost or _first_line(exc)
+                cause = _first_line(exc)
             # Out of the handler: the exception's traceback no longer holds the ended attempt (its gradient sync and
             # wrappers, which hold the old group), so the collector can free them before the group is rebuilt.
             del attempt
@@ -126,7 +126,7 @@ def peer_failure(exc: Exception, dist: Dist, stop_requested: bool) -> bool:
     own error, a stop, or a job-ending condition (those end the process as ever)."""
     if dist.in_process is None or stop_requested or ending_for(exc, False).exit_code is not None:
         return False
-    if dist.peer_lost is not None or isinstance(exc, torch.distributed.DistError):
+    if isinstance(exc, torch.distributed.DistError):
         return True
     # gloo and NCCL raise a plain RuntimeError from inside a collective's wait.
     frames = traceback.extract_tb(exc.__traceback__)

@@ -9,8 +9,8 @@ workers' command line and no rank. It builds what a worker builds before it join
 it becomes trains what it built (:func:`take`) instead of building it again.
 
 What it builds is the workload of a new process: the resumed state replaces the model's whole state (parameters and
-buffers) and the random generators', so nothing it did while it waited reaches the training. Whatever fails here is
-left to the worker it becomes, which builds again and reports the error as any worker would.
+buffers) and every step seeds the random generators again, so nothing it did while it waited reaches the training.
+Whatever fails here is left to the worker it becomes, which builds again and reports the error as any worker would.
 """
 
 from __future__ import annotations

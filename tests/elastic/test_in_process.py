@@ -191,10 +191,13 @@ def test_a_replacement_killed_while_it_joins_ends_in_a_recovered_job(
 
 def test_a_peer_stopped_inside_a_collective_ends_in_a_recovered_job(
         resume_config: Path, reference_model: Any, local_job: Any, tmp_path: Path) -> None:
-    # SIGSTOP: alive, so its agent replaces nothing; the survivor's watchdog gives the group up after
-    # dist.heartbeat_seconds, waits as long for a replacement, and every worker restarts (the stopped one killed).
+    # SIGSTOP: alive, so its agent replaces nothing; the survivor's watchdog finds it lost after
+    # dist.heartbeat_seconds and, no replacement coming for a live process, every worker restarts at once (the
+    # stopped one killed).
     job = _started(local_job, resume_config, "elastic-runner", "dist.heartbeat_seconds=2")
     workers, _ = stop_workers_at_step(job, 130, count=2)
     continue_workers(job, [w for w in workers if w.rank == 0])
     run_dir = _ends_as_the_uninterrupted_run(job, reference_model, tmp_path)
     assert [e for e in events(run_dir, "resume") if e["generation"] > 1], "the job resumed after the stop"
+    logs = "".join(agent.log_text() for agent in job.agents)
+    assert "no replacement was announced" not in logs, "a live peer gets no replacement: the survivor did not wait"
