@@ -32,11 +32,10 @@
   peers were lost) is started again alone, in the same context, with the same rank: no rendezvous round, the
   other agents uninvolved, the other workers kept (they rebuild their process group with it:
   :mod:`elastic_runner.worker.regroup`). Each replacement counts as a restart against ``--max-restarts``.
-  With ``recovery.standby`` the node keeps a standby worker, started :data:`STANDBY_DELAY_S` after the workers
-  (:data:`STANDBY_AGAIN_S` after each replacement),
-  which has built the workload ahead and takes the failed worker's place instead of a new process
-  (:mod:`elastic_runner.worker.standby`); one that ends on its own is started again, :data:`STANDBYS_LOST_LIMIT`
-  times in a row at most.
+  With ``recovery.standby`` the node keeps a standby worker (started :data:`STANDBY_DELAY_S` after the workers,
+  :data:`STANDBY_AGAIN_S` after each replacement) which has built the workload ahead and takes the failed worker's
+  place instead of a new process (:mod:`elastic_runner.worker.standby`); one that ends on its own is started again,
+  :data:`STANDBYS_LOST_LIMIT` times in a row at most.
 
 Observers (agent metrics and events, :mod:`elastic_runner.agent.metrics`) hear of every
 rendezvous round, failed worker group and restart. The private methods overridden here are
