@@ -20,6 +20,8 @@ import os
 import sys
 from typing import Any, Sequence
 
+from .zygote import worker_config
+
 log = logging.getLogger(__name__)
 
 WORKER_MODULE = "elastic_runner.train"
@@ -153,29 +155,6 @@ def adopt(launcher_api: Any, config: Any, entrypoint: Any, args: Sequence[Any],
         launcher_api.LocalElasticAgent = ElasticRunnerAgent
     usable(PROCESS_GROUP_ABORT, log)
     return entrypoint, list(args)
-
-
-def worker_config(worker_args: Sequence[str]) -> Any:
-    """The config the workers will load (``--config`` and ``--set`` of their command line), or None if it does not
-    load (the workers then say why)."""
-    from ..config import ConfigError, load_config
-
-    rest = list(worker_args)
-    config_path, overrides = None, []
-    for i, item in enumerate(rest):
-        if item in ("--config", "-c") and i + 1 < len(rest):
-            config_path = rest[i + 1]
-        elif item.startswith("--config="):
-            config_path = item.split("=", 1)[1]
-        elif item == "--set" and i + 1 < len(rest):
-            overrides.append(rest[i + 1])
-    if config_path is None:
-        return None
-    try:
-        return load_config(config_path, overrides)
-    except (ConfigError, OSError) as exc:
-        log.debug("the workers' config does not load here: %s", exc)
-        return None
 
 
 def upload_agent_events(cfg: Any) -> None:

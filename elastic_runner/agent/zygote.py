@@ -28,7 +28,7 @@ import os
 import sys
 import threading
 import time
-from typing import Any
+from typing import Any, Sequence
 
 log = logging.getLogger(__name__)
 
@@ -232,7 +232,7 @@ def standby_main(conn: Any, template_rank: int, wrap_args: tuple[Any, ...]) -> N
     os.environ.update(envs[template_rank])
     began = time.monotonic()
     # Only our worker's command line says (in its config) what to build.
-    cfg = standby_config(args[template_rank]) if entrypoint is worker_main else None
+    cfg = worker_config(args[template_rank]) if entrypoint is worker_main else None
     built = cfg is not None and standby.prepare(cfg)
     with contextlib.suppress(OSError):  # the agent may have given it a place, and closed its end, already
         conn.send((built, time.monotonic() - began))
@@ -246,14 +246,24 @@ def standby_main(conn: Any, template_rank: int, wrap_args: tuple[Any, ...]) -> N
     sys.modules[SPAWN]._wrap(sys.modules[ELASTIC_MP]._wrap, local_rank, wrap_args, error_file)
 
 
-def standby_config(argv: Any) -> Any:
-    """The config a worker with command line ``argv`` reads (``--config``, ``--set``); None where it does not load:
-    the worker the standby becomes reads it again and says what is wrong."""
-    from elastic_runner.config import load_config
-    from elastic_runner.train import parse_args
+def worker_config(worker_args: Sequence[str]) -> Any:
+    """The config the workers will load (``--config`` and ``--set`` of their command line), or None if it does not
+    load (the workers then say why)."""
+    from elastic_runner.config import ConfigError, load_config
 
+    rest = list(worker_args)
+    config_path, overrides = None, []
+    for i, item in enumerate(rest):
+        if item in ("--config", "-c") and i + 1 < len(rest):
+            config_path = rest[i + 1]
+        elif item.startswith("--config="):
+            config_path = item.split("=", 1)[1]
+        elif item == "--set" and i + 1 < len(rest):
+            overrides.append(rest[i + 1])
+    if config_path is None:
+        return None
     try:
-        args = parse_args(list(argv))
-        return load_config(args.config, args.overrides)
-    except (Exception, SystemExit):  # noqa: BLE001 - argparse exits on a bad command line
+        return load_config(config_path, overrides)
+    except (ConfigError, OSError) as exc:
+        log.debug("the workers' config does not load here: %s", exc)
         return None

@@ -16,11 +16,11 @@ from elastic_runner.observe.events import read_events
 
 from ..support import (
     assert_bitwise_equal,
-    run_uninterrupted,
     continue_workers,
     events,
     exported_model,
     kill_worker_at_step,
+    run_uninterrupted,
     stop_workers_at_step,
     write_config,
 )
@@ -52,9 +52,14 @@ def _agent_events(run_dir: Path, kind: str) -> list[dict[str, Any]]:
     return [e for e in read_events(run_dir) if e["kind"] == f"agent_{kind}"]
 
 
+#: For jobs stopped while their standbys get ready (seconds, on a loaded machine): every worker is stopped, and a
+#: watchdog that wakes after more than dist.heartbeat_seconds sees its peers' heartbeats as old as the stop.
+PATIENT = "dist.heartbeat_seconds=30"
+
+
 def _stopped_with_standbys_ready(job: Any, step: int, count: int = 2) -> tuple[list[Any], dict[int, int]]:
     """Stop the job's workers at ``step`` and wait until every agent's standby is ready; the stopped workers and
-    each agent's standby pid (by agent pid)."""
+    each agent's standby pid (by agent pid). The job needs :data:`PATIENT`."""
     workers, _ = stop_workers_at_step(job, step, count=count)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -76,7 +81,7 @@ def _kill(job: Any, workers: list[Any], rank: int) -> Any:
 @pytest.mark.parametrize("launcher", ["elastic-runner", "torchrun"])
 def test_a_killed_worker_is_replaced_alone_its_peer_keeps_its_process_and_the_run_ends_bitwise_identical(
         launcher: str, resume_config: Path, reference_model: Any, local_job: Any, tmp_path: Path) -> None:
-    job = _started(local_job, resume_config, launcher)
+    job = _started(local_job, resume_config, launcher, PATIENT)
     workers, standbys = _stopped_with_standbys_ready(job, 130)
     victim = _kill(job, workers, rank=1)
     run_dir = _ends_as_the_uninterrupted_run(job, reference_model, tmp_path)
@@ -97,32 +102,47 @@ def test_a_killed_worker_is_replaced_alone_its_peer_keeps_its_process_and_the_ru
     assert resume and resume[0]["tier"] == "memory" and resume[0]["steps_recomputed"] <= 1, resume
 
 
+@pytest.fixture(scope="module")
+def reference_2x2(resume_config: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The uninterrupted run of ``resume_config`` on two agents of two workers each (world size 4)."""
+    where = tmp_path_factory.mktemp("uninterrupted-2x2")
+    return exported_model(run_uninterrupted(resume_config, where / "run", agents=2, nproc=2, timeout=240), where)
+
+
+@pytest.mark.parametrize("standby", [False, True], ids=["new-process", "standby"])
 def test_at_four_ranks_on_two_nodes_a_killed_worker_leaves_its_node_sibling_and_the_other_node_running_bitwise(
-        resume_config: Path, local_job: Any, tmp_path: Path) -> None:
+        standby: bool, resume_config: Path, reference_2x2: Any, local_job: Any, tmp_path: Path) -> None:
     # Two workers per node: the victim's sibling shares its agent's process context, which must keep it; the sums
-    # run over four ranks, so a changed order would show in the bits.
-    reference = exported_model(run_uninterrupted(resume_config, tmp_path / "uninterrupted" / "run", agents=2, nproc=2,
-                                                 timeout=240), tmp_path / "uninterrupted")
-    # Without standbys: the replacement is a new process (the fork path).
+    # run over four ranks, so a changed order would show in the bits. The standby was built with local rank 0's
+    # environment and takes local rank 1's place; without it the replacement is a new process (the fork path).
     job = local_job(config=str(resume_config), nnodes="2:2", nproc_per_node=2, launcher="elastic-runner",
-                    overrides=["recovery.in_process=true", "recovery.standby=false"])
+                    overrides=["recovery.in_process=true", f"recovery.standby={str(standby).lower()}", PATIENT])
     job.start_agent()
     job.start_agent()
-    victim = kill_worker_at_step(job, 130, rank=3, count=4)
-    run_dir = _ends_as_the_uninterrupted_run(job, reference, tmp_path)
+    if standby:
+        workers, standbys = _stopped_with_standbys_ready(job, 130, count=4)
+        victim = _kill(job, workers, rank=3)
+    else:
+        victim = kill_worker_at_step(job, 130, rank=3, count=4)
+    run_dir = _ends_as_the_uninterrupted_run(job, reference_2x2, tmp_path)
 
     starts = events(run_dir, "start")
     assert all(len({e["pid"] for e in starts if e["rank"] == rank}) == 1 for rank in (0, 1, 2)), \
         "ranks 0-2 kept their processes (rank 2 beside the victim)\n" + job.logs_tail()
     assert {e["pid"] for e in starts if e["rank"] == 3} - {victim.pid}, "rank 3 was started again"
-    assert [(e["rank"], e["standby"]) for e in _agent_events(run_dir, "worker_replaced")] == [(3, False)]
-    assert not _agent_events(run_dir, "standby_started"), "recovery.standby: false"
+    replaced = _agent_events(run_dir, "worker_replaced")
+    assert [(e["rank"], e["standby"]) for e in replaced] == [(3, standby)]
+    if standby:
+        assert replaced[0]["new_pid"] == standbys[victim.agent.pid], "the node's standby became rank 3"
+        assert {e["local_rank"] for e in starts if e["pid"] == replaced[0]["new_pid"]} == {1}
+    else:
+        assert not _agent_events(run_dir, "standby_started"), "recovery.standby: false"
     assert len(_agent_events(run_dir, "rendezvous")) == 2, "no rendezvous round for the recovery"
 
 
 def test_a_standby_that_died_leaves_the_place_to_a_new_process(
         resume_config: Path, reference_model: Any, local_job: Any, tmp_path: Path) -> None:
-    job = _started(local_job, resume_config)
+    job = _started(local_job, resume_config, "elastic-runner", PATIENT)
     workers, standbys = _stopped_with_standbys_ready(job, 130)
     node = next(w for w in workers if w.rank == 1).agent
     os.kill(standbys[node.pid], signal.SIGKILL)  # as the kernel's OOM killer would
@@ -147,7 +167,7 @@ def test_a_compiled_model_recovers_in_process_through_the_standby_bitwise(
     reference = exported_model(run_uninterrupted(config, tmp_path / "uninterrupted" / "run", timeout=240),
                                tmp_path / "uninterrupted")
     job = local_job(config=str(config), nnodes="2:2", launcher="elastic-runner",
-                    overrides=["recovery.in_process=true"])
+                    overrides=["recovery.in_process=true", PATIENT])
     job.start_agent()
     job.start_agent()
     workers, standbys = _stopped_with_standbys_ready(job, 100)

@@ -200,7 +200,7 @@ if __name__ == "__main__":
 @pytest.mark.parametrize("workers", ["compiled", "plain"])
 def test_the_zygote_preloads_the_compilers_code_generator_only_for_compiled_models(workers: str, tmp_path: Path) -> None:
     """Restarted workers of a compiled model find it imported (0.85 s each here); others do not pay for it."""
-    from elastic_runner.agent.adopt import worker_config
+    from elastic_runner.agent.zygote import worker_config
 
     config = tmp_path / "job.yaml"
     config.write_text("train: {epochs: 1}\n")

@@ -9,7 +9,7 @@ from typing import Any, Iterator
 import pytest
 import torch
 
-from elastic_runner.agent.zygote import standby_config
+from elastic_runner.agent.zygote import worker_config
 from elastic_runner.config import load_config
 from elastic_runner.training.compiling import CACHE_VAR, compiled_forward
 from elastic_runner.worker import standby
@@ -47,7 +47,7 @@ def _config(tmp_path: Path, *, compile: bool = False, in_process: bool = True, w
 
 def test_the_workload_built_ahead_is_handed_once_to_the_worker_that_reads_the_same_config(tmp_path: Path) -> None:
     argv = _config(tmp_path)
-    assert standby.prepare(standby_config(argv))
+    assert standby.prepare(worker_config(argv))
     cfg = load_config(argv[1], [argv[3]])
     workload = standby.take(cfg)
     assert workload is not None and isinstance(workload.model, torch.nn.Module) and workload.num_train > 0
@@ -56,23 +56,23 @@ def test_the_workload_built_ahead_is_handed_once_to_the_worker_that_reads_the_sa
 
 def test_a_config_changed_since_the_standby_read_it_is_built_again(tmp_path: Path) -> None:
     argv = _config(tmp_path)
-    assert standby.prepare(standby_config(argv))
+    assert standby.prepare(worker_config(argv))
     assert standby.take(load_config(argv[1], ["optim.lr=0.5"])) is None
 
 
 @pytest.mark.parametrize("in_process, wanted", [(False, True), (True, False)])
 def test_nothing_is_built_unless_the_config_wants_a_standby(tmp_path: Path, in_process: bool, wanted: bool) -> None:
     argv = _config(tmp_path, in_process=in_process, wanted=wanted)
-    assert not standby.prepare(standby_config(argv))
+    assert not standby.prepare(worker_config(argv))
     assert standby.take(load_config(argv[1], [argv[3]])) is None
 
 
 def test_a_config_that_does_not_load_or_build_leaves_the_error_to_the_worker(tmp_path: Path) -> None:
     (tmp_path / "bad.yaml").write_text("model: {name: no-such-model}\n")
-    assert standby_config(["--config", str(tmp_path / "bad.yaml")]) is None
-    assert standby_config(["--no-such-option"]) is None
-    assert standby_config(["--config", str(tmp_path / "missing.yaml")]) is None
-    cfg = standby_config(_config(tmp_path))
+    assert worker_config(["--config", str(tmp_path / "bad.yaml")]) is None
+    assert worker_config(["--no-such-option"]) is None
+    assert worker_config(["--config", str(tmp_path / "missing.yaml")]) is None
+    cfg = worker_config(_config(tmp_path))
     cfg.data.name = "no-such-dataset"  # loads, but does not build
     assert not standby.prepare(cfg) and standby.take(cfg) is None
 
@@ -91,7 +91,7 @@ def test_a_compiled_model_is_traced_ahead_so_that_the_worker_s_first_step_compil
     torch._dynamo.reset()
     argv = _config(tmp_path, compile=True, deterministic=True)
     try:
-        assert standby.prepare(standby_config(argv))
+        assert standby.prepare(worker_config(argv))
         traced = counters["stats"]["unique_graphs"]
         assert traced >= 1, "the standby traced the model"
         workload = standby.take(load_config(argv[1], [argv[3]]))

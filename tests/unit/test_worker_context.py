@@ -3,11 +3,12 @@ started by torch's own ``start_processes`` with a function entrypoint and the fo
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import tempfile
 import time
-from typing import Any
+from typing import Any, Iterator
 
 import pytest
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_processes
@@ -83,11 +84,20 @@ def test_a_replacement_that_fails_is_reported_like_any_worker_and_close_ends_the
     assert not survivor.is_alive(), "closing the context ends every worker, replacements and survivors alike"
 
 
-def test_the_standby_takes_a_failed_worker_s_place_with_that_worker_s_environment_output_and_result(
-        tmp_path: Any) -> None:
-    context = as_keeping(_start(str(tmp_path), 2))
+@contextlib.contextmanager
+def _keeping(tmp_path: Any, count: int) -> Iterator[KeepingContext]:
+    """A started KeepingContext of ``count`` workers, closed on the way out."""
+    context = as_keeping(_start(str(tmp_path), count))
     assert context is not None
     try:
+        yield context
+    finally:
+        context.close()
+
+
+def test_the_standby_takes_a_failed_worker_s_place_with_that_worker_s_environment_output_and_result(
+        tmp_path: Any) -> None:
+    with _keeping(tmp_path, 2) as context:
         standby = context.start_standby()
         assert standby is not None and context.start_standby() is None, "one standby per node"
         assert standby not in context.pids().values(), "a standby is no worker until it takes a place"
@@ -102,15 +112,11 @@ def test_the_standby_takes_a_failed_worker_s_place_with_that_worker_s_environmen
         done = _wait(context)
         assert not done.is_failed()
         assert done.return_values == {0: ("w0", before[0], "first"), 1: ("w1", standby, "replacement")}
-    finally:
-        context.close()
 
 
 def test_a_standby_that_is_gone_leaves_the_place_to_a_new_process_and_close_ends_a_waiting_standby(
         tmp_path: Any) -> None:
-    context = as_keeping(_start(str(tmp_path), 2))
-    assert context is not None
-    try:
+    with _keeping(tmp_path, 2) as context:
         gone = context.start_standby()
         assert gone is not None
         os.kill(gone, signal.SIGKILL)
@@ -118,20 +124,15 @@ def test_a_standby_that_is_gone_leaves_the_place_to_a_new_process_and_close_ends
         _wait(context)
         new_pid, from_standby = context.replace(0)
         assert not from_standby and new_pid != gone
-        waiting = context._standby
-        assert waiting is None
+        assert context._standby is None
         context.start_standby()
         waiting = context._standby[0]
         assert waiting.is_alive()
-    finally:
-        context.close()
     assert not waiting.is_alive(), "closing the context ends the standby too"
 
 
 def test_a_standby_that_took_a_place_and_fails_is_reported_like_any_worker(tmp_path: Any) -> None:
-    context = as_keeping(_start(str(tmp_path), 2))
-    assert context is not None
-    try:
+    with _keeping(tmp_path, 2) as context:
         standby = context.start_standby()
         os.kill(context.pids()[1], signal.SIGKILL)
         _wait(context)
@@ -140,8 +141,6 @@ def test_a_standby_that_took_a_place_and_fails_is_reported_like_any_worker(tmp_p
         failed = _wait(context)
         assert list(failed.failures) == [1] and failed.failures[1].pid == standby
         assert failed.failures[1].exitcode == -signal.SIGKILL
-    finally:
-        context.close()
 
 
 def test_without_keeping_survivors_torch_s_all_or_nothing_policy_holds(tmp_path: Any) -> None:
