@@ -28,14 +28,17 @@ cannot raise into the main thread: :func:`peer_lost_exit` gives its exit status.
 
 from __future__ import annotations
 
+import traceback
 from dataclasses import dataclass
+
+import torch
 
 from ..config import ConfigError
 from ..snapshot import StaleWriterError
 from ..training.checkpointer import FinalSnapshotFailed, ResumeError, StopSnapshotFailed
 from ..training.gradients import NonFiniteGradient
 from ..training.loop import GracefulStop
-from .dist import DistError
+from .dist import Dist, DistError
 from .lifecycle import EXIT_DIVERGED, EXIT_FAILED, EXIT_NOT_DURABLE, EXIT_OK, EXIT_PEER_LOST, EXIT_USAGE
 
 
@@ -94,3 +97,18 @@ def ending_for(exc: BaseException | None, stop_requested: bool) -> Ending:
 def peer_lost_exit(stop_requested: bool) -> int:
     """The watchdog found a peer gone while this rank waits in a collective: leave at once."""
     return EXIT_OK if stop_requested else EXIT_PEER_LOST
+
+
+def peer_failure(exc: BaseException, dist: Dist, stop_requested: bool) -> bool:
+    """Whether the attempt ended because a peer failed (in-process recovery goes on), rather than on this rank's
+    own error, a stop, or a job-ending condition (those end the process as ever)."""
+    if not isinstance(exc, Exception) or dist.in_process is None or stop_requested or ending_for(exc, False).exit_code is not None:
+        return False
+    if isinstance(exc, torch.distributed.DistError):
+        return True
+    # gloo and NCCL raise a plain RuntimeError from inside a collective's wait.
+    frames = traceback.extract_tb(exc.__traceback__)
+    return isinstance(exc, RuntimeError) and (
+        any("/torch/distributed/" in frame.filename for frame in frames[-3:])
+        or any(word in str(exc) for word in ("Connection closed", "Connection reset", "Broken pipe", "NCCL",
+                                             "gloo", "aborted")))

@@ -81,6 +81,8 @@ class StopRequest:
         #: process at once, also while the main thread is stuck in native code (a process group waiting for
         #: a peer that is gone), where no Python signal handler can run.
         self.training = False
+        #: What a stop that ends the process at once leaves behind, for its last line.
+        self.at_once_note = "before training started: nothing to save"
         self.signal_name: str | None = None
         #: Why the agent stopped this worker, when it announced it (a membership change, a failed
         #: sibling, its own shutdown); None for a SIGTERM from anyone else.
@@ -94,6 +96,12 @@ class StopRequest:
     @property
     def requested(self) -> bool:
         return self.signal_name is not None
+
+    def between_attempts(self) -> None:
+        """In-process recovery: the last completed step is kept and the process group is being rebuilt (in native
+        code that may wait seconds for a peer): a stop now ends the process at once, as before training."""
+        self.at_once_note = "while rebuilding the process group: the last step is kept in node memory"
+        self.training = False
 
     def install(self) -> "StopRequest":
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -127,7 +135,7 @@ class StopRequest:
                 stops = [n for n in data if n in (signal.SIGTERM, signal.SIGINT)]
                 if stops and not self.training:
                     name = signal.Signals(stops[0]).name
-                    exit_now(EXIT_OK, f"received {name} before training started: nothing to save, stopping now")
+                    exit_now(EXIT_OK, f"received {name} {self.at_once_note}, stopping now")
         except OSError:
             pass
         finally:

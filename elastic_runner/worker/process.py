@@ -5,7 +5,8 @@ they have a config and the worker's place in the job (:class:`~elastic_runner.wo
 The attempt itself is :class:`~elastic_runner.worker.attempt.Attempt`; how it ended, and so the exit
 status, is decided in :mod:`elastic_runner.worker.ending`. With in-process recovery
 (``recovery.in_process``) a process whose peer failed rebuilds its process group with the peer's
-replacement and runs the next attempt itself, with the model it has (:func:`peer_failure`).
+replacement and runs the next attempt itself, with the model it has
+(:func:`~elastic_runner.worker.ending.peer_failure`).
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-import traceback
 from typing import TYPE_CHECKING, Callable
 
 import torch
@@ -29,9 +29,10 @@ from ..snapshot.object_client import prewarm
 from . import standby
 from .attempt import Attempt
 from .dist import Dist
-from .ending import ending_for
+from .ending import ending_for, peer_failure
 from .env import WorkerEnv
-from .lifecycle import EXIT_PEER_LOST, EXIT_USAGE, StopRequest, die_with_parent, name_process, process_start_time
+from .lifecycle import (EXIT_OK, EXIT_PEER_LOST, EXIT_USAGE, StopRequest, die_with_parent, name_process,
+                        process_start_time)
 from .preflight import warn_known_bad_setups
 from .regroup import RegroupError
 
@@ -90,6 +91,12 @@ def run(cfg: Config, env: WorkerEnv, make_workload: Callable[[], Workload] | Non
             # Out of the handler: the exception's traceback no longer holds the ended attempt (its gradient sync and
             # wrappers, which hold the old group), so the collector can free them before the group is rebuilt.
             del attempt
+            # The agent may stop every worker meanwhile (another failed for good): that must not wait the rebuild.
+            stop.between_attempts()
+            if stop.requested:
+                log.info("stopped %s before rebuilding the process group; the last step is kept in node memory",
+                         stop.description)
+                return EXIT_OK
             try:
                 seconds = dist.rejoin(cfg.dist.init_timeout_seconds)
             except RegroupError as regroup_failed:
@@ -119,21 +126,6 @@ def in_process_wanted(cfg: Config, env: WorkerEnv, make_workload: Callable[[], W
     (which replaces the failed worker; torch's own restarts every worker) and for a model built from the config
     (a script's model object would carry the abandoned step into the next attempt)."""
     return cfg.recovery.in_process and env.agent_id is not None and env.world_size > 1 and make_workload is None
-
-
-def peer_failure(exc: Exception, dist: Dist, stop_requested: bool) -> bool:
-    """Whether the attempt ended because a peer failed (in-process recovery goes on), rather than on this rank's
-    own error, a stop, or a job-ending condition (those end the process as ever)."""
-    if dist.in_process is None or stop_requested or ending_for(exc, False).exit_code is not None:
-        return False
-    if isinstance(exc, torch.distributed.DistError):
-        return True
-    # gloo and NCCL raise a plain RuntimeError from inside a collective's wait.
-    frames = traceback.extract_tb(exc.__traceback__)
-    return isinstance(exc, RuntimeError) and (
-        any("/torch/distributed/" in frame.filename for frame in frames[-3:])
-        or any(word in str(exc) for word in ("Connection closed", "Connection reset", "Broken pipe", "NCCL",
-                                             "gloo", "aborted")))
 
 
 def _first_line(exc: BaseException) -> str:

@@ -13,7 +13,9 @@ A neighbour whose counter has not moved for ``timeout`` seconds (measured on
 the watcher's monotonic clock: no cross-node clock skew), or a store that no
 longer answers (rank 0's process, which hosts it, is gone), makes the watcher
 set the abort key, so every rank stops within one interval, not a cascade.
-A rank that finished marks itself ``done`` and is never declared dead.
+A rank that finished marks itself ``done`` and is never declared dead. Only the time the watcher itself ran
+counts against a neighbour: after its own thread did not run for a good part of ``timeout`` (the whole job or
+machine paused, a cgroup freezer, a starved scheduler) the neighbours' silence over that gap is not theirs to blame.
 
 The watchdog uses its own store connection with a short timeout, so a
 process group stuck in a collective cannot block it.
@@ -37,7 +39,8 @@ DONE = b"done"
 
 class PeerWatchdog:
     def __init__(self, store: Any, *, rank: int, world_size: int, generation: int, timeout: float,
-                 on_lost: Callable[[str], None], interval: float | None = None, startup_grace: float | None = None) -> None:
+                 on_lost: Callable[[str], None], interval: float | None = None, startup_grace: float | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.store = store
         self.rank = rank
         self.world_size = world_size
@@ -46,6 +49,10 @@ class PeerWatchdog:
         self.startup_grace = max(timeout, startup_grace or 0.0)
         self.interval = interval if interval is not None else max(0.1, min(1.0, timeout / 5))
         self.on_lost = on_lost
+        #: A gap this much longer than ``interval`` between two of the watcher's own ticks was a pause of this
+        #: process, not a neighbour's silence (a loaded machine delays a tick by a second or two, not half the timeout).
+        self.pause_after = max(2 * self.interval, timeout / 2)
+        self._clock = clock
         self.prefix = f"er/hb/{generation}/"
         self.abort_key = f"er/abort/{generation}"
         self.neighbours = sorted({(rank - 1) % world_size, (rank + 1) % world_size} - {rank})
@@ -91,12 +98,21 @@ class PeerWatchdog:
         self.store.set(self.prefix + str(self.rank), str(self._counter).encode())
 
     def _run(self) -> None:
-        started = time.monotonic()
+        started = last_tick = self._clock()
         last_value: dict[int, bytes | None] = {n: None for n in self.neighbours}
         last_change: dict[int, float] = {n: started for n in self.neighbours}
         store_failed_since: float | None = None
         while not self._stop.wait(self.interval):
-            now = time.monotonic()
+            now = self._clock()
+            paused = now - last_tick - self.interval
+            last_tick = now
+            if paused > self.pause_after:
+                # Every process of a paused job wakes to heartbeats as old as the pause: count only watched time.
+                log.info("peer watchdog: this process did not run for %.1fs; the neighbours' silence over that time "
+                         "is not counted", paused)
+                last_change = {n: min(now, t + paused) for n, t in last_change.items()}
+                if store_failed_since is not None:
+                    store_failed_since = min(now, store_failed_since + paused)
             try:
                 self._beat()
                 if self.store.check([self.abort_key]):

@@ -52,20 +52,19 @@ def _agent_events(run_dir: Path, kind: str) -> list[dict[str, Any]]:
     return [e for e in read_events(run_dir) if e["kind"] == f"agent_{kind}"]
 
 
-#: For jobs stopped while their standbys get ready (seconds, on a loaded machine): every worker is stopped, and a
-#: watchdog that wakes after more than dist.heartbeat_seconds sees its peers' heartbeats as old as the stop.
-PATIENT = "dist.heartbeat_seconds=30"
-
-
-def _stopped_with_standbys_ready(job: Any, step: int, count: int = 2) -> tuple[list[Any], dict[int, int]]:
-    """Stop the job's workers at ``step`` and wait until every agent's standby is ready; the stopped workers and
-    each agent's standby pid (by agent pid). The job needs :data:`PATIENT`."""
+def _stopped_with_standbys_ready(job: Any, step: int, count: int = 2,
+                                 at_least: float = 0.0) -> tuple[list[Any], dict[int, int]]:
+    """Stop the job's workers at ``step`` (for ``at_least`` seconds) and wait until every agent's standby is ready;
+    the stopped workers and each agent's standby pid (by agent pid). The stop may last longer than
+    dist.heartbeat_seconds: the watchdogs do not count a pause of their own process against their peers."""
     workers, _ = stop_workers_at_step(job, step, count=count)
-    deadline = time.monotonic() + 60
+    stopped = time.monotonic()
+    deadline = stopped + 60
     while time.monotonic() < deadline:
         ready = {int(e["source"].rsplit("-", 1)[1]): e["pid"] for e in _agent_events(Path(job.run_dir), "standby_ready")}
         if len(ready) == len(job.agents):
             assert all(e["built"] for e in _agent_events(Path(job.run_dir), "standby_ready"))
+            time.sleep(max(0.0, stopped + at_least - time.monotonic()))
             return workers, ready
         time.sleep(0.05)
     pytest.fail("the agents' standbys were not ready within 60 s\n" + job.logs_tail())
@@ -81,8 +80,9 @@ def _kill(job: Any, workers: list[Any], rank: int) -> Any:
 @pytest.mark.parametrize("launcher", ["elastic-runner", "torchrun"])
 def test_a_killed_worker_is_replaced_alone_its_peer_keeps_its_process_and_the_run_ends_bitwise_identical(
         launcher: str, resume_config: Path, reference_model: Any, local_job: Any, tmp_path: Path) -> None:
-    job = _started(local_job, resume_config, launcher, PATIENT)
-    workers, standbys = _stopped_with_standbys_ready(job, 130)
+    # The job is stopped longer than its heartbeat: a watchdog that counted the pause would restart every worker.
+    job = _started(local_job, resume_config, launcher, "dist.heartbeat_seconds=2")
+    workers, standbys = _stopped_with_standbys_ready(job, 130, at_least=3.0)
     victim = _kill(job, workers, rank=1)
     run_dir = _ends_as_the_uninterrupted_run(job, reference_model, tmp_path)
 
@@ -116,7 +116,7 @@ def test_at_four_ranks_on_two_nodes_a_killed_worker_leaves_its_node_sibling_and_
     # run over four ranks, so a changed order would show in the bits. The standby was built with local rank 0's
     # environment and takes local rank 1's place; without it the replacement is a new process (the fork path).
     job = local_job(config=str(resume_config), nnodes="2:2", nproc_per_node=2, launcher="elastic-runner",
-                    overrides=["recovery.in_process=true", f"recovery.standby={str(standby).lower()}", PATIENT])
+                    overrides=["recovery.in_process=true", f"recovery.standby={str(standby).lower()}"])
     job.start_agent()
     job.start_agent()
     if standby:
@@ -142,7 +142,7 @@ def test_at_four_ranks_on_two_nodes_a_killed_worker_leaves_its_node_sibling_and_
 
 def test_a_standby_that_died_leaves_the_place_to_a_new_process(
         resume_config: Path, reference_model: Any, local_job: Any, tmp_path: Path) -> None:
-    job = _started(local_job, resume_config, "elastic-runner", PATIENT)
+    job = _started(local_job, resume_config, "elastic-runner")
     workers, standbys = _stopped_with_standbys_ready(job, 130)
     node = next(w for w in workers if w.rank == 1).agent
     os.kill(standbys[node.pid], signal.SIGKILL)  # as the kernel's OOM killer would
@@ -167,7 +167,7 @@ def test_a_compiled_model_recovers_in_process_through_the_standby_bitwise(
     reference = exported_model(run_uninterrupted(config, tmp_path / "uninterrupted" / "run", timeout=240),
                                tmp_path / "uninterrupted")
     job = local_job(config=str(config), nnodes="2:2", launcher="elastic-runner",
-                    overrides=["recovery.in_process=true", PATIENT])
+                    overrides=["recovery.in_process=true"])
     job.start_agent()
     job.start_agent()
     workers, standbys = _stopped_with_standbys_ready(job, 100)

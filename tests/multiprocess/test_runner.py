@@ -161,3 +161,64 @@ def test_a_stop_before_training_ends_the_worker_at_once_even_while_it_waits_for_
             worker.wait()
     assert worker.returncode == EXIT_OK, out[-3000:]
     assert "received SIGTERM before training started: nothing to save, stopping now" in out
+
+
+def test_a_stop_while_a_survivor_rebuilds_its_process_group_ends_it_at_once(small_config: Path, tmp_path: Path) -> None:
+    """Before: an agent that stopped every worker (another one had failed for good) while a survivor of in-process
+    recovery waited for its peers to arrive in the rebuilt group waited with it, dist.heartbeat_seconds (here 30 s).
+    The test plays the agent: it kills rank 1 mid-training and announces a replacement that never comes."""
+    import datetime
+    import os
+    import signal
+    import subprocess
+    import time
+
+    import torch.distributed as tdist
+
+    from elastic_runner.observe.events import read_events
+    from elastic_runner.testing.localjob import free_port
+    from elastic_runner.worker.env import AGENT_ID_VAR
+    from elastic_runner.worker.lifecycle import EXIT_OK
+    from elastic_runner.worker.regroup import announce_replacement
+
+    port, run_dir = free_port(), tmp_path / "run"
+    workers = []
+    try:
+        for rank in (0, 1):
+            env = os.environ | {"RANK": str(rank), "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "1",
+                                "GROUP_RANK": str(rank), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                                "PYTHONUNBUFFERED": "1", AGENT_ID_VAR: f"test-agent-{rank}"}
+            workers.append(subprocess.Popen(
+                [sys.executable, "-m", "elastic_runner.train", "--config", str(small_config),
+                 "--set", f"run.dir={run_dir}", "--set", "train.max_steps=100000", "--set", "train.epochs=1000",
+                 "--set", "recovery.in_process=true", "--set", "dist.heartbeat_seconds=30"],
+                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True))
+        deadline = time.monotonic() + 90
+
+        def rank_0_reached(kind: str) -> bool:
+            return any(e.get("kind") == kind and e.get("rank") == 0 for e in read_events(run_dir))
+
+        while not rank_0_reached("snapshot_saved"):
+            assert time.monotonic() < deadline and workers[0].poll() is None, "rank 0 did not train"
+            time.sleep(0.1)
+        store = tdist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=10),
+                               wait_for_workers=False)
+        os.killpg(workers[1].pid, signal.SIGKILL)
+        workers[1].wait()
+        generation = announce_replacement(store, 1)  # as the agent does; the replacement never comes
+        arrived = f"regroup/{generation}/arrived/0"
+        while not store.check([arrived]):  # rank 0 kept its step and now waits for its peer in the new group
+            assert time.monotonic() < deadline and workers[0].poll() is None, "rank 0 did not rebuild its group"
+            time.sleep(0.05)
+        time.sleep(0.5)
+        workers[0].send_signal(signal.SIGTERM)
+        out, _ = workers[0].communicate(timeout=20)  # well before the 30 s wait for the peer
+    finally:
+        for worker in workers:
+            if worker.poll() is None:
+                os.killpg(worker.pid, signal.SIGKILL)
+                worker.wait()
+    assert workers[0].returncode == EXIT_OK, out[-3000:]
+    assert "received SIGTERM while rebuilding the process group: the last step is kept in node memory" in out, \
+        out[-3000:]
+    assert rank_0_reached("kept_in_memory")

@@ -1,8 +1,10 @@
-"""Peer liveness: a neighbour gets the start-up grace before its first heartbeat."""
+"""Peer liveness: a neighbour gets the start-up grace before its first heartbeat; only the time the watcher ran
+counts against a silent neighbour."""
 
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 from elastic_runner.worker.watchdog import PeerWatchdog
 
@@ -20,3 +22,54 @@ def test_a_neighbour_gets_the_startup_grace_before_its_first_heartbeat() -> None
         time.sleep(0.05)
     dog.stop()
     assert fired and "never started heartbeating within 1.5s" in fired[0]
+
+
+class _Clock:
+    """The watcher's monotonic clock, moved by the test (the watcher still ticks in real time)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _until(condition: Callable[[], bool], seconds: float = 5.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return condition()
+
+
+def test_a_pause_of_the_whole_job_longer_than_the_heartbeat_blames_no_neighbour_but_a_silent_one_is_still_found(
+        ) -> None:
+    # Before: every worker of a job frozen for longer than dist.heartbeat_seconds (a VM pause, a cgroup freezer,
+    # a test that stops them all) woke to neighbours' heartbeats as old as the pause, and declared one lost.
+    from torch.distributed import HashStore
+
+    store, clock, fired = HashStore(), _Clock(), []
+    store.set("er/hb/1/1", b"1")  # the neighbour has started
+    dog = PeerWatchdog(store, rank=0, world_size=2, generation=1, timeout=5.0, interval=0.01, on_lost=fired.append,
+                       clock=clock).start()
+    try:
+        ticks = lambda: int(store.get("er/hb/1/0"))  # noqa: E731 - the watcher's own counter: it ran
+        seen = ticks()
+        assert _until(lambda: ticks() > seen + 3)
+        clock.now += 20.0  # everything paused for 20 s, four times the heartbeat
+        seen = ticks()
+        assert _until(lambda: ticks() > seen + 3)
+        assert not fired, "a pause of the watcher itself is not the neighbour's silence"
+        store.set("er/hb/1/1", b"2")  # the neighbour runs again after the pause
+        for _ in range(8):  # 4 s of watched silence: within the heartbeat
+            clock.now += 0.5
+            seen = ticks()
+            assert _until(lambda: ticks() > seen + 1)
+        assert not fired
+        for _ in range(6):  # past 5 s of watched silence
+            clock.now += 0.5
+            seen = ticks()
+            assert _until(lambda: ticks() > seen + 1 or bool(fired))
+        assert _until(lambda: bool(fired)), "a neighbour silent while the watcher ran is still found"
+        assert "rank 1 stopped heartbeating" in fired[0]
+    finally:
+        dog.stop()
