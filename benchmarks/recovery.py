@@ -20,6 +20,8 @@ rendezvous store of torch's defaults makes joins hang) and ends that variant.
         --storage dir,s3                                      # node loss and join with snapshots in a bucket
     .venv-vision/bin/python benchmarks/recovery.py --variants elastic-runner,elastic-runner-torchrun \
         --scenarios worker_kill --in-process 0,1              # the survivor kept (recovery.in_process) vs restarted
+    .venv-vision/bin/python benchmarks/recovery.py --variants elastic-runner --scenarios worker_kill \
+        --in-process 0,1 --regroup reconfigure,recreate       # ... and the two ways it rebuilds its process group
 """
 
 from __future__ import annotations
@@ -53,12 +55,13 @@ BUCKET = "bench"
 
 def measure(variant: str, repeats: int, hang_after: float, workdir: Path, scenarios: list[str],
             loader_workers: int = 0, compiled: bool = False, parallel: str = "ddp",
-            s3: S3Server | None = None, in_process: bool = False) -> dict[str, Any]:
-    key = variant_key(variant, loader_workers, compiled, parallel, "s3" if s3 else "dir", in_process)
+            s3: S3Server | None = None, in_process: bool = False, regroup: str = "auto") -> dict[str, Any]:
+    key = variant_key(variant, loader_workers, compiled, parallel, "s3" if s3 else "dir", in_process, regroup)
     run_dir = workdir / key
     overrides = ({"model.compile": True} if compiled else {}) | ({"recovery.in_process": True} if in_process else {}) | \
         ({"parallel.strategy": parallel} if parallel != "ddp" else {}) | \
-        ({"snapshot.dir": f"s3://{BUCKET}/{key}/snapshots"} if s3 else {})
+        ({"snapshot.dir": f"s3://{BUCKET}/{key}/snapshots"} if s3 else {}) | \
+        ({"recovery.regroup": regroup} if in_process and regroup != "auto" else {})
     job = make_job(variant, Workload(workers=loader_workers), run_dir, **overrides)
     if s3 is not None:
         job.env |= s3.env()  # the agents and workers reach the bucket the AWS way
@@ -107,10 +110,10 @@ def measure(variant: str, repeats: int, hang_after: float, workdir: Path, scenar
 
 
 def variant_key(variant: str, loader_workers: int, compiled: bool, parallel: str = "ddp", storage: str = "dir",
-                in_process: bool = False) -> str:
+                in_process: bool = False, regroup: str = "auto") -> str:
     return variant + (f"@loader{loader_workers}" if loader_workers else "") + ("@compiled" if compiled else "") + \
         (f"@{parallel}" if parallel != "ddp" else "") + (f"@{storage}" if storage != "dir" else "") + \
-        ("@in-process" if in_process else "")
+        ("@in-process" if in_process else "") + (f"@{regroup}" if in_process and regroup != "auto" else "")
 
 
 def summarize(raw: dict[str, dict[str, Any]], hang_after: float) -> dict[str, Any]:
@@ -172,6 +175,10 @@ def main() -> None:
     p.add_argument("--in-process", default="0",
                    help="recovery.in_process, comma-separated 0/1: each of our variants runs once per value, e.g. 0,1 "
                         "to compare keeping the survivors' processes with restarting every worker")
+    p.add_argument("--regroup", default="auto",
+                   help="recovery.regroup for the in-process runs, comma-separated auto/reconfigure/recreate: each "
+                        "in-process run is made once per value, e.g. reconfigure,recreate to compare the two ways the "
+                        "survivors rebuild their process group")
     p.add_argument("--workdir", default=None)
     p.add_argument("--out", default=None, help="write the JSON result here too")
     args = p.parse_args()
@@ -186,19 +193,21 @@ def main() -> None:
         compiles = [bool(int(n)) for n in args.compile.split(",") if n.strip()]
         strategies = [s.strip() for s in args.parallel.split(",") if s.strip()]
         kept = [bool(int(n)) for n in args.in_process.split(",") if n.strip()]
+        regroups = [r.strip() for r in args.regroup.split(",") if r.strip()]
         for variant in [v.strip() for v in args.variants.split(",") if v.strip()]:
             for workers in loader_counts:
                 for compiled in compiles if variant in OURS else [False]:
                     for parallel in strategies if variant in OURS else ["ddp"]:
-                        for storage, in_process in [(s, k) for s in (storages if variant in OURS else ["dir"])
-                                                    for k in (kept if variant in OURS else [False])]:
-                            key = variant_key(variant, workers, compiled, parallel, storage, in_process)
+                        for storage, in_process, regroup in [
+                                (s, k, r) for s in (storages if variant in OURS else ["dir"])
+                                for k in (kept if variant in OURS else [False]) for r in (regroups if k else ["auto"])]:
+                            key = variant_key(variant, workers, compiled, parallel, storage, in_process, regroup)
                             started = time.monotonic()
                             repeats = (args.default_repeats if variant == "torchrun-default" and args.default_repeats
                                        else args.repeats)
                             raw[key] = measure(variant, repeats, args.hang_after, workdir, args.scenarios.split(","),
                                                workers, compiled, parallel, s3 if storage == "s3" else None,
-                                               in_process)
+                                               in_process, regroup)
                             raw[key]["wall_s"] = round(time.monotonic() - started, 1)
                             print(f"{key}: {raw[key]}", flush=True)
         result = summarize(raw, args.hang_after)

@@ -24,7 +24,10 @@ import logging
 import os
 import signal
 import sys
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
+
+if TYPE_CHECKING:
+    import argparse
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +70,7 @@ def merge_rdzv_conf(given: str, defaults: dict[str, str] = RDZV_DEFAULTS) -> str
     return ",".join(items)
 
 
-def parser() -> "argparse.ArgumentParser":
+def parser() -> argparse.ArgumentParser:
     """torchrun's own parser, introduced by what launch adds (``elastic-runner launch --help``)."""
     import argparse
 

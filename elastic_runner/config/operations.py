@@ -221,6 +221,14 @@ class RecoveryConfig:
         "false starts a new process for each failed worker.",
         default=True,
     )
+    regroup: Literal["auto", "reconfigure", "recreate"] = _help(
+        "With in_process: how the survivors rebuild their process group with a replacement. reconfigure: torch's "
+        "process-group reconfigure (torch >= 2.14, gloo): the group's connections are swapped in place, a few "
+        "milliseconds. recreate: the group is destroyed and created again in the same process (any torch and "
+        "backend, ~0.1 s). auto: reconfigure where this torch build and backend have it and the model is "
+        "replicated (ddp), else recreate.",
+        default="auto",
+    )
 
 
 @dataclass

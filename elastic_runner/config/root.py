@@ -65,6 +65,10 @@ class Config:
             validate = getattr(section, "validate", None)
             if validate is not None:
                 validate()
+        if self.recovery.regroup == "reconfigure" and self.parallel.sharded:
+            raise ConfigError("recovery.regroup", f"reconfigure is for replicated models, and parallel.strategy is "
+                              f"{self.parallel.strategy} (its device mesh's groups are made anew with the model)",
+                              "Use auto or recreate")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

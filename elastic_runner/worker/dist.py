@@ -27,7 +27,7 @@ import torch.distributed as tdist
 from ..training.parallel import broadcast_coalesced
 from .env import WorkerEnv
 from .lifecycle import EXIT_PEER_TIMEOUT, exit_now
-from .regroup import RegroupError, SameMembers, destroy_default_group
+from .regroup import RegroupError, SameMembers, chosen_regroup, destroy_default_group
 
 log = logging.getLogger(__name__)
 
@@ -168,10 +168,11 @@ class Dist:
     @classmethod
     def up(cls, env: WorkerEnv, *, backend: str = "auto", device: str = "auto",
            timeout_seconds: float = 300.0, init_timeout_seconds: float = 30.0, in_process: bool = False,
-           regroup_wait_seconds: float = 5.0) -> "Dist":
+           regroup_wait_seconds: float = 5.0, regroup: str = "recreate") -> "Dist":
         """The process group of this worker. ``in_process``: a failed peer is replaced and this worker rebuilds
-        its group with the replacement (:meth:`rejoin`), waiting ``regroup_wait_seconds`` for it; a worker that
-        *is* a replacement (``ELASTIC_RUNNER_REPLACES``) joins the group its predecessor's survivors rebuild."""
+        its group with the replacement (:meth:`rejoin`) the ``regroup`` way (``recovery.regroup``), waiting
+        ``regroup_wait_seconds`` for it; a worker that *is* a replacement (``ELASTIC_RUNNER_REPLACES``) joins the
+        group its predecessor's survivors rebuild."""
         dev = choose_device(env, device)
         chosen = choose_backend(dev, backend)
         if dev.type == "cuda":
@@ -199,10 +200,17 @@ class Dist:
                     )
                 store = job_store(env, timeout)
                 if in_process and env.world_size > 1 and store is not None:
+                    try:
+                        method = chosen_regroup(regroup, chosen)
+                    except RegroupError as exc:
+                        raise DistError(str(exc)) from exc
                     same = SameMembers(store, env.rank, env.world_size, chosen, dev, timeout,
-                                       datetime.timedelta(seconds=regroup_wait_seconds))
+                                       datetime.timedelta(seconds=regroup_wait_seconds), method=method)
                 if same is not None and env.replaces is not None and env.rank != 0:
                     same.replace()  # the group the survivors rebuild for this process
+                    joined = True
+                elif same is not None and same.method == "reconfigure":
+                    same.first(datetime.timedelta(seconds=init_timeout_seconds))  # created reconfigurable
                     joined = True
                 else:
                     kwargs: dict[str, Any] = {"device_id": dev} if dev.type == "cuda" else {}

@@ -102,7 +102,9 @@ def peer_lost_exit(stop_requested: bool) -> int:
 def peer_failure(exc: BaseException, dist: Dist, stop_requested: bool) -> bool:
     """Whether the attempt ended because a peer failed (in-process recovery goes on), rather than on this rank's
     own error, a stop, or a job-ending condition (those end the process as ever)."""
-    if not isinstance(exc, Exception) or dist.in_process is None or stop_requested or ending_for(exc, False).exit_code is not None:
+    if not isinstance(exc, Exception) or dist.in_process is None or stop_requested:
+        return False
+    if ending_for(exc, False).exit_code is not None:
         return False
     if isinstance(exc, torch.distributed.DistError):
         return True

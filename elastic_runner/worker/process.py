@@ -75,7 +75,9 @@ def run(cfg: Config, env: WorkerEnv, make_workload: Callable[[], Workload] | Non
         dist = Dist.up(env, backend=cfg.dist.backend, device=cfg.dist.device,
                        timeout_seconds=cfg.dist.timeout_seconds, init_timeout_seconds=cfg.dist.init_timeout_seconds,
                        in_process=in_process_wanted(cfg, env, make_workload),
-                       regroup_wait_seconds=cfg.dist.heartbeat_seconds or cfg.dist.init_timeout_seconds)
+                       regroup_wait_seconds=cfg.dist.heartbeat_seconds or cfg.dist.init_timeout_seconds,
+                       # A sharded model's device mesh makes its groups from the first one: those are made anew.
+                       regroup="recreate" if cfg.parallel.sharded else cfg.recovery.regroup)
         # A standby that took this worker's place built the workload ahead: the first attempt trains it.
         kept = standby.take(cfg) if make_workload is None else None
         while True:
@@ -103,7 +105,8 @@ def run(cfg: Config, env: WorkerEnv, make_workload: Callable[[], Workload] | Non
                 say(f"elastic_runner: rank {env.rank}: {regroup_failed}; every worker restarts")
                 return EXIT_PEER_LOST
             log.warning("rank %d: a peer failed (%s); this worker kept its process and rebuilt the process group "
-                        "with its replacement in %.3fs (in process)", env.rank, cause, seconds)
+                        "with its replacement in %.3fs (in process, %s)", env.rank, cause, seconds,
+                        dist.in_process.method)
         return ending_for(None, stop.requested).exit_code  # type: ignore[return-value]
     except BaseException as exc:
         ending = ending_for(exc, stop.requested)

@@ -57,6 +57,18 @@ class RegroupError(RuntimeError):
     """The group could not be rebuilt for the new membership (a member missing, the backend refused)."""
 
 
+def chosen_regroup(wanted: str, backend: str) -> str:
+    """The method for ``recovery.regroup`` (``auto``, ``reconfigure`` or ``recreate``) on a ``backend`` group; raises
+    :class:`RegroupError` for ``reconfigure`` where this build or backend does not have it."""
+    possible, why = regroup_method(backend)
+    if wanted == "auto":
+        return possible
+    if wanted == "reconfigure" and possible != "reconfigure":
+        raise RegroupError(f"recovery.regroup: reconfigure is not possible here: {why}. Use auto (reconfigure "
+                           "where it is possible, else recreate) or recreate")
+    return wanted
+
+
 def regroup_method(backend: str) -> tuple[str, str]:
     """How this torch build rebuilds a ``backend`` group in the process: ``("reconfigure" | "recreate", why)``."""
     from ..agent.torch_patches import PROCESS_GROUP_RECONFIGURE
@@ -106,16 +118,17 @@ class Regroup:
             raise ValueError(f"regroup method {self.method!r}: use 'reconfigure' or 'recreate'")
         self.membership: Membership | None = None
 
-    def join(self, membership: Membership) -> float:
+    def join(self, membership: Membership, wait: datetime.timedelta | None = None) -> float:
         """Make the default group this membership's (rank = this member's place in it); seconds it took. Every
-        member of ``membership`` calls this; it returns once the group works (a first collective went through)."""
+        member of ``membership`` calls this; it returns once the group works (a first collective went through).
+        ``wait``: how long to wait for the other members this time (default :attr:`wait`)."""
         rank = membership.rank_of(self.member)
         started = time.perf_counter()
         try:
             if self.method == "reconfigure":
-                self._reconfigure(membership, rank)
+                self._reconfigure(membership, rank, wait or self.wait)
             else:
-                self._recreate(membership, rank)
+                self._recreate(membership, rank, wait or self.wait)
             # Every member is there and reachable, not just registered.
             tdist.all_reduce(torch.zeros(1, device=self.device))
         except RegroupError:
@@ -136,11 +149,20 @@ class Regroup:
         rank 2 die) would otherwise wait the group's whole timeout; once this member's connections close, it fails at
         once and the failure spreads through the ring as a process's death does."""
         gc.collect()  # a wrapper's reference cycle may hold the group's work and keep its connections open
-        if tdist.is_initialized():
+        if not tdist.is_initialized():
+            return
+        if self.method == "reconfigure":
+            # A reconfigurable group's abort leaves its connections open (measured: the blocked member waits its
+            # whole timeout). Reconfiguring alone swaps the communicator out and closes them (~2 ms).
             try:
-                tdist.distributed_c10d._get_default_group().abort()
-            except Exception:  # noqa: BLE001 - the group is being given up anyway
-                log.debug("abort of the failed group failed", exc_info=True)
+                self._alone()
+                return
+            except Exception:  # noqa: BLE001 - abort below, as for any group
+                log.debug("reconfiguring the failed group alone failed", exc_info=True)
+        try:
+            tdist.distributed_c10d._get_default_group().abort()
+        except Exception:  # noqa: BLE001 - the group is being given up anyway
+            log.debug("abort of the failed group failed", exc_info=True)
 
     def leave(self) -> None:
         """Destroy the group (the process ends, or falls back to a restart)."""
@@ -149,7 +171,7 @@ class Regroup:
 
     # -- the two ways ------------------------------------------------------------------------------------------
 
-    def _reconfigure(self, membership: Membership, rank: int) -> None:
+    def _reconfigure(self, membership: Membership, rank: int, wait: datetime.timedelta) -> None:
         if not tdist.is_initialized():
             tdist.init_process_group(self.backend, store=tdist.PrefixStore(f"{PREFIX}/pg", self.store), rank=0,
                                      world_size=1, timeout=self.timeout, enable_reconfigure=True)
@@ -157,22 +179,25 @@ class Regroup:
                 tdist.destroy_process_group()
                 raise RegroupError(f"the {self.backend} group of torch {_torch_version()} does not support "
                                    "reconfigure; use the recreate method")
-            # Alone, under a random id: a fresh group's handle is the same in every process until then.
-            tdist._reconfigure(uuid=random.getrandbits(62), handles=[tdist._get_reconfigure_handle()],
-                               timeout=self.timeout).wait()
+            self._alone()  # a fresh group's handle is the same in every process until then
         keys = [f"{PREFIX}/{membership.generation}/{m}" for m in membership.members]
         self.store.set(keys[rank], tdist._get_reconfigure_handle())
-        self.store.wait(keys, self.wait)
+        self.store.wait(keys, wait)
         handles = [self.store.get(key).decode() for key in keys]
         # The id is the generation's: every member passes the same one, and no two generations share it.
         tdist._reconfigure(uuid=membership.generation, handles=handles, timeout=self.timeout).wait()
 
-    def _recreate(self, membership: Membership, rank: int) -> None:
+    def _alone(self) -> None:
+        """Reconfigure the group to this member alone, under a random id (no two processes share one)."""
+        tdist._reconfigure(uuid=random.getrandbits(62), handles=[tdist._get_reconfigure_handle()],
+                           timeout=self.timeout).wait()
+
+    def _recreate(self, membership: Membership, rank: int, wait: datetime.timedelta) -> None:
         self.leave()
         # Every member there first, within the wait: the group's own start would wait its whole timeout.
         arrived = [f"{PREFIX}/{membership.generation}/arrived/{m}" for m in membership.members]
         self.store.set(arrived[rank], b"1")
-        self.store.wait(arrived, self.wait)
+        self.store.wait(arrived, wait)
         store = tdist.PrefixStore(f"{PREFIX}/{membership.generation}", self.store)
         tdist.init_process_group(self.backend, store=store, rank=rank, world_size=len(membership.members),
                                  timeout=self.timeout)
@@ -215,16 +240,24 @@ class SameMembers:
     """In-process recovery at an unchanged membership: a failed worker is replaced on its node under the same rank,
     and the other workers keep their process and rebuild their group with it.
 
-    Members are the ranks ``0..world_size-1``. Generation 0 is the round's first group (made by
-    :meth:`~elastic_runner.worker.dist.Dist.up`); each rebuild is the next one. Survivors know theirs; a
-    replacement reads its predecessor's from the store, so both sides name the same generation without talking.
-    Always ``recreate``: a survivor's first group was not created reconfigurable.
+    Members are the ranks ``0..world_size-1``. Generation 0 is the round's first group; each rebuild is the next
+    one. Survivors know theirs; a replacement reads its predecessor's from the store, so both sides name the same
+    generation without talking. With ``reconfigure`` the first group is made by :meth:`first` (it must be created
+    reconfigurable); with ``recreate`` by :meth:`~elastic_runner.worker.dist.Dist.up` as any group.
     """
 
     def __init__(self, store: Any, rank: int, world_size: int, backend: str, device: torch.device,
-                 timeout: datetime.timedelta, wait: datetime.timedelta) -> None:
+                 timeout: datetime.timedelta, wait: datetime.timedelta, method: str = "recreate") -> None:
         self.rank, self.world_size, self.generation = rank, world_size, 0
-        self.regroup = Regroup(store, str(rank), backend, timeout, method="recreate", device=device, wait=wait)
+        self.regroup = Regroup(store, str(rank), backend, timeout, method=method, device=device, wait=wait)
+
+    @property
+    def method(self) -> str:
+        return self.regroup.method
+
+    def first(self, wait: datetime.timedelta) -> float:
+        """The round's first group (generation 0), waiting ``wait`` for every rank; seconds it took."""
+        return self.regroup.join(Membership(0, self._members()), wait)
 
     def survive(self, announce_wait: datetime.timedelta = ANNOUNCE_WAIT) -> float:
         """A peer failed: rebuild the group for the next generation, with its replacement; seconds it took. Raises
@@ -244,8 +277,11 @@ class SameMembers:
         """This process replaces a failed worker of the same rank: join the generation after its predecessor's."""
         return self._join(_replacement_generation(self.regroup.store, self.rank))
 
+    def _members(self) -> tuple[str, ...]:
+        return tuple(str(r) for r in range(self.world_size))
+
     def _join(self, generation: int) -> float:
-        seconds = self.regroup.join(Membership(generation, tuple(str(r) for r in range(self.world_size))))
+        seconds = self.regroup.join(Membership(generation, self._members()))
         self.generation = generation
         self.regroup.store.set(_generation_key(self.rank), str(generation).encode())
         return seconds

@@ -116,7 +116,9 @@ def test_at_four_ranks_on_two_nodes_a_killed_worker_leaves_its_node_sibling_and_
     # run over four ranks, so a changed order would show in the bits. The standby was built with local rank 0's
     # environment and takes local rank 1's place; without it the replacement is a new process (the fork path).
     job = local_job(config=str(resume_config), nnodes="2:2", nproc_per_node=2, launcher="elastic-runner",
-                    overrides=["recovery.in_process=true", f"recovery.standby={str(standby).lower()}"])
+                    overrides=["recovery.in_process=true", f"recovery.standby={str(standby).lower()}",
+                               # the fork path also recreates the group (auto reconfigures it on torch 2.14)
+                               f"recovery.regroup={'auto' if standby else 'recreate'}"])
     job.start_agent()
     job.start_agent()
     if standby:

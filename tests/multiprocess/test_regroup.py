@@ -184,3 +184,56 @@ def test_a_member_that_never_comes_fails_the_regroup_within_the_timeout_not_a_ha
             group.join(Membership(8, ("b",)))
     finally:
         group.leave()
+
+
+def _ring_member(name: str, port: int, method: str, out: str) -> None:
+    """A member of four that all-reduces until d dies; the survivors then rebuild the group of three."""
+    import torch._dynamo  # noqa: F401 - before any process group, as Dist.up does
+    import torch.distributed as tdist
+
+    store = tdist.TCPStore("127.0.0.1", port, None, False, timeout=TIMEOUT)
+    group = Regroup(store, name, "gloo", datetime.timedelta(minutes=5), method=method)  # a collective waits 5 min
+    group.join(Membership(1, tuple("abcd")))
+    failed = ""
+    try:
+        for number in range(200):
+            if name == "d" and number == 50:
+                os.kill(os.getpid(), signal.SIGKILL)
+            tdist.all_reduce(torch.ones(200_000))
+    except RuntimeError as exc:
+        failed = str(exc).splitlines()[0][:200]
+    # Out of the handler, as a worker does: the exception no longer holds the failed collective's work.
+    group.abandon()
+    group.join(Membership(2, tuple("abc")))
+    rebuilt = torch.ones(1)
+    tdist.all_reduce(rebuilt)
+    group.leave()
+    torch.save({"failed": failed, "sum": rebuilt.item()}, out)
+
+
+@pytest.mark.parametrize("method", _methods())
+def test_a_member_blocked_on_a_survivor_rather_than_on_the_dead_peer_is_released_when_the_survivors_give_up(
+        tmp_path: Path, method: str) -> None:
+    # In a ring all-reduce of four, one survivor waits on another survivor, not on the dead member: it fails only
+    # when that survivor gives the group up. Before: a reconfigurable group's abort left its connections open, and
+    # that member waited the collective's whole timeout (5 min here, 30 s in the four-rank in-process test).
+    import torch.distributed as tdist
+
+    store = tdist.TCPStore("127.0.0.1", 0, None, True, timeout=TIMEOUT)
+    ctx = multiprocessing.get_context("spawn")
+    outs = {name: str(tmp_path / f"{name}.pt") for name in "abc"}
+    procs = [ctx.Process(target=_ring_member, args=(name, store.port, method, outs.get(name, ""))) for name in "abcd"]
+    try:
+        for proc in procs:
+            proc.start()
+        for proc in procs:
+            proc.join(timeout=120)  # far less than the collectives' 5 minutes
+        assert [proc.exitcode for proc in procs] == [0, 0, 0, -signal.SIGKILL]
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+    seen = {name: torch.load(path) for name, path in outs.items()}
+    assert all(s["failed"] for s in seen.values()), seen
+    assert all(s["sum"] == 3.0 for s in seen.values()), "the three survivors' group works"

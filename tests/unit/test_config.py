@@ -174,3 +174,12 @@ def test_yaml_1_2_floats_and_on_off_words_are_understood(tmp_path: Path) -> None
 def test_memory_settings_do_not_change_the_fingerprint(quickstart: Path) -> None:
     base = load_config(quickstart).fingerprint()
     assert load_config(quickstart, ["batch.micro_size=4", "batch.uneven=refuse"]).fingerprint() == base
+
+
+def test_reconfiguring_the_process_group_of_a_sharded_model_is_refused_with_the_alternatives(quickstart: Path) -> None:
+    with pytest.raises(ConfigError, match=r"recovery\.regroup: reconfigure is for replicated models, and "
+                                          r"parallel\.strategy is fsdp .* Use auto or recreate"):
+        load_config(quickstart, ["recovery.regroup=reconfigure", "parallel.strategy=fsdp"])
+    assert load_config(quickstart, ["parallel.strategy=fsdp"]).recovery.regroup == "auto"
+    with pytest.raises(ConfigError, match="recovery.regroup"):
+        load_config(quickstart, ["recovery.regroup=rebuild"])
