@@ -69,7 +69,7 @@ from ..worker.lifecycle import (
     proc_state,
     process_start_time,
 )
-from ..worker.regroup import announce_replacement
+from ..worker.regroup import RegroupError, announce_replacement
 from . import fast_rendezvous
 from .round_members import MemberWatch, WatchfulStore, gone_check
 from .torch_patches import KEEPING_WORKERS, usable
@@ -319,6 +319,8 @@ class ElasticRunnerAgent(LocalElasticAgent):
                              timeout=datetime.timedelta(seconds=2), wait_for_workers=False)
             for rank in sorted(result.failures):
                 announce_replacement(store, rank)
+        except RegroupError as exc:  # it died in the round's start: its peers wait for it there
+            return str(exc)
         except Exception as exc:  # noqa: BLE001 - unreachable or gone: nothing to rebuild with
             return f"the job's store does not answer ({type(exc).__name__})"
         return ""

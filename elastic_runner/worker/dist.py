@@ -210,7 +210,11 @@ class Dist:
                     same.replace()  # the group the survivors rebuild for this process
                     joined = True
                 elif same is not None and same.method == "reconfigure":
-                    same.first(datetime.timedelta(seconds=init_timeout_seconds))  # created reconfigurable
+                    try:
+                        same.first(datetime.timedelta(seconds=init_timeout_seconds))  # created reconfigurable
+                    except RegroupError as exc:
+                        log.critical("%s (%s)", message, exc)
+                        exit_now(EXIT_PEER_TIMEOUT, message)  # as the deadline would, a moment later
                     joined = True
                 else:
                     kwargs: dict[str, Any] = {"device_id": dev} if dev.type == "cuda" else {}
@@ -224,6 +228,8 @@ class Dist:
             if not joined:  # (a rebuilt group's join ends with one)
                 # The first collective proves every peer is reachable, not just registered.
                 dist.all_reduce_sum(torch.zeros(1, device=dev))
+            if same is not None and same.generation == 0:
+                same.formed()
         log.debug("process group up in %.3fs", time.monotonic() - started)
         return dist
 

@@ -72,12 +72,20 @@ def run(cfg: Config, env: WorkerEnv, make_workload: Callable[[], Workload] | Non
         prewarm(cfg.snapshot.dir)  # rank 0 opens the attempt in the bucket: its client, while the group comes up
     dist: Dist | None = None
     try:
-        dist = Dist.up(env, backend=cfg.dist.backend, device=cfg.dist.device,
-                       timeout_seconds=cfg.dist.timeout_seconds, init_timeout_seconds=cfg.dist.init_timeout_seconds,
-                       in_process=in_process_wanted(cfg, env, make_workload),
-                       regroup_wait_seconds=cfg.dist.heartbeat_seconds or cfg.dist.init_timeout_seconds,
-                       # A sharded model's device mesh makes its groups from the first one: those are made anew.
-                       regroup="recreate" if cfg.parallel.sharded else cfg.recovery.regroup)
+        try:
+            dist = Dist.up(env, backend=cfg.dist.backend, device=cfg.dist.device,
+                           timeout_seconds=cfg.dist.timeout_seconds,
+                           init_timeout_seconds=cfg.dist.init_timeout_seconds,
+                           in_process=in_process_wanted(cfg, env, make_workload),
+                           regroup_wait_seconds=cfg.dist.heartbeat_seconds or cfg.dist.init_timeout_seconds,
+                           # A sharded model's device mesh makes its groups from the first one: those are made anew.
+                           regroup="recreate" if cfg.parallel.sharded else cfg.recovery.regroup)
+        except RegroupError as exc:
+            # A replacement whose survivors did not rebuild the group with it (their agents restarted them for a
+            # new round, or they failed again): another replacement would wait the same way, so every worker
+            # restarts (exit 76; an ordinary failure would make its agent replace it again and again).
+            say(f"elastic_runner: rank {env.rank}: {exc}; every worker restarts")
+            return EXIT_PEER_LOST
         # A standby that took this worker's place built the workload ahead: the first attempt trains it.
         kept = standby.take(cfg) if make_workload is None else None
         while True:

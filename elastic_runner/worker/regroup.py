@@ -223,9 +223,14 @@ def _coming_key(generation: int) -> str:
 
 
 def _replacement_generation(store: Any, rank: int) -> int:
-    """The generation a replacement of ``rank`` joins: the one after its predecessor's (0: the round's first)."""
+    """The generation a replacement of ``rank`` joins: the one after its predecessor's. Raises :class:`RegroupError`
+    when the predecessor ended before the round's first group was formed: its peers still wait for it in that
+    group's start, where no replacement can take its place (every worker restarts)."""
     key = _generation_key(rank)
-    return (int(store.get(key)) if store.check([key]) else 0) + 1
+    if not store.check([key]):
+        raise RegroupError(f"rank {rank} ended before the round's first process group was formed: its peers wait "
+                           "for it there, not for a replacement")
+    return int(store.get(key)) + 1
 
 
 def announce_replacement(store: Any, rank: int) -> int:
@@ -258,6 +263,11 @@ class SameMembers:
     def first(self, wait: datetime.timedelta) -> float:
         """The round's first group (generation 0), waiting ``wait`` for every rank; seconds it took."""
         return self.regroup.join(Membership(0, self._members()), wait)
+
+    def formed(self) -> None:
+        """The round's first group works (its first collective went through): a replacement of this rank may join
+        the next generation."""
+        self.regroup.store.set(_generation_key(self.rank), b"0")
 
     def survive(self, announce_wait: datetime.timedelta = ANNOUNCE_WAIT) -> float:
         """A peer failed: rebuild the group for the next generation, with its replacement; seconds it took. Raises

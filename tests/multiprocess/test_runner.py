@@ -206,8 +206,10 @@ def test_a_stop_while_a_survivor_rebuilds_its_process_group_ends_it_at_once(smal
         os.killpg(workers[1].pid, signal.SIGKILL)
         workers[1].wait()
         generation = announce_replacement(store, 1)  # as the agent does; the replacement never comes
-        arrived = f"regroup/{generation}/arrived/0"
-        while not store.check([arrived]):  # rank 0 kept its step and now waits for its peer in the new group
+        # Rank 0 kept its step and now waits for its peer in the new group (recreate: it said it arrived;
+        # reconfigure: it posted its handle).
+        arrived = [f"regroup/{generation}/arrived/0", f"regroup/{generation}/0"]
+        while not any(store.check([key]) for key in arrived):
             assert time.monotonic() < deadline and workers[0].poll() is None, "rank 0 did not rebuild its group"
             time.sleep(0.05)
         time.sleep(0.5)
@@ -222,3 +224,38 @@ def test_a_stop_while_a_survivor_rebuilds_its_process_group_ends_it_at_once(smal
     assert "received SIGTERM while rebuilding the process group: the last step is kept in node memory" in out, \
         out[-3000:]
     assert rank_0_reached("kept_in_memory")
+
+
+def test_a_replacement_whose_survivors_never_rebuild_the_group_ends_so_that_every_worker_restarts(
+        small_config: Path, tmp_path: Path) -> None:
+    """Before: a replacement whose survivors had been restarted for a new round (a node joined as a worker was
+    killed: a 60-fault soak) waited dist.heartbeat_seconds for them and exited 1, and its agent replaced it again,
+    fifteen times over 31 s. Exit 76 makes the agent restart every worker at once. The test hosts the job's store,
+    as rank 0's worker would, and no survivor comes."""
+    import datetime
+    import os
+
+    import torch.distributed as tdist
+
+    from elastic_runner.worker.env import AGENT_ID_VAR, REPLACES_VAR
+    from elastic_runner.worker.lifecycle import EXIT_PEER_LOST
+
+    store = tdist.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=30),
+                           wait_for_workers=False, multi_tenant=True)
+    env = os.environ | {"RANK": "1", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "1",
+                        "GROUP_RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port),
+                        "PYTHONUNBUFFERED": "1", AGENT_ID_VAR: "test-agent-1", REPLACES_VAR: "12345"}
+
+    def replacement() -> str:
+        result = run_bounded([sys.executable, "-m", "elastic_runner.train", "--config", str(small_config),
+                              "--set", f"run.dir={tmp_path / 'run'}", "--set", "recovery.in_process=true",
+                              "--set", "dist.heartbeat_seconds=1"], timeout=60, env=env)
+        assert result.returncode == EXIT_PEER_LOST, result.stdout[-3000:]
+        assert "every worker restarts" in result.stdout
+        return result.stdout
+
+    # The predecessor died before the round's first group was formed (the soak's case): its peers wait for it in
+    # that group's start, so the replacement does not wait for them at all.
+    assert "rank 1 ended before the round's first process group was formed" in replacement()
+    store.set("regroup/in/1", b"0")  # the predecessor had formed it: the replacement waits for the survivors
+    assert "rank 1: could not rebuild the process group for generation 1" in replacement()
