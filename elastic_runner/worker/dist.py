@@ -212,9 +212,11 @@ class Dist:
                 elif same is not None and same.method == "reconfigure":
                     try:
                         same.first(datetime.timedelta(seconds=init_timeout_seconds))  # created reconfigurable
-                    except RegroupError as exc:
-                        log.critical("%s (%s)", message, exc)
-                        exit_now(EXIT_PEER_TIMEOUT, message)  # as the deadline would, a moment later
+                    except RegroupError as exc:  # a peer gone, or the store with rank 0's: as the deadline would
+                        failed = (f"rank {env.rank}: {exc}; ending this attempt so torchrun can start a new "
+                                  "rendezvous round")
+                        log.critical(failed)
+                        exit_now(EXIT_PEER_TIMEOUT, failed)
                     joined = True
                 else:
                     kwargs: dict[str, Any] = {"device_id": dev} if dev.type == "cuda" else {}
