@@ -57,7 +57,7 @@ from ..training.state import TrainState
 from ..training.step import TrainStep
 from ..workload.spec import Workload, check, check_batchnorm, from_config
 from .dist import Dist
-from .ending import Ending, RetryableSetupError, SetupError, ending_for, peer_failure, peer_lost_exit
+from .ending import Ending, RetryableSetupError, SetupError, ending_for, peer_lost_exit
 from .env import WorkerEnv
 from .lifecycle import EXIT_FINAL, StopRequest, exit_now
 from .preflight import largest_world_size, parent_cmdline
@@ -169,19 +169,15 @@ class Attempt:
             return None
         return getattr(self, "workload", None)
 
-    def keep_for_next_attempt(self, ending: Ending, survives: bool = False) -> None:
-        """The loop broke (usually a peer died): leave the last completed step for the next attempt. ``survives``:
-        a peer failed and this process rebuilds its group in process (:func:`~.ending.peer_failure`)."""
+    def keep_for_next_attempt(self, ending: Ending) -> None:
+        """The loop broke (usually a peer died): leave the last completed step for the next attempt."""
         if not ending.keeps_state:
             return
         ckpt = self.checkpointer
         ckpt.ending.set()  # our own watchdog must not race us to the exit
         if self.watchdog is not None:
             self.watchdog.stop(done=False)
-            if not survives:
-                # A survivor tells nobody: its peers see the broken collective themselves (or the closed connections
-                # of a survivor that abandoned the group) and rebuild too; the abort would make their watchdogs end
-                # their process, the restart of every worker that in-process recovery avoids.
+            if not self._peers_see_it_themselves(ending):
                 self.watchdog.abort(f"rank {self.env.rank} failed at step {self.state.step}")
         if self.stop.requested and ckpt.writer is not None:
             # A peer stopped first and broke the collective; our last completed step is
@@ -189,6 +185,16 @@ class Attempt:
             ckpt.save("stop", sync=True)
         else:
             ckpt.keep("failure")
+
+    def _peers_see_it_themselves(self, ending: Ending) -> bool:
+        """Whether this rank leaves its peers' watchdogs alone as it ends the attempt: with in-process recovery on
+        gloo, when it survives a peer's failure or fails on its own (its agent replaces it alone). Its peers then see
+        the broken collective (or the closed connections of a survivor that gave the group up) and rebuild; the
+        job-wide abort would make their watchdogs end their process, the restart of every worker that in-process
+        recovery avoids (a third survivor read it before its own collective failed). On NCCL a collective need not
+        fail on a peer's death: there the abort is what releases the others (their watchdogs abort the group)."""
+        return (self.dist.in_process is not None and ending.exit_code is None and not self.stop.requested
+                and self.dist.device.type != "cuda")
 
     def record_end(self, ending: Ending, exc: BaseException) -> None:
         """The attempt's last events: how it ended (:mod:`~elastic_runner.worker.ending` decided)."""
@@ -349,8 +355,7 @@ class Attempt:
         try:
             return trainer.fit()
         except BaseException as exc:
-            self.keep_for_next_attempt(ending_for(exc, self.stop.requested),
-                                       survives=peer_failure(exc, self.dist, self.stop.requested))
+            self.keep_for_next_attempt(ending_for(exc, self.stop.requested))
             raise
         finally:
             sync.close()

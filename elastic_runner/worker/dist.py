@@ -27,7 +27,7 @@ import torch.distributed as tdist
 from ..training.parallel import broadcast_coalesced
 from .env import WorkerEnv
 from .lifecycle import EXIT_PEER_TIMEOUT, exit_now
-from .regroup import RegroupError, SameMembers, chosen_regroup, destroy_default_group
+from .regroup import ReconfigureRefused, RegroupError, SameMembers, chosen_regroup, destroy_default_group
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +74,26 @@ class Deadline:
             except Exception:  # noqa: BLE001 - we are exiting anyway
                 log.exception("deadline hook failed")
         exit_now(self.exit_code, self.message)
+
+
+def _first_reconfigurable(same: SameMembers, rank: int, wanted: str, wait_seconds: float) -> bool:
+    """The round's first group, created reconfigurable; False where the backend refused that under
+    ``recovery.regroup: auto`` (the caller creates the group as any other, and rebuilds recreate it)."""
+    try:
+        same.first(datetime.timedelta(seconds=wait_seconds))
+        return True
+    except ReconfigureRefused as exc:
+        if wanted == "reconfigure":
+            raise DistError(f"recovery.regroup: {exc}. Use auto (reconfigure where it is possible, else recreate) "
+                            "or recreate") from exc
+        log.warning("recovery.regroup auto: %s; the process group is recreated on a peer's failure instead", exc)
+        same.regroup.method = "recreate"
+        return False
+    except RegroupError as exc:  # a peer gone, or the store with rank 0's worker: as the start's deadline would
+        failed = f"rank {rank}: {exc}; ending this attempt so torchrun can start a new rendezvous round"
+        log.critical(failed)
+        exit_now(EXIT_PEER_TIMEOUT, failed)
+        raise  # not reached: exit_now ends the process
 
 
 def choose_device(env: WorkerEnv, requested: str = "auto") -> torch.device:
@@ -210,15 +230,8 @@ class Dist:
                     same.replace()  # the group the survivors rebuild for this process
                     joined = True
                 elif same is not None and same.method == "reconfigure":
-                    try:
-                        same.first(datetime.timedelta(seconds=init_timeout_seconds))  # created reconfigurable
-                    except RegroupError as exc:  # a peer gone, or the store with rank 0's: as the deadline would
-                        failed = (f"rank {env.rank}: {exc}; ending this attempt so torchrun can start a new "
-                                  "rendezvous round")
-                        log.critical(failed)
-                        exit_now(EXIT_PEER_TIMEOUT, failed)
-                    joined = True
-                else:
+                    joined = _first_reconfigurable(same, env.rank, regroup, init_timeout_seconds)
+                if not joined:
                     kwargs: dict[str, Any] = {"device_id": dev} if dev.type == "cuda" else {}
                     if store is not None:
                         kwargs["store"] = store

@@ -98,9 +98,10 @@ class StopRequest:
         return self.signal_name is not None
 
     def between_attempts(self) -> None:
-        """In-process recovery: the last completed step is kept and the process group is being rebuilt (in native
-        code that may wait seconds for a peer): a stop now ends the process at once, as before training."""
-        self.at_once_note = "while rebuilding the process group: the last step is kept in node memory"
+        """In-process recovery: the ended attempt kept what it could and the next one is being prepared (its process
+        group rebuilt in native code that may wait seconds for a peer): a stop now ends the process at once, as
+        before training, until the next attempt's loop starts."""
+        self.at_once_note = "between two attempts (in-process recovery): nothing more to save"
         self.training = False
 
     def install(self) -> "StopRequest":

@@ -34,7 +34,7 @@ from .env import WorkerEnv
 from .lifecycle import (EXIT_OK, EXIT_PEER_LOST, EXIT_USAGE, StopRequest, die_with_parent, name_process,
                         process_start_time)
 from .preflight import warn_known_bad_setups
-from .regroup import RegroupError
+from .regroup import RegroupError, destroy_default_group
 
 if TYPE_CHECKING:
     from ..workload.spec import Workload
@@ -85,6 +85,7 @@ def run(cfg: Config, env: WorkerEnv, make_workload: Callable[[], Workload] | Non
             # new round, or they failed again): another replacement would wait the same way, so every worker
             # restarts (exit 76; an ordinary failure would make its agent replace it again and again).
             say(f"elastic_runner: rank {env.rank}: {exc}; every worker restarts")
+            destroy_default_group()  # (a group of its own may be up) no gloo thread may outlive the interpreter
             return EXIT_PEER_LOST
         # A standby that took this worker's place built the workload ahead: the first attempt trains it.
         kept = standby.take(cfg) if make_workload is None else None
@@ -104,7 +105,7 @@ def run(cfg: Config, env: WorkerEnv, make_workload: Callable[[], Workload] | Non
             # The agent may stop every worker meanwhile (another failed for good): that must not wait the rebuild.
             stop.between_attempts()
             if stop.requested:
-                log.info("stopped %s before rebuilding the process group; the last step is kept in node memory",
+                log.info("stopped %s between two attempts (in-process recovery): nothing more to save",
                          stop.description)
                 return EXIT_OK
             try:

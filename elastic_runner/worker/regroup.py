@@ -57,6 +57,10 @@ class RegroupError(RuntimeError):
     """The group could not be rebuilt for the new membership (a member missing, the backend refused)."""
 
 
+class ReconfigureRefused(RegroupError):
+    """This build's backend does not create a reconfigurable group (whatever the members do)."""
+
+
 def chosen_regroup(wanted: str, backend: str) -> str:
     """The method for ``recovery.regroup`` (``auto``, ``reconfigure`` or ``recreate``) on a ``backend`` group; raises
     :class:`RegroupError` for ``reconfigure`` where this build or backend does not have it."""
@@ -173,12 +177,16 @@ class Regroup:
 
     def _reconfigure(self, membership: Membership, rank: int, wait: datetime.timedelta) -> None:
         if not tdist.is_initialized():
-            tdist.init_process_group(self.backend, store=tdist.PrefixStore(f"{PREFIX}/pg", self.store), rank=0,
-                                     world_size=1, timeout=self.timeout, enable_reconfigure=True)
+            try:
+                tdist.init_process_group(self.backend, store=tdist.PrefixStore(f"{PREFIX}/pg", self.store), rank=0,
+                                         world_size=1, timeout=self.timeout, enable_reconfigure=True)
+            except Exception as exc:  # noqa: BLE001 - a group of one waits for nobody: the backend refused
+                raise ReconfigureRefused(f"the {self.backend} group of torch {_torch_version()} could not be created "
+                                         f"reconfigurable ({type(exc).__name__}: {exc})") from exc
             if not tdist._supports_reconfigure():
                 tdist.destroy_process_group()
-                raise RegroupError(f"the {self.backend} group of torch {_torch_version()} does not support "
-                                   "reconfigure; use the recreate method")
+                raise ReconfigureRefused(f"the {self.backend} group of torch {_torch_version()} does not support "
+                                         "reconfigure")
             self._alone()  # a fresh group's handle is the same in every process until then
         keys = [f"{PREFIX}/{membership.generation}/{m}" for m in membership.members]
         self.store.set(keys[rank], tdist._get_reconfigure_handle())

@@ -98,14 +98,14 @@ class PeerWatchdog:
         self.store.set(self.prefix + str(self.rank), str(self._counter).encode())
 
     def _run(self) -> None:
-        started = last_tick = self._clock()
+        started = asleep_from = self._clock()
         last_value: dict[int, bytes | None] = {n: None for n in self.neighbours}
         last_change: dict[int, float] = {n: started for n in self.neighbours}
         store_failed_since: float | None = None
         while not self._stop.wait(self.interval):
             now = self._clock()
-            paused = now - last_tick - self.interval
-            last_tick = now
+            # Only the sleep's overrun: a store call that blocks (rank 0's host hung) is watched time, not a pause.
+            paused = now - asleep_from - self.interval
             if paused > self.pause_after:
                 # Every process of a paused job wakes to heartbeats as old as the pause: count only watched time.
                 log.info("peer watchdog: this process did not run for %.1fs; the neighbours' silence over that time "
@@ -129,6 +129,7 @@ class PeerWatchdog:
                 if now - store_failed_since >= min(self.timeout, 2 * self.interval + 1):
                     self._fire(f"the job's store at rank 0 stopped answering ({type(exc).__name__}: {exc})")
                     return
+                asleep_from = self._clock()
                 continue
             for n in self.neighbours:
                 value = values.get(n)
@@ -147,6 +148,7 @@ class PeerWatchdog:
                     self.abort(reason)
                     self._fire(reason)
                     return
+            asleep_from = self._clock()
 
     def _fire(self, reason: str) -> None:
         log.error("peer watchdog: %s; ending this attempt", reason)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from elastic_runner.worker.regroup import RegroupError, chosen_regroup, regroup_method
+from elastic_runner.worker.regroup import ReconfigureRefused, RegroupError, chosen_regroup, regroup_method
 
 
 def test_auto_reconfigures_where_this_build_can_and_recreates_elsewhere() -> None:
@@ -23,3 +23,28 @@ def test_reconfigure_asked_for_where_it_is_not_possible_says_why_and_what_to_use
     else:  # torch 2.13.0
         with pytest.raises(RegroupError, match="has no process-group reconfigure API"):
             chosen_regroup("reconfigure", "gloo")
+
+
+class _RefusingMembers:
+    """Members whose backend will not create a reconfigurable group (what the method decides is left in it)."""
+
+    class _Group:
+        method = "reconfigure"
+
+    def __init__(self) -> None:
+        self.regroup = self._Group()
+
+    def first(self, wait: object) -> float:
+        raise ReconfigureRefused("the gloo group of torch 9.9 does not support reconfigure")
+
+
+def test_a_backend_that_refuses_a_reconfigurable_group_falls_back_to_recreate_under_auto_only() -> None:
+    from elastic_runner.worker.dist import DistError, _first_reconfigurable
+
+    members = _RefusingMembers()
+    created = _first_reconfigurable(members, 0, "auto", 1.0)  # type: ignore[arg-type]
+    assert created is False, "the caller creates the group as any other"
+    assert members.regroup.method == "recreate", "and rebuilds recreate it"
+    with pytest.raises(DistError, match=r"recovery\.regroup: the gloo group of torch 9\.9 does not support "
+                                        r"reconfigure\. Use auto .* or recreate"):
+        _first_reconfigurable(_RefusingMembers(), 0, "reconfigure", 1.0)  # type: ignore[arg-type]

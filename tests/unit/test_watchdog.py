@@ -73,3 +73,49 @@ def test_a_pause_of_the_whole_job_longer_than_the_heartbeat_blames_no_neighbour_
         assert "rank 1 stopped heartbeating" in fired[0]
     finally:
         dog.stop()
+
+
+class _HungStore:
+    """The job's store on a host that hangs: once ``hung``, every call blocks for the client's timeout (the test's
+    clock moves by that much) and then fails, as a TCPStore client's does."""
+
+    def __init__(self, clock: _Clock, timeout: float) -> None:
+        from torch.distributed import HashStore
+
+        self.inner, self.clock, self.timeout, self.hung = HashStore(), clock, timeout, False
+
+    def _call(self, name: str, *args: object) -> object:
+        if self.hung:
+            self.clock.now += self.timeout
+            raise RuntimeError("wait timeout")
+        return getattr(self.inner, name)(*args)
+
+    def set(self, key: str, value: bytes) -> None:
+        self._call("set", key, value)
+
+    def get(self, key: str) -> bytes:
+        return self._call("get", key)  # type: ignore[return-value]
+
+    def check(self, keys: list[str]) -> bool:
+        return self._call("check", keys)  # type: ignore[return-value]
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        return self._call("multi_get", keys)  # type: ignore[return-value]
+
+
+def test_a_store_whose_host_hangs_is_still_found_though_each_call_blocks_for_the_heartbeat() -> None:
+    # A store call that blocks is time the watcher was running, not a pause of its process.
+    clock, fired = _Clock(), []
+    store = _HungStore(clock, timeout=5.0)
+    store.set("er/hb/1/1", b"1")
+    dog = PeerWatchdog(store, rank=0, world_size=2, generation=1, timeout=5.0, interval=0.01, on_lost=fired.append,
+                       clock=clock).start()
+    try:
+        time.sleep(0.1)
+        hung_at, store.hung = clock.now, True
+        assert _until(lambda: bool(fired)), "the hung store is reported"
+        assert "the job's store at rank 0 stopped answering" in fired[0]
+        # Two blocked calls (the second confirms the first); the old count took a hundred, 500 s of a real job.
+        assert clock.now - hung_at <= 3 * 5.0, f"reported after {clock.now - hung_at:.0f} s of blocked calls"
+    finally:
+        dog.stop(done=False)
