@@ -22,7 +22,7 @@ echo "==> the short run on torch 2.13.0"
   tests/unit/test_snapshot_writer_process.py \
   tests/unit/test_security.py tests/unit/test_components.py tests/unit/test_image_data.py tests/unit/test_gradients.py tests/unit/test_sampler.py \
   tests/unit/test_preflight.py tests/unit/test_master_port.py tests/multiprocess/test_launch.py tests/unit/test_compile.py \
-  tests/multiprocess/test_regroup.py tests/unit/test_worker_context.py tests/elastic/test_in_process.py \
+  tests/multiprocess/test_regroup.py tests/unit/test_worker_context.py tests/unit/test_handover.py tests/elastic/test_in_process.py \
   tests/unit/test_round_members.py \
   "tests/elastic/test_fast_recovery.py::test_worker_kill_resumes_from_a_survivors_memory_losing_no_step_and_ends_bitwise_identical"
 short=$?

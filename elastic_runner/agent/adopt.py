@@ -71,6 +71,7 @@ def name_agent(environ: Any = None) -> str:
     import time
 
     from ..worker.env import AGENT_ID_VAR, GOODPUT_FILE_VAR
+    from ..worker.handover import HANDOVER_DIR_VAR
 
     environ = os.environ if environ is None else environ
     environ[AGENT_ID_VAR] = f"{socket.gethostname()}-{os.getpid()}-{time.time():.0f}"
@@ -80,6 +81,8 @@ def name_agent(environ: Any = None) -> str:
     private = tempfile.mkdtemp(prefix=f"{PRIVATE_PREFIX}{os.getpid()}-")
     atexit.register(shutil.rmtree, private, True)
     environ[GOODPUT_FILE_VAR] = os.path.join(private, "goodput.json")
+    # and where its workers are handed their places in a new round (in-process recovery: elastic_runner.worker.handover)
+    environ[HANDOVER_DIR_VAR] = private
     return environ[AGENT_ID_VAR]
 
 

@@ -36,6 +36,10 @@
   :data:`STANDBY_AGAIN_S` after each replacement) which has built the workload ahead and takes the failed worker's
   place instead of a new process (:mod:`elastic_runner.worker.standby`); one that ends on its own is started again,
   :data:`STANDBYS_LOST_LIMIT` times in a row at most.
+- **A new round keeps the workers** (``recovery.in_process``, :mod:`elastic_runner.agent.kept_round`): for a node
+  that joins or is lost, or a restart of another node's workers, the running workers park at a step boundary and
+  are handed their places in the new round instead of being stopped and started again; workers that park on their
+  own (their peer lost, no replacement announced) make the agent start that round.
 
 Observers (agent metrics and events, :mod:`elastic_runner.agent.metrics`) hear of every
 rendezvous round, failed worker group and restart. The private methods overridden here are
@@ -70,7 +74,7 @@ from ..worker.lifecycle import (
     process_start_time,
 )
 from ..worker.regroup import RegroupError, announce_replacement
-from . import fast_rendezvous
+from . import fast_rendezvous, kept_round
 from .round_members import MemberWatch, WatchfulStore, gone_check
 from .torch_patches import KEEPING_WORKERS, usable
 from .worker_context import KeepingContext, as_keeping
@@ -128,6 +132,9 @@ class ElasticRunnerAgent(LocalElasticAgent):
         self._keeping: KeepingContext | None = None
         self._standby_due: float | None = None  #: when (monotonic) the node's next standby worker starts
         self._standbys_lost = 0  #: standbys in a row that ended without taking a place
+        #: The hand-over to each local worker (in-process recovery across rounds: :mod:`.kept_round`), where offered.
+        self._places: list[Any] | None = None
+        self._handing_over = False
 
     def _notify(self, event: str, **fields: Any) -> None:
         for observer in self.observers:
@@ -168,8 +175,9 @@ class ElasticRunnerAgent(LocalElasticAgent):
     def _member_gone(self, member: str) -> None:
         """A member of this round is gone while this node's workers run: torch's loop restarts them for the next
         round (as for a node waiting to join: not a failure, no restart counted)."""
-        log.warning("A member of this rendezvous round (%s) is gone: this node's workers stop for the next round "
-                    "(they may be waiting for it in the process group's start).", member)
+        log.warning("A member of this rendezvous round (%s) is gone: this node's workers %s for the next round "
+                    "(they may be waiting for it in the process group's start).", member,
+                    "park (in process)" if self._keeping is not None and self._places else "stop")
         self._restart_reason = f"a member of the round ({member}) is gone"
         self._notify("member_gone", member=member)
 
@@ -225,6 +233,10 @@ class ElasticRunnerAgent(LocalElasticAgent):
     # -- starting and replacing ------------------------------------------------------------------
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
+        if not self._handing_over:
+            self._places = kept_round.handovers(worker_group.spec.local_world_size) if self.in_process else None
+            for place in self._places or ():
+                place.clear()  # nothing asked of, nor left by, the workers of an earlier round
         ids = super()._start_workers(worker_group)
         self._keeping = None
         if self.in_process and usable(KEEPING_WORKERS, log):
@@ -332,6 +344,11 @@ class ElasticRunnerAgent(LocalElasticAgent):
         # waits up to 30 s for them, before _stop_workers ever runs: a stopped
         # sibling must be gone before that wait starts. (A keeping context leaves them.)
         self._start_standby_when_due()
+        if self._keeping is not None and self._places and kept_round.parked(self._keeping, self._places):
+            # Its peer is gone and no agent replaced it alone (a node lost): the next round, the workers kept.
+            self._restart_reason = "a worker's peers were lost"
+            self._restart_workers(worker_group)
+            return RunResult(state=WorkerState.HEALTHY)
         pcontext = getattr(self, "_pcontext", None)
         if pcontext is not None and self._keeping is None and \
                 any(proc_state(pid) in ("", "Z", "X") for pid in pcontext.pids().values()):
@@ -362,4 +379,33 @@ class ElasticRunnerAgent(LocalElasticAgent):
 
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
         self._notify("restart")
-        super()._restart_workers(worker_group)
+        if not self._keep_for_next_round(worker_group):
+            super()._restart_workers(worker_group)
+
+    def _keep_for_next_round(self, worker_group: WorkerGroup) -> bool:
+        """The next round with this node's workers kept (in-process recovery, :mod:`.kept_round`); False where they
+        cannot be (then torch restarts every worker)."""
+        keeping, places = self._keeping, self._places
+        if keeping is None or not places or not kept_round.park(keeping, places, self._restart_reason):
+            return False
+        started = time.monotonic()
+        old = {w.local_rank: w.global_rank for w in worker_group.workers}
+        self._standby_due = None
+        worker_group.state = WorkerState.STOPPED
+        self._handing_over = True
+        try:
+            with kept_round.handing_over(keeping, places) as outcome:
+                self._initialize_workers(worker_group)
+        finally:
+            self._handing_over = False
+        ranks = {w.local_rank: w.global_rank for w in worker_group.workers}
+        kept = [(local, pid) for local, pid, was_kept in outcome if was_kept]
+        log.warning("%s: this node's workers kept their processes for the new round (in process: %s) in %.3fs%s",
+                    self._restart_reason, ", ".join(f"pid {pid} rank {old.get(local)} → {ranks.get(local)}"
+                                                    for local, pid in kept), time.monotonic() - started,
+                    "".join(f"; local rank {local} started again as pid {pid}"
+                            for local, pid, was_kept in outcome if not was_kept))
+        self._notify("workers_kept", reason=self._restart_reason, seconds=round(time.monotonic() - started, 3),
+                     kept=[{"local_rank": local, "pid": pid, "rank": ranks.get(local)} for local, pid in kept],
+                     started=[{"local_rank": local, "pid": pid} for local, pid, was_kept in outcome if not was_kept])
+        return True

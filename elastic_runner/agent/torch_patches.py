@@ -209,6 +209,10 @@ KEEPING_WORKERS = TorchPatch(
         Need(SPAWN, "ProcessContext.processes", init_attr=True),
         Need(SPAWN, "ProcessContext.sentinels", init_attr=True),
         Need(SPAWN, "ProcessContext.error_files", init_attr=True),
+        # A new round's places handed to the kept workers (elastic_runner.agent.kept_round)
+        Need("torch.distributed.elastic.agent.server.local_elastic_agent", "start_processes", params=("envs",)),
+        Need("torch.distributed.elastic.agent.server.local_elastic_agent", "LocalElasticAgent._start_workers",
+             refers_to="start_processes"),
     ),
 )
 

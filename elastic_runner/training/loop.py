@@ -6,7 +6,8 @@ takes; :meth:`Trainer.train_step` writes the audit record, runs the step's arith
 under the Checkpointer's step lock, applies the update and advances the sampler and the
 :class:`~elastic_runner.training.state.TrainState` — so a thread that keeps the state of a failing
 attempt sees whole steps only. Then the between-step duties run: progress, evaluation, a snapshot
-when one is due, and a stop request (a snapshot, then :class:`GracefulStop`).
+when one is due, a stop request (a snapshot, then :class:`GracefulStop`), and the agent's request to park for a
+new membership (the step kept in node memory, then :class:`MembershipChange`).
 """
 
 from __future__ import annotations
@@ -46,6 +47,11 @@ class GracefulStop(Exception):
     """Raised after a stop signal was honoured: snapshot written, exit 0."""
 
 
+class MembershipChange(Exception):
+    """Raised at a step boundary when the agent asked this worker to park for a new membership (a node joins or
+    left; :mod:`elastic_runner.worker.handover`): the step is kept in node memory, the process stays."""
+
+
 @dataclass
 class AttemptStart:
     """How this attempt began, for the recovery metric and the failure story."""
@@ -60,13 +66,16 @@ class Trainer:
     def __init__(self, cfg: Config, dist: Dist, parts: TrainingParts, step: TrainStep, books: StepBooks,
                  evaluator: Evaluator, source: BatchSource, checkpointer: Checkpointer, *, total_steps: int,
                  start: AttemptStart, stop: StopRequest, events: EventLog, metrics: Metrics,
-                 watchdog: PeerWatchdog | None, on_first_step: Callable[[], None] | None = None) -> None:
+                 watchdog: PeerWatchdog | None, on_first_step: Callable[[], None] | None = None,
+                 park_requested: Callable[[], bool] | None = None) -> None:
         self.cfg, self.dist, self.parts, self.step, self.books = cfg, dist, parts, step, books
         self.evaluator, self.source, self.checkpointer = evaluator, source, checkpointer
         self.total_steps, self.start, self.stop = total_steps, start, stop
         self.events, self.metrics, self.watchdog = events, metrics, watchdog
         self._first_step_done = False
         self._on_first_step = on_first_step  #: e.g. the records' upload, at once (see RecordSync.soon)
+        #: Whether the agent asks this worker to leave the attempt for a new membership (in-process recovery).
+        self._park_requested = park_requested
 
     # ------------------------------------------------------------------ the loop
 
@@ -137,6 +146,12 @@ class Trainer:
             self.events.emit("stop", step=step, signal=self.stop.signal_name, by_agent=self.stop.agent_reason)
             self.checkpointer.save("stop", sync=True)
             raise GracefulStop(self.stop.signal_name)
+        if self._park_requested is not None and self._park_requested():
+            self.events.emit("park", step=step)
+            # As a failure would keep it (where it is stored already, or there is no memory tier, the next attempt
+            # resumes from where it is): the next attempt's resume agrees on the newest step every rank can have.
+            self.checkpointer.keep("membership change")
+            raise MembershipChange(f"the agent asked for a new membership at step {step}")
 
     def _first_step(self, step: int) -> None:
         since_start = time.time() - self.start.started_at

@@ -101,8 +101,11 @@ class Attempt:
     """One training attempt of one rank; :meth:`run` returns when training finished."""
 
     def __init__(self, cfg: Config, env: WorkerEnv, dist: Dist, stop: StopRequest, started_at: float,
-                 make_workload: Callable[[], Workload] | None = None, kept: Workload | None = None) -> None:
+                 make_workload: Callable[[], Workload] | None = None, kept: Workload | None = None,
+                 park_requested: Callable[[], bool] | None = None) -> None:
         self.cfg, self.env, self.dist, self.stop, self.started_at = cfg, env, dist, stop, started_at
+        #: Whether this worker's agent asks it to leave for a new membership (:mod:`.handover`), at a step boundary.
+        self.park_requested = park_requested
         self.make_workload = make_workload or (lambda: from_config(cfg))
         #: What an earlier attempt of this process built (in-process recovery): its model, on the device, with the
         #: compiled code torch keeps for it; or what this process built as a standby (:mod:`.standby`). Its state
@@ -351,7 +354,8 @@ class Attempt:
                           self._source(w.train, cfg.run.seed + parts.sampler.epoch), ckpt,
                           total_steps=self.total_steps, start=AttemptStart(self.started_at, resumed, self.resume_info),
                           stop=self.stop, events=self.events, metrics=self.metrics, watchdog=self.watchdog,
-                          on_first_step=self.records.soon if self.records is not None else None)
+                          on_first_step=self.records.soon if self.records is not None else None,
+                          park_requested=self.park_requested)
         try:
             return trainer.fit()
         except BaseException as exc:

@@ -262,17 +262,20 @@ class Dist:
 
     def down(self) -> None:
         destroy_default_group()
+        self.in_process = None
+        self.store = None  # on rank 0 the job's store closes with the last reference (a kept worker's new round)
 
-    def rejoin(self, deadline_seconds: float) -> float:
+    def rejoin(self, deadline_seconds: float, leaving: Callable[[], bool] | None = None) -> float:
         """In-process recovery: rebuild the group with the failed peer's replacement (the survivors keep their
         process); seconds it took. Raises :class:`~elastic_runner.worker.regroup.RegroupError` when a member does
-        not come; a rebuild stuck past ``deadline_seconds`` (a second failure inside it) ends the process."""
+        not come, or ``leaving()`` says this worker's agent starts a new round; a rebuild stuck past
+        ``deadline_seconds`` (a second failure inside it) ends the process."""
         if self.in_process is None:
             raise RegroupError("in-process recovery is off for this worker")
         message = (f"rank {self.rank}: the process group was not rebuilt within {deadline_seconds:g}s of a peer's "
                    "failure (dist.init_timeout_seconds); ending this worker so that every worker restarts")
         with Deadline(deadline_seconds, message):
-            return self.in_process.survive()
+            return self.in_process.survive(leaving=leaving)
 
     # -- collectives -----------------------------------------------------------------
 

@@ -9,6 +9,8 @@ what happened                 ``end`` status      exit status            state l
 ============================  ==================  =====================  =============================
 training finished             finished            0                      final snapshot (node memory dropped)
 a stop signal, honoured       stopped             0                      stop snapshot + node memory
+the agent's park request      parked              (the process stays)    node memory
+(a new membership)
 a stop signal, but peers      stopped             0                      stop snapshot + node memory
 stopped first and broke a
 collective
@@ -37,7 +39,7 @@ from ..config import ConfigError
 from ..snapshot import StaleWriterError
 from ..training.checkpointer import FinalSnapshotFailed, ResumeError, StopSnapshotFailed
 from ..training.gradients import NonFiniteGradient
-from ..training.loop import GracefulStop
+from ..training.loop import GracefulStop, MembershipChange
 from .dist import Dist, DistError
 from .lifecycle import EXIT_DIVERGED, EXIT_FAILED, EXIT_NOT_DURABLE, EXIT_OK, EXIT_PEER_LOST, EXIT_USAGE
 
@@ -52,7 +54,7 @@ class RetryableSetupError(RuntimeError):
 
 @dataclass(frozen=True)
 class Ending:
-    status: str  #: the ``end`` event's status: finished, stopped, finished_not_durable or failed
+    status: str  #: the ``end`` event's status: finished, stopped, parked, finished_not_durable or failed
     exit_code: int | None  #: None: re-raise, so that torchrun's ``@record`` reports the traceback (exit 1)
     say: bool = False  #: print the exception's message as one line (it says what to fix)
     say_on_rank0_only: bool = False  #: every rank saw the same thing: one line is enough
@@ -71,6 +73,8 @@ FINISHED = Ending("finished", EXIT_OK)
 
 _KNOWN: tuple[tuple[tuple[type[BaseException], ...], Ending], ...] = (
     ((GracefulStop,), Ending("stopped", EXIT_OK)),
+    # Kept at the boundary already; the process waits for its place in the new round (76 if it cannot).
+    ((MembershipChange,), Ending("parked", EXIT_PEER_LOST)),
     ((ConfigError, ResumeError, SetupError, DistError), Ending("failed", EXIT_USAGE, say=True)),
     ((NonFiniteGradient,), Ending("failed", EXIT_DIVERGED, say=True, say_on_rank0_only=True)),
     ((FinalSnapshotFailed,), Ending("finished_not_durable", EXIT_NOT_DURABLE, say=True)),
@@ -84,7 +88,7 @@ def ending_for(exc: BaseException | None, stop_requested: bool) -> Ending:
         return FINISHED
     for kinds, ending in _KNOWN:
         if isinstance(exc, kinds):
-            if isinstance(exc, (GracefulStop, FinalSnapshotFailed)):
+            if isinstance(exc, (GracefulStop, FinalSnapshotFailed, MembershipChange)):
                 return ending  # their snapshot is written (or the state already kept) on the way out
             return Ending(ending.status, ending.exit_code, ending.say, ending.say_on_rank0_only, keeps_state=True)
     if stop_requested and isinstance(exc, Exception):

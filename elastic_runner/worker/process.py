@@ -29,17 +29,23 @@ from ..snapshot.object_client import prewarm
 from . import standby
 from .attempt import Attempt
 from .dist import Dist
+from ..training.loop import MembershipChange
 from .ending import ending_for, peer_failure
-from .env import WorkerEnv
+from .env import REPLACES_VAR, WorkerEnv
 from .lifecycle import (EXIT_OK, EXIT_PEER_LOST, EXIT_USAGE, StopRequest, die_with_parent, name_process,
                         process_start_time)
 from .preflight import warn_known_bad_setups
+from .handover import Handover, HandoverError
 from .regroup import RegroupError, destroy_default_group
 
 if TYPE_CHECKING:
     from ..workload.spec import Workload
 
 log = logging.getLogger("elastic_runner.train")
+
+#: How long a parked worker waits for its place in the new round: the round forms once the rendezvous counts a lost
+#: node dead (its lease or heartbeats: seconds) and every agent is in it; past that its agent has given up on it.
+PARK_WAIT_S = 120.0
 
 
 def run(cfg: Config, env: WorkerEnv, make_workload: Callable[[], Workload] | None = None) -> int:
@@ -72,28 +78,23 @@ def run(cfg: Config, env: WorkerEnv, make_workload: Callable[[], Workload] | Non
         prewarm(cfg.snapshot.dir)  # rank 0 opens the attempt in the bucket: its client, while the group comes up
     dist: Dist | None = None
     try:
-        try:
-            dist = Dist.up(env, backend=cfg.dist.backend, device=cfg.dist.device,
-                           timeout_seconds=cfg.dist.timeout_seconds,
-                           init_timeout_seconds=cfg.dist.init_timeout_seconds,
-                           in_process=in_process_wanted(cfg, env, make_workload),
-                           regroup_wait_seconds=cfg.dist.heartbeat_seconds or cfg.dist.init_timeout_seconds,
-                           # A sharded model's device mesh makes its groups from the first one: those are made anew.
-                           regroup="recreate" if cfg.parallel.sharded else cfg.recovery.regroup)
-        except RegroupError as exc:
-            # A replacement whose survivors did not rebuild the group with it (their agents restarted them for a
-            # new round, or they failed again): another replacement would wait the same way, so every worker
-            # restarts (exit 76; an ordinary failure would make its agent replace it again and again).
-            say(f"elastic_runner: rank {env.rank}: {exc}; every worker restarts")
-            destroy_default_group()  # (a group of its own may be up) no gloo thread may outlive the interpreter
+        # Whatever the world size now: a node may join a worker that trains alone.
+        handover = (Handover.from_environ(env.local_rank) if cfg.recovery.in_process and env.agent_id is not None
+                    and make_workload is None else None)
+        dist = _up(cfg, env, make_workload)
+        if dist is None:
             return EXIT_PEER_LOST
         # A standby that took this worker's place built the workload ahead: the first attempt trains it.
         kept = standby.take(cfg) if make_workload is None else None
         while True:
-            attempt = Attempt(cfg, env, dist, stop, started_at, make_workload, kept)
+            attempt = Attempt(cfg, env, dist, stop, started_at, make_workload, kept,
+                              park_requested=handover.requested if handover is not None else None)
+            parking = False
             try:
                 attempt.run()
                 break
+            except MembershipChange as exc:
+                kept, parking, cause = attempt.reusable(), True, str(exc)
             except Exception as exc:
                 if not peer_failure(exc, dist, stop.requested):
                     raise
@@ -108,14 +109,22 @@ def run(cfg: Config, env: WorkerEnv, make_workload: Callable[[], Workload] | Non
                 log.info("stopped %s between two attempts (in-process recovery): nothing more to save",
                          stop.description)
                 return EXIT_OK
-            try:
-                seconds = dist.rejoin(cfg.dist.init_timeout_seconds)
-            except RegroupError as regroup_failed:
-                say(f"elastic_runner: rank {env.rank}: {regroup_failed}; every worker restarts")
-                return EXIT_PEER_LOST
-            log.warning("rank %d: a peer failed (%s); this worker kept its process and rebuilt the process group "
-                        "with its replacement in %.3fs (in process, %s)", env.rank, cause, seconds,
-                        dist.in_process.method)
+            if not parking:
+                try:
+                    seconds = dist.rejoin(cfg.dist.init_timeout_seconds,
+                                          leaving=handover.requested if handover is not None else None)
+                    log.warning("rank %d: a peer failed (%s); this worker kept its process and rebuilt the process "
+                                "group with its replacement in %.3fs (in process, %s)", env.rank, cause, seconds,
+                                dist.in_process.method)
+                    continue
+                except RegroupError as regroup_failed:
+                    if handover is None:
+                        say(f"elastic_runner: rank {env.rank}: {regroup_failed}; every worker restarts")
+                        return EXIT_PEER_LOST
+                    cause = f"{cause}; {regroup_failed}"
+            env, dist = _park(cfg, env, dist, handover, stop, cause)  # type: ignore[arg-type]
+            if dist is None:
+                return EXIT_OK if stop.requested else EXIT_PEER_LOST
         return ending_for(None, stop.requested).exit_code  # type: ignore[return-value]
     except BaseException as exc:
         ending = ending_for(exc, stop.requested)
@@ -131,6 +140,57 @@ def run(cfg: Config, env: WorkerEnv, make_workload: Callable[[], Workload] | Non
         stop.uninstall()
         if dist is not None:
             dist.down()
+
+
+def _up(cfg: Config, env: WorkerEnv, make_workload: Callable[[], Workload] | None) -> Dist | None:
+    """The process group of ``env``'s place; None for a replacement whose survivors did not come (the caller exits
+    76: another replacement would wait the same way, so every worker restarts)."""
+    try:
+        return Dist.up(env, backend=cfg.dist.backend, device=cfg.dist.device,
+                       timeout_seconds=cfg.dist.timeout_seconds,
+                       init_timeout_seconds=cfg.dist.init_timeout_seconds,
+                       in_process=in_process_wanted(cfg, env, make_workload),
+                       regroup_wait_seconds=cfg.dist.heartbeat_seconds or cfg.dist.init_timeout_seconds,
+                       # A sharded model's device mesh makes its groups from the first one: those are made anew.
+                       regroup="recreate" if cfg.parallel.sharded else cfg.recovery.regroup)
+    except RegroupError as exc:
+        # (their agents restarted them for a new round, or they failed again; an ordinary failure would make its
+        # agent replace it again and again)
+        say(f"elastic_runner: rank {env.rank}: {exc}; every worker restarts")
+        destroy_default_group()  # (a group of its own may be up) no gloo thread may outlive the interpreter
+        return None
+
+
+def _park(cfg: Config, env: WorkerEnv, dist: Dist, handover: Handover, stop: StopRequest,
+          cause: str) -> tuple[WorkerEnv, Dist | None]:
+    """The membership changes (a node joins or was lost): give the process group up, wait for this worker's place in
+    the agent's new round (:mod:`.handover`), and bring the group up there. The model, optimizer and compiled code
+    stay; the next attempt resumes from the newest step every rank can have, resharded for the new world size.
+    (env, None) where no place came (the agent stopped this worker, or gave up on keeping it)."""
+    started = time.monotonic()
+    dist.down()
+    log.info("rank %d: %s; waiting for this worker's place in the agent's next round (in process)", env.rank, cause)
+    try:
+        place = handover.park(PARK_WAIT_S, stopped=lambda: stop.requested)
+    except HandoverError as exc:
+        say(f"elastic_runner: rank {env.rank}: {exc}; every worker restarts")
+        return env, None
+    if place is None:
+        if not stop.requested:
+            say(f"elastic_runner: rank {env.rank}: no place in a new round within {PARK_WAIT_S:g}s of parking "
+                "(in-process recovery); every worker restarts")
+        return env, None
+    os.environ.pop(REPLACES_VAR, None)  # this process replaces nobody in the new round
+    os.environ.update(place)
+    new = WorkerEnv.from_environ()
+    setup_logging(cfg.logging.level, new.rank, new.world_size)
+    name_process(new.rank, new.local_rank)
+    dist = _up(cfg, new, None)
+    if dist is not None:
+        log.warning("rank %d: the membership changed (%s); this worker kept its process and is rank %d of %d in the "
+                    "new round after %.3fs (in process)", env.rank, cause, new.rank, new.world_size,
+                    time.monotonic() - started)
+    return new, dist
 
 
 def in_process_wanted(cfg: Config, env: WorkerEnv, make_workload: Callable[[], Workload] | None) -> bool:

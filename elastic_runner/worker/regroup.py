@@ -28,7 +28,7 @@ import logging
 import random
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as tdist
@@ -218,6 +218,9 @@ def _torch_version() -> str:
 #: How long survivors wait for an agent to say that it replaces a failed worker (it does so within its monitor
 #: interval, 0.1 s under launch) before they conclude that nobody does (a node lost: every worker restarts).
 ANNOUNCE_WAIT = datetime.timedelta(seconds=2)
+#: How often a survivor looks for that announcement (a store ``check``: a blocking ``wait`` cut short logs a warning
+#: each time), and whether its agent asks it to park instead.
+ANNOUNCE_POLL_S = 0.02
 
 
 def _generation_key(rank: int) -> str:
@@ -277,18 +280,28 @@ class SameMembers:
         the next generation."""
         self.regroup.store.set(_generation_key(self.rank), b"0")
 
-    def survive(self, announce_wait: datetime.timedelta = ANNOUNCE_WAIT) -> float:
+    def survive(self, announce_wait: datetime.timedelta = ANNOUNCE_WAIT,
+                leaving: Callable[[], bool] | None = None) -> float:
         """A peer failed: rebuild the group for the next generation, with its replacement; seconds it took. Raises
         :class:`RegroupError` at once when no agent announced a replacement within ``announce_wait`` (a node was
-        lost, or a worker left for a reason a replacement would not mend)."""
+        lost, or a worker left for a reason a replacement would not mend), or as soon as ``leaving()`` says the
+        membership changes (this worker's agent asks it to park: the peer left for a new round)."""
         self.regroup.abandon()
         generation = self.generation + 1
-        try:
-            self.regroup.store.wait([_coming_key(generation)], announce_wait)
-        except Exception as exc:  # noqa: BLE001 - a store timeout, or the store gone with rank 0's worker
-            raise RegroupError(f"no replacement was announced within {announce_wait.total_seconds():g}s of a peer's "
-                               f"failure ({type(exc).__name__}): a node was lost, or its agent restarts every "
-                               "worker") from exc
+        key, deadline = _coming_key(generation), time.monotonic() + announce_wait.total_seconds()
+        while True:
+            if leaving is not None and leaving():
+                raise RegroupError("the membership changes (this worker's agent asked it to park)")
+            try:
+                if self.regroup.store.check([key]):
+                    break
+            except Exception as exc:  # noqa: BLE001 - the store gone with rank 0's worker
+                raise RegroupError(f"the job's store does not answer after a peer's failure ({type(exc).__name__}): "
+                                   "rank 0's node was lost") from exc
+            if time.monotonic() >= deadline:
+                raise RegroupError(f"no replacement was announced within {announce_wait.total_seconds():g}s of a "
+                                   "peer's failure: a node was lost, or its agent restarts every worker")
+            time.sleep(ANNOUNCE_POLL_S)
         return self._join(generation)
 
     def replace(self) -> float:

@@ -21,6 +21,7 @@ from ..support import (
     exported_model,
     kill_worker_at_step,
     run_uninterrupted,
+    start_agent_while_paused,
     stop_workers_at_step,
     write_config,
 )
@@ -180,17 +181,25 @@ def test_a_compiled_model_recovers_in_process_through_the_standby_bitwise(
     assert len({e["pid"] for e in events(run_dir, "start") if e["rank"] == 0}) == 1, "rank 0 kept its process"
 
 
-def test_with_rank_0s_worker_killed_every_worker_restarts_as_without_in_process_recovery(
+def test_with_rank_0s_worker_killed_a_new_round_keeps_the_other_nodes_worker_and_the_run_ends_bitwise_identical(
         resume_config: Path, reference_model: Any, local_job: Any, tmp_path: Path) -> None:
-    # Rank 0's worker hosts the job's store: nothing can be rebuilt without it.
+    # Rank 0's worker hosts the job's store: nothing can be rebuilt without it, so no replacement joins the old
+    # group. Its agent starts a new round (and a new worker); the other node's worker parks and takes its place in
+    # that round in the same process (its rank may change: the round decides).
     job = _started(local_job, resume_config)
-    kill_worker_at_step(job, 130, rank=0)
+    victim = kill_worker_at_step(job, 130, rank=0)
     run_dir = _ends_as_the_uninterrupted_run(job, reference_model, tmp_path)
 
     starts = events(run_dir, "start")
-    assert all(len({e["pid"] for e in starts if e["rank"] == rank}) == 2 for rank in (0, 1)), "new processes"
+    by_node = {agent.pid: {e["pid"] for e in starts if e["agent"].rsplit("-", 2)[1] == str(agent.pid)}
+               for agent in job.agents}
+    assert len(by_node[victim.agent.pid]) == 2, f"the victim's node started a new worker: {by_node}"
+    other = next(pid for pid in by_node if pid != victim.agent.pid)
+    assert len(by_node[other]) == 1, f"the other node's worker kept its process: {by_node}\n{job.logs_tail()}"
     assert not _agent_events(run_dir, "worker_replaced")
     assert len(_agent_events(run_dir, "rendezvous")) == 4, "a second round"
+    kept = _agent_events(run_dir, "workers_kept")
+    assert [e["source"].rsplit("-", 1)[1] for e in kept] == [str(other)], kept
 
 
 def test_a_replacement_killed_while_it_joins_ends_in_a_recovered_job(
@@ -223,3 +232,45 @@ def test_a_peer_stopped_inside_a_collective_ends_in_a_recovered_job(
     assert [e for e in events(run_dir, "resume") if e["generation"] > 1], "the job resumed after the stop"
     logs = "".join(agent.log_text() for agent in job.agents)
     assert "no replacement was announced" not in logs, "a live peer gets no replacement: the survivor did not wait"
+
+
+def _wait_for_world(run_dir: Path, size: int, after: float, job: Any, timeout: float = 90) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(e["world_size"] == size and e["time"] > after for e in events(run_dir, "start")):
+            return
+        time.sleep(0.05)
+    pytest.fail(f"no attempt at world size {size} within {timeout:.0f}s\n" + job.logs_tail())
+
+
+@pytest.mark.parametrize("launcher", ["elastic-runner", "torchrun"])
+def test_a_node_lost_and_a_node_joining_leave_the_survivors_worker_in_its_process(
+        launcher: str, resume_config: Path, local_job: Any) -> None:
+    job = local_job(config=str(resume_config), nnodes="1:2", launcher=launcher,
+                    overrides=["recovery.in_process=true"])
+    survivor_node = job.start_agent()
+    lost_node = job.start_agent()
+    run_dir = Path(job.run_dir)
+    workers, _ = stop_workers_at_step(job, 90, count=2, timeout=120)
+    survivor = next(w for w in workers if w.agent is survivor_node)
+    lost_at = time.time()
+    job.kill_agent(lost_node)  # the node, its agent and its worker at once
+    continue_workers(job, [survivor])
+    _wait_for_world(run_dir, 1, lost_at, job)
+    joined_at = time.time()
+    start_agent_while_paused(job, at_step=0, count=1)  # the survivor alone could finish before a node starts
+    _wait_for_world(run_dir, 2, joined_at, job)
+    codes = job.wait(timeout=240)
+    assert codes[0] == 0 and codes[2] == 0, job.logs_tail()
+
+    starts = events(run_dir, "start")
+    survivor_starts = [e for e in starts if e["agent"].rsplit("-", 2)[1] == str(survivor_node.pid)]
+    assert {e["pid"] for e in survivor_starts} == {survivor.pid}, \
+        "the survivor's worker kept its process through the loss and the join\n" + job.logs_tail()
+    assert [e["world_size"] for e in survivor_starts if e["time"] > lost_at][:2] == [1, 2], survivor_starts
+    kept = _agent_events(run_dir, "workers_kept")
+    assert len([e for e in kept if e["source"].endswith(f"-{survivor_node.pid}")]) >= 2, kept
+    resumed = [e for e in events(run_dir, "resume") if e["time"] > lost_at]
+    assert resumed and all(e["tier"] == "memory" for e in resumed), resumed
+    report = check_audit(run_dir)
+    assert report.ok and report.finished, report.render()

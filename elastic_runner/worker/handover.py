@@ -1,0 +1,124 @@
+"""A kept worker's new place: how an agent and its workers hand a membership change over without a new process.
+
+With in-process recovery (``recovery.in_process``) a node that leaves or joins the job no longer restarts the other
+nodes' workers: each agent asks its workers to leave their attempt at the next step boundary (*park*), takes part in
+the new rendezvous round, and hands each parked worker its place in the new round (rank, world size, the job's
+store) instead of starting a new process. A worker whose peer was lost and for which no replacement was announced
+(a node gone: :meth:`~elastic_runner.worker.regroup.SameMembers.survive`) parks on its own; its agent sees it and
+starts the new round.
+
+The channel is a directory private to the agent (mode 0700, :data:`HANDOVER_DIR_VAR`), one set of files per local
+rank, written atomically (a rename) and read as JSON (nothing crosses it that could run code):
+
+- ``park-<local_rank>``: the agent asks the worker to park (its content: why);
+- ``parked-<local_rank>``: the worker is parked, waiting (its content: its pid);
+- ``place-<local_rank>.json``: the agent's answer, the worker's new environment (what torch's agent gives a new
+  worker: ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ...).
+
+Standard library only: the agent imports it without the trainer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from pathlib import Path
+from typing import Callable, Mapping
+
+#: Set by elastic_runner's agent for its workers: its private directory for the hand-over (unset: workers never park).
+HANDOVER_DIR_VAR = "ELASTIC_RUNNER_HANDOVER_DIR"
+
+#: How often a parked worker looks for its place (the new round's store opens within milliseconds of it).
+POLL_SECONDS = 0.02
+
+
+class HandoverError(RuntimeError):
+    """A place that cannot be taken (unreadable, or not a mapping of strings)."""
+
+
+def _write(path: Path, text: str) -> None:
+    """``text`` at ``path``, whole or not at all, readable by this user only."""
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as handle:
+        handle.write(text)
+    os.replace(temporary, path)
+
+
+def _remove(path: Path) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()
+
+
+class Handover:
+    """One local rank's files in the agent's hand-over directory (both sides use it)."""
+
+    def __init__(self, directory: str | os.PathLike[str], local_rank: int) -> None:
+        self.directory, self.local_rank = Path(directory), local_rank
+        self.park_file = self.directory / f"park-{local_rank}"
+        self.parked_file = self.directory / f"parked-{local_rank}"
+        self.place_file = self.directory / f"place-{local_rank}.json"
+
+    @classmethod
+    def from_environ(cls, local_rank: int, environ: Mapping[str, str] | None = None) -> "Handover | None":
+        """This worker's hand-over, where its agent offers one."""
+        directory = (os.environ if environ is None else environ).get(HANDOVER_DIR_VAR)
+        return cls(directory, local_rank) if directory and os.path.isdir(directory) else None
+
+    # -- the worker's side -----------------------------------------------------------------------------------
+
+    def requested(self) -> bool:
+        """Whether the agent asks this worker to park (checked at every step boundary: one ``stat``)."""
+        return self.park_file.exists()
+
+    def park(self, wait_seconds: float, stopped: Callable[[], bool] = lambda: False) -> dict[str, str] | None:
+        """Say this worker is parked and wait up to ``wait_seconds`` for its place; the new environment, or None when
+        none came in time or ``stopped()`` became true (the caller exits; its agent starts whatever it needs)."""
+        _remove(self.place_file)  # an answer to an earlier park is not this one's
+        _write(self.parked_file, str(os.getpid()))
+        deadline = time.monotonic() + wait_seconds
+        try:
+            while time.monotonic() < deadline and not stopped():
+                try:
+                    text = self.place_file.read_text()
+                except FileNotFoundError:
+                    time.sleep(POLL_SECONDS)
+                    continue
+                return self._place(text)
+            return None
+        finally:
+            _remove(self.place_file)
+            _remove(self.parked_file)
+            _remove(self.park_file)
+
+    def _place(self, text: str) -> dict[str, str]:
+        try:
+            place = json.loads(text)
+        except ValueError as exc:
+            raise HandoverError(f"{self.place_file}: not JSON ({exc})") from exc
+        if not isinstance(place, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in place.items()):
+            raise HandoverError(f"{self.place_file}: not a mapping of environment variables to strings")
+        return place
+
+    # -- the agent's side ------------------------------------------------------------------------------------
+
+    def ask_to_park(self, why: str) -> None:
+        _write(self.park_file, why)
+
+    def parked_pid(self) -> int | None:
+        """The pid of the worker parked here, if one is."""
+        try:
+            text = self.parked_file.read_text().strip()
+        except FileNotFoundError:
+            return None
+        return int(text) if text.isdigit() else None
+
+    def give_place(self, environment: Mapping[str, str]) -> None:
+        _write(self.place_file, json.dumps(dict(environment)))
+
+    def clear(self) -> None:
+        """Nothing asked, nobody parked: before a worker starts at this local rank, and after a fall-back."""
+        for path in (self.park_file, self.parked_file, self.place_file):
+            _remove(path)

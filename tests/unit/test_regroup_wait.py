@@ -1,0 +1,56 @@
+"""What a survivor of a peer's failure waits for before it rebuilds its group (:meth:`SameMembers.survive`): a
+replacement's announcement, for ``announce_wait`` at most; less when its agent asks it to park for a new round or
+the job's store is gone with rank 0's worker."""
+
+from __future__ import annotations
+
+import datetime
+import time
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as tdist
+
+from elastic_runner.worker.regroup import RegroupError, SameMembers
+
+pytestmark = [pytest.mark.timeout(60)]
+
+
+def _survivor(store: Any) -> SameMembers:
+    timeout = datetime.timedelta(seconds=5)
+    return SameMembers(store, 1, 2, "gloo", torch.device("cpu"), timeout, timeout)
+
+
+class GoneStore:
+    """The store of a rank 0 whose node was lost."""
+
+    def check(self, keys: list[str]) -> bool:
+        raise tdist.DistNetworkError("Connection reset by peer")
+
+
+def test_without_an_announcement_the_survivor_gives_up_after_the_announce_wait() -> None:
+    started = time.monotonic()
+    with pytest.raises(RegroupError, match="no replacement was announced within 0.3s"):
+        _survivor(tdist.HashStore()).survive(datetime.timedelta(seconds=0.3))
+    assert 0.3 <= time.monotonic() - started < 5
+
+
+def test_a_park_request_ends_the_wait_at_once() -> None:
+    asked = {"n": 0}
+
+    def leaving() -> bool:
+        asked["n"] += 1
+        return asked["n"] > 2
+
+    started = time.monotonic()
+    with pytest.raises(RegroupError, match="asked it to park"):
+        _survivor(tdist.HashStore()).survive(datetime.timedelta(seconds=30), leaving=leaving)
+    assert time.monotonic() - started < 5
+
+
+def test_a_store_gone_with_rank_0s_worker_ends_the_wait_at_once() -> None:
+    started = time.monotonic()
+    with pytest.raises(RegroupError, match="store does not answer"):
+        _survivor(GoneStore()).survive(datetime.timedelta(seconds=30))
+    assert time.monotonic() - started < 5
