@@ -3,8 +3,9 @@
 #   1. the whole suite on torch 2.14.1 + torchvision 0.29.1 (.venv-vision; extra arguments go to this pytest run),
 #   2. a shorter run on torch 2.13.0, the CPU wheel the quickstart uses (.venv): the unit tests that touch torch's
 #      own APIs (the torch-patch canaries, the torchrun hook, rendezvous handlers and store, snapshot loading, the
-#      snapshot writer process, components, the sampler), the launcher tests and one elastic scenario. The other unit tests check our own
-#      logic; the first run covers them.
+#      snapshot writer process, components, the sampler), the launcher tests, one elastic scenario and one of each kind
+#      of in-process recovery (the 2.13 path recreates the group). The other tests check our own logic; the first run
+#      covers them.
 # The tests install what they need from Debian themselves (etcd-server, prometheus) when run as root.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -22,7 +23,11 @@ echo "==> the short run on torch 2.13.0"
   tests/unit/test_snapshot_writer_process.py \
   tests/unit/test_security.py tests/unit/test_components.py tests/unit/test_image_data.py tests/unit/test_gradients.py tests/unit/test_sampler.py \
   tests/unit/test_preflight.py tests/unit/test_master_port.py tests/multiprocess/test_launch.py tests/unit/test_compile.py \
-  tests/multiprocess/test_regroup.py tests/unit/test_worker_context.py tests/unit/test_handover.py tests/elastic/test_in_process.py \
+  tests/multiprocess/test_regroup.py tests/unit/test_worker_context.py tests/unit/test_handover.py \
+  "tests/elastic/test_in_process.py::test_a_killed_worker_is_replaced_alone_its_peer_keeps_its_process_and_the_run_ends_bitwise_identical[torchrun]" \
+  "tests/elastic/test_in_process.py::test_at_four_ranks_on_two_nodes_a_killed_worker_leaves_its_node_sibling_and_the_other_node_running_bitwise[new-process]" \
+  "tests/elastic/test_in_process.py::test_a_node_lost_and_a_node_joining_leave_the_survivors_worker_in_its_process[elastic-runner]" \
+  tests/elastic/test_in_process.py::test_with_rank_0s_worker_killed_a_new_round_keeps_the_other_nodes_worker_and_the_run_ends_bitwise_identical \
   tests/unit/test_round_members.py \
   "tests/elastic/test_fast_recovery.py::test_worker_kill_resumes_from_a_survivors_memory_losing_no_step_and_ends_bitwise_identical"
 short=$?

@@ -132,6 +132,11 @@ def adopt(launcher_api: Any, config: Any, entrypoint: Any, args: Sequence[Any],
 
         hold_for_our_workers()  # our worker binds MASTER_PORT with SO_REUSEPORT: the offered port stays held
     worker_cfg = worker_config(worker_args) if worker_args is not None else None
+    if not _keeps_workers_across_rounds(worker_cfg, zygote_wanted):
+        from ..worker.handover import HANDOVER_DIR_VAR
+
+        # Its workers would park for a new round that no agent hands them (torch's own agent, a binary entrypoint).
+        os.environ.pop(HANDOVER_DIR_VAR, None)
     if zygote_wanted and worker_args is not None:
         # forked from this agent, which has imported torch by now
         from ..config.locations import is_url
@@ -158,6 +163,15 @@ def adopt(launcher_api: Any, config: Any, entrypoint: Any, args: Sequence[Any],
         launcher_api.LocalElasticAgent = ElasticRunnerAgent
     usable(PROCESS_GROUP_ABORT, log)
     return entrypoint, list(args)
+
+
+def _keeps_workers_across_rounds(worker_cfg: Any, zygote_wanted: bool) -> bool:
+    """Whether this agent hands its workers their places in a new round (:mod:`.kept_round`): ours, with in-process
+    recovery, workers started from a function, and the torch internals each part relies on."""
+    from .torch_patches import AGENT_CORRECTIONS, KEEPING_WORKERS, KEPT_ROUNDS
+
+    return bool(worker_cfg is not None and worker_cfg.recovery.in_process and zygote_wanted
+                and not (AGENT_CORRECTIONS.problems() or KEEPING_WORKERS.problems() or KEPT_ROUNDS.problems()))
 
 
 def upload_agent_events(cfg: Any) -> None:

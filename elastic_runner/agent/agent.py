@@ -344,17 +344,19 @@ class ElasticRunnerAgent(LocalElasticAgent):
         # waits up to 30 s for them, before _stop_workers ever runs: a stopped
         # sibling must be gone before that wait starts. (A keeping context leaves them.)
         self._start_standby_when_due()
-        if self._keeping is not None and self._places and kept_round.parked(self._keeping, self._places):
-            # Its peer is gone and no agent replaced it alone (a node lost): the next round, the workers kept.
-            self._restart_reason = "a worker's peers were lost"
-            self._restart_workers(worker_group)
-            return RunResult(state=WorkerState.HEALTHY)
         pcontext = getattr(self, "_pcontext", None)
         if pcontext is not None and self._keeping is None and \
                 any(proc_state(pid) in ("", "Z", "X") for pid in pcontext.pids().values()):
             self._kill_stopped_workers()
             self._announce_stop("a worker of the same node failed")
         result = super()._monitor_workers(worker_group)
+        if result.state == WorkerState.HEALTHY and self._keeping is not None and self._places and \
+                kept_round.parked(self._keeping, self._places):
+            # Its peer is gone and no agent replaced it alone (a node lost): the next round, the workers kept.
+            # (A failure reported in the same look is handled first, as any: its exit status may end the job.)
+            self._restart_reason = "a worker's peers were lost"
+            self._restart_workers(worker_group)
+            return RunResult(state=WorkerState.HEALTHY)
         # What the next _restart_workers is for: torch restarts after a failure, or when a node waits to join.
         self._restart_reason = ("a worker failed" if result.state == WorkerState.FAILED
                                 else "a node is waiting to join")

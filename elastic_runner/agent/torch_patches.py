@@ -209,15 +209,23 @@ KEEPING_WORKERS = TorchPatch(
         Need(SPAWN, "ProcessContext.processes", init_attr=True),
         Need(SPAWN, "ProcessContext.sentinels", init_attr=True),
         Need(SPAWN, "ProcessContext.error_files", init_attr=True),
-        # A new round's places handed to the kept workers (elastic_runner.agent.kept_round)
-        Need("torch.distributed.elastic.agent.server.local_elastic_agent", "start_processes", params=("envs",)),
-        Need("torch.distributed.elastic.agent.server.local_elastic_agent", "LocalElasticAgent._start_workers",
-             refers_to="start_processes"),
+    ),
+)
+
+LOCAL_AGENT = "torch.distributed.elastic.agent.server.local_elastic_agent"
+
+KEPT_ROUNDS = TorchPatch(
+    name="a new rendezvous round that keeps the workers (in-process recovery across membership changes)",
+    where="elastic_runner.agent.kept_round",
+    without="a node that joins or is lost restarts every worker, as torch does",
+    needs=(
+        Need(LOCAL_AGENT, "start_processes", params=("envs",)),
+        Need(LOCAL_AGENT, "LocalElasticAgent._start_workers", refers_to="start_processes"),
     ),
 )
 
 ALL: tuple[TorchPatch, ...] = (FAST_RENDEZVOUS, OUTAGE_TOLERANT_HANDLER, AGENT_CORRECTIONS, PROCESS_GROUP_ABORT,
-                               KEEPING_WORKERS)
+                               KEEPING_WORKERS, KEPT_ROUNDS)
 
 
 def usable(patch: TorchPatch, logger: logging.Logger = log) -> bool:

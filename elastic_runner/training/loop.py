@@ -16,7 +16,7 @@ import hashlib
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol
 
 import torch
 from torch import nn
@@ -43,6 +43,14 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+class ParkChannel(Protocol):
+    """How the agent asks this worker to park (:class:`elastic_runner.worker.handover.Handover`)."""
+
+    def ready(self) -> None: ...
+
+    def requested(self) -> bool: ...
+
+
 class GracefulStop(Exception):
     """Raised after a stop signal was honoured: snapshot written, exit 0."""
 
@@ -67,15 +75,15 @@ class Trainer:
                  evaluator: Evaluator, source: BatchSource, checkpointer: Checkpointer, *, total_steps: int,
                  start: AttemptStart, stop: StopRequest, events: EventLog, metrics: Metrics,
                  watchdog: PeerWatchdog | None, on_first_step: Callable[[], None] | None = None,
-                 park_requested: Callable[[], bool] | None = None) -> None:
+                 park: ParkChannel | None = None) -> None:
         self.cfg, self.dist, self.parts, self.step, self.books = cfg, dist, parts, step, books
         self.evaluator, self.source, self.checkpointer = evaluator, source, checkpointer
         self.total_steps, self.start, self.stop = total_steps, start, stop
         self.events, self.metrics, self.watchdog = events, metrics, watchdog
         self._first_step_done = False
         self._on_first_step = on_first_step  #: e.g. the records' upload, at once (see RecordSync.soon)
-        #: Whether the agent asks this worker to leave the attempt for a new membership (in-process recovery).
-        self._park_requested = park_requested
+        #: The agent's requests to leave the attempt for a new membership (in-process recovery).
+        self._park = park
 
     # ------------------------------------------------------------------ the loop
 
@@ -83,6 +91,8 @@ class Trainer:
         state, sampler, epochs = self.parts.state, self.parts.sampler, self.cfg.train.epochs
         self.books.start_training()
         self.stop.training = True  # from here a stop saves a snapshot at the next step boundary
+        if self._park is not None:
+            self._park.ready()  # and the agent may ask this worker to park at one
         while state.step < self.total_steps:
             if sampler.epoch_done():
                 with self.checkpointer.mutating():
@@ -146,7 +156,7 @@ class Trainer:
             self.events.emit("stop", step=step, signal=self.stop.signal_name, by_agent=self.stop.agent_reason)
             self.checkpointer.save("stop", sync=True)
             raise GracefulStop(self.stop.signal_name)
-        if self._park_requested is not None and self._park_requested():
+        if self._park is not None and self._park.requested():
             self.events.emit("park", step=step)
             # As a failure would keep it (where it is stored already, or there is no memory tier, the next attempt
             # resumes from where it is): the next attempt's resume agrees on the newest step every rank can have.

@@ -50,7 +50,7 @@ from ..training.checkpointer import Checkpointer
 from ..training.compiling import compiled_forward, use_private_cache
 from ..training.evaluation import Evaluator
 from ..training.gradients import StepGradients
-from ..training.loop import AttemptStart, Trainer
+from ..training.loop import AttemptStart, ParkChannel, Trainer
 from ..training.parts import TrainingParts
 from ..training.sharding import FSDPSync, check_shardable, compile_units, shard_model
 from ..training.state import TrainState
@@ -102,10 +102,10 @@ class Attempt:
 
     def __init__(self, cfg: Config, env: WorkerEnv, dist: Dist, stop: StopRequest, started_at: float,
                  make_workload: Callable[[], Workload] | None = None, kept: Workload | None = None,
-                 park_requested: Callable[[], bool] | None = None) -> None:
+                 park: ParkChannel | None = None) -> None:
         self.cfg, self.env, self.dist, self.stop, self.started_at = cfg, env, dist, stop, started_at
-        #: Whether this worker's agent asks it to leave for a new membership (:mod:`.handover`), at a step boundary.
-        self.park_requested = park_requested
+        #: How this worker's agent asks it to leave for a new membership (:mod:`.handover`), at a step boundary.
+        self.park = park
         self.make_workload = make_workload or (lambda: from_config(cfg))
         #: What an earlier attempt of this process built (in-process recovery): its model, on the device, with the
         #: compiled code torch keeps for it; or what this process built as a standby (:mod:`.standby`). Its state
@@ -355,7 +355,7 @@ class Attempt:
                           total_steps=self.total_steps, start=AttemptStart(self.started_at, resumed, self.resume_info),
                           stop=self.stop, events=self.events, metrics=self.metrics, watchdog=self.watchdog,
                           on_first_step=self.records.soon if self.records is not None else None,
-                          park_requested=self.park_requested)
+                          park=self.park)
         try:
             return trainer.fit()
         except BaseException as exc:

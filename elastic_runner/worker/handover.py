@@ -10,6 +10,9 @@ starts the new round.
 The channel is a directory private to the agent (mode 0700, :data:`HANDOVER_DIR_VAR`), one set of files per local
 rank, written atomically (a rename) and read as JSON (nothing crosses it that could run code):
 
+- ``ready-<local_rank>``: the worker can park now (its content: its pid): it is in its training loop, or waits for a
+  failed peer's replacement. A worker that is not (building, resuming, bringing its group up) is not asked: the
+  agent starts a new process in its place;
 - ``park-<local_rank>``: the agent asks the worker to park (its content: why);
 - ``parked-<local_rank>``: the worker is parked, waiting (its content: its pid);
 - ``place-<local_rank>.json``: the agent's answer, the worker's new environment (what torch's agent gives a new
@@ -60,6 +63,7 @@ class Handover:
         self.park_file = self.directory / f"park-{local_rank}"
         self.parked_file = self.directory / f"parked-{local_rank}"
         self.place_file = self.directory / f"place-{local_rank}.json"
+        self.ready_file = self.directory / f"ready-{local_rank}"
 
     @classmethod
     def from_environ(cls, local_rank: int, environ: Mapping[str, str] | None = None) -> "Handover | None":
@@ -68,6 +72,14 @@ class Handover:
         return cls(directory, local_rank) if directory and os.path.isdir(directory) else None
 
     # -- the worker's side -----------------------------------------------------------------------------------
+
+    def ready(self) -> None:
+        """This worker can park from now on (its training loop runs)."""
+        _write(self.ready_file, str(os.getpid()))
+
+    def busy(self) -> None:
+        """This worker cannot park until it says :meth:`ready` again (it builds its next attempt)."""
+        _remove(self.ready_file)
 
     def requested(self) -> bool:
         """Whether the agent asks this worker to park (checked at every step boundary: one ``stat``)."""
@@ -89,9 +101,8 @@ class Handover:
                 return self._place(text)
             return None
         finally:
-            _remove(self.place_file)
-            _remove(self.parked_file)
-            _remove(self.park_file)
+            for path in (self.place_file, self.parked_file, self.park_file, self.ready_file):
+                _remove(path)
 
     def _place(self, text: str) -> dict[str, str]:
         try:
@@ -109,16 +120,29 @@ class Handover:
 
     def parked_pid(self) -> int | None:
         """The pid of the worker parked here, if one is."""
-        try:
-            text = self.parked_file.read_text().strip()
-        except FileNotFoundError:
-            return None
-        return int(text) if text.isdigit() else None
+        return _pid_in(self.parked_file)
+
+    def ready_pid(self) -> int | None:
+        """The pid of the worker that can park now, if one can."""
+        return _pid_in(self.ready_file)
 
     def give_place(self, environment: Mapping[str, str]) -> None:
+        _remove(self.parked_file)  # taken: the agent's next look must not see it parked still
         _write(self.place_file, json.dumps(dict(environment)))
+
+    def withdraw(self) -> None:
+        """The request is off (the agent restarts the node's workers instead)."""
+        _remove(self.park_file)
 
     def clear(self) -> None:
         """Nothing asked, nobody parked: before a worker starts at this local rank, and after a fall-back."""
-        for path in (self.park_file, self.parked_file, self.place_file):
+        for path in (self.park_file, self.parked_file, self.place_file, self.ready_file):
             _remove(path)
+
+
+def _pid_in(path: Path) -> int | None:
+    try:
+        text = path.read_text().strip()
+    except FileNotFoundError:
+        return None
+    return int(text) if text.isdigit() else None

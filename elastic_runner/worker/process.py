@@ -87,8 +87,7 @@ def run(cfg: Config, env: WorkerEnv, make_workload: Callable[[], Workload] | Non
         # A standby that took this worker's place built the workload ahead: the first attempt trains it.
         kept = standby.take(cfg) if make_workload is None else None
         while True:
-            attempt = Attempt(cfg, env, dist, stop, started_at, make_workload, kept,
-                              park_requested=handover.requested if handover is not None else None)
+            attempt = Attempt(cfg, env, dist, stop, started_at, make_workload, kept, park=handover)
             parking = False
             try:
                 attempt.run()
@@ -113,6 +112,8 @@ def run(cfg: Config, env: WorkerEnv, make_workload: Callable[[], Workload] | Non
                 try:
                     seconds = dist.rejoin(cfg.dist.init_timeout_seconds,
                                           leaving=handover.requested if handover is not None else None)
+                    if handover is not None:
+                        handover.busy()  # until the next attempt's loop: it cannot park while it builds
                     log.warning("rank %d: a peer failed (%s); this worker kept its process and rebuilt the process "
                                 "group with its replacement in %.3fs (in process, %s)", env.rank, cause, seconds,
                                 dist.in_process.method)
@@ -168,6 +169,9 @@ def _park(cfg: Config, env: WorkerEnv, dist: Dist, handover: Handover, stop: Sto
     stay; the next attempt resumes from the newest step every rank can have, resharded for the new world size.
     (env, None) where no place came (the agent stopped this worker, or gave up on keeping it)."""
     started = time.monotonic()
+    # Rank 0's store stays up until this worker has its place: a peer still finishing a long step must not see it go
+    # (its watchdog would end it) before its own agent asks it to park.
+    held = dist.store
     dist.down()
     log.info("rank %d: %s; waiting for this worker's place in the agent's next round (in process)", env.rank, cause)
     try:
@@ -175,6 +179,7 @@ def _park(cfg: Config, env: WorkerEnv, dist: Dist, handover: Handover, stop: Sto
     except HandoverError as exc:
         say(f"elastic_runner: rank {env.rank}: {exc}; every worker restarts")
         return env, None
+    del held
     if place is None:
         if not stop.requested:
             say(f"elastic_runner: rank {env.rank}: no place in a new round within {PARK_WAIT_S:g}s of parking "

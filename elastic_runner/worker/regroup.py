@@ -25,7 +25,7 @@ from __future__ import annotations
 import datetime
 import gc
 import logging
-import random
+import os
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -197,7 +197,9 @@ class Regroup:
 
     def _alone(self) -> None:
         """Reconfigure the group to this member alone, under a random id (no two processes share one)."""
-        tdist._reconfigure(uuid=random.getrandbits(62), handles=[tdist._get_reconfigure_handle()],
+        # From the OS, not ``random``: forked workers share its state, and training seeds it the same on every rank
+        # (kept workers' first groups of a new round all failed with "handles must be unique").
+        tdist._reconfigure(uuid=int.from_bytes(os.urandom(8), "little") >> 2, handles=[tdist._get_reconfigure_handle()],
                            timeout=self.timeout).wait()
 
     def _recreate(self, membership: Membership, rank: int, wait: datetime.timedelta) -> None:

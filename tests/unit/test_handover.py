@@ -74,13 +74,18 @@ def test_only_a_worker_of_an_agent_that_offers_a_directory_has_a_handover(tmp_pa
 
 
 def _worker(name: str) -> tuple[str, int, str]:
-    """A worker of the first round waits to be asked to park, parks and returns the rank of its new place; one
-    started for the new round returns at once."""
+    """A worker of the first round says it can park (local rank 3 never does: it is still building), waits to be
+    asked, parks and returns the rank of its new place; one started for the new round returns at once."""
     if os.environ["RANK"] != os.environ["FIRST_RANK"]:
         return name, os.getpid(), os.environ["RANK"]
     place = Handover(os.environ["DIR"], int(os.environ["LOCAL_RANK"]))
+    if place.local_rank == 3:
+        time.sleep(120)
+    place.ready()
     while not place.requested():
         time.sleep(0.01)
+    if os.environ.get("NEVER_PARK"):
+        time.sleep(120)
     new = place.park(60)
     assert new is not None
     return name, os.getpid(), new["RANK"]
@@ -100,37 +105,53 @@ def _wait(context: Any, timeout: float = 60) -> Any:
     raise AssertionError("the context never reported")
 
 
-def test_the_agent_parks_its_workers_and_hands_them_their_new_places_a_gone_one_is_started_anew(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(HANDOVER_DIR_VAR, str(tmp_path))
-    places = kept_round.handovers(3)
-    assert places is not None
+def _started(tmp_path: Path, count: int, **extra: str) -> Any:
     context = as_keeping(start_processes(
-        name="trainer", entrypoint=_worker, args={r: (f"w{r}",) for r in range(3)},
-        envs={r: _env(tmp_path, r, r, r) for r in range(3)},
+        name="trainer", entrypoint=_worker, args={r: (f"w{r}",) for r in range(count)},
+        envs={r: _env(tmp_path, r, r, r) | extra for r in range(count)},
         logs_specs=DefaultLogsSpecs(log_dir=tempfile.mkdtemp(dir=tmp_path)), start_method="forkserver"))
     assert context is not None
+    return context
+
+
+def _all_ready(context: Any, places: list[Handover], local_ranks: list[int]) -> None:
+    deadline = time.monotonic() + 30
+    while any(places[r].ready_pid() != context.pids()[r] for r in local_ranks):
+        assert time.monotonic() < deadline, "the workers never said they can park"
+        time.sleep(0.01)
+
+
+def test_the_agent_parks_its_workers_and_hands_them_their_new_places_the_others_start_anew(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(HANDOVER_DIR_VAR, str(tmp_path))
+    places = kept_round.handovers(4)
+    assert places is not None
+    context = _started(tmp_path, 4)
     try:
         before = context.pids()
+        _all_ready(context, places, [0, 1, 2])
         os.kill(before[2], signal.SIGKILL)  # died with the membership change: its place goes to a new process
         context._pc.processes[2].join(10)
         assert kept_round.park(context, places, "a node is waiting to join", wait_s=30)
-        assert kept_round.parked(context, places) == [0, 1]
+        assert kept_round.parked(context, places) == [0, 1], "local rank 3 was not asked: it cannot park yet"
+        assert not places[3].park_file.exists()
         # torch's agent starts the round's workers through the module's start_processes: the places go instead
         module = importlib.import_module(kept_round.LOCAL_AGENT)
         original = module.start_processes
         with kept_round.handing_over(context, places) as outcome:
             returned = module.start_processes(name="trainer", entrypoint=_worker, args={}, logs_specs=None,
-                                              envs={r: _env(tmp_path, r, r + 3, r) for r in range(3)})
+                                              envs={r: _env(tmp_path, r, r + 4, r) for r in range(4)})
         assert module.start_processes is original
         assert returned is context
-        new_pid = context.pids()[2]
-        assert outcome == [(0, before[0], True), (1, before[1], True), (2, new_pid, False)]
-        assert new_pid != before[2]
+        after = context.pids()
+        assert outcome == [(0, before[0], True), (1, before[1], True), (2, after[2], False), (3, after[3], False)]
+        assert after[2] != before[2] and after[3] != before[3], "the dead worker and the busy one are new processes"
+        assert places[0].parked_pid() is None, "a worker handed its place is not parked any more"
         done = _wait(context)
         assert not done.is_failed(), done.failures
-        assert done.return_values == {0: ("w0", before[0], "3"), 1: ("w1", before[1], "4"), 2: ("w2", new_pid, "5")}
-        assert context.envs[0]["RANK"] == "3", "a later replacement of local rank 0 starts with the new place"
+        assert done.return_values == {0: ("w0", before[0], "4"), 1: ("w1", before[1], "5"),
+                                      2: ("w2", after[2], "6"), 3: ("w3", after[3], "7")}
+        assert context.envs[0]["RANK"] == "4", "a later replacement of local rank 0 starts with the new place"
     finally:
         context.close()
 
@@ -140,12 +161,20 @@ def test_a_worker_that_does_not_park_in_time_makes_the_agent_restart_every_worke
     monkeypatch.setenv(HANDOVER_DIR_VAR, str(tmp_path))
     places = kept_round.handovers(1)
     assert places is not None
-    context = as_keeping(start_processes(
-        name="trainer", entrypoint=time.sleep, args={0: (60,)}, envs={0: {}},
-        logs_specs=DefaultLogsSpecs(log_dir=tempfile.mkdtemp(dir=tmp_path)), start_method="forkserver"))
-    assert context is not None
+    context = _started(tmp_path, 1, NEVER_PARK="1")
     try:
+        _all_ready(context, places, [0])
         assert not kept_round.park(context, places, "a node is waiting to join", wait_s=0.5)
         assert not places[0].park_file.exists(), "the request is withdrawn: the worker restarts as before"
+    finally:
+        context.close()
+
+
+def test_a_parked_file_left_by_a_killed_worker_does_not_pass_for_its_successor(tmp_path: Path) -> None:
+    context = _started(tmp_path, 1)
+    try:
+        places = [Handover(tmp_path, 0)]
+        places[0].parked_file.write_text(str(context.pids()[0] + 1_000_000))  # a pid that is not the worker's
+        assert kept_round.parked(context, places) == []
     finally:
         context.close()
