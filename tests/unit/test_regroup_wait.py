@@ -54,3 +54,27 @@ def test_a_store_gone_with_rank_0s_worker_ends_the_wait_at_once() -> None:
     with pytest.raises(RegroupError, match="store does not answer"):
         _survivor(GoneStore()).survive(datetime.timedelta(seconds=30))
     assert time.monotonic() - started < 5
+
+
+def test_a_group_given_up_alone_gets_an_id_that_training_s_seeded_random_does_not_decide(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Every rank seeds Python's random the same way for its data; forked workers share its state too. Two kept
+    # workers that drew their alone-ids from it handed in the same handle and their new group failed.
+    import random
+
+    from elastic_runner.worker.regroup import Regroup
+
+    ids: list[int] = []
+
+    class Work:
+        def wait(self) -> None:
+            pass
+
+    monkeypatch.setattr(tdist, "_get_reconfigure_handle", lambda: "gloo:0:-1:0:", raising=False)
+    monkeypatch.setattr(tdist, "_reconfigure", lambda uuid, handles, timeout: ids.append(uuid) or Work(),
+                        raising=False)
+    regroup = Regroup(tdist.HashStore(), "0", "gloo", datetime.timedelta(seconds=5), method="recreate")
+    for _ in range(2):
+        random.seed(1234)
+        regroup._alone()
+    assert len(set(ids)) == 2 and all(0 <= i < 2**62 for i in ids), ids

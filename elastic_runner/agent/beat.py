@@ -1,0 +1,103 @@
+"""The agent's heartbeat in the job's store: how a survivor tells a lost node from a replacement on its way.
+
+With in-process recovery a worker whose peer failed waits for that peer's agent to announce a replacement
+(:meth:`~elastic_runner.worker.regroup.SameMembers.survive`). A lost node's agent never does, and the survivors
+used to wait the whole announcement window (2 s) before they parked for a new round — the largest part of a node
+loss's recovery. Each agent that keeps its workers across rounds therefore beats in the job's store every
+:data:`BEAT_SECONDS` (``regroup/agent/<group rank>``, a counter) from a thread of its own; a survivor that sees an
+agent's counter stand still for :data:`~elastic_runner.worker.regroup.AGENT_SILENT` knows that node is gone and parks at
+once. An agent that does not beat (torch's own, an older one) is never judged: the survivors wait as before.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import socket
+import threading
+from typing import Any
+
+from ..worker.regroup import agent_beat
+
+log = logging.getLogger(__name__)
+
+#: Seconds between two beats (a store ``set``: microseconds on the node, a round trip across nodes).
+BEAT_SECONDS = 0.1
+#: Seconds before a store that did not answer is tried again (rank 0's worker starts it after the round).
+RETRY_SECONDS = 0.25
+
+
+class AgentBeat:
+    """Beats for this agent in the current round's job store, from a daemon thread, while told to."""
+
+    def __init__(self, interval: float = BEAT_SECONDS) -> None:
+        self.interval = interval
+        self._target: tuple[str, int, int] | None = None  #: (MASTER_ADDR, MASTER_PORT, group rank)
+        self._changed = threading.Condition()
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        self.beats = 0  #: beats sent in this agent's life (for tests and logs)
+
+    def follow(self, master_addr: str | None, master_port: int | None, group_rank: int) -> None:
+        """Beat into this round's store from now on (None: stop beating: the workers restart every one)."""
+        with self._changed:
+            self._target = (master_addr, int(master_port), group_rank) if master_addr and master_port else None
+            self._changed.notify_all()
+        if self._thread is None and self._target is not None:
+            self._thread = threading.Thread(target=self._run, name="elastic-runner-agent-beat", daemon=True)
+            self._thread.start()
+
+    def pause(self) -> None:
+        self.follow(None, None, 0)
+
+    def close(self) -> None:
+        with self._changed:
+            self._closed = True
+            self._changed.notify_all()
+
+    def _run(self) -> None:
+        store: Any = None
+        following: tuple[str, int, int] | None = None
+        while True:
+            with self._changed:
+                if self._closed:
+                    return
+                target = self._target
+                if target is None:
+                    store = following = None
+                    self._changed.wait()
+                    continue
+            if target != following:
+                store, following = self._connect(target), target
+                if store is None:
+                    following = None
+                    self._sleep(RETRY_SECONDS)
+                    continue
+            try:
+                agent_beat(store, target[2], self.beats)
+                self.beats += 1
+            except Exception as exc:  # noqa: BLE001 - the store gone (rank 0's worker): the next round's, later
+                log.debug("agent beat failed (%s); connecting again", exc)
+                store = following = None
+                self._sleep(RETRY_SECONDS)
+                continue
+            self._sleep(self.interval)
+
+    def _sleep(self, seconds: float) -> None:
+        with self._changed:
+            if not self._closed:
+                self._changed.wait(seconds)
+
+    @staticmethod
+    def _connect(target: tuple[str, int, int]) -> Any:
+        addr, port, _ = target
+        try:
+            # A refused connection at once, without torch's client retrying (and logging) until its timeout.
+            socket.create_connection((addr, port), timeout=1.0).close()
+            from torch.distributed import TCPStore
+
+            return TCPStore(addr, port, is_master=False, timeout=datetime.timedelta(seconds=2),
+                            wait_for_workers=False)
+        except Exception as exc:  # noqa: BLE001 - not up yet, or gone: tried again
+            log.debug("agent beat: the job's store at %s:%s does not answer (%s)", addr, port, exc)
+            return None
