@@ -75,6 +75,7 @@ from ..worker.lifecycle import (
 )
 from ..worker.regroup import RegroupError, announce_replacement
 from . import fast_rendezvous, kept_round
+from .beat import AgentBeat
 from .round_members import MemberWatch, WatchfulStore, gone_check
 from .torch_patches import KEEPING_WORKERS, usable
 from .worker_context import KeepingContext, as_keeping
@@ -135,6 +136,8 @@ class ElasticRunnerAgent(LocalElasticAgent):
         #: The hand-over to each local worker (in-process recovery across rounds: :mod:`.kept_round`), where offered.
         self._places: list[Any] | None = None
         self._handing_over = False
+        #: This agent's heartbeat in the job's store, while its workers are kept across failures (:mod:`.beat`).
+        self._beat = AgentBeat()
 
     def _notify(self, event: str, **fields: Any) -> None:
         for observer in self.observers:
@@ -225,6 +228,7 @@ class ElasticRunnerAgent(LocalElasticAgent):
             self._stopping_group = False
 
     def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
+        self._beat.close()
         self._kill_stopped_workers()
         if not self._stopping_group:
             self._announce_stop(f"the agent is shutting down on {death_sig.name}")
@@ -246,6 +250,8 @@ class ElasticRunnerAgent(LocalElasticAgent):
                          "a failed worker restarts every worker")
         self._standbys_lost = 0
         self._schedule_standby()
+        if self._keeping is not None and self._places:
+            self._beat.follow(worker_group.master_addr, worker_group.master_port, worker_group.group_rank)
         return ids
 
     def _schedule_standby(self, delay: float | None = None) -> None:
@@ -382,6 +388,7 @@ class ElasticRunnerAgent(LocalElasticAgent):
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
         self._notify("restart")
         if not self._keep_for_next_round(worker_group):
+            self._beat.pause()  # its workers restart: survivors elsewhere stop waiting for an announcement from it
             super()._restart_workers(worker_group)
 
     def _keep_for_next_round(self, worker_group: WorkerGroup) -> bool:

@@ -225,7 +225,8 @@ class Dist:
                     except RegroupError as exc:
                         raise DistError(str(exc)) from exc
                     same = SameMembers(store, env.rank, env.world_size, chosen, dev, timeout,
-                                       datetime.timedelta(seconds=regroup_wait_seconds), method=method)
+                                       datetime.timedelta(seconds=regroup_wait_seconds), method=method,
+                                       agents=env.group_world_size)
                 if same is not None and env.replaces is not None and env.rank != 0:
                     same.replace()  # the group the survivors rebuild for this process
                     joined = True

@@ -46,6 +46,8 @@ class WorkerEnv:
     world_size: int = 1
     local_world_size: int = 1
     group_rank: int = 0
+    #: The round's agents (nodes).
+    group_world_size: int = 1
     restart_count: int = 0
     max_restarts: int = 0
     run_id: str = "local"
@@ -78,6 +80,7 @@ class WorkerEnv:
             world_size=world_size,
             local_world_size=local_world_size,
             group_rank=_int(env, "GROUP_RANK", 0),
+            group_world_size=_int(env, "GROUP_WORLD_SIZE", 1),
             restart_count=_int(env, "TORCHELASTIC_RESTART_COUNT", 0),
             max_restarts=_int(env, "TORCHELASTIC_MAX_RESTARTS", 0),
             run_id=env.get("TORCHELASTIC_RUN_ID", "local") or "local",

@@ -220,9 +220,29 @@ def _torch_version() -> str:
 #: How long survivors wait for an agent to say that it replaces a failed worker (it does so within its monitor
 #: interval, 0.1 s under launch) before they conclude that nobody does (a node lost: every worker restarts).
 ANNOUNCE_WAIT = datetime.timedelta(seconds=2)
+#: How long an agent's heartbeat in the job's store (:mod:`elastic_runner.agent.beat`, every 0.1 s) may stand still
+#: before a survivor concludes that its node is lost: it parks then, without waiting for the announcement any longer.
+AGENT_SILENT = datetime.timedelta(seconds=0.6)
+
 #: How often a survivor looks for that announcement (a store ``check``: a blocking ``wait`` cut short logs a warning
 #: each time), and whether its agent asks it to park instead.
 ANNOUNCE_POLL_S = 0.02
+
+
+def _agent_key(group_rank: int) -> str:
+    """Where the agent of ``group_rank`` beats while its workers run."""
+    return f"{PREFIX}/agent/{group_rank}"
+
+
+def agent_beat(store: Any, group_rank: int, beat: int) -> None:
+    """The agent of ``group_rank`` is alive (its ``beat``-th beat)."""
+    store.set(_agent_key(group_rank), str(beat).encode())
+
+
+def _agent_beats(store: Any, agents: int) -> dict[int, bytes]:
+    """The agents' last beats, of those that beat."""
+    keys = {g: _agent_key(g) for g in range(agents)}
+    return {g: store.get(key) for g, key in keys.items() if store.check([key])}
 
 
 def _generation_key(rank: int) -> str:
@@ -265,8 +285,11 @@ class SameMembers:
     """
 
     def __init__(self, store: Any, rank: int, world_size: int, backend: str, device: torch.device,
-                 timeout: datetime.timedelta, wait: datetime.timedelta, method: str = "recreate") -> None:
+                 timeout: datetime.timedelta, wait: datetime.timedelta, method: str = "recreate",
+                 agents: int = 0) -> None:
         self.rank, self.world_size, self.generation = rank, world_size, 0
+        #: The round's agents (nodes): a survivor watches their beats while it waits for an announcement.
+        self.agents = agents
         self.regroup = Regroup(store, str(rank), backend, timeout, method=method, device=device, wait=wait)
 
     @property
@@ -286,17 +309,30 @@ class SameMembers:
                 leaving: Callable[[], bool] | None = None) -> float:
         """A peer failed: rebuild the group for the next generation, with its replacement; seconds it took. Raises
         :class:`RegroupError` at once when no agent announced a replacement within ``announce_wait`` (a node was
-        lost, or a worker left for a reason a replacement would not mend), or as soon as ``leaving()`` says the
-        membership changes (this worker's agent asks it to park: the peer left for a new round)."""
+        lost, or a worker left for a reason a replacement would not mend), when an agent's beat stood still for
+        :data:`AGENT_SILENT` (its node is lost: sooner than that), or as soon as ``leaving()`` says the membership
+        changes (this worker's agent asks it to park: the peer left for a new round)."""
         self.regroup.abandon()
         generation = self.generation + 1
         key, deadline = _coming_key(generation), time.monotonic() + announce_wait.total_seconds()
+        beats, beats_at = None, time.monotonic()
         while True:
             if leaving is not None and leaving():
                 raise RegroupError("the membership changes (this worker's agent asked it to park)")
             try:
                 if self.regroup.store.check([key]):
                     break
+                if beats is None:
+                    beats = _agent_beats(self.regroup.store, self.agents)
+                elif beats and time.monotonic() - beats_at >= AGENT_SILENT.total_seconds():
+                    now = _agent_beats(self.regroup.store, self.agents)
+                    silent = sorted(g for g, beat in beats.items() if now.get(g) == beat)
+                    if silent:
+                        raise RegroupError(f"the agent of node {silent[0]} has not beaten for "
+                                           f"{AGENT_SILENT.total_seconds():g}s since a peer's failure: that node was lost")
+                    beats, beats_at = now, time.monotonic()
+            except RegroupError:
+                raise
             except Exception as exc:  # noqa: BLE001 - the store gone with rank 0's worker
                 raise RegroupError(f"the job's store does not answer after a peer's failure ({type(exc).__name__}): "
                                    "rank 0's node was lost") from exc

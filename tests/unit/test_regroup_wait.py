@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as tdist
 
+from elastic_runner.agent.beat import AgentBeat
 from elastic_runner.worker.regroup import RegroupError, SameMembers
 
 pytestmark = [pytest.mark.timeout(60)]
@@ -78,3 +79,59 @@ def test_a_group_given_up_alone_gets_an_id_that_training_s_seeded_random_does_no
         random.seed(1234)
         regroup._alone()
     assert len(set(ids)) == 2 and all(0 <= i < 2**62 for i in ids), ids
+
+
+# -- a lost node's silent agent ---------------------------------------------------------------------------
+
+
+def _job_store() -> Any:
+    return tdist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=10), wait_for_workers=False)
+
+
+def _survivor_of(store: Any, agents: int) -> SameMembers:
+    timeout = datetime.timedelta(seconds=5)
+    return SameMembers(store, 1, 2, "gloo", torch.device("cpu"), timeout, timeout, agents=agents)
+
+
+def _beating(store: Any, group_ranks: list[int]) -> list[AgentBeat]:
+    beats = [AgentBeat() for _ in group_ranks]
+    for beat, group_rank in zip(beats, group_ranks):
+        beat.follow("127.0.0.1", store.port, group_rank)
+    deadline = time.monotonic() + 10
+    while not all(beat.beats > 1 for beat in beats):
+        assert time.monotonic() < deadline, "the agents never beat"
+        time.sleep(0.01)
+    return beats
+
+
+def test_a_survivor_stops_waiting_for_an_announcement_once_a_nodes_agent_is_silent() -> None:
+    store = _job_store()
+    alive, lost = _beating(store, [0, 1])
+    try:
+        lost.close()  # its node is gone: no beat, no announcement
+        started = time.monotonic()
+        with pytest.raises(RegroupError, match="agent of node 1 has not beaten"):
+            _survivor_of(store, agents=2).survive(datetime.timedelta(seconds=30))
+        assert time.monotonic() - started < 5, "not the 30 s announcement wait"
+    finally:
+        alive.close()
+
+
+def test_while_every_agent_beats_the_survivor_waits_for_the_announcement() -> None:
+    store = _job_store()
+    beats = _beating(store, [0, 1])
+    try:
+        started = time.monotonic()
+        with pytest.raises(RegroupError, match="no replacement was announced within 1.5s"):
+            _survivor_of(store, agents=2).survive(datetime.timedelta(seconds=1.5))
+        assert time.monotonic() - started >= 1.5
+    finally:
+        for beat in beats:
+            beat.close()
+
+
+def test_agents_that_do_not_beat_are_never_judged_silent() -> None:
+    started = time.monotonic()
+    with pytest.raises(RegroupError, match="no replacement was announced"):
+        _survivor_of(_job_store(), agents=2).survive(datetime.timedelta(seconds=1.5))
+    assert time.monotonic() - started >= 1.5
