@@ -55,6 +55,8 @@ class AgentMetrics:
         self.failures = Counter(PREFIX + "worker_failures", "Worker-group failures this agent detected.", registry=r)
         self.replaced = Counter(PREFIX + "workers_replaced", "Failed workers this agent started again alone, the others kept "
                                 "(recovery.in_process).", registry=r)
+        self.kept = Counter(PREFIX + "workers_kept", "Workers this agent kept in their process through a new rendezvous "
+                            "round (recovery.in_process).", registry=r)
         self.rendezvous = Counter(PREFIX + "rendezvous", "Rendezvous rounds this agent completed.", registry=r)
         self.rendezvous_duration = Histogram(PREFIX + "rendezvous_duration_seconds", "Time from joining to a complete rendezvous round.",
                                              buckets=DURATION_BUCKETS, registry=r)
@@ -89,6 +91,8 @@ class AgentMetrics:
             self.restarts.inc()
         elif event == "worker_replaced":
             self.replaced.inc()
+        elif event == "workers_kept":
+            self.kept.inc(len(fields.get("kept", ())))
         if self.events is not None:
             self.events.emit(f"agent_{event}", **fields)
 
