@@ -303,3 +303,14 @@ def run_uninterrupted(config: Path | str, run_dir: Path, agents: int = 2, nproc:
     finally:
         ran.close()
     return run_dir
+
+
+def context_result(context: Any, timeout: float = 60) -> Any:
+    """What torch's process ``context`` reports first (a failure, or every worker done), polled without blocking."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        result = context.wait(0)
+        if result is not None:
+            return result
+        time.sleep(0.05)
+    raise AssertionError("the context never reported")

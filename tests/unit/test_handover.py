@@ -21,6 +21,8 @@ from elastic_runner.agent import kept_round
 from elastic_runner.agent.worker_context import as_keeping
 from elastic_runner.worker.handover import HANDOVER_DIR_VAR, Handover, HandoverError
 
+from ..support import context_result
+
 pytestmark = [pytest.mark.timeout(120)]
 
 
@@ -95,16 +97,6 @@ def _env(tmp: Path, local_rank: int, rank: int, first_rank: int) -> dict[str, st
     return {"DIR": str(tmp), "LOCAL_RANK": str(local_rank), "RANK": str(rank), "FIRST_RANK": str(first_rank)}
 
 
-def _wait(context: Any, timeout: float = 60) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        result = context.wait(0)
-        if result is not None:
-            return result
-        time.sleep(0.05)
-    raise AssertionError("the context never reported")
-
-
 def _started(tmp_path: Path, count: int, **extra: str) -> Any:
     context = as_keeping(start_processes(
         name="trainer", entrypoint=_worker, args={r: (f"w{r}",) for r in range(count)},
@@ -147,7 +139,7 @@ def test_the_agent_parks_its_workers_and_hands_them_their_new_places_the_others_
         assert outcome == [(0, before[0], True), (1, before[1], True), (2, after[2], False), (3, after[3], False)]
         assert after[2] != before[2] and after[3] != before[3], "the dead worker and the busy one are new processes"
         assert places[0].parked_pid() is None, "a worker handed its place is not parked any more"
-        done = _wait(context)
+        done = context_result(context)
         assert not done.is_failed(), done.failures
         assert done.return_values == {0: ("w0", before[0], "4"), 1: ("w1", before[1], "5"),
                                       2: ("w2", after[2], "6"), 3: ("w3", after[3], "7")}

@@ -15,6 +15,8 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_pr
 
 from elastic_runner.agent.worker_context import KeepingContext, as_keeping
 
+from ..support import context_result
+
 pytestmark = [pytest.mark.timeout(120)]
 
 
@@ -33,23 +35,13 @@ def _start(tmp: str, count: int) -> Any:
         logs_specs=DefaultLogsSpecs(log_dir=tempfile.mkdtemp(dir=tmp)), start_method="forkserver")
 
 
-def _wait(context: Any, timeout: float = 60) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        result = context.wait(0)
-        if result is not None:
-            return result
-        time.sleep(0.05)
-    raise AssertionError("the context never reported")
-
-
 def test_a_failed_worker_is_reported_alone_and_replaced_while_its_siblings_run_on(tmp_path: Any) -> None:
     context = as_keeping(_start(str(tmp_path), 3))
     assert isinstance(context, KeepingContext)
     try:
         before = context.pids()
         os.kill(before[1], signal.SIGKILL)
-        failed = _wait(context)
+        failed = context_result(context)
         assert list(failed.failures) == [1] and failed.failures[1].exitcode == -signal.SIGKILL
         alive = [p.is_alive() for p in context._pc.processes]
         assert alive == [True, False, True], "torch's own context would have terminated local ranks 0 and 2"
@@ -59,7 +51,7 @@ def test_a_failed_worker_is_reported_alone_and_replaced_while_its_siblings_run_o
         with pytest.raises(RuntimeError, match="still running"):
             context.replace(0)
         (tmp_path / "go").touch()
-        done = _wait(context)
+        done = context_result(context)
         assert not done.is_failed()
         assert done.return_values == {0: ("w0", before[0], "first"), 1: ("w1", new_pid, "replacement"),
                                       2: ("w2", before[2], "first")}
@@ -72,10 +64,10 @@ def test_a_replacement_that_fails_is_reported_like_any_worker_and_close_ends_the
     assert context is not None
     try:
         os.kill(context.pids()[0], signal.SIGKILL)
-        _wait(context)
+        context_result(context)
         replacement, _ = context.replace(0)
         os.kill(replacement, signal.SIGKILL)
-        failed = _wait(context)
+        failed = context_result(context)
         assert list(failed.failures) == [0] and failed.failures[0].pid == replacement
         survivor = context._pc.processes[1]
         assert survivor.is_alive()
@@ -103,13 +95,13 @@ def test_the_standby_takes_a_failed_worker_s_place_with_that_worker_s_environmen
         assert standby not in context.pids().values(), "a standby is no worker until it takes a place"
         before = context.pids()
         os.kill(before[1], signal.SIGKILL)
-        _wait(context)
+        context_result(context)
         new_pid, from_standby = context.replace(1, env={"GO_FILE": str(tmp_path / "go"), "WHO": "replacement"})
         assert (new_pid, from_standby) == (standby, True)
         assert context.pids() == {0: before[0], 1: standby}
         assert context.start_standby() not in (None, standby), "the next standby is a new process"
         (tmp_path / "go").touch()
-        done = _wait(context)
+        done = context_result(context)
         assert not done.is_failed()
         assert done.return_values == {0: ("w0", before[0], "first"), 1: ("w1", standby, "replacement")}
 
@@ -121,7 +113,7 @@ def test_a_standby_that_is_gone_leaves_the_place_to_a_new_process_and_close_ends
         assert gone is not None
         os.kill(gone, signal.SIGKILL)
         os.kill(context.pids()[0], signal.SIGKILL)
-        _wait(context)
+        context_result(context)
         new_pid, from_standby = context.replace(0)
         assert not from_standby and new_pid != gone
         assert context._standby is None
@@ -135,10 +127,10 @@ def test_a_standby_that_took_a_place_and_fails_is_reported_like_any_worker(tmp_p
     with _keeping(tmp_path, 2) as context:
         standby = context.start_standby()
         os.kill(context.pids()[1], signal.SIGKILL)
-        _wait(context)
+        context_result(context)
         assert context.replace(1) == (standby, True)
         os.kill(standby, signal.SIGKILL)
-        failed = _wait(context)
+        failed = context_result(context)
         assert list(failed.failures) == [1] and failed.failures[1].pid == standby
         assert failed.failures[1].exitcode == -signal.SIGKILL
 
@@ -149,7 +141,7 @@ def test_without_keeping_survivors_torch_s_all_or_nothing_policy_holds(tmp_path:
     context.keep_survivors = False
     try:
         os.kill(context.pids()[0], signal.SIGKILL)
-        failed = _wait(context)
+        failed = context_result(context)
         assert list(failed.failures) == [0]
         assert not any(p.is_alive() for p in context._pc.processes), "torch's policy: the sibling was terminated"
     finally:
