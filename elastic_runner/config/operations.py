@@ -206,11 +206,12 @@ class RecoveryConfig:
     """How a job recovers from a failed worker."""
 
     in_process: bool = _help(
-        "A worker killed or crashed while its node and rank 0's worker live is replaced alone, and the other "
-        "workers keep their process (its interpreter, CUDA context, datasets and model with its compiled code) "
-        "and rebuild only their process group; anything else (rank 0's worker lost, a node lost or joining, a "
-        "script's model through elastic_runner.fit, torch's own agent) restarts every worker as without it. "
-        "Experimental: off until it covers membership changes.",
+        "Workers keep their process (its interpreter, CUDA context, datasets and model with its compiled code) "
+        "through a recovery: a worker killed or crashed while its node and rank 0's worker live is replaced alone "
+        "and the others rebuild only their process group; for a node that joins or is lost (or another node's "
+        "restart) the workers park at a step boundary and take their place in the new rendezvous round. A worker "
+        "that cannot park yet, a script's model through elastic_runner.fit, and torch's own agent restart as "
+        "without it. Experimental, off by default.",
         default=False,
     )
     standby: bool = _help(
