@@ -202,6 +202,28 @@ def test_with_rank_0s_worker_killed_a_new_round_keeps_the_other_nodes_worker_and
     assert [e["source"].rsplit("-", 1)[1] for e in kept] == [str(other)], kept
 
 
+def test_at_four_ranks_on_two_nodes_rank_0s_worker_killed_every_other_worker_is_kept_through_a_new_round_bitwise(
+        resume_config: Path, reference_2x2: Any, local_job: Any, tmp_path: Path) -> None:
+    # The kept round at four ranks, two per node: no replacement can join the old group (its store went with rank
+    # 0's worker), so both agents start a new round; the victim's sibling and the other node's two workers park and
+    # take their places in it (ranks may move between the nodes), only the victim's place gets a new process. The
+    # sums run over four ranks, so a resumed state or a gradient layout that differed in any rank would show in the
+    # bits.
+    job = local_job(config=str(resume_config), nnodes="2:2", nproc_per_node=2, launcher="elastic-runner",
+                    overrides=["recovery.in_process=true"])
+    job.start_agent()
+    job.start_agent()
+    victim = kill_worker_at_step(job, 130, rank=0, count=4)
+    run_dir = _ends_as_the_uninterrupted_run(job, reference_2x2, tmp_path)
+
+    starts = events(run_dir, "start")
+    pids = {e["pid"] for e in starts}
+    assert victim.pid in pids and len(pids) == 5, f"one new process, for the victim's place: {pids}\n{job.logs_tail()}"
+    kept = _agent_events(run_dir, "workers_kept")
+    assert sorted(len(e["kept"]) for e in kept) == [1, 2], kept
+    assert sorted(len(e["started"]) for e in kept) == [0, 1], kept
+
+
 def test_a_replacement_killed_while_it_joins_ends_in_a_recovered_job(
         resume_config: Path, reference_model: Any, local_job: Any, tmp_path: Path) -> None:
     # Killed as soon as it exists: before it reached the group (the survivor stops waiting after
