@@ -71,7 +71,6 @@ def name_agent(environ: Any = None) -> str:
     import time
 
     from ..worker.env import AGENT_ID_VAR, GOODPUT_FILE_VAR
-    from ..worker.handover import HANDOVER_DIR_VAR
 
     environ = os.environ if environ is None else environ
     environ[AGENT_ID_VAR] = f"{socket.gethostname()}-{os.getpid()}-{time.time():.0f}"
@@ -81,8 +80,6 @@ def name_agent(environ: Any = None) -> str:
     private = tempfile.mkdtemp(prefix=f"{PRIVATE_PREFIX}{os.getpid()}-")
     atexit.register(shutil.rmtree, private, True)
     environ[GOODPUT_FILE_VAR] = os.path.join(private, "goodput.json")
-    # and where its workers are handed their places in a new round (in-process recovery: elastic_runner.worker.handover)
-    environ[HANDOVER_DIR_VAR] = private
     return environ[AGENT_ID_VAR]
 
 
@@ -132,11 +129,15 @@ def adopt(launcher_api: Any, config: Any, entrypoint: Any, args: Sequence[Any],
 
         hold_for_our_workers()  # our worker binds MASTER_PORT with SO_REUSEPORT: the offered port stays held
     worker_cfg = worker_config(worker_args) if worker_args is not None else None
-    if not _keeps_workers_across_rounds(worker_cfg, zygote_wanted):
+    from ..worker.env import GOODPUT_FILE_VAR
+
+    private = os.path.dirname(os.environ.get(GOODPUT_FILE_VAR, ""))  # name_agent's directory
+    if private and _keeps_workers_across_rounds(worker_cfg, zygote_wanted):
         from ..worker.handover import HANDOVER_DIR_VAR
 
-        # Its workers would park for a new round that no agent hands them (torch's own agent, a binary entrypoint).
-        os.environ.pop(HANDOVER_DIR_VAR, None)
+        # Where its workers are handed their places in a new round. Only here: elsewhere (torch's own agent, a
+        # binary entrypoint) they would park for a round that nobody hands them.
+        os.environ[HANDOVER_DIR_VAR] = private
     if zygote_wanted and worker_args is not None:
         # forked from this agent, which has imported torch by now
         from ..config.locations import is_url

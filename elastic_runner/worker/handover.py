@@ -18,7 +18,7 @@ rank, written atomically (a rename) and read as JSON (nothing crosses it that co
 - ``place-<local_rank>.json``: the agent's answer, the worker's new environment (what torch's agent gives a new
   worker: ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ...).
 
-Standard library only: the agent imports it without the trainer.
+Standard library only (and :mod:`elastic_runner.files`): the agent imports it without the trainer.
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ import os
 import time
 from pathlib import Path
 from typing import Callable, Mapping
+
+from ..files import write_file_atomically
 
 #: Set by elastic_runner's agent for its workers: its private directory for the hand-over (unset: workers never park).
 HANDOVER_DIR_VAR = "ELASTIC_RUNNER_HANDOVER_DIR"
@@ -42,12 +44,8 @@ class HandoverError(RuntimeError):
 
 
 def _write(path: Path, text: str) -> None:
-    """``text`` at ``path``, whole or not at all, readable by this user only."""
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as handle:
-        handle.write(text)
-    os.replace(temporary, path)
+    """``text`` at ``path``, whole or not at all, with the run's file mode (the directory is the agent's alone)."""
+    write_file_atomically(path, text.encode())
 
 
 def _remove(path: Path) -> None:

@@ -79,8 +79,7 @@ def run(cfg: Config, env: WorkerEnv, make_workload: Callable[[], Workload] | Non
     dist: Dist | None = None
     try:
         # Whatever the world size now: a node may join a worker that trains alone.
-        handover = (Handover.from_environ(env.local_rank) if cfg.recovery.in_process and env.agent_id is not None
-                    and make_workload is None else None)
+        handover = Handover.from_environ(env.local_rank) if keeps_its_process(cfg, env, make_workload) else None
         dist = _up(cfg, env, make_workload)
         if dist is None:
             return EXIT_PEER_LOST
@@ -198,11 +197,16 @@ def _park(cfg: Config, env: WorkerEnv, dist: Dist, handover: Handover, stop: Sto
     return new, dist
 
 
+def keeps_its_process(cfg: Config, env: WorkerEnv, make_workload: Callable[[], Workload] | None) -> bool:
+    """Whether this worker keeps its process through a recovery (``recovery.in_process``): only under our agent
+    (which replaces a failed worker and hands kept ones their places; torch's own restarts every worker) and for a
+    model built from the config (a script's model object would carry the abandoned step into the next attempt)."""
+    return cfg.recovery.in_process and env.agent_id is not None and make_workload is None
+
+
 def in_process_wanted(cfg: Config, env: WorkerEnv, make_workload: Callable[[], Workload] | None) -> bool:
-    """Whether this worker keeps its process when a peer fails (``recovery.in_process``): only under our agent
-    (which replaces the failed worker; torch's own restarts every worker) and for a model built from the config
-    (a script's model object would carry the abandoned step into the next attempt)."""
-    return cfg.recovery.in_process and env.agent_id is not None and env.world_size > 1 and make_workload is None
+    """Whether this worker rebuilds its group with a failed peer's replacement: it keeps its process and has peers."""
+    return keeps_its_process(cfg, env, make_workload) and env.world_size > 1
 
 
 def _first_line(exc: BaseException) -> str:

@@ -239,10 +239,26 @@ def agent_beat(store: Any, group_rank: int, beat: int) -> None:
     store.set(_agent_key(group_rank), str(beat).encode())
 
 
-def _agent_beats(store: Any, agents: int) -> dict[int, bytes]:
-    """The agents' last beats, of those that beat."""
-    keys = {g: _agent_key(g) for g in range(agents)}
-    return {g: store.get(key) for g, key in keys.items() if store.check([key])}
+class _AgentBeats:
+    """The round's agents' beats as a survivor first saw them (of those that beat): which stood still since."""
+
+    def __init__(self, store: Any, agents: int) -> None:
+        self.store, self.agents = store, agents
+        self.seen, self.at = self._read(), time.monotonic()
+
+    def _read(self) -> dict[int, bytes]:
+        keys = {g: _agent_key(g) for g in range(self.agents)}
+        return {g: self.store.get(key) for g, key in keys.items() if self.store.check([key])}
+
+    def silent(self) -> int | None:
+        """The group rank of an agent that has not beaten for :data:`AGENT_SILENT`, looked at once that long has
+        passed since the last look; None otherwise."""
+        if not self.seen or time.monotonic() - self.at < AGENT_SILENT.total_seconds():
+            return None
+        now = self._read()
+        still = sorted(g for g, beat in self.seen.items() if now.get(g) == beat)
+        self.seen, self.at = now, time.monotonic()
+        return still[0] if still else None
 
 
 def _generation_key(rank: int) -> str:
@@ -315,27 +331,21 @@ class SameMembers:
         self.regroup.abandon()
         generation = self.generation + 1
         key, deadline = _coming_key(generation), time.monotonic() + announce_wait.total_seconds()
-        beats, beats_at = None, time.monotonic()
+        beats: _AgentBeats | None = None
         while True:
             if leaving is not None and leaving():
                 raise RegroupError("the membership changes (this worker's agent asked it to park)")
             try:
                 if self.regroup.store.check([key]):
                     break
-                if beats is None:
-                    beats = _agent_beats(self.regroup.store, self.agents)
-                elif beats and time.monotonic() - beats_at >= AGENT_SILENT.total_seconds():
-                    now = _agent_beats(self.regroup.store, self.agents)
-                    silent = sorted(g for g, beat in beats.items() if now.get(g) == beat)
-                    if silent:
-                        raise RegroupError(f"the agent of node {silent[0]} has not beaten for "
-                                           f"{AGENT_SILENT.total_seconds():g}s since a peer's failure: that node was lost")
-                    beats, beats_at = now, time.monotonic()
-            except RegroupError:
-                raise
+                beats = beats or _AgentBeats(self.regroup.store, self.agents)
+                silent = beats.silent()
             except Exception as exc:  # noqa: BLE001 - the store gone with rank 0's worker
                 raise RegroupError(f"the job's store does not answer after a peer's failure ({type(exc).__name__}): "
                                    "rank 0's node was lost") from exc
+            if silent is not None:
+                raise RegroupError(f"the agent of node {silent} has not beaten for {AGENT_SILENT.total_seconds():g}s "
+                                   "since a peer's failure: that node was lost")
             if time.monotonic() >= deadline:
                 raise RegroupError(f"no replacement was announced within {announce_wait.total_seconds():g}s of a "
                                    "peer's failure: a node was lost, or its agent restarts every worker")
