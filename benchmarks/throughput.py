@@ -20,7 +20,8 @@ with other load:
 - ``elastic-runner-fsdp`` and ``baseline-fsdp``: ``parallel.strategy: fsdp`` against the baseline script with
   ``--parallel fsdp`` (FSDP2 on every block as torchtitan does it, torch.distributed.checkpoint every 50 steps), run
   back to back (``fsdp_vs_plain_fsdp``, the median of per-repeat pair ratios); ``elastic-runner-fsdp-bare``: the same
-  without snapshots, node memory and watchdog (``fsdp_bare_vs_plain_fsdp``);
+  without snapshots, node memory and watchdog (``fsdp_bare_vs_plain_fsdp``); ``elastic-runner-fsdp-no-snapshots``,
+  ``-no-memory`` and ``-no-watchdog``: one of those three off alone (which one costs what);
 - ``elastic-runner-compiled``: defaults but ``model.compile: true`` — what torch.compile gains or costs, as the median
   of per-repeat pair ratios with ``elastic-runner`` (``compiled_vs_uncompiled``); the compile itself happens before
   the measured steps.
@@ -55,6 +56,10 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "baseline-fsdp": ("torchrun-tuned", {"baseline_args": ["--parallel", "fsdp"]}),
     "elastic-runner-fsdp-bare": ("elastic-runner", {"parallel.strategy": "fsdp", "snapshot.every_steps": 0,
                                                     "snapshot.in_memory": False, "dist.heartbeat_seconds": 0}),
+    # Each feature of the bare variant turned off alone, to say which one costs what (one GPU: features cost ~29 %)
+    "elastic-runner-fsdp-no-snapshots": ("elastic-runner", {"parallel.strategy": "fsdp", "snapshot.every_steps": 0}),
+    "elastic-runner-fsdp-no-memory": ("elastic-runner", {"parallel.strategy": "fsdp", "snapshot.in_memory": False}),
+    "elastic-runner-fsdp-no-watchdog": ("elastic-runner", {"parallel.strategy": "fsdp", "dist.heartbeat_seconds": 0}),
     "elastic-runner-bare": ("elastic-runner", {"snapshot.every_steps": 0, "snapshot.in_memory": False,
                                                "dist.heartbeat_seconds": 0}),
 }
