@@ -165,6 +165,7 @@ def newest_snapshot_violations(events: list[dict[str, Any]], wiped_at: Sequence[
     wipes = sorted(wiped_at)
     newest_on_disk: dict[int, tuple[int, int, str]] = {}  #: generation -> its newest durable snapshot so far
     kept: dict[int, tuple[int, int, str]] = {}  #: generation -> the newest state its survivors kept
+    kept_at: dict[int, float] = {}  #: generation -> when its survivors kept that state
     problems = []
     seen = 0
     gens = generations(events)
@@ -177,6 +178,13 @@ def newest_snapshot_violations(events: list[dict[str, Any]], wiped_at: Sequence[
                 continue  # gone with the wipe
             table = kept if in_memory else newest_on_disk
             table[sg] = max(table.get(sg, (sg, step, name)), (sg, step, name))
+            if in_memory and table[sg] == (sg, step, name):
+                kept_at[sg] = t
+        # A copy kept before a generation that started just ahead of a wipe, and gone with that wipe (in-process
+        # recovery starts the next attempt within a fraction of a second of the park that kept it).
+        for sg in [sg for sg, t in kept_at.items() if any(t <= w + WIPE_WINDOW_S and w < start for w in wipes)]:
+            kept.pop(sg, None)
+            kept_at.pop(sg)
         candidates = [state for sg, state in newest_on_disk.items() if sg < g]
         # What survivors kept is taken over by the next attempt; one that died before its first step kept
         # nothing newer (and says nothing), so the copy before it still counts.

@@ -112,6 +112,15 @@ def test_memory_a_fault_wiped_is_no_candidate() -> None:
     assert newest_snapshot_violations(events, wiped_at=[8.0]), "a wipe after the resume changes nothing"
 
 
+def test_memory_kept_before_an_attempt_that_a_wipe_then_ended_is_no_candidate_for_the_one_after() -> None:
+    """In process, the next attempt starts within a fraction of a second of the park that kept the step: a wipe
+    that lands in that attempt's resume takes the copy with it (seen in a 60-fault soak)."""
+    events = [state("snapshot_saved", 1, 200, 1.0), state("kept_in_memory", 1, 257, 4.8), *resumed(2, 4.95, 257),
+              *resumed(3, 6.0, 200)]
+    assert newest_snapshot_violations(events), "without the wipe: the kept step was there for generation 3"
+    assert newest_snapshot_violations(events, wiped_at=[5.0]) == []
+
+
 def scenario(tmp_path, **options: Any):  # noqa: ANN001, ANN201
     from elastic_runner.chaos.scenario import Scenario
 
