@@ -58,7 +58,7 @@ import time
 from typing import Any
 
 from torch.distributed import DistNetworkError, DistStoreError, TCPStore
-from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
+from torch.distributed.elastic.agent.server.api import DEFAULT_ROLE, RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
@@ -74,7 +74,7 @@ from ..worker.lifecycle import (
     process_start_time,
 )
 from ..worker.regroup import RegroupError, announce_replacement
-from . import fast_rendezvous, kept_round
+from . import fast_rendezvous, kept_round, zygote
 from .beat import AgentBeat
 from .round_members import MemberWatch, WatchfulStore, gone_check
 from .torch_patches import KEEPING_WORKERS, usable
@@ -95,6 +95,10 @@ ANNOUNCE_CONNECT_S = 0.5
 
 #: Rounds in a row a node leaves because a member never started in them, before torch's error ends it.
 ROUND_RETRIES = 5
+#: Seconds a node waits, before its first rendezvous round, for its zygote to have imported the workers' modules
+#: (seconds; longer on a GPU machine): a node that joins a running job then starts its workers as soon as the round
+#: is sealed, and the others train on while it warms up instead of waiting for it in the new round.
+WARM_WAIT_S = 60.0
 
 _PROCESS_START = process_start_time()
 
@@ -139,6 +143,21 @@ class ElasticRunnerAgent(LocalElasticAgent):
         #: This agent's heartbeat in the job's store, while its workers are kept across failures (:mod:`.beat`).
         self._beat = AgentBeat()
 
+    def run(self, role: str = DEFAULT_ROLE) -> RunResult:
+        try:
+            return super().run(role)
+        except SignalException:
+            # Stopped by a signal (preempted, drained): torch has stopped this node's workers. Leave the rendezvous
+            # now, where it can say so (etcd-v3's lease protocol), so that the others' next round does not wait the
+            # dead-node window for this node.
+            leave = getattr(self._worker_group.spec.rdzv_handler, "leave", None)
+            if callable(leave):
+                try:
+                    leave()
+                except Exception:  # noqa: BLE001 - its lease expires in the window, as before
+                    log.debug("could not leave the rendezvous", exc_info=True)
+            raise
+
     def _notify(self, event: str, **fields: Any) -> None:
         for observer in self.observers:
             try:
@@ -149,6 +168,8 @@ class ElasticRunnerAgent(LocalElasticAgent):
     # -- rendezvous --------------------------------------------------------------------------
 
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
+        if not self._rounds and not zygote.wait_warm(WARM_WAIT_S):
+            log.warning("the worker zygote is not warm after %gs; this node joins the rendezvous anyway", WARM_WAIT_S)
         started = time.monotonic()
         began = time.time()
         for attempt in range(1, ROUND_RETRIES + 2):
@@ -385,6 +406,21 @@ class ElasticRunnerAgent(LocalElasticAgent):
         self._notify("state", state=result.state.name, remaining_restarts=self._remaining_restarts)
         return result
 
+    def _count_out_lost(self, worker_group: WorkerGroup, lost: tuple[int, ...]) -> None:
+        """Tell the rendezvous which members of the round this node's workers saw lost (their agents' beat stood
+        still), where it can count them out now (etcd-v3's lease protocol); else the next round waits for their
+        leases or heartbeats as before."""
+        count_out = getattr(worker_group.spec.rdzv_handler, "count_out", None)
+        if not lost or not callable(count_out):
+            return
+        try:
+            names = count_out([g for g in lost if g != worker_group.group_rank])
+        except Exception:  # noqa: BLE001 - the round then waits the dead-node window, as before
+            log.debug("could not count the lost nodes out of the round", exc_info=True)
+            return
+        if names:
+            self._notify("members_counted_out", members=names, group_ranks=list(lost))
+
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
         self._notify("restart")
         if not self._keep_for_next_round(worker_group):
@@ -398,6 +434,7 @@ class ElasticRunnerAgent(LocalElasticAgent):
         if keeping is None or not places or not kept_round.park(keeping, places, self._restart_reason):
             return False
         started = time.monotonic()
+        self._count_out_lost(worker_group, kept_round.lost_agents(keeping, places, worker_group.group_world_size))
         old = {w.local_rank: w.global_rank for w in worker_group.workers}
         self._standby_due = None
         worker_group.state = WorkerState.STOPPED

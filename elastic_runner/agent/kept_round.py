@@ -66,6 +66,12 @@ def parked(keeping: KeepingContext, places: list[Handover]) -> list[int]:
     return [h.local_rank for h in places if _is_parked(keeping, h)]
 
 
+def lost_agents(keeping: KeepingContext, places: list[Handover], agents: int) -> tuple[int, ...]:
+    """The group ranks of the round's agents (``agents`` of them) that this node's parked workers saw stop beating:
+    their nodes are lost."""
+    return tuple(sorted({g for h in places if _is_parked(keeping, h) for g in h.lost_agents(agents)}))
+
+
 def park(keeping: KeepingContext, places: list[Handover], why: str, wait_s: float = PARK_WAIT_S) -> bool:
     """Ask every worker of the node that can park to do so; True once each has (a worker that cannot — it builds,
     resumes or brings its group up — or whose process is gone gets a new process in the round), False when none

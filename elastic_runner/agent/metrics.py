@@ -57,6 +57,9 @@ class AgentMetrics:
                                 "(recovery.in_process).", registry=r)
         self.kept = Counter(PREFIX + "workers_kept", "Workers this agent kept in their process through a new rendezvous "
                             "round (recovery.in_process).", registry=r)
+        self.counted_out = Counter(PREFIX + "nodes_counted_out", "Nodes this agent counted out of the rendezvous before "
+                                   "their leases expired: its workers saw their agents stop beating (etcd-v3, "
+                                   "recovery.in_process).", registry=r)
         self.rendezvous = Counter(PREFIX + "rendezvous", "Rendezvous rounds this agent completed.", registry=r)
         self.rendezvous_duration = Histogram(PREFIX + "rendezvous_duration_seconds", "Time from joining to a complete rendezvous round.",
                                              buckets=DURATION_BUCKETS, registry=r)
@@ -93,6 +96,8 @@ class AgentMetrics:
             self.replaced.inc()
         elif event == "workers_kept":
             self.kept.inc(len(fields.get("kept", ())))
+        elif event == "members_counted_out":
+            self.counted_out.inc(len(fields.get("members", ())))
         if self.events is not None:
             self.events.emit(f"agent_{event}", **fields)
 

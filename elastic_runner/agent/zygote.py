@@ -41,6 +41,9 @@ OBJECT_STORE_PRELOAD = ["elastic_runner.agent.warm_object_store"]
 WORKER_MODULE = "elastic_runner.train"
 
 _warming: threading.Thread | None = None
+#: The agent's end of the pipe the forked zygote writes to once it has imported what it preloads (None: not forked).
+_ready_fd: int | None = None
+_ready = False
 
 
 def start_warming(compiled: bool = False, object_store: bool = False) -> None:
@@ -58,6 +61,23 @@ def start_warming(compiled: bool = False, object_store: bool = False) -> None:
         return
     _warming = threading.Thread(target=forkserver.ensure_running, name="zygote-warmup", daemon=True)
     _warming.start()
+
+
+def wait_warm(timeout: float) -> bool:
+    """Wait up to ``timeout`` seconds for the forked zygote to have imported what its workers need; True once it has
+    (or where there is no forked zygote to wait for). A node that joins a running job waits for this before it
+    enters a rendezvous round: the others train on meanwhile, instead of waiting in the new round for its workers."""
+    global _ready, _ready_fd
+    if _ready or _ready_fd is None:
+        return True
+    import select
+
+    readable, _, _ = select.select([_ready_fd], [], [], max(0.0, timeout))
+    if not readable:
+        return False
+    os.close(_ready_fd)
+    _ready_fd, _ready = None, True
+    return True
 
 
 def _fork_supported() -> bool:
@@ -131,11 +151,13 @@ def fork_zygote(preload: list[str] = PRELOAD) -> bool:
         os.chmod(address, 0o600)
     listener.listen()
     alive_r, alive_w = os.pipe()
+    ready_r, ready_w = os.pipe()
     pid = os.fork()
     if pid == 0:  # the zygote
         code = 0
         try:
-            keep = {0, 1, 2, listener.fileno(), alive_r, getattr(resource_tracker._resource_tracker, "_fd", None)}
+            keep = {0, 1, 2, listener.fileno(), alive_r, ready_w,
+                    getattr(resource_tracker._resource_tracker, "_fd", None)}
             for name in os.listdir("/proc/self/fd"):
                 if int(name) not in keep:
                     try:
@@ -146,14 +168,23 @@ def fork_zygote(preload: list[str] = PRELOAD) -> bool:
             ours = logging.getLogger("elastic_runner")
             ours.handlers.clear()
             ours.propagate, ours.level = True, logging.NOTSET
-            forkserver.main(listener.fileno(), alive_r, preload)
+            for name in preload:  # what forkserver.main would import first, then say so
+                with contextlib.suppress(ImportError):
+                    __import__(name)
+            with contextlib.suppress(OSError):
+                os.write(ready_w, b"1")
+                os.close(ready_w)
+            forkserver.main(listener.fileno(), alive_r, [])
         except SystemExit:
             pass  # the agent is gone (the "alive" pipe closed): the normal end
         except BaseException:  # noqa: BLE001 - never return into the agent's code in this process
             code = 1
         finally:
             os._exit(code)
+    global _ready_fd
     os.close(alive_r)
+    os.close(ready_w)
+    _ready_fd = ready_r
     listener.close()
     server = forkserver._forkserver
     server._forkserver_address, server._forkserver_alive_fd, server._forkserver_pid = address, alive_w, pid

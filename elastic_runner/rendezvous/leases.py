@@ -48,6 +48,7 @@ from .rounds import (
     new_node,
     other_protocol_error,
 )
+from .departures import DepartureRole
 from .seal import Sealer
 from .sealing import SealerRole
 from .values import Codec, shown
@@ -56,7 +57,7 @@ from .watch import MemberWatch
 log = logging.getLogger(__name__)
 
 
-class LeaseRendezvousHandler(SealerRole, RendezvousHandler):
+class LeaseRendezvousHandler(SealerRole, DepartureRole, RendezvousHandler):
     """torch's ``RendezvousHandler`` on the lease protocol (:mod:`elastic_runner.rendezvous.rounds`)."""
 
     def __init__(self, client: KVClient, run_prefix: str, settings: Settings, store: Store,
@@ -167,22 +168,6 @@ class LeaseRendezvousHandler(SealerRole, RendezvousHandler):
         except EtcdError as exc:
             raise self._connection_error("close the rendezvous", exc) from exc
         log.info("The node '%s' has closed the rendezvous '%s'.", self._node, self._settings.run_id)
-
-    def member_gone(self) -> str | None:
-        """A member of the round this agent is seated in whose node key is gone (its liveness lease expired: the
-        rule by which a round counts a node dead), or None. The agent asks while it waits for the members' parts
-        of the rank assignment (:mod:`elastic_runner.agent.round_members`)."""
-        record = self.seated_in
-        if record is None:
-            return None
-        others = [name for name in record.names() if name != self._node.name]
-        if not others:
-            return None
-        try:
-            found = self._client.txn((), [Get(self._node_prefix + name.encode()) for name in others]).results
-        except EtcdError as exc:
-            raise self._connection_error("read the round's members", exc) from exc
-        return next((f"'{name}'" for name, kv in zip(others, found) if kv is None), None)
 
     def num_nodes_waiting(self) -> int:
         watch = self._watch

@@ -15,6 +15,10 @@ rank, written atomically (a rename) and read as JSON (nothing crosses it that co
   agent starts a new process in its place;
 - ``park-<local_rank>``: the agent asks the worker to park (its content: why);
 - ``parked-<local_rank>``: the worker is parked, waiting (its content: its pid);
+- ``lost-<local_rank>``: written before ``parked`` by a worker that parked because agents of its round stopped
+  beating (their nodes are lost): ``{"agents": <the round's number of agents>, "lost": [<group rank>, ...]}``; its
+  agent counts those nodes out of the next round instead of waiting the dead-node window
+  (:meth:`~elastic_runner.rendezvous.leases.LeaseRendezvousHandler.count_out`);
 - ``place-<local_rank>.json``: the agent's answer, the worker's new environment (what torch's agent gives a new
   worker: ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ...).
 
@@ -62,6 +66,8 @@ class Handover:
         self.parked_file = self.directory / f"parked-{local_rank}"
         self.place_file = self.directory / f"place-{local_rank}.json"
         self.ready_file = self.directory / f"ready-{local_rank}"
+        self.lost_file = self.directory / f"lost-{local_rank}"
+        self._files = (self.place_file, self.parked_file, self.park_file, self.ready_file, self.lost_file)
 
     @classmethod
     def from_environ(cls, local_rank: int, environ: Mapping[str, str] | None = None) -> "Handover | None":
@@ -83,10 +89,16 @@ class Handover:
         """Whether the agent asks this worker to park (checked at every step boundary: one ``stat``)."""
         return self.park_file.exists()
 
-    def park(self, wait_seconds: float, stopped: Callable[[], bool] = lambda: False) -> dict[str, str] | None:
+    def park(self, wait_seconds: float, stopped: Callable[[], bool] = lambda: False,
+             lost_agents: tuple[int, tuple[int, ...]] | None = None) -> dict[str, str] | None:
         """Say this worker is parked and wait up to ``wait_seconds`` for its place; the new environment, or None when
-        none came in time or ``stopped()`` became true (the caller exits; its agent starts whatever it needs)."""
+        none came in time or ``stopped()`` became true (the caller exits; its agent starts whatever it needs).
+        ``lost_agents``: (the round's number of agents, the group ranks of those whose beat stood still)."""
         _remove(self.place_file)  # an answer to an earlier park is not this one's
+        if lost_agents is not None:
+            _write(self.lost_file, json.dumps({"agents": lost_agents[0], "lost": list(lost_agents[1])}))
+        else:
+            _remove(self.lost_file)
         _write(self.parked_file, str(os.getpid()))
         deadline = time.monotonic() + wait_seconds
         try:
@@ -99,7 +111,7 @@ class Handover:
                 return self._place(text)
             return None
         finally:
-            for path in (self.place_file, self.parked_file, self.park_file, self.ready_file):
+            for path in self._files:
                 _remove(path)
 
     def _place(self, text: str) -> dict[str, str]:
@@ -120,12 +132,25 @@ class Handover:
         """The pid of the worker parked here, if one is."""
         return _pid_in(self.parked_file)
 
+    def lost_agents(self, agents: int) -> tuple[int, ...]:
+        """The group ranks the worker parked here saw silent, where it saw them in a round of ``agents`` agents (this
+        agent's round): anything else (no file, another round's, not the expected JSON) counts out nobody."""
+        try:
+            found = json.loads(self.lost_file.read_text())
+        except (OSError, ValueError):
+            return ()
+        if not isinstance(found, dict) or found.get("agents") != agents or not isinstance(found.get("lost"), list):
+            return ()
+        return tuple(sorted({g for g in found["lost"] if isinstance(g, int) and not isinstance(g, bool)
+                             and 0 <= g < agents}))
+
     def ready_pid(self) -> int | None:
         """The pid of the worker that can park now, if one can."""
         return _pid_in(self.ready_file)
 
     def give_place(self, environment: Mapping[str, str]) -> None:
         _remove(self.parked_file)  # taken: the agent's next look must not see it parked still
+        _remove(self.lost_file)
         _write(self.place_file, json.dumps(dict(environment)))
 
     def withdraw(self) -> None:
@@ -134,7 +159,7 @@ class Handover:
 
     def clear(self) -> None:
         """Nothing asked, nobody parked: before a worker starts at this local rank, and after a fall-back."""
-        for path in (self.park_file, self.parked_file, self.place_file, self.ready_file):
+        for path in self._files:
             _remove(path)
 
 

@@ -87,7 +87,7 @@ def run(cfg: Config, env: WorkerEnv, make_workload: Callable[[], Workload] | Non
         kept = standby.take(cfg) if make_workload is None else None
         while True:
             attempt = Attempt(cfg, env, dist, stop, started_at, make_workload, kept, park=handover)
-            parking = False
+            parking, lost = False, ()
             try:
                 attempt.run()
                 break
@@ -122,7 +122,8 @@ def run(cfg: Config, env: WorkerEnv, make_workload: Callable[[], Workload] | Non
                         say(f"elastic_runner: rank {env.rank}: {regroup_failed}; every worker restarts")
                         return EXIT_PEER_LOST
                     cause = f"{cause}; {regroup_failed}"
-            env, dist = _park(cfg, env, dist, handover, stop, cause)  # type: ignore[arg-type]
+                    lost = regroup_failed.lost_agents
+            env, dist = _park(cfg, env, dist, handover, stop, cause, lost)  # type: ignore[arg-type]
             if dist is None:
                 return EXIT_OK if stop.requested else EXIT_PEER_LOST
         return ending_for(None, stop.requested).exit_code  # type: ignore[return-value]
@@ -162,11 +163,12 @@ def _up(cfg: Config, env: WorkerEnv, make_workload: Callable[[], Workload] | Non
 
 
 def _park(cfg: Config, env: WorkerEnv, dist: Dist, handover: Handover, stop: StopRequest,
-          cause: str) -> tuple[WorkerEnv, Dist | None]:
+          cause: str, lost_agents: tuple[int, ...] = ()) -> tuple[WorkerEnv, Dist | None]:
     """The membership changes (a node joins or was lost): give the process group up, wait for this worker's place in
     the agent's new round (:mod:`.handover`), and bring the group up there. The model, optimizer and compiled code
     stay; the next attempt resumes from the newest step every rank can have, resharded for the new world size.
-    (env, None) where no place came (the agent stopped this worker, or gave up on keeping it)."""
+    ``lost_agents``: the group ranks of the round's agents this worker saw silent (its agent counts them out of the
+    next round). (env, None) where no place came (the agent stopped this worker, or gave up on keeping it)."""
     started = time.monotonic()
     # Rank 0's store stays up until this worker has its place: a peer still finishing a long step must not see it go
     # (its watchdog would end it) before its own agent asks it to park.
@@ -174,7 +176,8 @@ def _park(cfg: Config, env: WorkerEnv, dist: Dist, handover: Handover, stop: Sto
     dist.down()
     log.info("rank %d: %s; waiting for this worker's place in the agent's next round (in process)", env.rank, cause)
     try:
-        place = handover.park(PARK_WAIT_S, stopped=lambda: stop.requested)
+        place = handover.park(PARK_WAIT_S, stopped=lambda: stop.requested,
+                              lost_agents=(env.group_world_size, lost_agents) if lost_agents else None)
     except HandoverError as exc:
         say(f"elastic_runner: rank {env.rank}: {exc}; every worker restarts")
         return env, None

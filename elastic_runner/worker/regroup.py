@@ -54,7 +54,13 @@ def destroy_default_group() -> None:
 
 
 class RegroupError(RuntimeError):
-    """The group could not be rebuilt for the new membership (a member missing, the backend refused)."""
+    """The group could not be rebuilt for the new membership (a member missing, the backend refused).
+    ``lost_agents``: the group ranks of the agents whose beat stood still (their nodes are lost), for this worker's
+    agent to count them out of the next round (:mod:`elastic_runner.worker.handover`)."""
+
+    def __init__(self, message: str, lost_agents: tuple[int, ...] = ()) -> None:
+        super().__init__(message)
+        self.lost_agents = lost_agents
 
 
 class ReconfigureRefused(RegroupError):
@@ -240,25 +246,30 @@ def agent_beat(store: Any, group_rank: int, beat: int) -> None:
 
 
 class _AgentBeats:
-    """The round's agents' beats as a survivor first saw them (of those that beat): which stood still since."""
+    """The round's agents' beats as a survivor first saw them: which stood still since. An agent whose beat is not in
+    the store at all (it was lost before it first beat into this round's store) stands still too, as long as another
+    agent's beat moved meanwhile: the round's agents do beat (torch's own never do: none is judged then)."""
 
     def __init__(self, store: Any, agents: int) -> None:
         self.store, self.agents = store, agents
         self.seen, self.at = self._read(), time.monotonic()
 
-    def _read(self) -> dict[int, bytes]:
+    def _read(self) -> dict[int, bytes | None]:
         keys = {g: _agent_key(g) for g in range(self.agents)}
-        return {g: self.store.get(key) for g, key in keys.items() if self.store.check([key])}
+        return {g: self.store.get(key) if self.store.check([key]) else None for g, key in keys.items()}
 
-    def silent(self) -> int | None:
-        """The group rank of an agent that has not beaten for :data:`AGENT_SILENT`, looked at once that long has
-        passed since the last look; None otherwise."""
-        if not self.seen or time.monotonic() - self.at < AGENT_SILENT.total_seconds():
-            return None
+    def silent(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The group ranks of the agents that have not beaten for :data:`AGENT_SILENT`, looked at once that long has
+        passed since the last look (empty otherwise): those seen beating in this store before, and those never seen
+        here. Only the first are evidence enough to count a node out of the rendezvous (:meth:`SameMembers.survive`):
+        an agent never seen may merely be late to this round's store."""
+        if time.monotonic() - self.at < AGENT_SILENT.total_seconds():
+            return (), ()
         now = self._read()
-        still = sorted(g for g, beat in self.seen.items() if now.get(g) == beat)
+        moved = any(beat is not None and beat != self.seen.get(g) for g, beat in now.items())
+        still = sorted(g for g, beat in now.items() if beat == self.seen.get(g)) if moved else []
         self.seen, self.at = now, time.monotonic()
-        return still[0] if still else None
+        return tuple(g for g in still if now[g] is not None), tuple(g for g in still if now[g] is None)
 
 
 def _generation_key(rank: int) -> str:
@@ -339,13 +350,14 @@ class SameMembers:
                 if self.regroup.store.check([key]):
                     break
                 beats = beats or _AgentBeats(self.regroup.store, self.agents)
-                silent = beats.silent()
+                stopped, never = beats.silent()
             except Exception as exc:  # noqa: BLE001 - the store gone with rank 0's worker
                 raise RegroupError(f"the job's store does not answer after a peer's failure ({type(exc).__name__}): "
                                    "rank 0's node was lost") from exc
-            if silent is not None:
-                raise RegroupError(f"the agent of node {silent} has not beaten for {AGENT_SILENT.total_seconds():g}s "
-                                   "since a peer's failure: that node was lost")
+            if stopped or never:
+                raise RegroupError(f"the agent of node {', '.join(map(str, sorted(stopped + never)))} has not beaten "
+                                   f"for {AGENT_SILENT.total_seconds():g}s since a peer's failure: that node was lost",
+                                   lost_agents=stopped)
             if time.monotonic() >= deadline:
                 raise RegroupError(f"no replacement was announced within {announce_wait.total_seconds():g}s of a "
                                    "peer's failure: a node was lost, or its agent restarts every worker")

@@ -17,3 +17,9 @@ def test_workers_kept_through_a_round_and_replaced_alone_are_counted_each() -> N
     assert _value(metrics, "elastic_runner_agent_workers_kept_total") == 2
     assert _value(metrics, "elastic_runner_agent_workers_replaced_total") == 1
     assert _value(metrics, "elastic_runner_agent_restarts_total") == 0, "neither is a restart of the worker group"
+
+
+def test_nodes_counted_out_of_the_rendezvous_are_counted_each() -> None:
+    metrics = AgentMetrics(None)
+    metrics.observe("members_counted_out", members=["node-a_1_0", "node-b_2_0"], group_ranks=[0, 2])
+    assert _value(metrics, "elastic_runner_agent_nodes_counted_out_total") == 2

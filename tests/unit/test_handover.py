@@ -47,6 +47,29 @@ def test_a_parked_worker_takes_the_place_its_agent_gives_it(tmp_path: Path) -> N
         "nothing is left for the next park"
 
 
+def test_a_worker_that_saw_agents_go_silent_tells_its_agent_which_for_that_rounds_size_only(tmp_path: Path) -> None:
+    worker, agent = Handover(tmp_path, 0), Handover(tmp_path, 0)
+    thread = threading.Thread(target=lambda: worker.park(30, lost_agents=(3, (2, 0))))
+    thread.start()
+    deadline = time.monotonic() + 10
+    while agent.parked_pid() is None:
+        assert time.monotonic() < deadline, "the worker never said it parked"
+        time.sleep(0.01)
+    assert agent.lost_agents(3) == (0, 2)
+    assert agent.lost_agents(4) == (), "seen in a round of another size: counts out nobody"
+    assert stat.S_IMODE(os.stat(agent.lost_file).st_mode) == 0o600, "files we write are private"
+    agent.give_place({"RANK": "0"})
+    thread.join(10)
+    assert not agent.lost_file.exists() and agent.lost_agents(3) == (), "a later park is not judged by this one"
+
+
+@pytest.mark.parametrize("text", ["not json", "[2]", '{"agents": 3, "lost": "2"}', '{"agents": 3, "lost": [true, 7, -1]}'])
+def test_a_lost_agents_file_that_is_not_what_a_worker_writes_counts_out_nobody(tmp_path: Path, text: str) -> None:
+    agent = Handover(tmp_path, 0)
+    agent.lost_file.write_text(text)
+    assert agent.lost_agents(3) == ()
+
+
 def test_a_park_without_a_place_ends_at_its_deadline_or_at_a_stop(tmp_path: Path) -> None:
     worker = Handover(tmp_path, 0)
     started = time.monotonic()

@@ -26,7 +26,7 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousTimeoutError,
 )
 
-from elastic_runner.rendezvous.kv import KeyValue, Put
+from elastic_runner.rendezvous.kv import Get, KeyValue, Put
 from elastic_runner.rendezvous.leases import LeaseRendezvousHandler
 from elastic_runner.rendezvous.rounds import (
     Joiner,
@@ -254,6 +254,60 @@ def test_a_lost_node_is_waited_for_until_its_lease_expires(cluster: Callable[...
     for t, _ in threads:
         t.join(5)
     assert seats([box[0] for _, box in threads]) == [(0, 2), (1, 2)]
+
+
+def _rank_of(handler: LeaseRendezvousHandler) -> int:
+    record = handler.seated_in
+    assert record is not None
+    return record.names().index(handler.node.name)
+
+
+def test_a_lost_node_counted_out_by_a_survivor_is_left_out_without_waiting_for_its_lease(
+        cluster: Callable[..., Cluster]) -> None:
+    c = cluster(min_nodes=1, max_nodes=3, last_call_timeout=30.0)
+    a, b, lost = (c.agent() for _ in range(3))
+    together([a, b, lost], timeout=40)
+    lost._heartbeat.stop()  # dead, and etcd has not expired its lease (the fake clock never moves)
+    assert a.count_out([_rank_of(lost), _rank_of(a), 7]) == [lost.node.name], \
+        "only the named member that is still seated is counted out (not itself, not a rank out of the round)"
+    infos = together([a, b], timeout=10)
+    assert seats(infos) == [(0, 2), (1, 2)]
+
+
+def test_a_member_that_wants_the_next_round_is_never_counted_out(cluster: Callable[..., Cluster]) -> None:
+    c = cluster(min_nodes=1, max_nodes=3, last_call_timeout=30.0)
+    a, b, back = (c.agent() for _ in range(3))
+    together([a, b, back], timeout=40)
+    rank = _rank_of(back)
+    thread, box = in_background(back)  # it is alive: it has left the round and wants the next one
+    eventually(lambda: a.num_nodes_waiting() > 0, what="the member's join is seen")
+    assert a.count_out([rank]) == []
+    infos = together([a, b], timeout=10)
+    thread.join(10)
+    assert seats(infos + box) == [(0, 3), (1, 3), (2, 3)]
+
+
+def test_a_live_member_counted_out_by_mistake_joins_the_round_after(cluster: Callable[..., Cluster]) -> None:
+    c = cluster(min_nodes=1, max_nodes=3, last_call_timeout=30.0)
+    a, b, late = (c.agent() for _ in range(3))
+    together([a, b, late], timeout=40)
+    assert a.count_out([_rank_of(late)]) == [late.node.name]  # its beat was late; it is alive
+    assert seats(together([a, b], timeout=10)) == [(0, 2), (1, 2)]
+    thread, box = in_background(late)  # its workers failed with the others': its agent joins again
+    eventually(lambda: a.num_nodes_waiting() > 0, what="the others see it waiting")
+    infos = together([a, b], timeout=10)
+    thread.join(10)
+    assert seats(infos + box) == [(0, 3), (1, 3), (2, 3)]
+
+
+def test_an_agent_that_leaves_on_a_signal_is_not_waited_for(cluster: Callable[..., Cluster]) -> None:
+    c = cluster(min_nodes=1, max_nodes=3, last_call_timeout=30.0)
+    a, b, preempted = (c.agent() for _ in range(3))
+    together([a, b, preempted], timeout=40)
+    preempted.leave()
+    assert c.server.client().txn((), [Get(preempted._my_key)]).results == (None,), "its key is gone at once"
+    assert seats(together([a, b], timeout=10)) == [(0, 2), (1, 2)]
+    assert not a.is_closed(), "leaving does not close the run"
 
 
 def test_a_full_round_does_not_restart_for_a_node_that_cannot_get_a_seat(cluster: Callable[..., Cluster]) -> None:

@@ -110,8 +110,22 @@ def test_a_survivor_stops_waiting_for_an_announcement_once_a_nodes_agent_is_sile
     try:
         lost.close()  # its node is gone: no beat, no announcement
         started = time.monotonic()
-        with pytest.raises(RegroupError, match="agent of node 1 has not beaten"):
+        with pytest.raises(RegroupError, match="agent of node 1 has not beaten") as raised:
             _survivor_of(store, agents=2).survive(datetime.timedelta(seconds=30))
+        assert time.monotonic() - started < 5, "not the 30 s announcement wait"
+        assert raised.value.lost_agents == (1,), "seen beating, then still: its agent is told to count that node out"
+    finally:
+        alive.close()
+
+
+def test_an_agent_lost_before_it_first_beat_in_this_rounds_store_is_judged_once_the_others_beat() -> None:
+    store = _job_store()
+    (alive,) = _beating(store, [0])  # group rank 1's agent died before it ever beat here
+    try:
+        started = time.monotonic()
+        with pytest.raises(RegroupError, match="agent of node 1 has not beaten") as raised:
+            _survivor_of(store, agents=2).survive(datetime.timedelta(seconds=30))
+        assert raised.value.lost_agents == (), "never seen beating here: it may be late; not counted out"
         assert time.monotonic() - started < 5, "not the 30 s announcement wait"
     finally:
         alive.close()

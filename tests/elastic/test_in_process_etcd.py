@@ -1,0 +1,86 @@
+"""In-process recovery on etcd-v3's lease protocol: a node that is lost or leaves does not hold the survivors' next
+round for the dead-node window. Here that window is 90 s (``keep_alive_interval=30``), so a round that waited for
+the lost node's lease would not form within the 45 s each test gives it:
+
+- a node lost (SIGKILL to its agent and workers): the survivor's worker sees the node's agent stop beating, and its
+  agent counts the node out of the round (its key deleted: ``agent_members_counted_out``);
+- a node preempted (SIGTERM to its agent): its agent stops its workers and leaves the rendezvous (its key revoked).
+
+Either way the survivor's worker keeps its process, trains on alone, and the run's audit is clean.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+from elastic_runner.observe.audit import check_audit
+from elastic_runner.observe.events import read_events
+from elastic_runner.testing.etcd_server import EtcdServer
+
+from ..support import continue_workers, events, stop_workers_at_step
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
+
+#: The lease's dead-node window here: 30 s between keep-alives, three missed.
+WINDOW_CONF = "keep_alive_interval=30,keep_alive_max_attempt=3,last_call_timeout=1"
+#: Well inside that window: a round that waited for the lease would not be formed by then.
+WITHIN_S = 45.0
+
+
+@pytest.fixture
+def etcd(etcd_binary: str, tmp_path: Path) -> Iterator[EtcdServer]:
+    server = EtcdServer(tmp_path / "etcd" / "data", binary=etcd_binary)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def _world_after(run_dir: Path, size: int, after: float, job: Any) -> None:
+    deadline = time.monotonic() + WITHIN_S
+    while time.monotonic() < deadline:
+        if any(e["world_size"] == size and e["time"] > after for e in events(run_dir, "start")):
+            return
+        time.sleep(0.05)
+    pytest.fail(f"no attempt at world size {size} within {WITHIN_S:g}s (the dead-node window is 90 s)\n"
+                + job.logs_tail())
+
+
+@pytest.mark.parametrize("how", ["lost", "preempted"])
+def test_a_node_that_is_lost_or_leaves_does_not_hold_the_next_round_for_its_lease(
+        how: str, resume_config: Path, local_job: Any, etcd: EtcdServer) -> None:
+    job = local_job(config=str(resume_config), nnodes="1:2", rdzv_backend="etcd-v3", rdzv_endpoint=etcd.endpoint,
+                    rdzv_conf=WINDOW_CONF, overrides=["recovery.in_process=true"])
+    job.start_agent()
+    job.start_agent()
+    run_dir = Path(job.run_dir)
+    workers, _ = stop_workers_at_step(job, 60, count=2, timeout=120)
+    # The node that goes is the one whose worker does not host the job's store (rank 1): rank 0's going would take
+    # the agents' beats with it, and only the lease would tell.
+    gone = next(w for w in workers if w.rank == 1)
+    survivor = next(w for w in workers if w is not gone)
+    gone_node = gone.agent
+    left_at = time.time()
+    job.kill_agent(gone_node, signal.SIGKILL if how == "lost" else signal.SIGTERM)
+    continue_workers(job, [w for w in workers if how == "preempted" or w is survivor])
+    _world_after(run_dir, 1, left_at, job)
+    codes = job.wait(timeout=240)
+    assert codes[job.agents.index(survivor.agent)] == 0, job.logs_tail()
+
+    survivor_starts = [e for e in events(run_dir, "start") if e["agent"].rsplit("-", 2)[1] == str(survivor.agent.pid)]
+    assert {e["pid"] for e in survivor_starts} == {survivor.pid}, \
+        "the survivor's worker kept its process\n" + job.logs_tail()
+    agent_events = [e for e in read_events(run_dir) if e.get("role") == "agent"]
+    counted_out = [e for e in agent_events if e["kind"] == "agent_members_counted_out"]
+    if how == "lost":
+        assert counted_out and counted_out[0]["source"].endswith(f"-{survivor.agent.pid}"), agent_events[-10:]
+    else:  # (its survivor may count it out first, if its beat stopped before its workers did)
+        assert "has left the rendezvous" in gone_node.log_text(), gone_node.log_text()[-3000:]
+    report = check_audit(run_dir)
+    assert report.ok and report.finished, report.render()
