@@ -147,6 +147,9 @@ def adopt(launcher_api: Any, config: Any, entrypoint: Any, args: Sequence[Any],
                              and is_url(worker_cfg.snapshot.dir))
         entrypoint, args = zygote.worker_main, worker_args
         config.start_method = "forkserver"
+        if not zygote.wait_warm():  # before this agent takes part in any round (see WARM_WAIT_S)
+            log.warning("the worker zygote is not warm after %gs; this node joins the rendezvous anyway",
+                        zygote.WARM_WAIT_S)
     fast_rendezvous.install()
     quiet_handled_failures()
     agent_metrics = AgentMetrics(agent_events(worker_cfg) if worker_cfg is not None else None)

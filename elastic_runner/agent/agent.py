@@ -74,7 +74,7 @@ from ..worker.lifecycle import (
     process_start_time,
 )
 from ..worker.regroup import RegroupError, announce_replacement
-from . import fast_rendezvous, kept_round, zygote
+from . import fast_rendezvous, kept_round
 from .beat import AgentBeat
 from .round_members import MemberWatch, WatchfulStore, gone_check
 from .torch_patches import KEEPING_WORKERS, usable
@@ -95,10 +95,6 @@ ANNOUNCE_CONNECT_S = 0.5
 
 #: Rounds in a row a node leaves because a member never started in them, before torch's error ends it.
 ROUND_RETRIES = 5
-#: Seconds a node waits, before its first rendezvous round, for its zygote to have imported the workers' modules
-#: (seconds; longer on a GPU machine): a node that joins a running job then starts its workers as soon as the round
-#: is sealed, and the others train on while it warms up instead of waiting for it in the new round.
-WARM_WAIT_S = 60.0
 
 _PROCESS_START = process_start_time()
 
@@ -168,8 +164,6 @@ class ElasticRunnerAgent(LocalElasticAgent):
     # -- rendezvous --------------------------------------------------------------------------
 
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
-        if not self._rounds and not zygote.wait_warm(WARM_WAIT_S):
-            log.warning("the worker zygote is not warm after %gs; this node joins the rendezvous anyway", WARM_WAIT_S)
         started = time.monotonic()
         began = time.time()
         for attempt in range(1, ROUND_RETRIES + 2):

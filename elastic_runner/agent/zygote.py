@@ -41,6 +41,10 @@ OBJECT_STORE_PRELOAD = ["elastic_runner.agent.warm_object_store"]
 WORKER_MODULE = "elastic_runner.train"
 
 _warming: threading.Thread | None = None
+#: Seconds an agent waits, before it takes part in the rendezvous, for its zygote to have imported the workers' modules
+#: (seconds; longer on a GPU machine): a node that joins a running job then starts its workers as soon as the round is
+#: sealed, and the others train on while it warms up instead of waiting for it in the new round.
+WARM_WAIT_S = 60.0
 #: The agent's end of the pipe the forked zygote writes to once it has imported what it preloads (None: not forked).
 _ready_fd: int | None = None
 _ready = False
@@ -63,7 +67,7 @@ def start_warming(compiled: bool = False, object_store: bool = False) -> None:
     _warming.start()
 
 
-def wait_warm(timeout: float) -> bool:
+def wait_warm(timeout: float = WARM_WAIT_S) -> bool:
     """Wait up to ``timeout`` seconds for the forked zygote to have imported what its workers need; True once it has
     (or where there is no forked zygote to wait for). A node that joins a running job waits for this before it
     enters a rendezvous round: the others train on meanwhile, instead of waiting in the new round for its workers."""
