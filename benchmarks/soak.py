@@ -13,7 +13,8 @@ within tolerance of the reference) decide the exit status.
     .venv/bin/python benchmarks/soak.py --faults 1000 --out results/soak-1000     # ~1.5 h on 2 cores
     .venv/bin/python benchmarks/soak.py --faults 20 --out /tmp/soak-20            # ~3 min
 
-Writes ``OUT/soak.json`` (the figures), ``OUT/timeline.png`` and the chaos tool's reports under
+Writes ``OUT/soak.json`` (the figures; ``faulted_window``: the goodput from the job's start to the last fault's
+outcome, without the fault-free steps after it), ``OUT/timeline.png`` and the chaos tool's reports under
 ``OUT/run/chaos/``. Needs etcd on the PATH (``apt-get install etcd-server``), and root for ``fill-disk``
 (the job's snapshots go on a small tmpfs, gone with the soak; without root that fault is left out).
 """
@@ -106,6 +107,28 @@ def soak_figures(report: dict[str, Any], wanted: int, seconds: float) -> dict[st
     }
 
 
+def faulted_window(run_dir: Path, faults: list[dict[str, Any]]) -> dict[str, Any]:
+    """Goodput from the job's start to the last fault's outcome (its recovery, or how long it lasted), and the fault
+    rate there: the job's whole goodput also counts the fault-free steps after the last fault up to the planned end,
+    which are more or fewer from run to run (a run whose recoveries are shorter has more left)."""
+    from elastic_runner.observe.events import read_events
+    from elastic_runner.observe.report import summarize
+
+    if not faults:
+        return {}
+    end = max(float(f["at"]) + float(f.get("recovery_s") or 0.0) + float(f.get("lasts_s") or 0.0) for f in faults)
+    events = [e for e in read_events(str(run_dir)) if isinstance(e.get("time"), (int, float)) and e["time"] <= end + 1]
+    try:
+        goodput = summarize(str(run_dir), events).goodput
+    except (ValueError, KeyError):
+        return {}
+    if goodput is None or goodput.fraction is None:
+        return {}
+    return {"goodput": round(goodput.fraction, 4), "wall_s": round(goodput.wall_s, 1),
+            "faults_per_min": round(len(faults) / (goodput.wall_s / 60.0), 1),
+            "lost_s": {cause: round(seconds, 1) for cause, seconds in goodput.lost_s.items()}}
+
+
 @contextlib.contextmanager
 def snapshot_volume(path: Path, megabytes: int) -> Iterator[bool]:
     """A small tmpfs for the job's snapshots, so that fill-disk fills a volume and not this machine's disk.
@@ -187,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     figures = soak_figures(report, args.faults, time.monotonic() - started)
     figures["command"] = " ".join(["benchmarks/soak.py", *(argv if argv is not None else sys.argv[1:])])
     figures["steps_planned"] = steps
+    figures["faulted_window"] = faulted_window(Path(scenario.run_dir), report["faults"])
     timeline = Path(scenario.run_dir) / "chaos" / "timeline.png"
     if timeline.is_file():
         shutil.copyfile(timeline, out / "timeline.png")

@@ -18,8 +18,9 @@ after it — is broken down from the run's event log:
 - *detection*: until an agent reported the failed worker or stopped its group (``agent_worker_failed``,
   ``agent_stopping_workers``, ``agent_restart``);
 - *rendezvous*: the longest round any agent completed inside the gap (``agent_rendezvous``);
-- *worker start and restore*: from the new workers' process start to their first step (imports,
-  process group, loading the snapshot);
+- *worker start and restore*: from the first start of a worker in the new attempt to the first step (imports,
+  process group, loading the snapshot): a new process's start, or where a worker kept its process (in-process
+  recovery), when it took its place in the new round or rebuilt its group;
 - *other*: what remains (stopping the old workers, waiting for a slow node, ...).
 
 *Recomputed steps* are the steps a resume redid (``steps_recomputed`` x the median step time) and

@@ -102,7 +102,9 @@ class Metrics:
                                        "snapshot.every_steps: auto.")
         self.memory_interval = gauge("memory_interval_steps", "Steps between refreshes of a sharded model's node-memory "
                                      "copy (snapshot.memory_every_steps).")
-        self.recovery = gauge("recovery_duration_seconds", "Process start to first completed step, for a resumed attempt.")
+        self.recovery = gauge("recovery_duration_seconds", "This worker's start in the attempt to its first completed "
+                              "step, for a resumed attempt: its process's start, or where it kept its process "
+                              "(recovery.in_process), when it took its place or rebuilt its group.")
         self.recomputed = gauge("steps_recomputed", "Steps redone after the last failure (progress lost).")
         self.goodput = gauge("goodput_ratio", "Share of the job's wall time spent on steps that count (not recomputed, "
                              "not restarting or waiting for rendezvous, not blocked by snapshots), at the last logged step.")

@@ -64,7 +64,9 @@ class MembershipChange(Exception):
 class AttemptStart:
     """How this attempt began, for the recovery metric and the failure story."""
 
-    started_at: float  #: process start (wall clock)
+    #: This worker's start in the attempt (wall clock): its process's start, a standby's placement, or when a kept
+    #: worker took its place or rebuilt its group.
+    started_at: float
     resumed: bool
     #: Rank 0 of a resumed attempt: what it resumed from (the ``resume`` event).
     resume_info: dict[str, Any] | None = None

@@ -111,6 +111,9 @@ def run(cfg: Config, env: WorkerEnv, make_workload: Callable[[], Workload] | Non
                 try:
                     seconds = dist.rejoin(cfg.dist.init_timeout_seconds,
                                           leaving=handover.requested if handover is not None else None)
+                    # This worker's start in the next attempt (its start-up figures, goodput's "worker start and
+                    # restore"): now, not its process's start long ago; the replacement's start is earlier.
+                    started_at = time.time()
                     if handover is not None:
                         handover.busy()  # until the next attempt's loop: it cannot park while it builds
                     log.warning("rank %d: a peer failed (%s); this worker kept its process and rebuilt the process "
@@ -123,7 +126,7 @@ def run(cfg: Config, env: WorkerEnv, make_workload: Callable[[], Workload] | Non
                         return EXIT_PEER_LOST
                     cause = f"{cause}; {regroup_failed}"
                     lost = regroup_failed.lost_agents
-            env, dist = _park(cfg, env, dist, handover, stop, cause, lost)  # type: ignore[arg-type]
+            env, dist, started_at = _park(cfg, env, dist, handover, stop, cause, lost)  # type: ignore[arg-type]
             if dist is None:
                 return EXIT_OK if stop.requested else EXIT_PEER_LOST
         return ending_for(None, stop.requested).exit_code  # type: ignore[return-value]
@@ -163,12 +166,13 @@ def _up(cfg: Config, env: WorkerEnv, make_workload: Callable[[], Workload] | Non
 
 
 def _park(cfg: Config, env: WorkerEnv, dist: Dist, handover: Handover, stop: StopRequest,
-          cause: str, lost_agents: tuple[int, ...] = ()) -> tuple[WorkerEnv, Dist | None]:
+          cause: str, lost_agents: tuple[int, ...] = ()) -> tuple[WorkerEnv, Dist | None, float]:
     """The membership changes (a node joins or was lost): give the process group up, wait for this worker's place in
     the agent's new round (:mod:`.handover`), and bring the group up there. The model, optimizer and compiled code
     stay; the next attempt resumes from the newest step every rank can have, resharded for the new world size.
     ``lost_agents``: the group ranks of the round's agents this worker saw silent (its agent counts them out of the
-    next round). (env, None) where no place came (the agent stopped this worker, or gave up on keeping it)."""
+    next round). The new env, its group and when this worker took its place (its start in the next attempt); dist
+    None where no place came (the agent stopped this worker, or gave up on keeping it)."""
     started = time.monotonic()
     # Rank 0's store stays up until this worker has its place: a peer still finishing a long step must not see it go
     # (its watchdog would end it) before its own agent asks it to park.
@@ -180,13 +184,14 @@ def _park(cfg: Config, env: WorkerEnv, dist: Dist, handover: Handover, stop: Sto
                               lost_agents=(env.group_world_size, lost_agents) if lost_agents else None)
     except HandoverError as exc:
         say(f"elastic_runner: rank {env.rank}: {exc}; every worker restarts")
-        return env, None
+        return env, None, time.time()
+    placed_at = time.time()
     del held
     if place is None:
         if not stop.requested:
             say(f"elastic_runner: rank {env.rank}: no place in a new round within {PARK_WAIT_S:g}s of parking "
                 "(in-process recovery); every worker restarts")
-        return env, None
+        return env, None, placed_at
     os.environ.pop(REPLACES_VAR, None)  # this process replaces nobody in the new round
     os.environ.update(place)
     new = WorkerEnv.from_environ()
@@ -197,7 +202,7 @@ def _park(cfg: Config, env: WorkerEnv, dist: Dist, handover: Handover, stop: Sto
         log.warning("rank %d: the membership changed (%s); this worker kept its process and is rank %d of %d in the "
                     "new round after %.3fs (in process)", env.rank, cause, new.rank, new.world_size,
                     time.monotonic() - started)
-    return new, dist
+    return new, dist, placed_at
 
 
 def keeps_its_process(cfg: Config, env: WorkerEnv, make_workload: Callable[[], Workload] | None) -> bool:

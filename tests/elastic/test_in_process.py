@@ -290,6 +290,8 @@ def test_a_node_lost_and_a_node_joining_leave_the_survivors_worker_in_its_proces
     assert {e["pid"] for e in survivor_starts} == {survivor.pid}, \
         "the survivor's worker kept its process through the loss and the join\n" + job.logs_tail()
     assert [e["world_size"] for e in survivor_starts if e["time"] > lost_at][:2] == [1, 2], survivor_starts
+    assert all(e["process_start"] > lost_at for e in survivor_starts if e["time"] > lost_at), \
+        "a kept worker's start in a new attempt is when it took its place, not its process's start long before"
     kept = _agent_events(run_dir, "workers_kept")
     assert len([e for e in kept if e["source"].endswith(f"-{survivor_node.pid}")]) >= 2, kept
     resumed = [e for e in events(run_dir, "resume") if e["time"] > lost_at]

@@ -47,6 +47,8 @@ def test_a_short_soak_breaks_the_job_every_way_and_it_loses_nothing(tmp_path: Pa
     assert figures["replacements"] >= 1, "a lost agent was replaced, as a Kubernetes Job would"
     assert 0 < figures["recovery_p50_s"] <= figures["recovery_p99_s"]
     assert 0 < figures["goodput"] < 1 and set(figures["goodput_lost_s"]) >= {"detection", "rendezvous"}
+    window = figures["faulted_window"]
+    assert 0 < window["goodput"] < 1 and window["wall_s"] <= figures["job_wall_s"] and window["faults_per_min"] > 0
     assert figures["reference_final_loss"] > 0 and figures["final_loss"] > 0
     assert abs(figures["final_loss"] - figures["reference_final_loss"]) <= 0.25 * figures["reference_final_loss"] + 1e-3
     assert (tmp_path / "soak" / "timeline.png").stat().st_size > 10_000
