@@ -243,7 +243,12 @@ class ElasticRunnerAgent(LocalElasticAgent):
             self._stopping_group = False
 
     def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
-        self._beat.close()
+        # torch's _stop_workers (its workers restart for a new round) calls this too: the beat pauses then, and goes on
+        # in the new round; only the agent's own end closes it (closed, it never beat again after the first restart).
+        if self._stopping_group:
+            self._beat.pause()
+        else:
+            self._beat.close()
         self._kill_stopped_workers()
         if not self._stopping_group:
             self._announce_stop(f"the agent is shutting down on {death_sig.name}")

@@ -149,3 +149,29 @@ def test_agents_that_do_not_beat_are_never_judged_silent() -> None:
     with pytest.raises(RegroupError, match="no replacement was announced"):
         _survivor_of(_job_store(), agents=2).survive(datetime.timedelta(seconds=1.5))
     assert time.monotonic() - started >= 1.5
+
+
+def test_an_agent_that_restarts_its_workers_for_a_new_round_goes_on_beating_in_it() -> None:
+    """torch's _stop_workers calls the agent's _shutdown: that pauses the beat; only the agent's end closes it (it
+    used to close it, so an agent never beat again after its first restart, and its node's loss went unseen)."""
+    from elastic_runner.agent.agent import ElasticRunnerAgent
+
+    agent = object.__new__(ElasticRunnerAgent)  # only what _shutdown touches
+    agent._pcontext, agent._worker_watchdog, agent._health_check_server = None, None, None
+    first, second = _job_store(), _job_store()
+    (agent._beat,) = _beating(first, [1])
+    try:
+        agent._stopping_group = True
+        agent._shutdown()  # the workers restart for a new round
+        agent._beat.follow("127.0.0.1", second.port, 1)  # the new round's store
+        deadline = time.monotonic() + 10
+        while not second.check(["regroup/agent/1"]):
+            assert time.monotonic() < deadline, "the agent does not beat in the new round's store"
+            time.sleep(0.01)
+        agent._stopping_group = False
+        agent._shutdown()  # the agent ends
+        beats = agent._beat.beats
+        time.sleep(0.5)
+        assert agent._beat.beats == beats, "an agent that ended beats no more"
+    finally:
+        agent._beat.close()
