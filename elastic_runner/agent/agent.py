@@ -147,7 +147,7 @@ class ElasticRunnerAgent(LocalElasticAgent):
             # now, where it can say so (etcd-v3's lease protocol), so that the others' next round does not wait the
             # dead-node window for this node.
             leave = getattr(self._worker_group.spec.rdzv_handler, "leave", None)
-            if callable(leave):
+            if callable(leave) and not self._live_worker_pids():  # (its workers still running: the window, as before)
                 try:
                     leave()
                 except Exception:  # noqa: BLE001 - its lease expires in the window, as before

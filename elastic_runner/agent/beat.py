@@ -17,7 +17,7 @@ import socket
 import threading
 from typing import Any
 
-from ..worker.regroup import agent_beat
+from ..worker.regroup import agent_beat, agent_stopping
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +48,7 @@ class AgentBeat:
             self._thread.start()
 
     def pause(self) -> None:
+        """Stop beating until the next :meth:`follow` (this agent restarts its workers); the last beat says so."""
         self.follow(None, None, 0)
 
     def close(self) -> None:
@@ -60,13 +61,16 @@ class AgentBeat:
         following: tuple[str, int, int] | None = None
         while True:
             with self._changed:
-                if self._closed:
+                closed, target = self._closed, self._target
+            if closed or target is None:
+                self._say_stopping(store, following)  # (outside the lock: a store gone answers only at its timeout)
+                store = following = None
+                if closed:
                     return
-                target = self._target
-                if target is None:
-                    store = following = None
-                    self._changed.wait()
-                    continue
+                with self._changed:
+                    while self._target is None and not self._closed:
+                        self._changed.wait()
+                continue
             if target != following:
                 store, following = self._connect(target), target
                 if store is None:
@@ -82,6 +86,16 @@ class AgentBeat:
                 self._sleep(RETRY_SECONDS)
                 continue
             self._sleep(self.interval)
+
+    @staticmethod
+    def _say_stopping(store: Any, following: tuple[str, int, int] | None) -> None:
+        """The last beat, when this agent stops beating on purpose: survivors must not count its node out."""
+        if store is None or following is None:
+            return
+        try:
+            agent_stopping(store, following[2])
+        except Exception as exc:  # noqa: BLE001 - the store gone: nobody reads beats there any more
+            log.debug("agent beat: could not say it stops (%s)", exc)
 
     def _sleep(self, seconds: float) -> None:
         with self._changed:

@@ -41,8 +41,9 @@ OBJECT_STORE_PRELOAD = ["elastic_runner.agent.warm_object_store"]
 WORKER_MODULE = "elastic_runner.train"
 
 _warming: threading.Thread | None = None
-#: Seconds an agent waits, before it takes part in the rendezvous, for its zygote to have imported the workers' modules
-#: (seconds; longer on a GPU machine): a node that joins a running job then starts its workers as soon as the round is
+#: Seconds an agent waits, before it takes part in the rendezvous, for its zygote (forked from the agent: not on a
+#: machine whose agent initialised CUDA, where the zygote starts as a new interpreter and nothing is waited for) to have
+#: imported the workers' modules: a node that joins a running job then starts its workers as soon as the round is
 #: sealed, and the others train on while it warms up instead of waiting for it in the new round.
 WARM_WAIT_S = 60.0
 #: The agent's end of the pipe the forked zygote writes to once it has imported what it preloads (None: not forked).
@@ -76,12 +77,15 @@ def wait_warm(timeout: float = WARM_WAIT_S) -> bool:
         return True
     import select
 
-    readable, _, _ = select.select([_ready_fd], [], [], max(0.0, timeout))
-    if not readable:
-        return False
+    poller = select.poll()
+    poller.register(_ready_fd, select.POLLIN)
+    answered = bool(poller.poll(max(0.0, timeout) * 1000))
+    said = os.read(_ready_fd, 1) if answered else b""
     os.close(_ready_fd)
-    _ready_fd, _ready = None, True
-    return True
+    _ready_fd, _ready = None, answered
+    if answered and said != b"1":
+        log.warning("the worker zygote ended while it imported the workers' modules; the workers' start will say why")
+    return answered
 
 
 def _fork_supported() -> bool:
@@ -175,9 +179,12 @@ def fork_zygote(preload: list[str] = PRELOAD) -> bool:
             for name in preload:  # what forkserver.main would import first, then say so
                 with contextlib.suppress(ImportError):
                     __import__(name)
-            with contextlib.suppress(OSError):
+            try:
                 os.write(ready_w, b"1")
-                os.close(ready_w)
+            except OSError:
+                pass  # the agent stopped waiting: nothing to tell
+            finally:
+                os.close(ready_w)  # never into the workers
             forkserver.main(listener.fileno(), alive_r, [])
         except SystemExit:
             pass  # the agent is gone (the "alive" pipe closed): the normal end

@@ -9,8 +9,13 @@ With in-process recovery two departures are known sooner, and the next round nee
 - the survivors' workers saw a node's agent stop beating in the job's store (:mod:`elastic_runner.agent.beat`): its
   node is lost, and their agent deletes that member's key (:meth:`count_out`).
 
-Both are as safe as an expiry: the sealing rules only ever see a key gone, and a member counted out wrongly (alive,
-its beat late) is not seated in the next round, sees that round on its watch and joins the one after.
+What keeps this safe is weaker than an expiry's "cut off from etcd for the whole window", and is said here: a member
+is counted out only on its agent's beat standing still (an agent that stops beating on purpose — it restarts its
+workers, or ends — says so with its last beat and is never counted out), only while the round that seated it is the
+newest record, and only in the incarnation that round seated. A member counted out wrongly (alive, its beat late)
+may still run workers of the old round: they can complete no collective (their peers have left that group) and
+publish nothing (snapshots are fenced by generation), and the member, left out of the next round, sees it on its
+watch and joins the one after.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ class DepartureRole:
     _settings: Settings
     _node: NodeId
     _node_prefix: bytes
+    _round_key: bytes
     _heartbeat: Any
     _ports: Any
     _stop_watcher: Callable[[], None]
@@ -60,9 +66,8 @@ class DepartureRole:
         beating in the job's store (:mod:`elastic_runner.agent.beat`: their nodes are lost). Their node keys are
         deleted, so the next round is sealed once the survivors want it instead of a lease's TTL (the dead-node
         window) later. A key is deleted only if it is still the incarnation the round seated and has not changed
-        since it was read (a member that wants the next round is alive and counted as such). Safe as an expired
-        lease is: a member counted out wrongly (alive, its beat late) is not seated in the next round, its watch
-        sees that round and it joins the one after. The names counted out."""
+        since it was read (a member that wants the next round is alive and counted as such), and only while the
+        round that seated it is the newest record (safety: the module's docstring). The names counted out."""
         record = self.seated_in
         if record is None:
             return []
@@ -79,7 +84,9 @@ class DepartureRole:
                 joiner = self._codec.node(kv) if kv is not None else None
                 if kv is None or kv.create_revision != ticket or joiner is None or joiner.want > record.round:
                     continue  # gone already, another incarnation, unreadable, or it wants the next round
-                if self._client.txn([Compare.mod_revision(key, kv.mod_revision)], [Delete(key)]).succeeded:
+                unchanged = [Compare.mod_revision(key, kv.mod_revision),  # it has not joined the next round
+                             Compare.mod_revision(self._round_key, record.revision)]  # no newer round exists
+                if self._client.txn(unchanged, [Delete(key)]).succeeded:
                     out.append(name)
             except EtcdError as exc:  # the lease's expiry counts it out later, as it always did
                 log.debug("could not count out node '%s': %s", name, exc)

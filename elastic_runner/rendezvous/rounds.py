@@ -63,6 +63,11 @@ of R that are cut off from etcd too — every member that etcd still hears from 
 snapshot fencing keeps that stale group off the disk. If ``ctl/round`` itself disappears (deleted by
 hand, etcd data loss), numbering starts over in a new *incarnation* (the record key's creation
 revision, part of every round's store prefix) and every member sees the deletion and rejoins.
+A node key can also go before its lease expires (:mod:`elastic_runner.rendezvous.departures`): an agent
+stopped by a signal revokes its own once its workers stopped, and survivors delete the key of a member
+whose agent's beat stood still (its node lost). The sealing rules are the same; for a member counted out
+while alive (its beat late) the argument rests on its round-R workers completing no collective (every
+other member has left R's groups) and on snapshot fencing, not on etcd having lost it.
 
 With the job's key (``auth_key_file``) every value is signed over its etcd key (see ``seal``) and *bound*
 to what it means, so that a signed value captured earlier cannot be put back to mean it again:

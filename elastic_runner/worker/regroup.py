@@ -245,6 +245,16 @@ def agent_beat(store: Any, group_rank: int, beat: int) -> None:
     store.set(_agent_key(group_rank), str(beat).encode())
 
 
+#: An agent's last beat when it stops beating on purpose (it restarts its node's workers, or ends): alive, so its
+#: node is never counted out for the silence that follows; its workers go, so survivors park for the new round.
+AGENT_STOPPING = b"stopping"
+
+
+def agent_stopping(store: Any, group_rank: int) -> None:
+    """The agent of ``group_rank`` stops beating on purpose (see :data:`AGENT_STOPPING`)."""
+    store.set(_agent_key(group_rank), AGENT_STOPPING)
+
+
 class _AgentBeats:
     """The round's agents' beats as a survivor first saw them: which stood still since. An agent whose beat is not in
     the store at all (it was lost before it first beat into this round's store) stands still too, as long as another
@@ -261,15 +271,17 @@ class _AgentBeats:
     def silent(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """The group ranks of the agents that have not beaten for :data:`AGENT_SILENT`, looked at once that long has
         passed since the last look (empty otherwise): those seen beating in this store before, and those never seen
-        here. Only the first are evidence enough to count a node out of the rendezvous (:meth:`SameMembers.survive`):
-        an agent never seen may merely be late to this round's store."""
+        here or that said they stop on purpose (:data:`AGENT_STOPPING`). Only the first are evidence enough to count a
+        node out of the rendezvous (:meth:`SameMembers.survive`): an agent never seen may merely be late to this
+        round's store, and one that stops on purpose is alive (it restarts its workers, or stops them and leaves)."""
         if time.monotonic() - self.at < AGENT_SILENT.total_seconds():
             return (), ()
         now = self._read()
         moved = any(beat is not None and beat != self.seen.get(g) for g, beat in now.items())
         still = sorted(g for g, beat in now.items() if beat == self.seen.get(g)) if moved else []
         self.seen, self.at = now, time.monotonic()
-        return tuple(g for g in still if now[g] is not None), tuple(g for g in still if now[g] is None)
+        alive = (None, AGENT_STOPPING)
+        return tuple(g for g in still if now[g] not in alive), tuple(g for g in still if now[g] in alive)
 
 
 def _generation_key(rank: int) -> str:

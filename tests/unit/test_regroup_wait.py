@@ -13,7 +13,7 @@ import torch
 import torch.distributed as tdist
 
 from elastic_runner.agent.beat import AgentBeat
-from elastic_runner.worker.regroup import RegroupError, SameMembers
+from elastic_runner.worker.regroup import RegroupError, SameMembers, agent_beat
 
 pytestmark = [pytest.mark.timeout(60)]
 
@@ -106,9 +106,9 @@ def _beating(store: Any, group_ranks: list[int]) -> list[AgentBeat]:
 
 def test_a_survivor_stops_waiting_for_an_announcement_once_a_nodes_agent_is_silent() -> None:
     store = _job_store()
-    alive, lost = _beating(store, [0, 1])
+    (alive,) = _beating(store, [0])
     try:
-        lost.close()  # its node is gone: no beat, no announcement
+        agent_beat(store, 1, 7)  # it beat here, then its node was gone: no beat since, no last word, no announcement
         started = time.monotonic()
         with pytest.raises(RegroupError, match="agent of node 1 has not beaten") as raised:
             _survivor_of(store, agents=2).survive(datetime.timedelta(seconds=30))
@@ -175,3 +175,19 @@ def test_an_agent_that_restarts_its_workers_for_a_new_round_goes_on_beating_in_i
         assert agent._beat.beats == beats, "an agent that ended beats no more"
     finally:
         agent._beat.close()
+
+
+def test_an_agent_that_stops_beating_on_purpose_is_parked_for_but_never_counted_out() -> None:
+    """An agent that restarts its node's workers (or ends) stops beating with a last beat that says so: its node is
+    alive, whatever its silence says after it (counting it out would seat a new round while its workers still run)."""
+    store = _job_store()
+    alive, restarting = _beating(store, [0, 1])
+    try:
+        restarting.pause()  # its workers restart for a new round
+        with pytest.raises(RegroupError, match="agent of node 1 has not beaten") as raised:
+            _survivor_of(store, agents=2).survive(datetime.timedelta(seconds=30))
+        assert raised.value.lost_agents == (), "alive: parked for, not counted out"
+        assert store.get("regroup/agent/1") == b"stopping"
+    finally:
+        alive.close()
+        restarting.close()
