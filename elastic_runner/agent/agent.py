@@ -413,7 +413,7 @@ class ElasticRunnerAgent(LocalElasticAgent):
         if not lost or not callable(count_out):
             return
         try:
-            names = count_out([g for g in lost if g != worker_group.group_rank])
+            names = count_out(lost)  # (never this agent's own node: count_out skips it)
         except Exception:  # noqa: BLE001 - the round then waits the dead-node window, as before
             log.debug("could not count the lost nodes out of the round", exc_info=True)
             return

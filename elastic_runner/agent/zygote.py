@@ -46,9 +46,9 @@ _warming: threading.Thread | None = None
 #: imported the workers' modules: a node that joins a running job then starts its workers as soon as the round is
 #: sealed, and the others train on while it warms up instead of waiting for it in the new round.
 WARM_WAIT_S = 60.0
-#: The agent's end of the pipe the forked zygote writes to once it has imported what it preloads (None: not forked).
+#: The agent's end of the pipe the forked zygote writes to once it has imported what it preloads (None: not forked,
+#: or already waited for).
 _ready_fd: int | None = None
-_ready = False
 
 
 def start_warming(compiled: bool = False, object_store: bool = False) -> None:
@@ -72,8 +72,8 @@ def wait_warm(timeout: float = WARM_WAIT_S) -> bool:
     """Wait up to ``timeout`` seconds for the forked zygote to have imported what its workers need; True once it has
     (or where there is no forked zygote to wait for). A node that joins a running job waits for this before it
     enters a rendezvous round: the others train on meanwhile, instead of waiting in the new round for its workers."""
-    global _ready, _ready_fd
-    if _ready or _ready_fd is None:
+    global _ready_fd
+    if _ready_fd is None:
         return True
     import select
 
@@ -82,7 +82,7 @@ def wait_warm(timeout: float = WARM_WAIT_S) -> bool:
     answered = bool(poller.poll(max(0.0, timeout) * 1000))
     said = os.read(_ready_fd, 1) if answered else b""
     os.close(_ready_fd)
-    _ready_fd, _ready = None, answered
+    _ready_fd = None
     if answered and said != b"1":
         log.warning("the worker zygote ended while it imported the workers' modules; the workers' start will say why")
     return answered
