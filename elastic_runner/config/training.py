@@ -85,7 +85,8 @@ class DataConfig:
         default="fail",
     )
     num_workers: int = _help(
-        "DataLoader worker processes for file-backed datasets (in-memory datasets ignore it).",
+        "DataLoader worker processes for file-backed datasets (in-memory datasets ignore it). They start at each "
+        "epoch, or with recovery.in_process live as long as their training process (every epoch and recovery).",
         default=0,
     )
     eval_batch_size: int = _help("Per-rank batch size for evaluation.", default=256)

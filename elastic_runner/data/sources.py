@@ -17,6 +17,7 @@ that differ, and raised in the training process as a :class:`~elastic_runner.con
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Mapping
 from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence
 
@@ -27,6 +28,8 @@ from ..config import ConfigError
 from ..worker.lifecycle import LoaderWorkersDieWithTrainer
 
 Collate = Callable[[list[Any]], Any]
+
+log = logging.getLogger("elastic_runner.train")
 
 
 class BatchSource(Protocol):
@@ -173,16 +176,32 @@ class IndexedCollate:
 
 
 class Indexed(Dataset[tuple[int, Any]]):
-    """A dataset whose items carry their index, so that a collate error can name them."""
+    """A dataset whose items carry their index, so that a collate error can name them.
+
+    A key may be ``(epoch, index)``: a DataLoader worker that lives through several epochs holds the copy of the
+    dataset it started with, so the epoch comes with the index and the dataset's ``set_epoch`` (if it has one) is
+    called in the worker when it changes."""
 
     def __init__(self, dataset: Dataset[Any]) -> None:
         self.dataset = dataset
+        self.epoch: int | None = None
 
     def __len__(self) -> int:
         return len(self.dataset)  # type: ignore[arg-type]
 
-    def __getitem__(self, index: int) -> tuple[int, Any]:
+    def __getitem__(self, key: int | tuple[int, int]) -> tuple[int, Any]:
+        if isinstance(key, tuple):
+            epoch, index = key
+            self.set_epoch(epoch)
+        else:
+            index = key
         return index, self.dataset[index]
+
+    def set_epoch(self, epoch: int) -> None:
+        set_epoch = getattr(self.dataset, "set_epoch", None)
+        if callable(set_epoch) and epoch != self.epoch:
+            set_epoch(epoch)
+        self.epoch = epoch
 
 
 def collate_items(dataset: Dataset[Any], indices: Sequence[int], collate: Collate | None) -> Any:
@@ -216,41 +235,108 @@ class TensorSource:
 
 
 class LoaderSource:
-    """Any map-style dataset: a DataLoader whose batch sampler is our index lists."""
+    """Any map-style dataset: a DataLoader whose batch sampler is our index lists.
+
+    Its worker processes start at each :meth:`batches` and end with it; with ``keep_workers`` they live from the first
+    call to :meth:`close`, through every epoch and — the source kept by its process (:class:`KeptLoaders`) — through
+    every in-process recovery: an iteration abandoned mid-way (the step in flight when a peer failed) leaves its
+    prefetched batches behind, and torch's persistent workers drop them at the next one. A kept loader whose worker
+    died meanwhile is started anew at the next call; one that dies during an iteration fails the step, as it would
+    without keeping."""
 
     def __init__(self, dataset: Dataset[Any], device: torch.device, num_workers: int, seed: int,
-                 collate: Collate | None = None, worker_init: Callable[[int], None] | None = None) -> None:
+                 collate: Collate | None = None, worker_init: Callable[[int], None] | None = None,
+                 keep_workers: bool = False) -> None:
         self.dataset = Indexed(dataset)
         self.device = device
         self.num_workers = num_workers
         self.seed = seed
         self.collate = IndexedCollate(collate)
         self.worker_init = worker_init
+        self.keep_workers = keep_workers and num_workers > 0
+        self._feed = _Feed()
+        self._kept: DataLoader[Any] | None = None
+        #: Loaders started anew because a kept worker had died (for the log and tests).
+        self.restarts = 0
 
     def batches(self, index_lists: Iterable[list[int]], epoch: int = 0) -> Iterator[Any]:
-        set_epoch = getattr(self.dataset.dataset, "set_epoch", None)
-        if callable(set_epoch):
-            set_epoch(epoch)  # before the workers start: they copy the dataset as it is now
-        generator = torch.Generator().manual_seed(self.seed)
-        loader = DataLoader(
-            self.dataset, batch_sampler=_Once(index_lists), num_workers=self.num_workers, collate_fn=self.collate,
-            pin_memory=self.device.type == "cuda", generator=generator, persistent_workers=False,
-            worker_init_fn=LoaderWorkersDieWithTrainer(self.worker_init),
-        )
+        self.dataset.set_epoch(epoch)  # here before the workers start (they copy the dataset as it is now)
+        if self.keep_workers:
+            self._feed.index_lists = ([(epoch, i) for i in indices] for indices in index_lists)
+            loader = self._kept_loader()
+        else:
+            loader = self._loader(_Feed(index_lists), persistent=False)
         for batch in loader:
             if isinstance(batch, BadBatch):
                 raise batch.error()
             yield to_device(batch, self.device)
 
+    def _loader(self, feed: _Feed, persistent: bool) -> DataLoader[Any]:
+        generator = torch.Generator().manual_seed(self.seed)
+        return DataLoader(
+            self.dataset, batch_sampler=feed, num_workers=self.num_workers, collate_fn=self.collate,
+            pin_memory=self.device.type == "cuda", generator=generator, persistent_workers=persistent,
+            worker_init_fn=LoaderWorkersDieWithTrainer(self.worker_init),
+        )
 
-class _Once:
-    """A batch sampler over a one-shot iterable (DataLoader only iterates it once)."""
+    def _kept_loader(self) -> DataLoader[Any]:
+        if self._kept is not None and not self.workers_alive():
+            log.warning("a DataLoader worker of this process died: its loader starts anew")
+            self.close()
+            self.restarts += 1
+        if self._kept is None:
+            self._kept = self._loader(self._feed, persistent=True)
+        return self._kept
 
-    def __init__(self, index_lists: Iterable[list[int]]) -> None:
+    def worker_pids(self) -> list[int]:
+        """The kept loader's worker processes (empty before its first batch, or without keeping)."""
+        workers = getattr(getattr(self._kept, "_iterator", None), "_workers", None) or []
+        return [w.pid for w in workers]
+
+    def workers_alive(self) -> bool:
+        workers = getattr(getattr(self._kept, "_iterator", None), "_workers", None) or []
+        return all(w.is_alive() for w in workers)
+
+    def close(self) -> None:
+        """End the kept workers now (the loader's own clean-up would wait for the collector)."""
+        loader, self._kept = self._kept, None
+        iterator = getattr(loader, "_iterator", None)
+        shutdown = getattr(iterator, "_shutdown_workers", None)
+        if callable(shutdown):
+            shutdown()
+
+
+class _Feed:
+    """The batch sampler: the index lists of the current iteration (a kept DataLoader iterates it once per call)."""
+
+    def __init__(self, index_lists: Iterable[list[Any]] = ()) -> None:
         self.index_lists = index_lists
 
-    def __iter__(self) -> Iterator[list[int]]:
+    def __iter__(self) -> Iterator[list[Any]]:
         return iter(self.index_lists)
+
+
+class KeptLoaders:
+    """The loaders a worker process keeps from one attempt to the next (in-process recovery), one per role (train,
+    test): the same dataset object — the workload the next attempt trains again — gets the same loader and its
+    workers; another dataset (a workload built anew) ends the old loader's."""
+
+    def __init__(self) -> None:
+        self._by_role: dict[str, LoaderSource] = {}
+
+    def source(self, role: str, dataset: Dataset[Any], make: Callable[[], LoaderSource]) -> LoaderSource:
+        kept = self._by_role.get(role)
+        if kept is not None and kept.dataset.dataset is dataset:
+            return kept
+        if kept is not None:
+            kept.close()
+        self._by_role[role] = made = make()
+        return made
+
+    def close(self) -> None:
+        for source in self._by_role.values():
+            source.close()
+        self._by_role.clear()
 
 
 def shard(n: int, rank: int, world: int) -> range:

@@ -36,7 +36,7 @@ from ..config.imports import resolve
 from ..data.datasets import TensorPairDataset
 from ..data.layout import layout_for
 from ..data.sampler import ElasticSampler
-from ..data.sources import BatchSource, LoaderSource, TensorSource, collate_items, to_device
+from ..data.sources import BatchSource, KeptLoaders, LoaderSource, TensorSource, collate_items, to_device
 from ..observe.audit import AuditWriter
 from ..observe.events import EventLog, furthest_step_reached
 from ..observe.goodput import publish_goodput
@@ -102,7 +102,7 @@ class Attempt:
 
     def __init__(self, cfg: Config, env: WorkerEnv, dist: Dist, stop: StopRequest, started_at: float,
                  make_workload: Callable[[], Workload] | None = None, kept: Workload | None = None,
-                 park: ParkChannel | None = None) -> None:
+                 park: ParkChannel | None = None, loaders: KeptLoaders | None = None) -> None:
         self.cfg, self.env, self.dist, self.stop, self.started_at = cfg, env, dist, stop, started_at
         #: How this worker's agent asks it to leave for a new membership (:mod:`.handover`), at a step boundary.
         self.park = park
@@ -111,6 +111,8 @@ class Attempt:
         #: compiled code torch keeps for it; or what this process built as a standby (:mod:`.standby`). Its state
         #: is replaced by the resumed one.
         self.kept = kept
+        #: The DataLoaders (and their worker processes) this process keeps from one attempt to the next.
+        self.loaders = loaders
         self.state = TrainState()
         self.watchdog: PeerWatchdog | None = None
         self.resume_info: dict[str, Any] | None = None  #: rank 0, once resumed: the ``resume`` event's fields
@@ -347,11 +349,11 @@ class Attempt:
                           metrics=self.metrics, audit=audit)
         test_size = len(w.test) if w.test is not None else 0  # type: ignore[arg-type]
         evaluator = Evaluator(dist, sync.module, parts.model, w.task,
-                              self._source(w.test, cfg.run.seed) if w.test is not None else None, test_size,
+                              self._source("test", w.test, cfg.run.seed) if w.test is not None else None, test_size,
                               cfg.data.eval_batch_size, self.metrics,
                               lockstep=self._stand_in(evaluating=True) if cfg.parallel.sharded else None)
         trainer = Trainer(cfg, dist, parts, step, books, evaluator,
-                          self._source(w.train, cfg.run.seed + parts.sampler.epoch), ckpt,
+                          self._source("train", w.train, cfg.run.seed + parts.sampler.epoch), ckpt,
                           total_steps=self.total_steps, start=AttemptStart(self.started_at, resumed, self.resume_info),
                           stop=self.stop, events=self.events, metrics=self.metrics, watchdog=self.watchdog,
                           on_first_step=self.records.soon if self.records is not None else None,
@@ -383,11 +385,14 @@ class Attempt:
 
         return run
 
-    def _source(self, dataset: Any, seed: int) -> BatchSource:
-        w, device = self.workload, self.dist.device
+    def _source(self, role: str, dataset: Any, seed: int) -> BatchSource:
+        w, device, workers = self.workload, self.dist.device, self.cfg.data.num_workers
         if isinstance(dataset, TensorPairDataset) and w.collate is None:
             return TensorSource(dataset.x, dataset.y, device)
-        return LoaderSource(dataset, device, self.cfg.data.num_workers, seed, collate=w.collate)
+        if self.loaders is not None and workers > 0:
+            return self.loaders.source(role, dataset, lambda: LoaderSource(dataset, device, workers, seed,
+                                                                           collate=w.collate, keep_workers=True))
+        return LoaderSource(dataset, device, workers, seed, collate=w.collate)
 
     def _report_end(self, result: dict[str, Any]) -> None:
         step = self.state.step

@@ -11,6 +11,8 @@ import ctypes
 import logging
 import os
 import signal
+import socket
+import stat
 import sys
 import threading
 import time
@@ -219,11 +221,15 @@ def follow_parent(parent: int) -> None:
 
 
 class LoaderWorkersDieWithTrainer:
-    """``worker_init_fn`` for DataLoader workers: they end with the training process that forked them.
+    """``worker_init_fn`` for DataLoader workers: they end with the training process that forked them, and keep none
+    of its network sockets.
 
-    torch's loader workers notice a dead parent only at their next poll (seconds), and, forked after
-    the process group was created, hold copies of its sockets meanwhile, so the peers do not see the
-    failure. Wraps the user's own ``worker_init_fn`` (called after)."""
+    torch's loader workers notice a dead parent only at their next poll (seconds). Forked after the process group was
+    created, they hold copies of its sockets: while they live, a peer does not see this process close its connections
+    (when it fails, or gives its group up to rebuild it in process), and a port the trainer listened on stays bound
+    (the store's, the metrics server's) — loader workers kept across attempts would hold an old group's sockets for
+    the rest of the run. Wraps the user's own ``worker_init_fn`` (called after): a dataset that needs a connection
+    opens it in its worker, as it must anyway (a connection two processes share interleaves their requests)."""
 
     def __init__(self, then: Callable[[int], None] | None = None) -> None:
         self.trainer = os.getpid()
@@ -231,8 +237,32 @@ class LoaderWorkersDieWithTrainer:
 
     def __call__(self, worker_id: int) -> None:
         follow_parent(self.trainer)
+        close_network_sockets()
         if self.then is not None:
             self.then(worker_id)
+
+
+def close_network_sockets() -> int:
+    """Close every IPv4/IPv6 socket this process has (this process's copies only: the trainer's stay open, since
+    ``close`` is not ``shutdown``); the count closed. Unix-domain sockets, which multiprocessing uses, are left."""
+    closed = 0
+    try:
+        fds = [int(name) for name in os.listdir("/proc/self/fd")]
+    except OSError:  # no procfs: nothing to find them by
+        return 0
+    for fd in fds:
+        try:
+            if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+                continue
+            sock = socket.socket(fileno=fd)
+        except OSError:  # the listing's own descriptor, gone by now, or not a socket Python can read
+            continue
+        if sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.close()
+            closed += 1
+        else:
+            sock.detach()
+    return closed
 
 
 def name_process(rank: int, local_rank: int) -> None:

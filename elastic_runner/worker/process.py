@@ -21,6 +21,7 @@ import torch
 from .. import files
 from ..config import Config
 from ..config.locations import is_url
+from ..data.sources import KeptLoaders
 from ..observe.events import agent_stop_reason
 from ..observe.logs import say, setup_logging
 from ..snapshot import SnapshotError
@@ -77,16 +78,19 @@ def run(cfg: Config, env: WorkerEnv, make_workload: Callable[[], Workload] | Non
     if env.rank == 0 and cfg.snapshot.dir and is_url(cfg.snapshot.dir):
         prewarm(cfg.snapshot.dir)  # rank 0 opens the attempt in the bucket: its client, while the group comes up
     dist: Dist | None = None
+    loaders: KeptLoaders | None = None
     try:
         # Whatever the world size now: a node may join a worker that trains alone.
         handover = Handover.from_environ(env.local_rank) if keeps_its_process(cfg, env, make_workload) else None
+        # Its DataLoader workers live as long as it does: through every epoch and attempt.
+        loaders = KeptLoaders() if keeps_its_process(cfg, env, make_workload) else None
         dist = _up(cfg, env, make_workload)
         if dist is None:
             return EXIT_PEER_LOST
         # A standby that took this worker's place built the workload ahead: the first attempt trains it.
         kept = standby.take(cfg) if make_workload is None else None
         while True:
-            attempt = Attempt(cfg, env, dist, stop, started_at, make_workload, kept, park=handover)
+            attempt = Attempt(cfg, env, dist, stop, started_at, make_workload, kept, park=handover, loaders=loaders)
             parking, lost = False, ()
             try:
                 attempt.run()
@@ -142,6 +146,8 @@ def run(cfg: Config, env: WorkerEnv, make_workload: Callable[[], Workload] | Non
         return ending.exit_code
     finally:
         stop.uninstall()
+        if loaders is not None:
+            loaders.close()
         if dist is not None:
             dist.down()
 

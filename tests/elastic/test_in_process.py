@@ -13,6 +13,7 @@ import pytest
 
 from elastic_runner.observe.audit import check_audit
 from elastic_runner.observe.events import read_events
+from elastic_runner.testing.localjob import descendants
 
 from ..support import (
     assert_bitwise_equal,
@@ -101,6 +102,30 @@ def test_a_killed_worker_is_replaced_alone_its_peer_keeps_its_process_and_the_ru
     assert sum("→ recovered in process in " in agent.log_text() for agent in job.agents) == 1, job.logs_tail()
     resume = [e for e in events(run_dir, "resume") if e["generation"] > 1]
     assert resume and resume[0]["tier"] == "memory" and resume[0]["steps_recomputed"] <= 1, resume
+
+
+def test_a_survivors_dataloader_workers_live_through_the_recovery_and_one_that_dies_ends_in_a_recovered_job(
+        resume_config: Path, reference_model: Any, local_job: Any, tmp_path: Path) -> None:
+    # A collate function takes the DataLoader path (in-memory tensors skip it): two loader processes per worker.
+    job = _started(local_job, resume_config, "elastic-runner", "dist.heartbeat_seconds=2", "data.num_workers=2",
+                   "data.collate=torch.utils.data:default_collate")
+    workers, _ = _stopped_with_standbys_ready(job, 130, at_least=3.0)
+    survivor = next(w for w in workers if w.rank == 0)
+    loaders = descendants(survivor.pid)
+    assert len(loaders) == 2, f"expected the survivor's 2 loader processes, found {loaders}"
+    _kill(job, workers, rank=1)
+    # Several epochs later (an epoch is a few dozen steps): the same loader processes serve the survivor.
+    later, _ = stop_workers_at_step(job, 260, count=2, timeout=120)
+    assert survivor.pid in {w.pid for w in later}, "rank 0 kept its process\n" + job.logs_tail()
+    assert sorted(descendants(survivor.pid)) == sorted(loaders), "its DataLoader workers lived through the recovery and the epochs"
+    # One of them dies: the survivor's step fails (torch reports the loader's death at once) and its agent replaces
+    # it, today's path for that rank; the other rank keeps its process.
+    os.kill(loaders[0], signal.SIGKILL)
+    continue_workers(job, later)
+    run_dir = _ends_as_the_uninterrupted_run(job, reference_model, tmp_path)
+    starts = events(run_dir, "start")
+    assert len({e["pid"] for e in starts if e["rank"] == 0}) == 2, "rank 0 started anew once, for its dead loader"
+    assert len({e["generation"] for e in starts}) == 3, "two recoveries\n" + job.logs_tail()
 
 
 @pytest.fixture(scope="module")
