@@ -7,12 +7,18 @@ loss's recovery. Each agent that keeps its workers across rounds therefore beats
 :data:`BEAT_SECONDS` (``regroup/agent/<group rank>``, a counter) from a thread of its own; a survivor that sees an
 agent's counter stand still for :data:`~elastic_runner.worker.regroup.AGENT_SILENT` knows that node is gone and parks at
 once. An agent that does not beat (torch's own, an older one) is never judged: the survivors wait as before.
+
+The store's server is rank 0's worker: it goes whenever that worker ends (the job finished, the worker failed or
+parked). torch logs every failed store operation as a C++ warning with a stack trace on the agent's terminal, so the
+beat keeps a bare connection to the same server beside its client and stops using a store whose server closed that
+connection, before it would write to it.
 """
 
 from __future__ import annotations
 
 import datetime
 import logging
+import select
 import socket
 import threading
 from typing import Any
@@ -57,13 +63,15 @@ class AgentBeat:
             self._changed.notify_all()
 
     def _run(self) -> None:
-        store: Any = None
+        store: _Store | None = None
         following: tuple[str, int, int] | None = None
         while True:
             with self._changed:
                 closed, target = self._closed, self._target
             if closed or target is None:
                 self._say_stopping(store, following)  # (outside the lock: a store gone answers only at its timeout)
+                if store is not None:
+                    store.close()
                 store = following = None
                 if closed:
                     return
@@ -71,29 +79,38 @@ class AgentBeat:
                     while self._target is None and not self._closed:
                         self._changed.wait()
                 continue
-            if target != following:
-                store, following = self._connect(target), target
+            if store is not None and target != following:
+                store.close()
+                store = None
+            elif store is not None and store.server_gone():
+                store.close()  # (rank 0's worker ended; the same address may serve its successor soon)
+                store = following = None
+                self._sleep(RETRY_SECONDS)
+                continue
+            if store is None:
+                store, following = _Store.connect(target), target
                 if store is None:
                     following = None
                     self._sleep(RETRY_SECONDS)
                     continue
             try:
-                agent_beat(store, target[2], self.beats)
+                agent_beat(store.client, target[2], self.beats)
                 self.beats += 1
             except Exception as exc:  # noqa: BLE001 - the store gone (rank 0's worker): the next round's, later
                 log.debug("agent beat failed (%s); connecting again", exc)
+                store.close()
                 store = following = None
                 self._sleep(RETRY_SECONDS)
                 continue
             self._sleep(self.interval)
 
     @staticmethod
-    def _say_stopping(store: Any, following: tuple[str, int, int] | None) -> None:
+    def _say_stopping(store: _Store | None, following: tuple[str, int, int] | None) -> None:
         """The last beat, when this agent stops beating on purpose: survivors must not count its node out."""
-        if store is None or following is None:
+        if store is None or following is None or store.server_gone():
             return
         try:
-            agent_stopping(store, following[2])
+            agent_stopping(store.client, following[2])
         except Exception as exc:  # noqa: BLE001 - the store gone: nobody reads beats there any more
             log.debug("agent beat: could not say it stops (%s)", exc)
 
@@ -102,16 +119,41 @@ class AgentBeat:
             if not self._closed:
                 self._changed.wait(seconds)
 
-    @staticmethod
-    def _connect(target: tuple[str, int, int]) -> Any:
+
+
+class _Store:
+    """A client of the job's store and a bare connection to its server beside it (see the module's docstring)."""
+
+    def __init__(self, client: Any, probe: socket.socket) -> None:
+        self.client, self.probe = client, probe
+
+    @classmethod
+    def connect(cls, target: tuple[str, int, int]) -> _Store | None:
         addr, port, _ = target
+        probe: socket.socket | None = None
         try:
-            # A refused connection at once, without torch's client retrying (and logging) until its timeout.
-            socket.create_connection((addr, port), timeout=1.0).close()
+            # Refused at once when the server is not up, without torch's client retrying (and logging) until its
+            # timeout; kept open, it is how the beat learns that the server ended.
+            probe = socket.create_connection((addr, port), timeout=1.0)
             from torch.distributed import TCPStore
 
-            return TCPStore(addr, port, is_master=False, timeout=datetime.timedelta(seconds=2),
-                            wait_for_workers=False)
+            client = TCPStore(addr, port, is_master=False, timeout=datetime.timedelta(seconds=2),
+                              wait_for_workers=False)
+            return cls(client, probe)
         except Exception as exc:  # noqa: BLE001 - not up yet, or gone: tried again
+            if probe is not None:
+                probe.close()
             log.debug("agent beat: the job's store at %s:%s does not answer (%s)", addr, port, exc)
             return None
+
+    def server_gone(self) -> bool:
+        """Whether the server closed the bare connection (it never writes to it: anything readable is its end)."""
+        try:
+            readable, _, _ = select.select([self.probe], [], [], 0)
+            return bool(readable) and self.probe.recv(1, socket.MSG_PEEK) == b""
+        except OSError:  # reset: gone as well
+            return True
+
+    def close(self) -> None:
+        self.probe.close()
+        self.client = None  # torch's client closes its connection when collected

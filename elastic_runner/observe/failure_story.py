@@ -66,9 +66,11 @@ def failure_story(run_dir: str | os.PathLike[str], generation: int, world_size: 
         cause = (", ".join(parts[:3]) + (f" and {len(parts) - 3} more" if len(parts) > 3 else "")
                  + f" at step {step}")
     elif previous_world is not None and previous_world > world_size:
-        # Detected by a worker's failure, or by an agent that saw the member gone (its workers were waiting for it).
+        # Detected by a worker's failure, by an agent that saw the member gone (its workers were waiting for it), or
+        # by a survivor's broken collective (in process: no worker fails for its agent to report).
         gone = [e["time"] for e in events if e.get("kind") == "agent_member_gone" and began <= e["time"] <= now]
-        first_at = min([e["time"] for e, _ in failures] + gone, default=None)
+        noticed = [e["time"] for e in of_previous if e.get("kind") == "failure"]
+        first_at = min([e["time"] for e, _ in failures] + gone + noticed, default=None)
         cause = f"a node left (world size {previous_world} → {world_size}) at step {step}"
     elif previous_world is not None and previous_world < world_size:
         first_at = None

@@ -191,3 +191,29 @@ def test_an_agent_that_stops_beating_on_purpose_is_parked_for_but_never_counted_
     finally:
         alive.close()
         restarting.close()
+
+
+def test_an_agent_whose_store_went_away_stops_beating_there_without_torch_logging_a_failed_operation(
+        capfd: pytest.CaptureFixture[str]) -> None:
+    """The store's server is rank 0's worker: it goes whenever that worker ends (the job finished, the worker failed
+    or parked). torch logs every failed store operation as a C++ warning with a stack trace on the agent's
+    terminal; the beat sees the server's end on a bare connection of its own and never writes into the void."""
+    store = _job_store()
+    port = store.port
+    (beat,) = _beating(store, [1])
+    try:
+        del store  # the server ends, as rank 0's worker does at the end of the job
+        time.sleep(1.0)  # ten beats' time
+        beat.pause()  # the agent ends its workers: its last word would go to the gone store
+        time.sleep(0.3)
+        err = capfd.readouterr().err
+        assert "failed on" not in err and "Exception raised from" not in err, err
+        assert beat.beats > 1
+        replacement = tdist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)  # its successor
+        beat.follow("127.0.0.1", port, 1)
+        deadline = time.monotonic() + 10
+        while not replacement.check(["regroup/agent/1"]):
+            assert time.monotonic() < deadline, "the beat does not go on in the successor's store"
+            time.sleep(0.01)
+    finally:
+        beat.close()

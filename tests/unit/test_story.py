@@ -62,3 +62,17 @@ def test_a_recovery_in_new_processes_is_not_told_in_process(tmp_path: Path) -> N
     EventLog(tmp_path, "gen-000002-rank-00000", generation=2, rank=0, pid=4343).emit("start", world_size=2)
     story = failure_story(tmp_path, 2, 2, RESUME, now=__import__("time").time() + 0.5)
     assert story is not None and "→ recovered in " in story and "in process" not in story, story
+
+
+def test_a_node_lost_under_in_process_recovery_is_timed_from_the_survivors_broken_collective(tmp_path: Path) -> None:
+    """No worker fails for an agent to report (the lost node's agent went with it; the survivor keeps its process):
+    the survivor's own failure event is when the loss was noticed."""
+    import time
+
+    previous_attempt(tmp_path, 2)
+    survivor = EventLog(tmp_path, "gen-000001-rank-00000", generation=1, rank=0)
+    survivor.emit("failure", error="RuntimeError: [gloo] Read error: Connection reset by peer")
+    survivor.close()
+    EventLog(tmp_path, "gen-000002-rank-00000", generation=2, rank=0).emit("start", world_size=1)
+    story = failure_story(tmp_path, 2, 1, RESUME, now=time.time() + 2.5)
+    assert story is not None and story.startswith("a node left (world size 2 → 1) at step 41 → recovered in process in 2."), story
