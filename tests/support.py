@@ -261,7 +261,8 @@ def start_agent_until_waiting(job: Any, paused: Sequence[Any], waiting: Callable
         continue_workers(job, paused)
 
 
-STORY = re.compile(r": rank 1 \(node \S+, pid (\d+)\) was killed by SIGKILL at step (\d+) → recovered in (\d+\.\d+) s "
+STORY = re.compile(r": rank 1 \(node \S+, pid (\d+)\) was killed by SIGKILL at step (\d+) → recovered (?:in process )?in "
+                   r"(\d+\.\d+) s "
                    r"at world size 2, resumed step (\d+) from memory, (\d+) steps lost")
 
 

@@ -211,8 +211,8 @@ class RecoveryConfig:
         "and the others rebuild only their process group; for a node that joins or is lost (or another node's "
         "restart) the workers park at a step boundary and take their place in the new rendezvous round. A worker "
         "that cannot park yet, a script's model through elastic_runner.fit, and torch's own agent restart as "
-        "without it. Experimental, off by default.",
-        default=False,
+        "without it. false: every recovery ends every worker and starts new ones (forked from the zygote).",
+        default=True,
     )
     standby: bool = _help(
         "With in_process: each node keeps one standby worker, forked ahead with the config read and the model and "

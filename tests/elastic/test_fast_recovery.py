@@ -1,4 +1,5 @@
-"""Fast recovery through elastic-runner launch: memory snapshots, watchdog, zygote, our agent."""
+"""Fast recovery through elastic-runner launch when every worker restarts (``recovery.in_process: false``): memory
+snapshots, watchdog, zygote, our agent. In-process recovery, the default: ``test_in_process.py``."""
 
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ from ..support import (
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
+RESTART_EVERY_WORKER = "recovery.in_process=false"
+
 
 def first_resume(run_dir: Path, after: float = 0.0) -> dict:
     """The first resume of the job (after the time ``after``, when given)."""
@@ -32,7 +35,8 @@ def first_resume(run_dir: Path, after: float = 0.0) -> dict:
 
 def test_worker_kill_resumes_from_a_survivors_memory_losing_no_step_and_ends_bitwise_identical(
         resume_config: Path, reference_model, local_job, tmp_path: Path) -> None:  # noqa: ANN001
-    job = local_job(config=str(resume_config), nnodes="2:2", launcher="elastic-runner")
+    job = local_job(config=str(resume_config), nnodes="2:2", launcher="elastic-runner",
+                    overrides=[RESTART_EVERY_WORKER])
     job.start_agent()
     job.start_agent()
     run_dir = Path(job.run_dir)
@@ -50,7 +54,8 @@ def test_worker_kill_resumes_from_a_survivors_memory_losing_no_step_and_ends_bit
 
 
 def test_losing_every_worker_at_once_falls_back_to_the_disk_snapshot(resume_config: Path, local_job) -> None:  # noqa: ANN001
-    job = local_job(config=str(resume_config), nnodes="2:2", launcher="elastic-runner")
+    job = local_job(config=str(resume_config), nnodes="2:2", launcher="elastic-runner",
+                    overrides=[RESTART_EVERY_WORKER])
     job.start_agent()
     job.start_agent()
     run_dir = Path(job.run_dir)
@@ -65,7 +70,7 @@ def test_losing_every_worker_at_once_falls_back_to_the_disk_snapshot(resume_conf
 
 def test_hung_worker_is_detected_within_the_heartbeat_time_and_killed_at_once(resume_config: Path, local_job) -> None:  # noqa: ANN001
     job = local_job(config=str(resume_config), nnodes="1:1", nproc_per_node=2, launcher="elastic-runner",
-                    overrides=["dist.heartbeat_seconds=2"])
+                    overrides=["dist.heartbeat_seconds=2", RESTART_EVERY_WORKER])
     job.start_agent()
     run_dir = Path(job.run_dir)
     workers, _ = stop_workers_at_step(job, 60, count=2, timeout=120)
@@ -83,7 +88,8 @@ def test_hung_worker_is_detected_within_the_heartbeat_time_and_killed_at_once(re
 
 
 def test_node_loss_survivor_keeps_the_newest_step(resume_config: Path, local_job) -> None:  # noqa: ANN001
-    job = local_job(config=str(resume_config), nnodes="1:2", launcher="elastic-runner")
+    job = local_job(config=str(resume_config), nnodes="1:2", launcher="elastic-runner",
+                    overrides=[RESTART_EVERY_WORKER])
     job.start_agent()
     second = job.start_agent()
     run_dir = Path(job.run_dir)

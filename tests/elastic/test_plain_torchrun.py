@@ -58,7 +58,9 @@ def test_a_node_joins_a_plain_torchrun_job_with_torchs_defaults_and_it_trains_on
 
 def test_a_worker_kill_under_tuned_plain_torchrun_takes_launchs_fast_path(
         resume_config: Path, local_job: Callable[..., LocalJob]) -> None:
-    job = local_job(config=str(resume_config), nnodes="2:2", launcher="torchrun")
+    # Every worker restarts (the path without in-process recovery; with it, the default: test_in_process.py).
+    job = local_job(config=str(resume_config), nnodes="2:2", launcher="torchrun",
+                    overrides=["recovery.in_process=false"])
     job.start_agent()
     job.start_agent()
     run_dir = Path(job.run_dir)
