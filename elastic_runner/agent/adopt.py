@@ -160,7 +160,7 @@ def adopt(launcher_api: Any, config: Any, entrypoint: Any, args: Sequence[Any],
     if usable(AGENT_CORRECTIONS, log):
         ElasticRunnerAgent.default_observers = [agent_metrics.observe]
         # The workers' choice; a script's workers (elastic_runner.fit, no --config) restart every worker.
-        ElasticRunnerAgent.in_process = bool(worker_cfg is not None and worker_cfg.recovery.in_process)
+        ElasticRunnerAgent.in_process = bool(worker_cfg is not None and worker_cfg.in_process)
         ElasticRunnerAgent.standby = bool(worker_cfg is not None and worker_cfg.recovery.standby)
         # torch's launch_agent builds a LocalElasticAgent; ours adds the corrections
         # documented in elastic_runner.agent.agent. Only this process is affected.
@@ -174,7 +174,7 @@ def _keeps_workers_across_rounds(worker_cfg: Any, zygote_wanted: bool) -> bool:
     recovery, workers started from a function, and the torch internals each part relies on."""
     from .torch_patches import AGENT_CORRECTIONS, KEEPING_WORKERS, KEPT_ROUNDS
 
-    return bool(worker_cfg is not None and worker_cfg.recovery.in_process and zygote_wanted
+    return bool(worker_cfg is not None and worker_cfg.in_process and zygote_wanted
                 and not (AGENT_CORRECTIONS.problems() or KEEPING_WORKERS.problems() or KEPT_ROUNDS.problems()))
 
 

@@ -205,14 +205,17 @@ class DistConfig:
 class RecoveryConfig:
     """How a job recovers from a failed worker."""
 
-    in_process: bool = _help(
-        "Workers keep their process (its interpreter, CUDA context, datasets and model with its compiled code) "
-        "through a recovery: a worker killed or crashed while its node and rank 0's worker live is replaced alone "
-        "and the others rebuild only their process group; for a node that joins or is lost (or another node's "
-        "restart) the workers park at a step boundary and take their place in the new rendezvous round. A worker "
-        "that cannot park yet, a script's model through elastic_runner.fit, and torch's own agent restart as "
-        "without it. false: every recovery ends every worker and starts new ones (forked from the zygote).",
-        default=True,
+    in_process: bool | Literal["auto"] = _help(
+        "Workers keep their process (its interpreter, CUDA context, datasets, DataLoader workers and model with its "
+        "compiled code) through a recovery: a worker killed or crashed while its node and rank 0's worker live is "
+        "replaced alone and the others rebuild only their process group; for a node that joins or is lost (or "
+        "another node's restart) the workers park at a step boundary and take their place in the new rendezvous "
+        "round. A worker that cannot park yet, a script's model through elastic_runner.fit, and torch's own agent "
+        "restart as without it. auto: true for a replicated model (parallel.strategy: ddp), false for a sharded one "
+        "(fsdp, hsdp: in process its shards are kept in node memory at the periodic refreshes only, so a park or a "
+        "peer's failure would recompute the steps since, where a restart saves the step it stopped at). false: every "
+        "recovery ends every worker and starts new ones (forked from the zygote).",
+        default="auto",
     )
     standby: bool = _help(
         "With in_process: each node keeps one standby worker, forked ahead with the config read and the model and "

@@ -74,6 +74,13 @@ class Config:
         return dataclasses.asdict(self)
 
     @property
+    def in_process(self) -> bool:
+        """Whether a recovery keeps the workers' processes: ``recovery.in_process``, where auto means a replicated
+        model."""
+        wanted = self.recovery.in_process
+        return not self.parallel.sharded if wanted == "auto" else bool(wanted)
+
+    @property
     def snapshot_dir(self) -> str:
         return self.snapshot.dir or os.path.join(self.run.dir, "snapshots")
 

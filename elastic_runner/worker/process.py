@@ -215,7 +215,7 @@ def keeps_its_process(cfg: Config, env: WorkerEnv, make_workload: Callable[[], W
     """Whether this worker keeps its process through a recovery (``recovery.in_process``): only under our agent
     (which replaces a failed worker and hands kept ones their places; torch's own restarts every worker) and for a
     model built from the config (a script's model object would carry the abandoned step into the next attempt)."""
-    return cfg.recovery.in_process and env.agent_id is not None and make_workload is None
+    return cfg.in_process and env.agent_id is not None and make_workload is None
 
 
 def in_process_wanted(cfg: Config, env: WorkerEnv, make_workload: Callable[[], Workload] | None) -> bool:

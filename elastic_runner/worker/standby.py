@@ -38,7 +38,7 @@ def prepare(cfg: Config) -> bool:
     from ..workload.spec import from_config
 
     _prepared = None
-    if not (cfg.recovery.in_process and cfg.recovery.standby):
+    if not (cfg.in_process and cfg.recovery.standby):
         return False
     try:
         workload = from_config(cfg)

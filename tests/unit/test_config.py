@@ -176,6 +176,16 @@ def test_memory_settings_do_not_change_the_fingerprint(quickstart: Path) -> None
     assert load_config(quickstart, ["batch.micro_size=4", "batch.uneven=refuse"]).fingerprint() == base
 
 
+def test_in_process_recovery_is_on_for_a_replicated_model_and_off_for_a_sharded_one_unless_set(quickstart: Path) -> None:
+    assert load_config(quickstart).recovery.in_process == "auto"
+    assert load_config(quickstart).in_process
+    assert not load_config(quickstart, ["parallel.strategy=fsdp"]).in_process
+    assert load_config(quickstart, ["parallel.strategy=fsdp", "recovery.in_process=true"]).in_process
+    assert not load_config(quickstart, ["recovery.in_process=false"]).in_process
+    with pytest.raises(ConfigError, match=r"recovery\.in_process: got 'sometimes', expected"):
+        load_config(quickstart, ["recovery.in_process=sometimes"])
+
+
 def test_reconfiguring_the_process_group_of_a_sharded_model_is_refused_with_the_alternatives(quickstart: Path) -> None:
     with pytest.raises(ConfigError, match=r"recovery\.regroup: reconfigure is for replicated models, and "
                                           r"parallel\.strategy is fsdp .* Use auto or recreate"):
