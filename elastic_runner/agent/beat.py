@@ -120,7 +120,6 @@ class AgentBeat:
                 self._changed.wait(seconds)
 
 
-
 class _Store:
     """A client of the job's store and a bare connection to its server beside it (see the module's docstring)."""
 

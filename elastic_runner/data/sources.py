@@ -288,14 +288,15 @@ class LoaderSource:
             self._kept = self._loader(self._feed, persistent=True)
         return self._kept
 
+    def _workers(self) -> list[Any]:
+        """The kept loader's worker processes (none before its first batch, or without keeping)."""
+        return getattr(getattr(self._kept, "_iterator", None), "_workers", None) or []
+
     def worker_pids(self) -> list[int]:
-        """The kept loader's worker processes (empty before its first batch, or without keeping)."""
-        workers = getattr(getattr(self._kept, "_iterator", None), "_workers", None) or []
-        return [w.pid for w in workers]
+        return [w.pid for w in self._workers()]
 
     def workers_alive(self) -> bool:
-        workers = getattr(getattr(self._kept, "_iterator", None), "_workers", None) or []
-        return all(w.is_alive() for w in workers)
+        return all(w.is_alive() for w in self._workers())
 
     def close(self) -> None:
         """End the kept workers now (the loader's own clean-up would wait for the collector)."""

@@ -81,9 +81,10 @@ def run(cfg: Config, env: WorkerEnv, make_workload: Callable[[], Workload] | Non
     loaders: KeptLoaders | None = None
     try:
         # Whatever the world size now: a node may join a worker that trains alone.
-        handover = Handover.from_environ(env.local_rank) if keeps_its_process(cfg, env, make_workload) else None
+        keeping = keeps_its_process(cfg, env, make_workload)
+        handover = Handover.from_environ(env.local_rank) if keeping else None
         # Its DataLoader workers live as long as it does: through every epoch and attempt.
-        loaders = KeptLoaders() if keeps_its_process(cfg, env, make_workload) else None
+        loaders = KeptLoaders() if keeping else None
         dist = _up(cfg, env, make_workload)
         if dist is None:
             return EXIT_PEER_LOST
