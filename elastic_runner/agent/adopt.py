@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from .zygote import worker_config
 
@@ -108,8 +108,10 @@ def sweep_private_dirs(base: str | None = None) -> list[str]:
 
 
 def adopt(launcher_api: Any, config: Any, entrypoint: Any, args: Sequence[Any],
-          zygote_wanted: bool) -> tuple[Any, list[Any]]:
-    """Set up this agent process; returns the (entrypoint, args) to hand to torch's ``launch_agent``."""
+          zygote_wanted: bool) -> tuple[Any, list[Any], Callable[[], None]]:
+    """Set up this agent process; returns the (entrypoint, args) to hand to torch's ``launch_agent``, and what to
+    call once it has returned or raised (the agent's last upload of the node's records: at interpreter exit, the
+    store's client can no longer run its requests)."""
     from . import fast_rendezvous, zygote
     from .agent import ElasticRunnerAgent
     from .metrics import AgentMetrics, install_bridge
@@ -153,8 +155,7 @@ def adopt(launcher_api: Any, config: Any, entrypoint: Any, args: Sequence[Any],
     fast_rendezvous.install()
     quiet_handled_failures()
     agent_metrics = AgentMetrics(agent_events(worker_cfg) if worker_cfg is not None else None)
-    if worker_cfg is not None:
-        upload_agent_events(worker_cfg)
+    finish = upload_agent_events(worker_cfg) if worker_cfg is not None else _nothing
     agent_metrics.serve()
     install_bridge(agent_metrics)
     if usable(AGENT_CORRECTIONS, log):
@@ -166,7 +167,11 @@ def adopt(launcher_api: Any, config: Any, entrypoint: Any, args: Sequence[Any],
         # documented in elastic_runner.agent.agent. Only this process is affected.
         launcher_api.LocalElasticAgent = ElasticRunnerAgent
     usable(PROCESS_GROUP_ABORT, log)
-    return entrypoint, list(args)
+    return entrypoint, list(args), finish
+
+
+def _nothing() -> None:
+    return None
 
 
 def _keeps_workers_across_rounds(worker_cfg: Any, zygote_wanted: bool) -> bool:
@@ -178,18 +183,17 @@ def _keeps_workers_across_rounds(worker_cfg: Any, zygote_wanted: bool) -> bool:
                 and not (AGENT_CORRECTIONS.problems() or KEEPING_WORKERS.problems() or KEPT_ROUNDS.problems()))
 
 
-def upload_agent_events(cfg: Any) -> None:
+def upload_agent_events(cfg: Any) -> Callable[[], None]:
     """With snapshots in a bucket, the agent's own event log is uploaded with the run's records
-    (:mod:`~elastic_runner.observe.records`) as the workers' are; when the agent exits, everything of the node's
-    run.dir that the bucket still lacks: its own last events (they come after its workers'), and the last records of
-    a worker that failed on its own when no worker followed it on this node."""
-    import atexit
+    (:mod:`~elastic_runner.observe.records`) as the workers' are; the returned function, called when the agent has
+    ended, uploads everything of the node's run.dir that the bucket still lacks: its own last events (they come after
+    its workers'), and the last records of a worker that failed on its own when no worker followed it on this node."""
     import socket
 
     from ..config.locations import is_url
 
     if not (cfg.snapshot.dir and is_url(cfg.snapshot.dir)):
-        return
+        return _nothing
 
     import threading
     import time
@@ -212,7 +216,7 @@ def upload_agent_events(cfg: Any) -> None:
         except Exception as exc:  # noqa: BLE001 - the workers' records still go; the store is checked by them
             log.warning("the agent's events will not be uploaded to %s: %s", cfg.snapshot.dir, exc)
 
-    def at_exit() -> None:
+    def at_end() -> None:
         try:
             sync = started[0] if started else make(lambda relative: True)
         except Exception:  # noqa: BLE001 - said when it was started
@@ -220,8 +224,8 @@ def upload_agent_events(cfg: Any) -> None:
         sync.wanted = lambda relative: True  # the workers are gone: whatever of the node the bucket lacks
         sync.close(final=True)
 
-    atexit.register(at_exit)
     threading.Thread(target=start, name="agent-record-sync-start", daemon=True).start()
+    return at_end
 
 
 def agent_events(cfg: Any) -> Any:

@@ -127,7 +127,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.master_port is None:
         args.master_port = 29500
     config, cmd, cmd_args = config_from_args(args)
-    entrypoint, worker_args = adopt(launcher_api, config, cmd, cmd_args, zygote_wanted)
+    entrypoint, worker_args, finish = adopt(launcher_api, config, cmd, cmd_args, zygote_wanted)
     try:
         launcher_api.elastic_launch(config=config, entrypoint=entrypoint)(*worker_args)
     except SignalException as exc:
@@ -143,6 +143,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             log.error("%s", exc)
             return 1
         raise
+    finally:
+        finish()
     return 0
 
 

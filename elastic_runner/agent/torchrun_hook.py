@@ -81,7 +81,7 @@ def _wrap(api: ModuleType) -> None:
 
         log_to_stderr()
         zygote_wanted = os.environ.get("ELASTIC_RUNNER_ZYGOTE", "1") != "0"
-        entrypoint, args = adopt(api, config, entrypoint, args, zygote_wanted)
+        entrypoint, args, finish = adopt(api, config, entrypoint, args, zygote_wanted)
         try:
             return original(config, entrypoint, args, *more, **options)
         except Exception as exc:
@@ -89,6 +89,8 @@ def _wrap(api: ModuleType) -> None:
             if code is None:
                 raise  # torchrun prints its failure table or traceback, as it always has
             raise SystemExit(code) from None
+        finally:
+            finish()
 
     launch_agent.__elastic_runner__ = True  # type: ignore[attr-defined]
     launch_agent.__wrapped__ = original  # type: ignore[attr-defined]

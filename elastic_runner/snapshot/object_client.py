@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import inspect
 import os
 import tempfile
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 from urllib.parse import urlsplit
 
 from ..files import private_dir
@@ -49,16 +50,26 @@ def open_filesystem(location: str) -> tuple[Any, str]:
     return fs, path
 
 
-def prewarm(location: str) -> None:
+def prewarm(location: str) -> threading.Thread:
     """Create the store's client in the background (a worker calls this before its process group is up, so the
-    attempt's first request to the store does not pay for it); errors are left for the real requests to report."""
+    attempt's first request to the store does not pay for it); errors are left for the real requests to report.
+    Returns the thread (a caller need not wait for it)."""
     def warm() -> None:
         with contextlib.suppress(Exception):
             fs, _ = open_filesystem(location)
-            if hasattr(fs, "set_session"):
-                fs.set_session()
+            connect = getattr(fs, "set_session", None)
+            if connect is None:
+                return
+            if inspect.iscoroutinefunction(connect):  # s3fs's: on the filesystem's own event loop, as its calls run
+                from fsspec.asyn import sync
 
-    threading.Thread(target=warm, name="object-store-warmup", daemon=True).start()
+                sync(fs.loop, connect)
+            else:
+                connect()
+
+    thread = threading.Thread(target=warm, name="object-store-warmup", daemon=True)
+    thread.start()
+    return thread
 
 
 def default_local(location: str) -> Path:
@@ -76,6 +87,26 @@ def is_refusal(exc: BaseException) -> bool:
     return type(exc) is OSError and str(exc).startswith("Forbidden: ")
 
 
+def answer_codes(exc: BaseException) -> Iterator[tuple[Any, Any]]:
+    """(error code, HTTP status) of every structured store answer in ``exc``'s chain: botocore's ``response``
+    (``Error.Code``, ``ResponseMetadata.HTTPStatusCode``) and gcsfs's ``HttpError.code``."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        response = getattr(seen, "response", None)
+        if isinstance(response, dict):
+            yield (response.get("Error") or {}).get("Code"), (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
+        if type(seen).__name__ == "HttpError":
+            yield None, getattr(seen, "code", None)
+        seen = seen.__cause__ or seen.__context__
+
+
+def is_missing_bucket(exc: BaseException) -> bool:
+    """The store said the bucket does not exist: S3's ``NoSuchBucket`` code. Decided from the answer's code, never
+    from a message's words: a listing of an empty prefix raises ``FileNotFoundError`` whose text is the path, and a
+    bucket may be called ``my-bucket``."""
+    return any(code == "NoSuchBucket" for code, _ in answer_codes(exc))
+
+
 def is_precondition_failure(exc: BaseException) -> bool:
     """The store refused a create because the object exists: S3's ``PreconditionFailed`` (HTTP 412) in botocore's
     structured error, GCS's HTTP 412, or fsspec's ``FileExistsError`` — never a guess from a message's text (a
@@ -84,13 +115,5 @@ def is_precondition_failure(exc: BaseException) -> bool:
     while seen is not None:
         if isinstance(seen, FileExistsError):
             return True
-        response = getattr(seen, "response", None)
-        if isinstance(response, dict):
-            code = (response.get("Error") or {}).get("Code")
-            status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
-            if code in ("PreconditionFailed", "412") or status == 412:
-                return True
-        if type(seen).__name__ == "HttpError" and getattr(seen, "code", None) == 412:  # gcsfs
-            return True
         seen = seen.__cause__ or seen.__context__
-    return False
+    return any(code in ("PreconditionFailed", "412") or status == 412 for code, status in answer_codes(exc))

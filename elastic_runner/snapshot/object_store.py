@@ -37,7 +37,7 @@ from urllib.parse import urlsplit
 from ..config.locations import is_url, location_problem
 from ..files import makedirs, private_dir
 from .format import current_signing_key
-from .object_client import default_local, is_precondition_failure, is_refusal, open_filesystem
+from .object_client import default_local, is_missing_bucket, is_precondition_failure, is_refusal, open_filesystem
 from .shards import part_name, read_record, record_name
 from .store import (MAX_META_BYTES, META, AlreadyCommittedError, CorruptSnapshotError, LocalStore, SnapshotError,
                     SnapshotRef, SnapshotUnavailableError, StoreAccessError, fence_error)
@@ -78,6 +78,7 @@ class ObjectStore:
         self.root = self._local or Path(tempfile.gettempdir())
         #: Objects this store uploaded for a snapshot: a retry of that snapshot may replace them, no other writer's.
         self._uploaded: set[str] = set()
+        self._bucket_exists = False  #: seen to exist: a "not found" then never asks again
 
     @property
     def local(self) -> Path:
@@ -104,8 +105,8 @@ class ObjectStore:
         except PermissionError as exc:
             raise self._refused(what, exc) from exc
         except FileNotFoundError as exc:
-            # S3 names the bucket in its error; GCS answers 404 to a create only when the bucket is missing.
-            if "bucket" in str(exc).lower() or what.startswith("creating "):
+            # GCS answers 404 to a create only when the bucket is missing.
+            if what.startswith("creating ") or self._bucket_missing(exc):
                 raise StoreAccessError(
                     f"{what}: the bucket {self.bucket!r} does not exist at {self._endpoint()}; create it, or fix "
                     "snapshot.dir (or AWS_ENDPOINT_URL)") from exc
@@ -121,6 +122,23 @@ class ObjectStore:
             raise SnapshotUnavailableError(
                 f"{what}: {self.location} did not answer as expected ({_short(exc)}); is {self._endpoint()} "
                 "reachable?") from exc
+
+    def _bucket_missing(self, exc: FileNotFoundError) -> bool:
+        """Whether a "not found" means the bucket, not an object or an empty prefix: from the answer's code (S3's
+        ``NoSuchBucket``), else from asking for the bucket itself once (a listing's 404 from GCS is not specific).
+        A refused or failed question is not "missing": the request's own error then says what is wrong."""
+        if is_missing_bucket(exc):
+            return True
+        if self._bucket_exists:
+            return False
+        try:
+            self.fs.info(self.bucket)
+        except FileNotFoundError:
+            return True
+        except Exception:  # noqa: BLE001 - a policy that grants only the prefix may refuse the bucket's own answer
+            return False
+        self._bucket_exists = True
+        return False
 
     def _refused(self, what: str, exc: BaseException) -> StoreAccessError:
         return StoreAccessError(
@@ -165,7 +183,7 @@ class ObjectStore:
             try:
                 entries = self.fs.ls(where, detail=False, refresh=True)
             except FileNotFoundError as exc:
-                if "bucket" in str(exc).lower():
+                if self._bucket_missing(exc):
                     raise
                 return []
         return [e.rstrip("/").rsplit("/", 1)[-1] for e in entries]
@@ -177,7 +195,7 @@ class ObjectStore:
             try:
                 found = self.fs.find(self.prefix, detail=False, withdirs=False, prefix="step-")
             except FileNotFoundError as exc:
-                if "bucket" in str(exc).lower():
+                if self._bucket_missing(exc):
                     raise
                 return set()
         start = len(self.prefix) + 1

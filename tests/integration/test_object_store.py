@@ -261,6 +261,43 @@ def test_wrong_credentials_a_read_only_identity_and_a_missing_bucket_are_one_cle
         node("s3://no-such-bucket/x", tmp_path)
 
 
+def test_the_warm_up_connects_the_client_it_shares_with_the_store_and_leaves_no_coroutine_unawaited(url: str) -> None:
+    import gc
+    import warnings
+
+    from elastic_runner.snapshot.object_client import open_filesystem, prewarm
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        prewarm(url).join(timeout=60)
+        gc.collect()  # an unawaited coroutine is reported when it is collected
+    fs, _ = open_filesystem(url)
+    assert getattr(fs, "_s3", None) is not None, "the client was created by the warm-up, not by the first request"
+    assert not [w for w in caught if "never awaited" in str(w.message)], [str(w.message) for w in caught]
+
+
+def test_any_bucket_name_works_and_only_a_missing_bucket_is_called_missing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bucket's name decides nothing: ``my-bucket`` (the docs' own example), ``mybucket`` and ``a.b.c`` each hold a
+    run from its empty first listing to a snapshot read back on another node; only a bucket the store says is not
+    there is refused, in one sentence that names it. (A server of its own: the session's gives each bucket volumes.)"""
+    with S3Server(tmp_path / "seaweedfs" / "data") as server:
+        for key, value in server.env().items():
+            monkeypatch.setenv(key, value)
+        for bucket in ("my-bucket", "mybucket", "a.b.c"):
+            server.create_bucket(bucket)
+            url = f"s3://{bucket}/team/run-1/snapshots"
+            store = node(url, tmp_path, f"{bucket}-a")  # the first listing of a prefix that holds nothing yet
+            assert store.complete() == [] and store.corrupt() == []
+            require_ok(writer_for(store).save(10, capture(10), sync=True))
+            meta, state = load_snapshot(node(url, tmp_path, f"{bucket}-b").path(SnapshotRef(1, 10)))
+            assert meta["step"] == 10 and torch.equal(state["model"]["w"], torch.full((4,), 10.0)), bucket
+        with pytest.raises(StoreAccessError) as missing:
+            node("s3://my-missing-bucket/team/run-1/snapshots", tmp_path)
+        message = str(missing.value)
+        assert "the bucket 'my-missing-bucket' does not exist" in message and "\n" not in message
+
+
 @pytest.mark.parametrize("location, expected", [
     ("ftp://host/snapshots", "scheme ftp://"),
     ("s3://AKIA:secret@bucket/prefix", "carries credentials"),

@@ -28,10 +28,11 @@ from ..support import end_events, events, run_bounded, torchrun_standalone
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(420)]
 
 
-def run(config: Path, run_dir: Path, env: dict[str, str], steps: int, *more: str) -> None:
+def run(config: Path, run_dir: Path, env: dict[str, str], steps: int, *more: str) -> str:
     result = torchrun_standalone(config, run_dir, nproc=2, timeout=240, extra_env=env,
                                  overrides=[f"train.max_steps={steps}", *more])
     assert result.returncode == 0, result.stdout[-4000:]
+    return result.stdout
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
@@ -46,7 +47,12 @@ def test_a_job_with_no_shared_directory_resumes_from_the_bucket_on_a_node_with_a
         return s3_server.env() | {"ELASTIC_RUNNER_SHM_DIR": str(shm)}
 
     first, second = tmp_path / "node-1", tmp_path / "node-2"
-    run(small_config, first, node_env("1"), 30, f"snapshot.dir={url}", parallel)
+    output = run(small_config, first, node_env("1"), 30, f"snapshot.dir={url}", parallel)
+    # The client is warmed up for real (an unawaited warm-up left a warning in every worker), and the agent's last
+    # upload runs before its interpreter shuts down (at exit, the client could no longer send a request).
+    assert "never awaited" not in output and "could not upload the run's records" not in output, output[-3000:]
+    agent_logs = s3_server.filesystem().find(f"{url.removeprefix('s3://')}/records/events")  # type: ignore[attr-defined]
+    assert any("/agent-" in key for key in agent_logs), agent_logs
     run(small_config, second, node_env("2"), 60, f"snapshot.dir={url}", parallel)
     (resume,) = [e for e in events(second, "resume") if e["rank"] == 0]
     assert resume["tier"] == "disk" and resume["step"] == 30, resume
