@@ -9,6 +9,10 @@ launcher. What it changes, each overridable:
   ``DistStoreError ... role_info`` and take the job down, and restarted gloo
   workers can read the previous round's addresses and hang. Workers then use
   their own store on rank 0's node. Set it to 0 to get torch's behaviour.
+- ``--max-restarts=100`` unless set (torchrun: 0, where the first failed worker ends the job): a failed worker
+  replaced in process counts one restart too.
+- ``OMP_NUM_THREADS`` unless set: the node's cores (its CPU affinity, capped by a cgroup CPU quota) divided by
+  its processes, said once; torchrun sets 1 with a four-line banner, which starves a CPU worker of its cores.
 - Rendezvous settings (``--rdzv_conf``, only keys you did not set):
   ``last_call_timeout=1`` (torch: 30 s): once the minimum number of nodes is
   present, wait 1 s for more instead of 30 before starting; a node that comes
@@ -24,7 +28,7 @@ import logging
 import os
 import signal
 import sys
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 if TYPE_CHECKING:
     import argparse
@@ -35,7 +39,9 @@ HELP_PREAMBLE = """\
 torchrun with what an elastic job needs; every torchrun flag and PET_* variable works as in torchrun.
 
 With -m elastic_runner.train as the program, launch adds (plain torchrun gets the same through the
-package's torchrun hook, except the --rdzv-conf defaults):
+package's torchrun hook, except the --rdzv-conf and --max-restarts defaults):
+  - --max-restarts=100 unless set (torchrun: 0, the first failed worker ends the job).
+  - OMP_NUM_THREADS unless set: the node's cores divided by its processes (torchrun: 1).
   - TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 unless set: with torch's shared store a node that joins
     a running job takes it down.
   - --rdzv-conf defaults for keys you did not set: last_call_timeout=1 (torch: 30 s),
@@ -60,6 +66,63 @@ RDZV_DEFAULTS: dict[str, str] = {
 ENV_DEFAULTS: dict[str, str] = {
     "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
 }
+
+#: launch's restart budget where the user sets none: an elastic job outlives many faults (torchrun's default is 0).
+MAX_RESTARTS_DEFAULT = 100
+
+
+def available_cores() -> int:
+    """The cores this node's processes may use: the CPU affinity, capped by a cgroup v2 CPU quota (a container's
+    limit, which the affinity does not show)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        quota, period = open("/sys/fs/cgroup/cpu.max").read().split()[:2]
+        if quota != "max":
+            cores = min(cores, max(1, -(-int(quota) // int(period))))
+    except (OSError, ValueError):
+        pass
+    return max(1, cores)
+
+
+def local_processes(nproc_per_node: str) -> int | None:
+    """How many workers ``--nproc-per-node`` starts on this node, as torchrun resolves it (None: a value only torch
+    knows how to count)."""
+    if nproc_per_node.isdigit():
+        return int(nproc_per_node)
+    if nproc_per_node == "cpu":
+        return available_cores()
+    if nproc_per_node in ("gpu", "auto"):
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.device_count()
+        return available_cores() if nproc_per_node == "auto" else None
+    return None
+
+
+def set_worker_threads(argv: Sequence[str], environ: Any = None) -> None:
+    """``OMP_NUM_THREADS`` for each worker, unless set: this node's cores shared by its processes (torchrun sets 1
+    for several workers, with a banner, and one thread leaves a CPU worker most of its cores idle). Said once."""
+    from .adopt import flag_value
+
+    environ = os.environ if environ is None else environ
+    if "OMP_NUM_THREADS" in environ:
+        return
+    given = flag_value(list(argv), "nproc_per_node") or environ.get("PET_NPROC_PER_NODE", "1")
+    processes = local_processes(given)
+    if processes is None or processes < 2:
+        return  # one worker: torch's own default (the physical cores) is right
+    cores = available_cores()
+    environ["OMP_NUM_THREADS"] = str(max(1, cores // processes))
+    log.info("OMP_NUM_THREADS=%s for each of this node's %d workers (%d cores); set OMP_NUM_THREADS to choose",
+             environ["OMP_NUM_THREADS"], processes, cores)
+
+
+def restart_budget_given(argv: Sequence[str], environ: Any = None) -> bool:
+    from .adopt import flag_value
+
+    environ = os.environ if environ is None else environ
+    return flag_value(list(argv), "max_restarts") is not None or "PET_MAX_RESTARTS" in environ
 
 
 def merge_rdzv_conf(given: str, defaults: dict[str, str] = RDZV_DEFAULTS) -> str:
@@ -90,6 +153,8 @@ def apply_defaults(argv: Sequence[str]) -> "object":
     args = parser().parse_args(list(argv))
     if args.rdzv_backend != "static" or args.standalone:
         args.rdzv_conf = merge_rdzv_conf(args.rdzv_conf)
+    if not restart_budget_given(argv):
+        args.max_restarts = MAX_RESTARTS_DEFAULT
     return args
 
 
@@ -108,6 +173,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .terminal import agent_exit_status, log_to_stderr
 
     log_to_stderr()
+    set_worker_threads(argv)
     args = apply_defaults(argv)
     # The same preamble as torch.distributed.run.run().
     import uuid

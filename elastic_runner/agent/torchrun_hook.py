@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import importlib.abc
 import importlib.machinery
+import logging
 import os
 import sys
 from types import ModuleType
@@ -58,7 +59,11 @@ def install(argv: Sequence[str] | None = None, environ: dict[str, str] | Any = N
     for key, value in ENV_DEFAULTS.items():
         environ.setdefault(key, value)
     from .adopt import name_agent
+    from .launch import set_worker_threads
+    from .terminal import log_to_stderr
 
+    log_to_stderr()
+    set_worker_threads(args, environ)  # before torchrun sets 1 for every worker (it reads the variable later)
     name_agent(environ)
     # Zygote workers see neither torchrun's command line nor a fresh environment: what preflight reads.
     environ.setdefault("ELASTIC_RUNNER_RDZV_CONF", flag_value(args, "rdzv_conf") or environ.get("PET_RDZV_CONF", ""))
@@ -80,6 +85,10 @@ def _wrap(api: ModuleType) -> None:
         from .terminal import agent_exit_status, log_to_stderr
 
         log_to_stderr()
+        if getattr(config, "max_restarts", None) == 0:
+            logging.getLogger(__name__).warning(
+                "torchrun's --max-restarts is 0 (its default): the first worker that fails ends the job, in-process "
+                "recovery included. Add --max-restarts=100 (elastic-runner launch sets it)")
         zygote_wanted = os.environ.get("ELASTIC_RUNNER_ZYGOTE", "1") != "0"
         entrypoint, args, finish = adopt(api, config, entrypoint, args, zygote_wanted)
         try:

@@ -146,6 +146,10 @@ class LocalJob:
     log_dir: str | None = None
     #: Instead of elastic_runner.train: a script and its arguments (benchmark baselines).
     program: list[str] | None = None
+    #: Instead of the command built from the fields above: an agent's whole command line as a user types it (a
+    #: README's example), its first word a console script of this interpreter's environment, run in ``cwd``.
+    argv: list[str] | None = None
+    cwd: str | None = None
     #: Set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (False: torch's default, for baselines).
     disable_shared_store: bool = True
     monitor_interval: float = 0.1
@@ -173,6 +177,8 @@ class LocalJob:
     # -- starting ---------------------------------------------------------------------------
 
     def command(self, index: int = 0) -> list[str]:
+        if self.argv is not None:
+            return [str(Path(sys.executable).with_name(self.argv[0])), *self.argv[1:]]
         if self.launcher == "torchrun":
             cmd = [sys.executable, "-m", "torch.distributed.run"]
         else:
@@ -201,10 +207,11 @@ class LocalJob:
     def start_agent(self) -> Agent:
         index = len(self.agents)
         log_path = Path(self.log_dir or self.run_dir) / f"agent-{index}.log"
-        # Every agent of a local job shares this machine's cores; torchrun only limits
-        # threads for several workers per agent, and oversubscribed OpenMP threads
-        # spin-wait each other: 15x slower on 2 cores with one worker per agent.
-        env = os.environ | {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")} | self.env
+        # Every agent of a local job shares this machine's cores; the agent divides them among its own workers
+        # only, and oversubscribed OpenMP threads spin-wait each other: 15x slower on 2 cores with one worker per
+        # agent. (A user's own command line runs with the user's environment.)
+        threads = {} if self.argv is not None else {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+        env = os.environ | {"PYTHONUNBUFFERED": "1"} | threads | self.env
         if self.separate_node_memory:
             env["ELASTIC_RUNNER_SHM_DIR"] = str(self.memory_dir(index))
         if self.disable_shared_store:
@@ -215,7 +222,7 @@ class LocalJob:
         command = self.command(index)
         fh.write(f"$ {shlex.join(command)}\n".encode())
         fh.flush()
-        proc = subprocess.Popen(command, stdout=fh, stderr=subprocess.STDOUT, env=env,
+        proc = subprocess.Popen(command, stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=self.cwd,
                                 start_new_session=True, stdin=subprocess.DEVNULL, preexec_fn=child_dies_with_starter)
         fh.close()
         agent = Agent(index=index, proc=proc, log_path=log_path, started_at=time.time(),

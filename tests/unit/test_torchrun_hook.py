@@ -3,6 +3,7 @@ only torchrun itself, only for elastic_runner's worker, never when opted out."""
 
 from __future__ import annotations
 
+import logging
 import sys
 import types
 
@@ -66,3 +67,29 @@ def test_the_worker_command_is_recognised_as_torchrun_builds_it() -> None:
     assert worker_program(sys.executable, ["-m", "elastic_runner.train"]) == []
     assert worker_program(sys.executable, ["-u", "train.py"]) is None
     assert worker_program("/bin/other", ["-m", "elastic_runner.train"]) is None
+
+
+def test_the_hook_gives_each_worker_its_share_of_the_cores_before_torchrun_would_set_one(
+        in_torchrun: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    from elastic_runner.agent import launch
+
+    monkeypatch.setattr(launch, "available_cores", lambda: 8)
+    assert torchrun_hook.install(["--nproc_per_node=2", "-m", "elastic_runner.train"], in_torchrun)
+    assert in_torchrun["OMP_NUM_THREADS"] == "4"
+
+
+def test_under_torchrun_a_restart_budget_of_0_is_said_before_the_job_starts(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    from elastic_runner.agent import adopt, terminal
+
+    api = types.SimpleNamespace(launch_agent=lambda config, entrypoint, args: "ran")
+    monkeypatch.setattr(adopt, "adopt", lambda api, config, entrypoint, args, zygote: (entrypoint, args, lambda: None))
+    monkeypatch.setattr(terminal, "log_to_stderr", lambda: None)  # the records reach pytest's handler instead
+    monkeypatch.setattr(logging.getLogger("elastic_runner"), "propagate", True)  # (another test's agent set it off)
+    torchrun_hook._wrap(api)
+    for budget, warned in ((0, True), (3, False)):
+        caplog.clear()
+        with caplog.at_level("WARNING"):
+            assert api.launch_agent(types.SimpleNamespace(max_restarts=budget), "worker", []) == "ran"
+        said = [r.getMessage() for r in caplog.records if "--max-restarts is 0" in r.getMessage()]
+        assert bool(said) is warned, said
