@@ -67,7 +67,10 @@ def inspect(run_dir: str, verify: bool = False) -> dict[str, Any]:
                                     f"{meta['size_bytes']} (torn or replaced)")
             if "sharded" in meta:  # every rank's part there with its size (and with --verify its checksum)
                 check_part_sizes(ref.name, meta, sizes)
-                entry["parts"] = len(meta["sharded"]["parts"])
+                parts = meta["sharded"]["parts"]
+                entry["parts"] = len(parts)
+                # The snapshot's size is its parts' too: state.pt holds only what every rank shares.
+                entry["size_bytes"] = meta["size_bytes"] + sum(int(part["size_bytes"]) for part in parts)
             if verify:
                 local = store.path(ref)
                 if "sharded" in meta:

@@ -235,8 +235,14 @@ def test_a_sharded_snapshot_reshards_to_any_world_size_and_strategy_exactly(tmp_
 
 
 def test_an_hsdp_snapshot_is_written_by_the_first_replica_and_loads_into_fsdp(tmp_path: Path) -> None:
+    from elastic_runner.snapshot.cli import inspect
+
     directory, saved = _saved_sharded(tmp_path, "hsdp", world=4, local_world=2)
-    assert sorted(p.name for p in next(directory.glob("step-*")).glob("part-*.bin")) == ["part-00000.bin", "part-00001.bin"]
+    snapshot = next(directory.glob("step-*"))
+    assert sorted(p.name for p in snapshot.glob("part-*.bin")) == ["part-00000.bin", "part-00001.bin"]
+    (entry,) = inspect(str(directory))["snapshots"]
+    on_disk = sum(p.stat().st_size for p in [snapshot / "state.pt", *snapshot.glob("part-*.bin")])
+    assert entry["parts"] == 2 and entry["size_bytes"] == on_disk, "inspect counts the parts, not state.pt alone"
     out = tmp_path / "loaded.pt"
     _spawn(_load_worker, 3, tmp_path, dict(strategy="fsdp", local_world=3, dir=str(directory), out=str(out)))
     _assert_same(torch.load(out), saved, "hsdp 2x2 -> fsdp at 3")
