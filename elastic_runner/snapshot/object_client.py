@@ -100,11 +100,22 @@ def answer_codes(exc: BaseException) -> Iterator[tuple[Any, Any]]:
         seen = seen.__cause__ or seen.__context__
 
 
-def is_missing_bucket(exc: BaseException) -> bool:
-    """The store said the bucket does not exist: S3's ``NoSuchBucket`` code. Decided from the answer's code, never
-    from a message's words: a listing of an empty prefix raises ``FileNotFoundError`` whose text is the path, and a
-    bucket may be called ``my-bucket``."""
-    return any(code == "NoSuchBucket" for code, _ in answer_codes(exc))
+def is_missing_bucket(exc: BaseException, fs: Any = None, bucket: str = "") -> bool:
+    """Whether a "not found" means the bucket, not an object or an empty prefix. Decided from the answer's code (S3's
+    ``NoSuchBucket``), else, given ``fs``, from asking for the bucket itself (a listing's 404 from GCS is not
+    specific); never from a message's words: an empty prefix's ``FileNotFoundError`` says its path, and a bucket may
+    be called ``my-bucket``. A refused or failed question is not "missing": the request's own error says the rest."""
+    if any(code == "NoSuchBucket" for code, _ in answer_codes(exc)):
+        return True
+    if fs is None:
+        return False
+    try:
+        fs.info(bucket)
+    except FileNotFoundError:
+        return True
+    except Exception:  # noqa: BLE001 - a policy that grants only the prefix may refuse the bucket's own answer
+        return False
+    return False
 
 
 def is_precondition_failure(exc: BaseException) -> bool:

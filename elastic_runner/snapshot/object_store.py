@@ -124,21 +124,10 @@ class ObjectStore:
                 "reachable?") from exc
 
     def _bucket_missing(self, exc: FileNotFoundError) -> bool:
-        """Whether a "not found" means the bucket, not an object or an empty prefix: from the answer's code (S3's
-        ``NoSuchBucket``), else from asking for the bucket itself once (a listing's 404 from GCS is not specific).
-        A refused or failed question is not "missing": the request's own error then says what is wrong."""
-        if is_missing_bucket(exc):
-            return True
-        if self._bucket_exists:
-            return False
-        try:
-            self.fs.info(self.bucket)
-        except FileNotFoundError:
-            return True
-        except Exception:  # noqa: BLE001 - a policy that grants only the prefix may refuse the bucket's own answer
-            return False
-        self._bucket_exists = True
-        return False
+        """:func:`~.object_client.is_missing_bucket`, the bucket asked for at most until it was seen to exist."""
+        missing = is_missing_bucket(exc, None if self._bucket_exists else self.fs, self.bucket)
+        self._bucket_exists = not missing
+        return missing
 
     def _refused(self, what: str, exc: BaseException) -> StoreAccessError:
         return StoreAccessError(
