@@ -112,6 +112,8 @@ def _main(argv: Sequence[str] | None = None) -> int:
         from .agent.launch import main as launch_main
 
         return launch_main(argv[1:])
+    from .config import add_overrides_option
+
     parser = argparse.ArgumentParser(prog="elastic-runner", description="Elastic, fault-tolerant PyTorch training.")
     parser.add_argument("--version", action="version", version=f"elastic-runner {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -124,7 +126,7 @@ def _main(argv: Sequence[str] | None = None) -> int:
     pa.add_argument("--json", action="store_true", help="machine-readable report")
     pc = sub.add_parser("config", help="validate a config and print the effective values")
     pc.add_argument("file", nargs="?", default=None)
-    pc.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    add_overrides_option(pc)
     pc.add_argument("--docs", action="store_true", help="print the config reference (Markdown)")
     pd = sub.add_parser("data", help="prepare datasets")
     dsub = pd.add_subparsers(dest="data_cmd", required=True)

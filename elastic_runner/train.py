@@ -18,22 +18,31 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Sequence
+from typing import NoReturn, Sequence
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from .config import ConfigError, load_config
+from .config import ConfigError, add_overrides_option, load_config
 from .observe.logs import say
 from .worker.env import EnvError, WorkerEnv
 from .worker.lifecycle import EXIT_USAGE
 from .worker.process import run
 
 
+class _WorkerArguments(argparse.ArgumentParser):
+    """Every worker of a node parses the same command line: the node's terminal shows a mistake in it once."""
+
+    def error(self, message: str) -> NoReturn:
+        if os.environ.get("LOCAL_RANK", "0") == "0":
+            self.print_usage(sys.stderr)
+            say(f"{self.prog}: error: {message}")
+        sys.exit(EXIT_USAGE)
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="elastic-runner train", description="Train from a YAML config (one worker).")
+    parser = _WorkerArguments(prog="elastic-runner train", description="Train from a YAML config (one worker).")
     parser.add_argument("--config", "-c", required=True, help="YAML config file, e.g. configs/quickstart.yaml")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a config value, e.g. --set optim.lr=0.05 (repeatable; beats the file)")
+    add_overrides_option(parser)
     # torch.distributed.launch passed the local rank as an argument.
     parser.add_argument("--local_rank", "--local-rank", dest="local_rank", type=int, default=None, help=argparse.SUPPRESS)
     return parser.parse_args(argv)

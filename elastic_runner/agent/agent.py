@@ -317,10 +317,12 @@ class ElasticRunnerAgent(LocalElasticAgent):
         if keeping is None or self._remaining_restarts < len(result.failures):
             return False
         codes = {f.exitcode for f in result.failures.values()}
+        if codes & EXIT_FINAL:
+            return False  # the job ends (the caller says why): nothing is restarted, in process or not
         if 0 in result.failures:
             why = "rank 0's worker hosts the job's store"
-        elif codes & (EXIT_FINAL | {EXIT_PEER_LOST, EXIT_PEER_TIMEOUT}):
-            why = f"exit status {sorted(codes)}: a job-ending status, or its peers were lost"
+        elif codes & {EXIT_PEER_LOST, EXIT_PEER_TIMEOUT}:
+            why = f"exit status {sorted(codes)}: its peers were lost"
         else:
             why = ""
         if not why:

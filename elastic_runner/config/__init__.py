@@ -11,6 +11,7 @@
 Everything a caller needs is importable from here."""
 
 from .loader import (
+    add_overrides_option,
     coerce,
     config_from_dict,
     diff_configs,
@@ -51,6 +52,6 @@ __all__ = [
     "ConfigError", "DataConfig", "DistConfig", "EvalConfig",
     "LoggingConfig", "MetricsConfig", "ModelConfig", "OptimConfig", "ParallelConfig", "RecoveryConfig", "RunConfig", "ScheduleConfig",
     "SnapshotConfig",
-    "TrainConfig", "coerce", "config_from_dict", "diff_configs", "dump_yaml", "is_import_path", "load_config",
+    "TrainConfig", "add_overrides_option", "coerce", "config_from_dict", "diff_configs", "dump_yaml", "is_import_path", "load_config",
     "parse_override", "reference_markdown", "resume_free_keys", "write_effective_config",
 ]

@@ -7,6 +7,8 @@ the ``--set`` flag), the dotted key, what is wrong, and what to set instead.
 
 from __future__ import annotations
 
+import argparse
+
 import dataclasses
 import os
 import re
@@ -192,6 +194,14 @@ def _flatten(data: dict[str, Any], source: str) -> list[tuple[str, Any]]:
     return items
 
 
+def add_overrides_option(parser: argparse.ArgumentParser) -> None:
+    """``--set KEY=VALUE ...``: one or more per flag, and the flag repeatable (``--set a=1 b=2`` is ``--set a=1 --set
+    b=2``), into ``overrides``."""
+    parser.add_argument("--set", dest="overrides", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
+                        help="override config values, e.g. --set optim.lr=0.05 train.epochs=3 (repeatable; beats the "
+                             "file)")
+
+
 def parse_override(text: str) -> tuple[str, Any]:
     """``a.b=c`` → ("a.b", parsed c). Values are parsed as YAML scalars/flow."""
     if "=" not in text:
@@ -243,11 +253,20 @@ def load_config(path: str | os.PathLike[str] | Mapping[str, Any] | None,
     try:
         config.validate()
     except ConfigError as exc:
-        origin = sources.get(exc.key) or next(
-            (src for k, src in sources.items() if k.startswith(exc.key + ".")), "defaults"
-        )
-        raise exc.with_source(origin) from None
+        raise exc.with_source(_origin(exc.key, sources, path)) from None
     return config
+
+
+def _origin(key: str, sources: dict[str, str], path: Any) -> str:
+    """Where the value behind a validation error came from: the key's own source, else that of a key below it or in
+    its section (``data.path`` is required *because* the file set ``data.name``), else the file that left it out.
+    "defaults" only where nothing was given at all: the defaults alone are what the user did not choose."""
+    section = key.split(".", 1)[0]
+    return (sources.get(key)
+            or next((src for k, src in sources.items() if k.startswith(key + ".")), None)
+            or next((src for k, src in reversed(list(sources.items())) if k.split(".", 1)[0] == section), None)
+            or (str(path) if path is not None and not isinstance(path, Mapping) else None)
+            or ("config mapping" if isinstance(path, Mapping) else "defaults"))
 
 
 def config_from_dict(data: dict[str, Any]) -> Config:

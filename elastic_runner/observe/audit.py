@@ -254,9 +254,16 @@ def check_audit(run_dir: str | os.PathLike[str]) -> AuditReport:
     report = AuditReport()
     if not directory.is_dir():
         report.audited = False
-        report.violations.append(f"no audit trail in {directory}: the run had audit.samples off (set audit.samples: "
-                                 "true to record which samples every step used)" if Path(run_dir).is_dir() else
-                                 f"{run_dir} is not a directory: give the run directory (run.dir)")
+        root = Path(run_dir)
+        if not root.is_dir():
+            why = f"{run_dir} is not a directory: give the run directory (run.dir)"
+        elif not any((root / name).exists() for name in ("events", "config.yaml", "snapshots")):
+            why = (f"{run_dir} is not a run directory (it holds no events, config.yaml or snapshots): give the run "
+                   "directory (run.dir), or the bucket URL of snapshot.dir")
+        else:
+            why = (f"no audit trail in {directory}: the run had audit.samples off (set audit.samples: true to record "
+                   "which samples every step used)")
+        report.violations.append(why)
         return report
     lines = _Lines(directory)
     headers, ends = [], []

@@ -138,3 +138,18 @@ def furthest_step_reached(run_dir: str | os.PathLike[str], before_generation: in
         if event.get("generation", before_generation) < before_generation and isinstance(event.get("step"), int):
             furthest = max(furthest, event["step"])
     return furthest
+
+
+def starts_a_session(starts: list[dict[str, Any]], earlier_agents: set[str], previous: list[dict[str, Any]]) -> bool:
+    """Whether the generation whose workers' ``start`` events are ``starts`` was started anew (a ``torchrun`` or
+    ``launch`` command run again, a Kubernetes Job restarted) rather than by a recovery inside a running job.
+
+    A worker's ``start`` event names its agent (host, pid and start time of its ``launch`` or torchrun process; set by
+    elastic_runner's agent on both paths): a generation whose agents are all new to the run began a new session —
+    every node's agent was started again. Without agent names (torch's agent opted out, or ``elastic-runner train``
+    run directly) a generation after one that finished (``previous``: its events), or one not under torchrun at all,
+    begins a session."""
+    if starts and all(e.get("agent") for e in starts) and earlier_agents:
+        return {e["agent"] for e in starts}.isdisjoint(earlier_agents)
+    return any(e.get("kind") == "end" and e.get("status") == "finished" for e in previous) or \
+        bool(starts) and not any(e.get("run_id", "local") != "local" for e in starts)

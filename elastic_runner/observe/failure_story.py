@@ -20,7 +20,7 @@ import signal
 from typing import Any
 
 from ..worker.lifecycle import EXIT_PEER_LOST
-from .events import read_events
+from .events import read_events, starts_a_session
 
 #: What a worker's own failure says when it is the peer that went away (gloo, NCCL, the store, our watchdog).
 _PEER_ERROR = re.compile(r"Connection (reset|closed|refused)|by peer|[Pp]eer|Broken pipe|timed out|Timeout|"
@@ -51,6 +51,13 @@ def failure_story(run_dir: str | os.PathLike[str], generation: int, world_size: 
     began = min(e["time"] for e in of_previous)
     step = resume.get("furthest_step", resume.get("step"))
 
+    starts = [e for e in events if e.get("kind") == "start" and e.get("generation") == generation]
+    earlier_agents = {e["agent"] for e in earlier if e.get("kind") == "start" and e.get("agent")}
+    if starts_a_session(starts, earlier_agents, of_previous):
+        # Not a recovery: the job was started again (a command run again, a Job restarted) — at whatever size.
+        before = f", world size {previous_world} before" if previous_world not in (None, world_size) else ""
+        return (f"the job was started again (new agents on every node{before}) → training at world size "
+                f"{world_size}, resumed step {resume.get('step')} from {resume.get('tier', 'a snapshot')}")
     failures = [(e, f) for e in events if e.get("kind") == "agent_worker_failed" and began <= e["time"] <= now
                 for f in e.get("failures", [])]
     # Effects, not causes: workers that left because a peer went away (status 75, or their own last words

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .events import read_events
+from .events import read_events, starts_a_session
 from .goodput import Goodput
 from .goodput import measure as measure_goodput
 
@@ -202,28 +202,15 @@ def gap_cause(events: list[dict[str, Any]]) -> str:
 
 
 def _session_starts(by_gen: dict[int, dict[str, Any]]) -> set[int]:
-    """The generations that were started by hand rather than by a recovery.
-
-    A worker's ``start`` event names its agent (``agent``: host, pid and start time of the ``launch`` or
-    torchrun process; set by elastic_runner's agent on both paths). A generation whose agents are all new
-    to the run began a new session: every node's torchrun was started again. Without agent names (torch's
-    agent opted out, or ``elastic-runner train`` run directly) a generation after one that finished, or
-    one not under torchrun at all, begins a session."""
+    """The generations that were started by hand rather than by a recovery (:func:`.events.starts_a_session`)."""
     begins: set[int] = set()
     seen: set[str] = set()
     previous: dict[str, Any] | None = None
     for g in sorted(by_gen):
         starts = [e for e in by_gen[g]["events"] if e["kind"] == "start"]
-        agents = {e["agent"] for e in starts if e.get("agent")}
-        if previous is None:
+        if previous is None or starts_a_session(starts, seen, previous["events"]):
             begins.add(g)
-        elif starts and all(e.get("agent") for e in starts) and seen:
-            if agents.isdisjoint(seen):
-                begins.add(g)
-        elif any(e["kind"] == "end" and e.get("status") == "finished" for e in previous["events"]) or \
-                (starts and not any(e.get("run_id", "local") != "local" for e in starts)):
-            begins.add(g)
-        seen |= agents
+        seen |= {e["agent"] for e in starts if e.get("agent")}
         previous = by_gen[g]
     return begins
 

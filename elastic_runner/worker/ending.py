@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import traceback
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -57,7 +58,9 @@ class Ending:
     status: str  #: the ``end`` event's status: finished, stopped, parked, finished_not_durable or failed
     exit_code: int | None  #: None: re-raise, so that torchrun's ``@record`` reports the traceback (exit 1)
     say: bool = False  #: print the exception's message as one line (it says what to fix)
-    say_on_rank0_only: bool = False  #: every rank saw the same thing: one line is enough
+    #: Who prints it: every rank; the first of each node (every rank of a node met the same config, run directory
+    #: or snapshot, and the node's terminal needs one line); or rank 0 (every rank of the job saw the same thing).
+    said_by: Literal["rank", "node", "job"] = "rank"
     #: If the loop had started: the last completed step is kept for the next attempt (in node memory,
     #: or as a stop snapshot when a stop was requested), and the peers' watchdogs are told at once.
     keeps_state: bool = False
@@ -75,10 +78,12 @@ _KNOWN: tuple[tuple[tuple[type[BaseException], ...], Ending], ...] = (
     ((GracefulStop,), Ending("stopped", EXIT_OK)),
     # Kept at the boundary already; the process waits for its place in the new round (76 if it cannot).
     ((MembershipChange,), Ending("parked", EXIT_PEER_LOST)),
-    ((ConfigError, ResumeError, SetupError, DistError), Ending("failed", EXIT_USAGE, say=True)),
-    ((NonFiniteGradient,), Ending("failed", EXIT_DIVERGED, say=True, say_on_rank0_only=True)),
+    ((ConfigError, ResumeError, SetupError), Ending("failed", EXIT_USAGE, say=True, said_by="node")),
+    ((DistError,), Ending("failed", EXIT_USAGE, say=True)),
+    ((NonFiniteGradient,), Ending("failed", EXIT_DIVERGED, say=True, said_by="job")),
     ((FinalSnapshotFailed,), Ending("finished_not_durable", EXIT_NOT_DURABLE, say=True)),
-    ((StaleWriterError, StopSnapshotFailed, RetryableSetupError), Ending("failed", EXIT_FAILED, say=True)),
+    ((RetryableSetupError,), Ending("failed", EXIT_FAILED, say=True, said_by="node")),
+    ((StaleWriterError, StopSnapshotFailed), Ending("failed", EXIT_FAILED, say=True)),
 )
 
 
@@ -90,7 +95,7 @@ def ending_for(exc: BaseException | None, stop_requested: bool) -> Ending:
         if isinstance(exc, kinds):
             if isinstance(exc, (GracefulStop, FinalSnapshotFailed, MembershipChange)):
                 return ending  # their snapshot is written (or the state already kept) on the way out
-            return Ending(ending.status, ending.exit_code, ending.say, ending.say_on_rank0_only, keeps_state=True)
+            return Ending(ending.status, ending.exit_code, ending.say, ending.said_by, keeps_state=True)
     if stop_requested and isinstance(exc, Exception):
         # Peers stopping at the same time broke our collective after we kept our state: that is the
         # stop we were asked for, not a failure.

@@ -142,7 +142,7 @@ def run(cfg: Config, env: WorkerEnv, make_workload: Callable[[], Workload] | Non
         if ending.stopped:
             log.info("stopped %s%s", stop.description,
                      " (peers stopped first)" if ending.peers_stopped_first else " after saving a snapshot")
-        elif ending.say and (env.rank == 0 or not ending.say_on_rank0_only):
+        elif ending.say and {"rank": True, "node": env.local_rank == 0, "job": env.rank == 0}[ending.said_by]:
             say(f"elastic_runner: {exc}")
         return ending.exit_code
     finally:

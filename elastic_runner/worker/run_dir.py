@@ -71,7 +71,9 @@ def prepare_run_dir(cfg: Config, env: WorkerEnv, dist: Dist) -> tuple[LocalStore
                 not isinstance(cause, OSError) or cause.errno in _PERMANENT_ERRNOS)
             fix = ("" if isinstance(exc, StoreAccessError) else  # says what to fix itself
                    "; choose another run.dir (or remove that file)" if isinstance(cause, NotADirectoryError) else
-                   "; fix its permissions or choose another run.dir" if permanent else "; retrying with the next attempt")
+                   "; fix its permissions or choose another run.dir" if permanent else
+                   "; the agent starts the next attempt" if env.under_torchrun and env.restart_count < env.max_restarts
+                   else "; no restart is left to try again (--max-restarts): run the job again once it is reachable")
             remote = isinstance(exc, SnapshotError) and not store.is_local
             where = f"snapshot.dir {cfg.snapshot_dir!r}" if remote else f"run.dir {cfg.run.dir!r}"
             message = f"cannot prepare {where}: {exc}{fix}"

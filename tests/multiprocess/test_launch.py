@@ -80,12 +80,19 @@ def test_plain_script_entrypoints_still_work(tmp_path: Path) -> None:
 HANDLED_FAILURE_NOISE = ("Traceback", "ProcessExitedException", "worker_main FAILED", "Root Cause", "ChildFailedError")
 
 
-@pytest.mark.parametrize("launcher", ["launch", "torchrun"])
+@pytest.mark.parametrize(("launcher", "mistake", "said"), [
+    ("launch", ("--set", "batch.global_size=-1"), "elastic_runner: config error: "),
+    ("torchrun", ("--set", "batch.global_size=-1"), "elastic_runner: config error: "),
+    ("launch", ("--set", "model.name=nomod:Nothing"), "elastic_runner: model.name: cannot import module 'nomod'"),
+    ("launch", ("--sett", "train.epochs=1"), "elastic-runner train: error: unrecognized arguments: --sett"),
+])
 def test_a_configuration_error_prints_its_one_line_and_is_not_retried(
-        launcher: str, quickstart: Path, tmp_path: Path) -> None:
+        launcher: str, mistake: tuple[str, ...], said: str, quickstart: Path, tmp_path: Path) -> None:
+    """In the config, in an import path met while the workload is built, on the command line: one line per node,
+    whichever worker met it first, and no restart."""
     started = time.monotonic()
     args = ("--standalone", "--nproc_per_node=2", "--max_restarts=5", "-m", "elastic_runner.train",
-            "--config", str(quickstart), "--set", f"run.dir={tmp_path}", "--set", "batch.global_size=-1")
+            "--config", str(quickstart), "--set", f"run.dir={tmp_path}", *mistake)
     if launcher == "launch":
         result = launch(*args)
     else:
@@ -93,11 +100,18 @@ def test_a_configuration_error_prints_its_one_line_and_is_not_retried(
                              env=os.environ | {"PYTHONUNBUFFERED": "1"})
     assert result.returncode == 2, result.stdout[-3000:]
     # Once: one line for the node (not one per worker), and never again (not restarted 5 times).
-    errors = [line for line in result.stdout.splitlines() if "batch.global_size: got -1" in line]
-    assert len(errors) == 1 and errors[0].startswith("elastic_runner: config error: "), result.stdout[-3000:]
-    noise = [word for word in HANDLED_FAILURE_NOISE if word in result.stdout]
+    errors = [line for line in result.stdout.splitlines() if said in line]
+    assert len(errors) == 1 and errors[0].startswith(said), result.stdout[-3000:]
+    noise = [word for word in (*HANDLED_FAILURE_NOISE, "every worker restarts") if word in result.stdout]
     assert not noise, f"{noise} on the terminal:\n{result.stdout[-3000:]}"
     assert time.monotonic() - started < 120
+
+
+def test_set_takes_several_values_at_once() -> None:
+    from elastic_runner.train import parse_args
+
+    args = parse_args(["--config", "x.yaml", "--set", "train.epochs=1", "run.dir=/tmp/r", "--set", "optim.lr=0.5"])
+    assert args.overrides == ["train.epochs=1", "run.dir=/tmp/r", "optim.lr=0.5"]
 
 
 def test_launch_help_says_what_launch_adds_before_torchruns_options() -> None:

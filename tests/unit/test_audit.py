@@ -107,6 +107,7 @@ def test_a_changing_global_batch_is_a_violation(tmp_path: Path) -> None:
 
 
 def test_no_audit_directory_is_reported(tmp_path: Path) -> None:
+    (tmp_path / "config.yaml").write_text("audit: {samples: false}\n")  # a run directory, without a trail
     report = check_audit(tmp_path)
     assert not report.ok and "audit.samples" in report.violations[0]
 

@@ -193,3 +193,19 @@ def test_reconfiguring_the_process_group_of_a_sharded_model_is_refused_with_the_
     assert load_config(quickstart, ["parallel.strategy=fsdp"]).recovery.regroup == "auto"
     with pytest.raises(ConfigError, match="recovery.regroup"):
         load_config(quickstart, ["recovery.regroup=rebuild"])
+
+
+def test_an_error_from_a_files_values_names_the_file_not_the_defaults(tmp_path: Path) -> None:
+    """data.path is missing *because* the file chose data.name: tokens; train's length is missing from the file."""
+    bad = tmp_path / "job.yaml"
+    bad.write_text("data: {name: tokens}\ntrain: {epochs: 1}\n")
+    with pytest.raises(ConfigError) as missing_path:
+        load_config(bad)
+    assert str(missing_path.value).startswith(f"{bad}: data.path:"), missing_path.value
+    bad.write_text("batch: {global_size: 8}\n")
+    with pytest.raises(ConfigError) as no_length:
+        load_config(bad)
+    assert str(no_length.value).startswith(f"{bad}: train:"), no_length.value
+    with pytest.raises(ConfigError) as from_set:
+        load_config(None, ["data.name=tokens", "train.epochs=1"])
+    assert str(from_set.value).startswith("--set data.name=tokens: data.path:"), from_set.value

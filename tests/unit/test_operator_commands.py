@@ -39,12 +39,20 @@ def test_snapshot_inspect_shows_a_torn_snapshot_as_damaged_without_verify_and_ex
 
 
 def test_audit_of_a_run_without_an_audit_trail_says_so_and_exits_2(tmp_path: Path, capsys) -> None:  # noqa: ANN001
-    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "events").mkdir(parents=True)  # a run: it has events, and no audit trail
     assert cli_main(["audit", str(tmp_path / "run")]) == 2
     out = capsys.readouterr().out
     assert "NOT AUDITED" in out and "audit.samples" in out and "VIOLATIONS" not in out
     assert cli_main(["audit", str(tmp_path / "nowhere")]) == 2
     assert "is not a directory" in capsys.readouterr().out
+
+
+def test_audit_of_a_directory_that_is_no_run_says_so_rather_than_blame_audit_samples(
+        tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    (tmp_path / "downloads").mkdir()
+    assert cli_main(["audit", str(tmp_path / "downloads")]) == 2
+    out = capsys.readouterr().out
+    assert "is not a run directory" in out and "audit.samples" not in out, out
 
 
 def test_a_reader_that_leaves_early_gets_no_traceback() -> None:

@@ -8,13 +8,20 @@ from elastic_runner.observe.events import EventLog
 from elastic_runner.observe.failure_story import failure_story
 
 RESUME = {"step": 40, "furthest_step": 41, "steps_recomputed": 1, "tier": "memory"}
+#: What a worker's start event says of where it runs: under torchrun (a run id), and its agent's name.
+UNDER_AGENT = {"run_id": "job1", "agent": "node-a-100-0"}
 
 
 def previous_attempt(run_dir: Path, world: int) -> None:
     for rank in range(world):
         log = EventLog(run_dir, f"gen-000001-rank-{rank:05d}", generation=1, rank=rank)
-        log.emit("start", world_size=world)
+        log.emit("start", world_size=world, **UNDER_AGENT)
         log.close()
+
+
+def started(run_dir: Path, generation: int, world: int, agent: str = UNDER_AGENT["agent"], **context: int) -> None:
+    EventLog(run_dir, f"gen-{generation:06d}-rank-00000", generation=generation, rank=0, **context).emit(
+        "start", world_size=world, run_id="job1", agent=agent)
 
 
 def agent_saw(run_dir: Path, name: str, *failures: dict[str, int]) -> None:
@@ -51,7 +58,7 @@ def test_a_first_start_has_no_story(tmp_path: Path) -> None:
 def test_a_recovery_where_rank_0_kept_its_process_is_told_in_process(tmp_path: Path) -> None:
     previous_attempt(tmp_path, 2)  # this process's pid, as rank 0 and 1 of generation 1
     agent_saw(tmp_path, "b", {"rank": 1, "pid": 4242, "exitcode": -9})
-    EventLog(tmp_path, "gen-000002-rank-00000", generation=2, rank=0).emit("start", world_size=2)
+    started(tmp_path, 2, 2)
     story = failure_story(tmp_path, 2, 2, RESUME, now=__import__("time").time() + 0.5)
     assert story is not None and "was killed by SIGKILL at step 41 → recovered in process in " in story, story
 
@@ -59,7 +66,7 @@ def test_a_recovery_where_rank_0_kept_its_process_is_told_in_process(tmp_path: P
 def test_a_recovery_in_new_processes_is_not_told_in_process(tmp_path: Path) -> None:
     previous_attempt(tmp_path, 2)
     agent_saw(tmp_path, "b", {"rank": 1, "pid": 4242, "exitcode": -9})
-    EventLog(tmp_path, "gen-000002-rank-00000", generation=2, rank=0, pid=4343).emit("start", world_size=2)
+    started(tmp_path, 2, 2, pid=4343)
     story = failure_story(tmp_path, 2, 2, RESUME, now=__import__("time").time() + 0.5)
     assert story is not None and "→ recovered in " in story and "in process" not in story, story
 
@@ -73,6 +80,15 @@ def test_a_node_lost_under_in_process_recovery_is_timed_from_the_survivors_broke
     survivor = EventLog(tmp_path, "gen-000001-rank-00000", generation=1, rank=0)
     survivor.emit("failure", error="RuntimeError: [gloo] Read error: Connection reset by peer")
     survivor.close()
-    EventLog(tmp_path, "gen-000002-rank-00000", generation=2, rank=0).emit("start", world_size=1)
+    started(tmp_path, 2, 1)
     story = failure_story(tmp_path, 2, 1, RESUME, now=time.time() + 2.5)
     assert story is not None and story.startswith("a node left (world size 2 → 1) at step 41 → recovered in process in 2."), story
+
+
+def test_a_job_started_again_at_another_world_size_is_no_node_that_left(tmp_path: Path) -> None:
+    """The run stopped, and its command was run again with fewer processes: new agents on every node."""
+    previous_attempt(tmp_path, 2)
+    started(tmp_path, 2, 1, agent="node-a-200-5")
+    story = failure_story(tmp_path, 2, 1, {"step": 40, "tier": "disk"}, now=__import__("time").time())
+    assert story == ("the job was started again (new agents on every node, world size 2 before) → training at world "
+                     "size 1, resumed step 40 from disk"), story
