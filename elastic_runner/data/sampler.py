@@ -1,18 +1,25 @@
 """ElasticSampler: every sample of an epoch exactly once, across any restarts.
 
-One permutation of the dataset per epoch, a pure function of (seed, epoch).
-The job's position in it (``consumed``) is part of the snapshot. Optimizer
-step k of an epoch uses the window ``perm[start : start + G]`` of the
-permutation, where G is the global batch; rank r of a world of W ranks takes
-``window[r::W]``. Hence the union over ranks of one step is exactly the next G
-samples of the permutation, whatever W is, and after a restart with a new W
-the job simply continues at ``consumed``: nothing is skipped, nothing repeats.
+One order of the dataset per epoch, a pure function of (seed, epoch) computed per position (see
+:mod:`~elastic_runner.data.order`): nothing of the dataset's size is held, so a corpus of 10^9 samples
+costs what 10^3 do. The job's position in the order (``consumed``) is part of the snapshot. Optimizer step
+k of an epoch uses the window ``order[start : start + G]``, where G is the global batch; rank r of a world
+of W ranks takes ``window[r::W]``. Hence the union over ranks of one step is exactly the next G samples of
+the order, whatever W is, and after a restart with a new W the job simply continues at ``consumed``:
+nothing is skipped, nothing repeats.
+
+The order (``order=``, recorded in the state) is ``"feistel"`` by default: a seeded Feistel network over
+the smallest even-bit domain that holds the dataset, cycle-walked into ``range(N)``. It is a true
+permutation, so every sample of an epoch comes exactly once; its spread is pseudo-random, not
+cryptographic. ``"randperm"`` is the order of runs before it (``torch.randperm``, materialised: O(N)
+memory): a state without an order kind was written by such a run and resumes in it, so an old snapshot
+continues the epoch it was in, sample for sample.
 
 This is *not* torch's ``ElasticDistributedSampler(start_index)``, which skips
 dataset ids below ``start_index`` (not the consumed samples of a shuffled order).
 
 The last, incomplete window of an epoch follows ``partial_batch``: ``drop``
-skips those samples for this epoch (each epoch's permutation differs, so
+skips those samples for this epoch (each epoch's order differs, so
 different samples are dropped), ``partial`` runs one smaller step. Samples are
 never padded with repeats.
 """
@@ -22,7 +29,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-import torch
+from .order import DEFAULT_ORDER, LEGACY_ORDER, EpochOrder, check_order_kind, epoch_order
+from .order import epoch_permutation as epoch_permutation  # the legacy order's array, re-exported
 
 
 @dataclass(frozen=True)
@@ -30,7 +38,7 @@ class StepPlan:
     """What one rank consumes in one optimizer step."""
 
     epoch: int
-    start: int  #: position of the step's window in the epoch's permutation
+    start: int  #: position of the step's window in the epoch's order
     global_count: int  #: samples in the whole step, all ranks together
     indices: list[int]  #: dataset indices this rank consumes
 
@@ -39,17 +47,10 @@ class StepPlan:
         return self.start + self.global_count
 
 
-def epoch_permutation(num_samples: int, seed: int, epoch: int, shuffle: bool = True) -> torch.Tensor:
-    if not shuffle:
-        return torch.arange(num_samples)
-    # A fixed mixing of (seed, epoch) keeps epochs independent of each other.
-    g = torch.Generator().manual_seed((seed * 1_000_003 + epoch * 7_919 + 0x5EED) % (2**63))
-    return torch.randperm(num_samples, generator=g)
-
-
 class ElasticSampler:
     def __init__(self, num_samples: int, global_batch: int, *, seed: int = 0, shuffle: bool = True,
-                 partial_batch: str = "drop", rank: int = 0, world_size: int = 1) -> None:
+                 partial_batch: str = "drop", rank: int = 0, world_size: int = 1,
+                 order: str = DEFAULT_ORDER) -> None:
         if num_samples <= 0:
             raise ValueError("the dataset is empty")
         if global_batch <= 0:
@@ -66,12 +67,13 @@ class ElasticSampler:
         self.seed = seed
         self.shuffle = shuffle
         self.partial_batch = partial_batch
+        #: The kind of order (a key of ORDERS); a loaded state's kind replaces it.
+        self.order_kind = check_order_kind(order, "order")
         self.epoch = 0
         self.consumed = 0
         self.rank = 0
         self.world_size = 1
-        self._perm_epoch = -1
-        self._perm: list[int] = []
+        self._order: EpochOrder | None = None  #: the order of one epoch, rebuilt when the epoch or kind changes
         self.reshard(rank, world_size)
 
     # -- placement ------------------------------------------------------------------
@@ -88,11 +90,12 @@ class ElasticSampler:
 
     # -- order ------------------------------------------------------------------------
 
-    def permutation(self, epoch: int) -> list[int]:
-        if epoch != self._perm_epoch:
-            self._perm = epoch_permutation(self.num_samples, self.seed, epoch, self.shuffle).tolist()
-            self._perm_epoch = epoch
-        return self._perm
+    def order_at(self, epoch: int) -> EpochOrder:
+        """The order of ``epoch`` (feistel: O(1) to build; randperm: the whole epoch, materialised)."""
+        order = self._order
+        if order is None or order.epoch != epoch or order.kind != self.order_kind:
+            order = self._order = epoch_order(self.order_kind, self.num_samples, self.seed, epoch, self.shuffle)
+        return order
 
     def steps_per_epoch(self) -> int:
         full, rest = divmod(self.num_samples, self.global_batch)
@@ -104,19 +107,13 @@ class ElasticSampler:
         full, rest = divmod(max(0, remaining), self.global_batch)
         return full + (1 if rest and self.partial_batch == "partial" else 0)
 
-    def usable_per_epoch(self) -> int:
-        """Samples consumed by a complete epoch (the rest are dropped)."""
-        if self.partial_batch == "partial":
-            return self.num_samples
-        return (self.num_samples // self.global_batch) * self.global_batch
-
     def plan_at(self, epoch: int, start: int) -> StepPlan | None:
         """The step whose window starts at ``start``; None when the epoch is done."""
         remaining = self.num_samples - start
         if remaining <= 0 or (remaining < self.global_batch and self.partial_batch == "drop"):
             return None
         count = min(self.global_batch, remaining)
-        window = self.permutation(epoch)[start:start + count]
+        window = self.order_at(epoch).slice(start, count)
         return StepPlan(epoch=epoch, start=start, global_count=count, indices=window[self.rank::self.world_size])
 
     def plans(self) -> Iterator[StepPlan]:
@@ -146,7 +143,7 @@ class ElasticSampler:
     def state_dict(self) -> dict[str, Any]:
         return {
             "epoch": self.epoch, "consumed": self.consumed, "seed": self.seed,
-            "num_samples": self.num_samples, "shuffle": self.shuffle,
+            "num_samples": self.num_samples, "shuffle": self.shuffle, "order": self.order_kind,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -154,5 +151,8 @@ class ElasticSampler:
             raise ValueError(
                 f"the snapshot's dataset had {state['num_samples']} samples, this one has {self.num_samples}"
             )
+        # A state without an order kind predates them: its run used the randperm order, and continues in it.
+        kind = check_order_kind(state.get("order", LEGACY_ORDER), "the snapshot's sampler order")
+        self.order_kind = kind
         self.epoch = int(state["epoch"])
         self.consumed = int(state["consumed"])

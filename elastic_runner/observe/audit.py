@@ -11,8 +11,10 @@ The line is written and flushed *before* the step's first collective. A step
 can only complete if every rank reached its collectives, so every completed
 step has a record from every rank; a rank killed mid-write leaves at most a
 torn last line, which the checker ignores. The first line of each file is a
-``header`` (dataset size, seed, shuffle, partial-batch rule); rank 0 writes an
-``end`` line when the run finishes.
+``header`` (dataset size, seed, shuffle, partial-batch rule, and ``order``: the
+sampler's order kind, ``feistel`` or ``randperm``; a header without one is from
+before order kinds, read as ``randperm``); rank 0 writes an ``end`` line when
+the run finishes.
 
 Replay rule: for each step, the records of the newest generation that wrote
 it win (a restart that resumed from an earlier snapshot re-does those steps).
@@ -43,7 +45,7 @@ from typing import Any, Iterator, TextIO
 
 import numpy as np
 
-from ..data.sampler import epoch_permutation
+from ..data.order import DEFAULT_ORDER, LEGACY_ORDER, ORDERS, EpochOrder, epoch_order
 from ..files import makedirs, open_file
 from .records import bucket_view
 
@@ -67,7 +69,10 @@ class AuditWriter:
         self._part = 0
         self._fh: TextIO = open_file(self.path, "a", buffering=1)
         self._written = self.path.stat().st_size
-        self._write({"type": "header", "generation": generation, "rank": rank, "world_size": world_size} | header)
+        # A header that names no order kind gets the sampler's default: a header without one is read as a run
+        # from before order kinds (randperm). A run resumed from such a run's snapshot must say "randperm".
+        self._write({"type": "header", "generation": generation, "rank": rank, "world_size": world_size,
+                     "order": DEFAULT_ORDER} | header)
 
     def _write(self, record: dict[str, Any]) -> None:
         line = json.dumps(record, separators=(",", ":")) + "\n"
@@ -291,12 +296,14 @@ def check_audit(run_dir: str | os.PathLike[str]) -> AuditReport:
     if not headers:
         report.violations.append("the audit trail has no header records")
         return report
-    dataset_keys = ("num_samples", "seed", "shuffle", "partial_batch")
+    dataset_keys = ("num_samples", "seed", "shuffle", "partial_batch", "order")
+    for h in headers:  # a header without an order kind was written before them, by a run in the randperm order
+        h.setdefault("order", LEGACY_ORDER)
     variants = {tuple(h.get(k) for k in dataset_keys) for h in headers}
     if len(variants) > 1:
         report.violations.append(f"the dataset or order changed between generations: {sorted(variants, key=str)}")
     header = headers[-1]
-    num_samples, seed, shuffle, partial = (header[k] for k in dataset_keys)
+    num_samples, seed, shuffle, partial, order = (header[k] for k in dataset_keys)
     report.world_sizes = {h["generation"]: h["world_size"] for h in headers}
     report.generations = sorted(report.world_sizes)
     if ends:
@@ -308,6 +315,9 @@ def check_audit(run_dir: str | os.PathLike[str]) -> AuditReport:
 
     batch_of = {h["generation"]: h["global_batch"] for h in headers}
     canonical = header.get("sampler", "elastic") == "elastic"
+    if canonical and not (isinstance(order, str) and order in ORDERS):
+        report.violations.append(f"the audit trail names the order {order!r}, not one of {sorted(ORDERS)}")
+        return report
     # Records may have been lost with a node only in a bucket's view, only in a generation that a later one ended
     # (one that stepped), and only where that generation's order is the elastic sampler's.
     view = bucket_view(run_dir)
@@ -373,7 +383,7 @@ def check_audit(run_dir: str | os.PathLike[str]) -> AuditReport:
     counts: dict[int, np.ndarray] = {}
     outside: dict[int, set[int]] = defaultdict(set)
     seen_total: Counter[int] = Counter()
-    for r in _with_derived(lines, derived, owner, num_samples, seed, shuffle):
+    for r in _with_derived(lines, derived, owner, num_samples, seed, shuffle, order):
         if r.get("type") != "step" or owner.get(r["step"]) != r["generation"]:
             continue
         epoch, indices = r["epoch"], r["indices"]
@@ -398,7 +408,7 @@ def check_audit(run_dir: str | os.PathLike[str]) -> AuditReport:
             report.violations.append(f"epoch {epoch} ended after {usable} of {num_samples} samples")
         seen_set = set(np.flatnonzero(arr).tolist())
         if canonical:
-            expected = set(epoch_permutation(num_samples, seed, epoch, shuffle).tolist()[:usable])
+            expected = set(epoch_order(order, num_samples, seed, epoch, shuffle).slice(0, usable))
         else:
             # A custom sampler's order is unknown: hold it to exactly-once within the dataset.
             expected = set(range(num_samples)) if (complete and partial == "partial") else set(seen_set)
@@ -424,16 +434,16 @@ def _note_lost(spans: list[dict[str, Any]], generation: int, ranks: list[int], s
 
 
 def _with_derived(lines: _Lines, derived: dict[int, tuple[int, list[int], int, int, int]], owner: dict[int, int],
-                  num_samples: int, seed: int, shuffle: bool) -> Iterator[dict[str, Any]]:
+                  num_samples: int, seed: int, shuffle: bool, kind: str) -> Iterator[dict[str, Any]]:
     """The trail's records, and for each step in ``derived`` the shares of the ranks whose records were lost with
     their node: ``window[rank::world]`` of the step's window in the epoch's order (the elastic sampler's rule)."""
     yield from lines
-    order: tuple[int, list[int]] | None = None  # one epoch's permutation at a time: the steps come in order
+    order: EpochOrder | None = None  # one epoch's order at a time: the steps come in order
     for step in sorted(derived):
         world, ranks, epoch, start, count = derived[step]
-        if order is None or order[0] != epoch:
-            order = (epoch, epoch_permutation(num_samples, seed, epoch, shuffle).tolist())
-        window = order[1][start:start + count]
+        if order is None or order.epoch != epoch:
+            order = epoch_order(kind, num_samples, seed, epoch, shuffle)
+        window = order.slice(start, count)
         for rank in ranks:
             yield {"type": "step", "generation": owner[step], "step": step, "epoch": epoch, "rank": rank,
                    "indices": window[rank::world]}

@@ -34,6 +34,7 @@ from .. import __version__
 from ..config import Config, ConfigError
 from ..config.imports import resolve
 from ..data.datasets import TensorPairDataset
+from ..data.order import DEFAULT_ORDER
 from ..data.layout import layout_for
 from ..data.sampler import ElasticSampler
 from ..data.sources import BatchSource, KeptLoaders, LoaderSource, TensorSource, collate_items, to_device
@@ -326,6 +327,8 @@ class Attempt:
                 "num_samples": w.num_train, "seed": cfg.run.seed, "shuffle": cfg.data.shuffle,
                 "partial_batch": cfg.data.partial_batch, "global_batch": self.layout.global_size,
                 "sampler": cfg.data.sampler,
+                # The order this attempt follows, as resumed: a run from before order kinds goes on in randperm.
+                "order": getattr(parts.sampler, "order_kind", DEFAULT_ORDER),
             })
             if self.records is not None:
                 self.records.soon()  # the header says this rank is in the attempt, should its node be lost early

@@ -8,21 +8,24 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from elastic_runner.data.order import FeistelOrder, epoch_order
 from elastic_runner.data.sampler import ElasticSampler, epoch_permutation
 
 
 def run_segments(num_samples: int, global_batch: int, partial: str, segments: list[tuple[int, int]],
-                 seed: int = 3) -> dict[int, list[int]]:
+                 seed: int = 3, order: str = "feistel") -> dict[int, list[int]]:
     """Simulate a job that restarts with world size W after running k steps, for each (W, k).
 
-    Between segments only the sampler's state_dict survives (as in a snapshot).
+    Between segments only the sampler's state_dict survives (as in a snapshot): the first segment's samplers
+    use ``order``, later ones are built with the default and take the order from the state.
     Returns the samples consumed per epoch, in consumption order.
     """
     consumed: dict[int, list[int]] = {}
     saved = None
     for world, steps in segments:
-        ranks = [ElasticSampler(num_samples, global_batch, seed=seed, partial_batch=partial, rank=r, world_size=world)
-                 for r in range(world)]
+        kind = {"order": order} if saved is None else {}
+        ranks = [ElasticSampler(num_samples, global_batch, seed=seed, partial_batch=partial, rank=r, world_size=world,
+                                **kind) for r in range(world)]
         for s in ranks:
             if saved is not None:
                 s.load_state_dict(saved)
@@ -46,33 +49,85 @@ def run_segments(num_samples: int, global_batch: int, partial: str, segments: li
     global_batch=st.integers(1, 40),
     partial=st.sampled_from(["drop", "partial"]),
     segments=st.lists(st.tuples(st.integers(1, 8), st.integers(0, 30)), min_size=1, max_size=6),
+    order=st.sampled_from(["feistel", "randperm"]),
 )
 def test_every_sample_exactly_once_per_epoch_whatever_the_restarts(num_samples: int, global_batch: int, partial: str,
-                                                                    segments: list[tuple[int, int]]) -> None:
+                                                                    segments: list[tuple[int, int]],
+                                                                    order: str) -> None:
     if partial == "drop" and global_batch > num_samples:
         with pytest.raises(ValueError):
             ElasticSampler(num_samples, global_batch, partial_batch=partial)
         return
     segments = [(min(w, global_batch), k) for w, k in segments]
-    consumed = run_segments(num_samples, global_batch, partial, segments)
+    consumed = run_segments(num_samples, global_batch, partial, segments, order=order)
     usable = num_samples if partial == "partial" else (num_samples // global_batch) * global_batch
     last = max(consumed, default=-1)
     for epoch, seen in consumed.items():
         counts = Counter(seen)
         assert all(c == 1 for c in counts.values()), f"epoch {epoch} repeats samples"
-        perm = epoch_permutation(num_samples, 3, epoch).tolist()
-        # whatever the world sizes were, the job consumed a prefix of the epoch's permutation
-        assert sorted(seen) == sorted(perm[: len(seen)])
+        # whatever the world sizes were, the job consumed a prefix of the epoch's order
+        assert sorted(seen) == sorted(epoch_order(order, num_samples, 3, epoch).slice(0, len(seen)))
         if epoch < last:
             assert len(seen) == usable, f"epoch {epoch} incomplete"
 
 
-def test_union_of_ranks_is_the_next_window_of_the_permutation() -> None:
-    perm = epoch_permutation(100, 0, 0).tolist()
+def test_union_of_ranks_is_the_next_window_of_the_order() -> None:
+    window = FeistelOrder(100, 0, 0).slice(0, 12)
     samplers = [ElasticSampler(100, 12, rank=r, world_size=3) for r in range(3)]
     plans = [next(s.plans()) for s in samplers]
-    assert sorted(i for p in plans for i in p.indices) == sorted(perm[:12])
-    assert plans[1].indices == perm[:12][1::3]
+    assert sorted(i for p in plans for i in p.indices) == sorted(window)
+    assert plans[1].indices == window[1::3]
+
+
+def test_the_randperm_order_consumes_the_legacy_permutation() -> None:
+    perm = epoch_permutation(100, 0, 1).tolist()
+    sampler = ElasticSampler(100, 12, rank=2, world_size=3, order="randperm")
+    sampler.next_epoch()
+    assert [p.indices for p in sampler.plans()] == [perm[start:start + 12][2::3] for start in range(0, 96, 12)]
+
+
+def test_the_default_order_is_feistel_and_the_state_records_it() -> None:
+    s = ElasticSampler(40, 8)
+    assert s.order_kind == "feistel" and s.state_dict()["order"] == "feistel"
+    assert ElasticSampler(40, 8, order="randperm").state_dict()["order"] == "randperm"
+
+
+def test_a_resumed_sampler_keeps_the_order_of_its_state_whatever_it_was_built_with() -> None:
+    for kind, built_with in (("feistel", "randperm"), ("randperm", "feistel")):
+        s = ElasticSampler(1000, 10, seed=4, order=kind)
+        s.next_epoch()
+        s.advance(next(s.plans()))
+        t = ElasticSampler(1000, 10, seed=4, order=built_with)
+        t.load_state_dict(s.state_dict())
+        assert t.order_kind == kind and next(t.plans()) == next(s.plans())
+
+
+def test_a_state_without_an_order_was_written_before_orders_and_resumes_in_the_randperm_order() -> None:
+    old_state = {"epoch": 2, "consumed": 48, "seed": 5, "num_samples": 100, "shuffle": True}  # as snapshots held it
+    s = ElasticSampler(100, 16, seed=5)
+    s.load_state_dict(old_state)
+    perm = epoch_permutation(100, 5, 2).tolist()
+    assert s.order_kind == "randperm" and s.state_dict()["order"] == "randperm"
+    assert [p.indices for p in s.plans()] == [perm[48:64], perm[64:80], perm[80:96]]
+
+
+def test_an_unknown_order_is_refused_with_the_known_ones() -> None:
+    with pytest.raises(ValueError, match="'sorted' is not a known epoch order; the known orders are 'feistel', 'randp"):
+        ElasticSampler(40, 8, order="sorted")
+    s = ElasticSampler(40, 8)
+    state = dict(s.state_dict(), order="sorted", consumed=16)
+    with pytest.raises(ValueError, match="snapshot's sampler order 'sorted' is not a known epoch order; the known"):
+        s.load_state_dict(state)
+    assert (s.order_kind, s.consumed) == ("feistel", 0), "a refused state changes nothing"
+
+
+def test_a_sampler_of_a_trillion_samples_plans_a_step_in_the_middle_of_an_epoch() -> None:
+    n = 10**12
+    s = ElasticSampler(n, 512, rank=1, world_size=4)
+    s.load_state_dict(dict(s.state_dict(), epoch=3, consumed=n // 2))
+    plan = next(s.plans())
+    assert (plan.epoch, plan.start, plan.global_count) == (3, n // 2, 512)
+    assert plan.indices == FeistelOrder(n, 0, 3).slice(n // 2, 512)[1::4]
 
 
 def test_uneven_world_size_shares_differ_by_at_most_one() -> None:
