@@ -149,10 +149,14 @@ class LoggingConfig:
     """Log level and progress output."""
 
     level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = _help("Log level.", default="INFO")
-    every_steps: int = _help("One progress line every N steps.", default=10)
+    every_steps: int = _help(
+        "Every N steps the loss and rate are read: a progress line (step/total, epoch, loss, samples/s, ETA; also an "
+        "event), or the bar's fields where a bar shows.", default=10)
     format: Literal["text", "json"] = _help("Progress line format.", default="text")
     progress_bar: Literal["auto", "on", "off"] = _help(
-        "Progress bar on rank 0: auto shows it only when stdout is a terminal.", default="auto"
+        "Progress bar on rank 0 (tqdm): steps of the total, epoch, loss, samples/s (tokens/s for a language model), "
+        "elapsed and ETA; log records are written above it. auto shows it only when stdout is a terminal; where it "
+        "shows, the per-N-steps lines are left to the event log.", default="auto"
     )
 
     def validate(self) -> None:

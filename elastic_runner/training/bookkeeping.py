@@ -32,11 +32,16 @@ if TYPE_CHECKING:
 
 class StepBooks:
     def __init__(self, cfg: Config, dist: Dist, state: TrainState, layout: BatchLayout, total_steps: int, *,
-                 events: EventLog, metrics: Metrics, audit: AuditWriter | None) -> None:
+                 events: EventLog, metrics: Metrics, audit: AuditWriter | None,
+                 tokens_per_sample: int | None = None) -> None:
         self.cfg, self.dist, self.state, self.layout = cfg, dist, state, layout
         self.events, self.metrics, self.audit = events, metrics, audit
         self.rank0 = dist.rank == 0
-        self.progress = Progress(total_steps, cfg.logging.every_steps, cfg.logging.format, cfg.logging.progress_bar)
+        self.total_steps = total_steps
+        self.tokens_per_sample = tokens_per_sample  #: a language model's window: its rate is told in tokens/s
+        # The terminal shows one bar, rank 0's.
+        self.progress = Progress(total_steps, state.step, cfg.logging.every_steps, cfg.logging.format,
+                                 cfg.logging.progress_bar if self.rank0 else "off")
         self._window_loss = torch.zeros(2, dtype=torch.float64, device=dist.device)
         self._window_started = time.monotonic()
         self._window_samples = 0
@@ -85,7 +90,12 @@ class StepBooks:
 
     def tick(self, step: int) -> None:
         if self.rank0:
-            self.progress.tick(step, None, None)
+            self.progress.tick(step)
+
+    def note(self, text: str) -> None:
+        """A line for the terminal (rank 0's): above the progress bar while one shows."""
+        if self.rank0:
+            self.progress.note(text)
 
     def report_progress(self, step: int, epoch: int, lr: float) -> None:
         """The loss over the window since the last report (a collective), the rate, goodput: a progress line."""
@@ -95,8 +105,11 @@ class StepBooks:
         window_steps = step - self._window_first_step
         self._window_first_step = step
         now = time.monotonic()
-        rate = self._window_samples / max(1e-9, now - self._window_started)
+        window_s = max(1e-9, now - self._window_started)
+        rate = self._window_samples / window_s
         self._window_started, self._window_samples = now, 0
+        # To the end of training at this window's pace (a restart's first window is short: its pace is the job's).
+        eta = (self.total_steps - step) * window_s / window_steps if window_steps > 0 else None
         loss = loss_sum / max(1.0, count)
         m.loss.set(loss)
         m.lr.set(lr)
@@ -111,12 +124,14 @@ class StepBooks:
                 self._published_at = now
         fields = {
             "step": step, "epoch": epoch, "loss": loss, "samples_per_s": round(rate, 1),
+        } | ({"tokens_per_s": round(rate * self.tokens_per_sample)} if self.tokens_per_sample else {}) | {
             "world_size": self.dist.world_size, "lr": lr,
-        } | ({"goodput": round(goodput, 4)} if goodput is not None else {})
+        } | ({"goodput": round(goodput, 4)} if goodput is not None else {}) | (
+            {"eta_s": round(eta, 1)} if eta is not None else {})
         if self.rank0:
             # window_steps: how many steps the loss averages (fewer right after a restart)
-            self.events.emit("progress", window_steps=window_steps, **fields)
-            self.progress.line(fields)
+            self.events.emit("progress", window_steps=window_steps, total_steps=self.total_steps, **fields)
+            self.progress.report(fields)
 
     def report_eval(self, step: int, result: dict[str, Any]) -> None:
         if self.rank0:

@@ -349,7 +349,7 @@ class Attempt:
         step = TrainStep(parts, sync, w.task, self.layout, gradients, seed=cfg.run.seed, rank=dist.rank,
                          device=dist.device, precision=cfg.train.precision)
         books = StepBooks(cfg, dist, self.state, self.layout, self.total_steps, events=self.events,
-                          metrics=self.metrics, audit=audit)
+                          metrics=self.metrics, audit=audit, tokens_per_sample=w.model_build.get("block_size"))
         test_size = len(w.test) if w.test is not None else 0  # type: ignore[arg-type]
         evaluator = Evaluator(dist, sync.module, parts.model, w.task,
                               self._source("test", w.test, cfg.run.seed) if w.test is not None else None, test_size,
