@@ -14,8 +14,9 @@ For each order (``--orders``) and dataset size N (``--sizes``), a fresh interpre
 
 The randperm order runs only up to ``--legacy-max`` samples (its epoch is an int64 tensor of N entries, and
 ``torch.randperm`` needs as much again while it runs: 10^9 samples would need ~16 GB). It is measured as
-:class:`~elastic_runner.data.order.RandpermOrder` keeps it (a tensor); the sampler before feistel kept the
-same order as a list of Python ints, ~9x the memory.
+:class:`~elastic_runner.data.order.RandpermOrder` keeps it (a tensor). The order ``before`` is the sampler as it was
+before the epoch order became a function (``--before``, a git revision: its ``data/sampler.py``, loaded as it was),
+which kept the same order as a list of Python ints; also only up to ``--legacy-max``.
 
     .venv-vision/bin/python benchmarks/sampler_scale.py                          # 10^6 .. 10^10, a minute or so
     .venv-vision/bin/python benchmarks/sampler_scale.py --sizes 1e6,1e12 --legacy-max 0 --out results/sampler.json
@@ -42,10 +43,32 @@ def _peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: kilobytes
 
 
-def measure(order: str, num_samples: int, global_batch: int, steps: int) -> dict[str, Any]:
+def sampler_before(revision: str) -> Any:
+    """``ElasticSampler`` of ``data/sampler.py`` at ``revision``: the baseline, loaded from git as it was."""
+    import importlib.util
+    import tempfile
+
+    source = subprocess.run(["git", "show", f"{revision}:elastic_runner/data/sampler.py"], cwd=ROOT, check=True,
+                            capture_output=True, text=True).stdout
+    path = Path(tempfile.mkdtemp()) / "sampler_before.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location("sampler_before", path)
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    sys.modules["sampler_before"] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    cls = module.ElasticSampler
+
+    def build(num_samples: int, global_batch: int, order: str | None = None) -> Any:
+        return cls(num_samples, global_batch)
+    return build
+
+
+def measure(order: str, num_samples: int, global_batch: int, steps: int, before: str = "") -> dict[str, Any]:
     """One (order, N), in this process: see the module docstring."""
     from elastic_runner.data.sampler import ElasticSampler
 
+    if order == "before":
+        ElasticSampler = sampler_before(before)  # noqa: N806 - the same name, the old class
     warm = ElasticSampler(1000, min(global_batch, 1000), order=order)
     warm.plan_at(0, 0)
     del warm
@@ -74,7 +97,7 @@ def measure(order: str, num_samples: int, global_batch: int, steps: int) -> dict
     resumed.load_state_dict(dict(state, consumed=consumed))
     plan = next(resumed.plans())
     resume_s = time.perf_counter() - t0
-    assert plan.start == consumed and resumed.order_kind == order
+    assert plan.start == consumed and getattr(resumed, "order_kind", "before") == order
 
     step_s.sort()
     return {
@@ -89,7 +112,7 @@ def measure(order: str, num_samples: int, global_batch: int, steps: int) -> dict
 
 def run_child(order: str, num_samples: int, args: argparse.Namespace) -> dict[str, Any]:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", order, str(num_samples),
-           "--global-batch", str(args.global_batch), "--steps", str(args.steps)]
+           "--global-batch", str(args.global_batch), "--steps", str(args.steps), "--before", args.before]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
     except subprocess.TimeoutExpired:
@@ -122,7 +145,8 @@ def _size(text: str) -> int:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", default="1e6,1e7,1e8,1e9,1e10", help="dataset sizes, comma-separated (1e9 or 10^9 style)")
-    p.add_argument("--orders", default="feistel,randperm")
+    p.add_argument("--orders", default="feistel,randperm,before")
+    p.add_argument("--before", default="1f697d3", help="git revision of the sampler before the order was a function")
     p.add_argument("--global-batch", type=int, default=512)
     p.add_argument("--steps", type=int, default=1000, help="steps timed after the first plan")
     p.add_argument("--legacy-max", type=_size, default=10**7, help="largest N the randperm order is run at")
@@ -131,7 +155,7 @@ def main() -> None:
     p.add_argument("--child", nargs=2, metavar=("ORDER", "N"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
-        print(json.dumps(measure(args.child[0], int(args.child[1]), args.global_batch, args.steps)))
+        print(json.dumps(measure(args.child[0], int(args.child[1]), args.global_batch, args.steps, args.before)))
         return
 
     from common import write_json
@@ -140,7 +164,7 @@ def main() -> None:
     results: list[dict[str, Any]] = []
     for n in sizes:
         for order in [o.strip() for o in args.orders.split(",") if o.strip()]:
-            if order == "randperm" and n > args.legacy_max:
+            if order in ("randperm", "before") and n > args.legacy_max:
                 results.append({"order": order, "num_samples": n, "skipped": True})
                 continue
             results.append(run_child(order, n, args))

@@ -2,6 +2,7 @@
 # Create a virtual environment (idempotent) and install elastic_runner into it with pinned torch.
 #   scripts/setup.sh               .venv: torch 2.13.0, runtime + report extra (the quickstart; no torchvision)
 #   scripts/setup.sh test          .venv: the same + test dependencies (the short run on torch 2.13.0)
+#   scripts/setup.sh docs          .venv: the same + the docs extra (mkdocs: .venv/bin/mkdocs build --strict)
 #   scripts/setup.sh vision-test   .venv-vision: torch 2.14.1 + torchvision 0.29.1, vision + test + docs extras (the full suite)
 # The versions are pinned in constraints-torch-*.txt; every other package in constraints.txt.
 # Set TORCH_INDEX_URL to choose a torch build, e.g.
@@ -12,8 +13,9 @@ PYTHON=${PYTHON:-python3}
 case "${1:-run}" in
   run)         VENV=.venv;        PINS=constraints-torch-2.13.txt; EXTRAS=report ;;
   test)        VENV=.venv;        PINS=constraints-torch-2.13.txt; EXTRAS=report,test ;;
+  docs)        VENV=.venv;        PINS=constraints-torch-2.13.txt; EXTRAS=report,docs ;;
   vision-test) VENV=.venv-vision; PINS=constraints-torch-2.14.txt; EXTRAS=report,test,vision,docs ;;
-  *) echo "usage: scripts/setup.sh [run|test|vision-test]" >&2; exit 2 ;;
+  *) echo "usage: scripts/setup.sh [run|test|docs|vision-test]" >&2; exit 2 ;;
 esac
 "$PYTHON" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else "elastic_runner needs Python >= 3.10")'
 if [ ! -x "$VENV/bin/python" ]; then
