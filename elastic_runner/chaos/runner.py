@@ -353,7 +353,7 @@ class ChaosRun:
 def _require_empty(location: str) -> None:
     """A chaos run starts from scratch in the bucket too: objects under ``location`` would be resumed from (and
     their records judged with the run's)."""
-    from ..snapshot.object_client import open_filesystem
+    from ..object_client import open_filesystem
 
     try:
         fs, prefix = open_filesystem(location)

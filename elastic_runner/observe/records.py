@@ -56,7 +56,7 @@ def records_url(snapshot_url: str) -> str:
 
 
 def _filesystem(url: str) -> tuple[Any, str]:
-    from ..snapshot.object_client import open_filesystem
+    from ..object_client import open_filesystem
 
     fs, path = open_filesystem(url)  # gives up within seconds: records are retried at the next sync anyway
     return fs, path.rstrip("/")
@@ -372,7 +372,7 @@ def run_view(location: str) -> str:
     url = location if is_url(location) else _snapshot_url_of(Path(location))
     if url is None:
         return location
-    from ..snapshot.object_client import default_local
+    from ..object_client import default_local
 
     view = fetch_records(records_url(url), default_local(url) / "run")
     if not is_url(location):

@@ -2,7 +2,6 @@
 
 - ``store``           where snapshots live: naming, atomic commit, generation fencing, quarantine.
 - ``object_store``    the same contract in a bucket (``s3://``, ``gs://``); ``open_store`` picks by location.
-- ``object_client``   a bucket's client (one per process, failing fast) and the node's directory for it.
 - ``format``          what is inside a snapshot, how it is written and verified (checksums, ``weights_only``).
 - ``publish``         write one snapshot and publish it, fenced, pruning the old ones.
 - ``writer``          save without stalling training: the writer thread, or the writer process through

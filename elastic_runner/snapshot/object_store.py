@@ -37,7 +37,7 @@ from urllib.parse import urlsplit
 from ..config.locations import is_url, location_problem
 from ..files import makedirs, private_dir
 from .format import current_signing_key
-from .object_client import default_local, is_missing_bucket, is_precondition_failure, is_refusal, open_filesystem
+from ..object_client import default_local, is_missing_bucket, is_precondition_failure, is_refusal, open_filesystem
 from .shards import part_name, read_record, record_name
 from .store import (MAX_META_BYTES, META, AlreadyCommittedError, CorruptSnapshotError, LocalStore, SnapshotError,
                     SnapshotRef, SnapshotUnavailableError, StoreAccessError, fence_error)
@@ -124,7 +124,7 @@ class ObjectStore:
                 "reachable?") from exc
 
     def _bucket_missing(self, exc: FileNotFoundError) -> bool:
-        """:func:`~.object_client.is_missing_bucket`, the bucket asked for at most until it was seen to exist."""
+        """:func:`~elastic_runner.object_client.is_missing_bucket`, the bucket asked for at most until it was seen to exist."""
         missing = is_missing_bucket(exc, None if self._bucket_exists else self.fs, self.bucket)
         self._bucket_exists = not missing
         return missing

@@ -26,7 +26,7 @@ from ..observe.events import agent_stop_reason
 from ..observe.logs import say, setup_logging
 from ..snapshot import SnapshotError
 from ..snapshot.format import set_signing_key, signing_key_from_environment
-from ..snapshot.object_client import prewarm
+from ..object_client import prewarm
 from . import standby
 from .attempt import Attempt
 from .dist import Dist

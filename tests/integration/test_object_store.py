@@ -265,7 +265,7 @@ def test_the_warm_up_connects_the_client_it_shares_with_the_store_and_leaves_no_
     import gc
     import warnings
 
-    from elastic_runner.snapshot.object_client import open_filesystem, prewarm
+    from elastic_runner.object_client import open_filesystem, prewarm
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -379,7 +379,7 @@ def test_a_round_that_begins_while_a_snapshot_uploads_stops_it_before_its_marker
 
 
 def test_only_the_store_s_own_precondition_answer_means_the_object_exists() -> None:
-    from elastic_runner.snapshot.object_client import is_precondition_failure
+    from elastic_runner.object_client import is_precondition_failure
 
     class ClientError(Exception):
         def __init__(self, code: str, status: int) -> None:
@@ -450,7 +450,7 @@ def test_a_node_reads_any_snapshot_the_bucket_keeps_even_beyond_its_cache_of_thr
 def test_inspect_reads_a_bucket_from_markers_and_sizes_and_downloads_only_to_verify(
         store: ObjectStore, url: str, s3_server: S3Server) -> None:
     from elastic_runner.snapshot.cli import inspect
-    from elastic_runner.snapshot.object_client import default_local
+    from elastic_runner.object_client import default_local
 
     writer = writer_for(store, keep_last=5)
     for step in (10, 20, 30, 40):

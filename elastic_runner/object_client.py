@@ -1,9 +1,10 @@
 """The client side of an object store: one fsspec filesystem per process and credentials, set to fail fast; its
 warm-up; the node's private directory for a bucket's staging copies and read cache; and what the store's error
-answers mean (credentials refused, an object that already exists).
+answers mean (credentials refused, an object that already exists, a missing bucket).
 
-Apart from :mod:`.object_store` (the snapshot contract) because the run's records (:mod:`~elastic_runner.observe.
-records`) and the worker's start (:func:`prewarm`) use it too.
+On the ground floor, apart from :mod:`.snapshot.object_store` (the snapshot contract), because the run's records
+(:mod:`~elastic_runner.observe.records`), the data sources in a bucket (:mod:`~elastic_runner.data.shards`) and the
+worker's start (:func:`prewarm`) use it too.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pathlib import Path
 from typing import Any, Iterator
 from urllib.parse import urlsplit
 
-from ..files import private_dir
+from .files import private_dir
 
 #: One filesystem per (process, scheme, bucket, credentials): its client is created once (botocore loads its
 #: service description, ~0.2 s) and shared by the store, the record upload and a warm-up (:func:`prewarm`).
