@@ -9,6 +9,7 @@
     elastic-runner audit RUN_DIR                          exactly-once check of the audit trail
     elastic-runner config [FILE] [--set ...] [--docs]     validate / print the effective config
     elastic-runner data prepare-text IN.txt --out DIR     token files (character vocabulary) for data.name: tokens
+    elastic-runner data index --config FILE               build the shard index of data.sources ahead of a job
     elastic-runner chaos --config FILE --run-dir DIR ...  break a local job on purpose, verify nothing was lost
     elastic-runner report RUN_DIR [--out run.png]         summary and timeline picture of a run
 """
@@ -57,6 +58,8 @@ def _data(args: argparse.Namespace) -> int:
     from .config import ConfigError
     from .data.tokens import prepare_text
 
+    if args.data_cmd == "index":
+        return _index(args)
     try:
         meta = prepare_text(args.input, args.out, args.val_fraction)
     except ConfigError as exc:
@@ -65,6 +68,32 @@ def _data(args: argparse.Namespace) -> int:
     print(f"wrote {args.out}: vocabulary of {meta['vocab_size']} characters, {meta['train_tokens']:,} training and "
           f"{meta['val_tokens']:,} validation tokens ({meta['dtype']}); train with data.name: tokens, "
           f"data.path: {args.out}")
+    return 0
+
+
+def _index(args: argparse.Namespace) -> int:
+    """Every source's shard index, built where it is missing (what a job's first worker would do), and a summary."""
+    from .config import ConfigError, load_config
+    from .config.sources import parse_pack, parse_sources
+    from .data.packing import load_tokenizer
+    from .data.shards import index_directory, open_source
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+        if cfg.data.sources is None:
+            raise ConfigError("data.sources", "is not set", "This command builds the shard index of data.sources")
+        pack = parse_pack(cfg.data.pack)
+        tokenizer = load_tokenizer(cfg.data.tokenizer) if pack is not None else None
+        for spec in parse_sources(cfg.data.sources):
+            source = open_source(spec, pack, tokenizer)
+            counted = tokenizer if pack is not None and spec.format != "tokens" else None
+            unit = "windows" if pack is not None else "items"
+            print(f"{spec.label}: {len(source.shards)} shards, {sum(s.tokens for s in source.shards):,} "
+                  f"{'tokens' if pack is not None else 'items'}, {len(source):,} {unit}; index in "
+                  f"{index_directory(spec, counted)}")
+    except ConfigError as exc:
+        print(f"elastic-runner: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -134,6 +163,9 @@ def _main(argv: Sequence[str] | None = None) -> int:
     pt.add_argument("input", help="a UTF-8 text file")
     pt.add_argument("--out", required=True, help="directory for train.bin, val.bin and meta.json")
     pt.add_argument("--val-fraction", type=float, default=0.1, help="share of the text (its end) held out (0.1)")
+    pi = dsub.add_parser("index", help="build the shard index of every one of data.sources, ahead of a job")
+    pi.add_argument("--config", "-c", required=True, help="the job's YAML config")
+    add_overrides_option(pi)
     from . import chaos
     from .observe import report
 

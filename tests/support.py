@@ -315,3 +315,13 @@ def context_result(context: Any, timeout: float = 60) -> Any:
             return result
         time.sleep(0.05)
     raise AssertionError("the context never reported")
+
+
+def wait_for_world(run_dir: Path, size: int, after: float, job: Any, timeout: float = 90) -> None:
+    """Wait until an attempt at world ``size`` starts after ``after`` (wall clock)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(e["world_size"] == size and e["time"] > after for e in events(run_dir, "start")):
+            return
+        time.sleep(0.05)
+    pytest.fail(f"no attempt at world size {size} within {timeout:.0f}s\n" + job.logs_tail())

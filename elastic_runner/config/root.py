@@ -65,6 +65,12 @@ class Config:
             validate = getattr(section, "validate", None)
             if validate is not None:
                 validate()
+        if self.data.sources is not None and len(self.data.sources) > 1 and self.train.epochs is not None:
+            raise ConfigError("train.epochs", "cannot say how long a mixture trains: each of data.sources runs its "
+                              "own epochs, at its own weight", "Set train.max_steps instead (and train.epochs: null)")
+        if self.data.sources is not None and self.data.sampler != "elastic":
+            raise ConfigError("data.sampler", "applies to data.name's datasets: data.sources are sampled by their "
+                              "mixture", "Remove data.sampler")
         if self.recovery.regroup == "reconfigure" and self.parallel.sharded:
             raise ConfigError("recovery.regroup", f"reconfigure is for replicated models, and parallel.strategy is "
                               f"{self.parallel.strategy} (its device mesh's groups are made anew with the model)",

@@ -95,8 +95,40 @@ class DataConfig:
         "import path to a class with the same interface (for experiments and tests).",
         default="elastic",
     )
+    sources: list[Any] | None = _help(
+        "Instead of data.name: a corpus of shard files or a user's stream, several mixed by weight, e.g. "
+        "[{path: 'corpus/*.bin', format: tokens, weight: 0.7}, {path: 's3://bucket/web/*.jsonl', weight: 0.3}, "
+        "{name: 'mymod:stream', params: {...}}]. Keys of a source: path and format (tokens, jsonl, parquet) or "
+        "name and params (a factory returning an object with shards() and open(shard, offset)); weight (its share "
+        "of every global batch, exact to within one sample over any number of steps); label; text_field (jsonl, "
+        "parquet, streams of dicts: 'text'); dtype (.bin token files: uint16 or uint32); index (where its shard "
+        "index is kept). Every source runs its own epochs, each sample exactly once per epoch, at any world size. "
+        "The length of training is train.max_steps (train.epochs only with one source).",
+        default=None,
+    )
+    pack: dict[str, Any] | None = _help(
+        "With data.sources: {block_size: N}: documents tokenized with data.tokenizer, joined with an "
+        "end-of-document token and cut into windows of N + 1 tokens, a pure function of their position; "
+        "mask: documents leaves targets of the next document out of the loss (-100). Required for file sources.",
+        default=None,
+    )
+    tokenizer: str = _help(
+        "Tokenizer of data.pack: bytes (built in, no files: UTF-8 bytes 0..255, end of document 256, vocabulary "
+        "257) or an import path to fn(text) -> list[int] with attributes vocab_size and eod (end-of-document id).",
+        default="bytes",
+    )
 
     def validate(self) -> None:
+        if self.sources is not None:
+            from .sources import check_sources
+
+            if self.name != "digits":
+                raise ConfigError("data.sources", f"is set together with data.name={self.name!r}",
+                                  "Give the data either as data.name or as data.sources")
+            check_sources(self.sources, self.pack, self.tokenizer)
+            return
+        if self.pack is not None:
+            raise ConfigError("data.pack", "applies to data.sources", "Set data.sources, or remove data.pack")
         builtin = {"digits", "synthetic", "tokens", "image_folder", "cifar10", "fake_images"}
         if self.name not in builtin and not is_import_path(self.name):
             raise ConfigError(

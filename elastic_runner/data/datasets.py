@@ -191,6 +191,12 @@ def _tokens(cfg: DataConfig) -> DatasetBundle:
 
 def build_datasets(cfg: DataConfig, seed: int = 0) -> DatasetBundle:
     """The configured datasets; ``seed`` (run.seed) seeds their augmentation."""
+    if cfg.sources is not None:
+        from .corpus import open_corpus
+
+        corpus = open_corpus(cfg)
+        return DatasetBundle(corpus.dataset, None, None, None, corpus.description, vocab_size=corpus.vocab_size,
+                             block_size=corpus.block_size, language_model=corpus.block_size is not None)
     builders = {"digits": _digits, "synthetic": _synthetic, "tokens": _tokens}
     if cfg.name in builders:
         return builders[cfg.name](cfg)

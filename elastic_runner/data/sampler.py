@@ -41,6 +41,8 @@ class StepPlan:
     start: int  #: position of the step's window in the epoch's order
     global_count: int  #: samples in the whole step, all ranks together
     indices: list[int]  #: dataset indices this rank consumes
+    #: A mixture's step (:mod:`.mixture`): (source, its epoch, position, count) of each part of the window.
+    segments: tuple[tuple[int, int, int, int], ...] = ()
 
     @property
     def end(self) -> int:

@@ -89,11 +89,16 @@ def _has_dataclass(obj: Any) -> bool:
 
 
 class BadItem:
-    """What a dataset returns for an item it cannot produce (an image that does not decode): the batch
-    that holds it is refused by name, also from a DataLoader worker."""
+    """What a dataset returns for an item it cannot produce (an image that does not decode, a shard that changed):
+    the batch that holds it is refused by name, also from a DataLoader worker."""
 
-    def __init__(self, path: str, error: str) -> None:
+    def __init__(self, path: str, error: str, refusal: tuple[str, str, str] | None = None) -> None:
         self.path, self.error = path, error
+        self.refusal = refusal  #: (key, problem, fix) where the dataset said it itself
+
+    @classmethod
+    def refusing(cls, exc: ConfigError) -> "BadItem":
+        return cls("", exc.problem, (exc.key, exc.problem, exc.fix))
 
 
 @dataclasses.dataclass
@@ -166,6 +171,8 @@ class IndexedCollate:
 
     def __call__(self, indexed: list[tuple[int, Any]]) -> Any:
         bad = next(((i, item) for i, item in indexed if isinstance(item, BadItem)), None)
+        if bad is not None and bad[1].refusal is not None:
+            return BadBatch(*bad[1].refusal)
         if bad is not None:
             return BadBatch("data.path", f"dataset item {bad[0]}: {bad[1].path} cannot be decoded ({bad[1].error})",
                             "Replace or remove the file, or set data.bad_images: skip to leave undecodable files out")

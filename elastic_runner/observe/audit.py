@@ -90,12 +90,12 @@ class AuditWriter:
         self._written = self.path.stat().st_size
 
     def step(self, *, step: int, epoch: int, start: int, global_count: int, indices: list[int],
-             micro_batch: int, accumulation: int) -> None:
+             micro_batch: int, accumulation: int, segments: tuple[tuple[int, int, int, int], ...] = ()) -> None:
         self._write({
             "type": "step", "generation": self.generation, "epoch": epoch, "step": step, "rank": self.rank,
             "world_size": self.world_size, "start": start, "global_count": global_count,
             "micro_batch": micro_batch, "accumulation": accumulation, "indices": indices,
-        })
+        } | ({"segments": [list(g) for g in segments]} if segments else {}))
 
     def end(self, step: int) -> None:
         self._write({"type": "end", "generation": self.generation, "step": step, "rank": self.rank})
@@ -138,6 +138,8 @@ class AuditReport:
     records_lost: list[dict[str, Any]] = field(default_factory=list)
     #: False when the run kept no audit trail (audit.samples off): nothing to judge, not a violation.
     audited: bool = True
+    #: A mixture's sources (data.sources): what the run took from each (:mod:`.audit_mixture`).
+    sources: list[Any] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -149,7 +151,7 @@ class AuditReport:
             "generations": self.generations, "world_sizes": {str(k): v for k, v in self.world_sizes.items()},
             "global_batches": self.global_batches, "torn_lines": self.torn_lines,
             "steps_superseded": self.steps_superseded, "records_lost": self.records_lost,
-            "violations": self.violations,
+            "violations": self.violations, "sources": [source.to_dict() for source in self.sources],
             "epochs": [
                 {"epoch": e.epoch, "complete": e.complete, "expected": e.expected, "seen": e.seen,
                  "duplicates": len(e.duplicates), "missing": len(e.missing), "unexpected": len(e.unexpected),
@@ -171,6 +173,7 @@ class AuditReport:
                 f"  epoch {e.epoch}{'' if e.complete else ' (in progress)'}: seen {e.seen}/{e.expected}, "
                 f"duplicates {len(e.duplicates)}, missing {len(e.missing)}, unexpected {len(e.unexpected)}"
             )
+        lines += [source.line() for source in self.sources]
         for v in self.violations:
             lines.append(f"  violation: {v}")
         if self.torn_lines:
@@ -276,6 +279,7 @@ def check_audit(run_dir: str | os.PathLike[str]) -> AuditReport:
     by_step: dict[int, dict[int, list[tuple[int, int, int, int, int, int]]]] = defaultdict(lambda: defaultdict(list))
     last_of: dict[tuple[int, int], int] = {}  # (generation, rank) -> the last step its trail reached
     present: set[tuple[int, int]] = set()  # (generation, rank) with any record (a header at least)
+    segments_of: dict[tuple[int, int], tuple[tuple[int, int, int, int], ...]] = {}
     for r in lines:
         kind = r.get("type")
         if kind == "header":
@@ -286,6 +290,8 @@ def check_audit(run_dir: str | os.PathLike[str]) -> AuditReport:
         elif kind == "step":
             by_step[r["step"]][r["generation"]].append(
                 (r["rank"], r["world_size"], r["epoch"], r["start"], r["global_count"], len(r["indices"])))
+            if "segments" in r:  # a mixture's: the same on every rank of a step (checked in the mixture's pass)
+                segments_of.setdefault((r["step"], r["generation"]), _segments(r["segments"]))
             key = (r["generation"], r["rank"])
             last_of[key] = max(last_of.get(key, 0), r["step"])
             present.add(key)
@@ -379,6 +385,12 @@ def check_audit(run_dir: str | os.PathLike[str]) -> AuditReport:
             epoch_end[epoch] = (end, nominal)
     del by_step
 
+    if header.get("sampler") == "mixture":  # data.sources: the mixture's own replay
+        from .audit_mixture import check_mixture
+
+        report.sources, found = check_mixture(header, report.final_step, owner, segments_of, lines)
+        report.violations += found
+        return report
     # Pass 2: the indices of the owning records, counted per epoch (saturating at 255), plus any out of range.
     counts: dict[int, np.ndarray] = {}
     outside: dict[int, set[int]] = defaultdict(set)
@@ -421,6 +433,13 @@ def check_audit(run_dir: str | os.PathLike[str]) -> AuditReport:
             unexpected=sorted((seen_set - expected) | outside[epoch]),
         ))
     return report
+
+
+def _segments(value: Any) -> tuple[tuple[int, int, int, int], ...]:
+    try:
+        return tuple((int(a), int(b), int(c), int(d)) for a, b, c, d in value)
+    except (TypeError, ValueError):
+        return ()
 
 
 def _note_lost(spans: list[dict[str, Any]], generation: int, ranks: list[int], step: int) -> None:

@@ -67,6 +67,8 @@ class RunSummary:
     samples_lost: str = "unknown (run with audit.samples: true)"
     sessions: list[Session] = field(default_factory=list)
     goodput: Goodput | None = None
+    #: A mixture's sources (data.sources), from the audit: what the run took from each, and its share.
+    sources: list[Any] = field(default_factory=list)
 
     @property
     def wall(self) -> float:
@@ -110,6 +112,10 @@ class RunSummary:
         if self.goodput is not None:
             lines.append(self.goodput.text())
         lines.append(f"samples lost: {self.samples_lost}")
+        if self.sources:
+            lines.append("mixture: " + ", ".join(
+                f"{s.label} {s.share:.4f} of the samples (weight {s.weight_share:.4f}), "
+                f"{s.taken / s.samples:.2f} epochs" for s in self.sources))
         return "\n".join(lines)
 
 
@@ -175,6 +181,7 @@ def summarize(run_dir: str, events: list[dict[str, Any]] | None = None) -> RunSu
         missing = sum(len(e.missing) for e in audit.epochs)
         dup = sum(len(e.duplicates) for e in audit.epochs)
         summary.samples_lost = "0 (audit clean)" if audit.ok else f"{missing} missing, {dup} duplicated (audit FAILED)"
+        summary.sources = audit.sources
     return summary
 
 

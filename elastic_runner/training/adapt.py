@@ -24,7 +24,9 @@ def planned_total_steps(cfg: Config, sampler: Any, done: int) -> int:
     limits = []
     if cfg.train.max_steps is not None:
         limits.append(cfg.train.max_steps)
-    if cfg.train.epochs is not None:
+    if cfg.train.epochs is not None and hasattr(sampler, "steps_for_epochs"):  # one of data.sources, end to end
+        limits.append(done + sampler.steps_for_epochs(cfg.train.epochs))
+    elif cfg.train.epochs is not None:
         if sampler.epoch >= cfg.train.epochs:
             limits.append(done)
         else:

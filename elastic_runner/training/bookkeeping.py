@@ -61,7 +61,7 @@ class StepBooks:
         if self.audit is not None:
             self.audit.step(step=step, epoch=plan.epoch, start=plan.start, global_count=plan.global_count,
                             indices=plan.indices, micro_batch=self.layout.micro_size,
-                            accumulation=self.layout.accumulation)
+                            accumulation=self.layout.accumulation, segments=plan.segments)
 
     def count_productive(self) -> None:
         """The time since the last mark was training (called under the step lock, with the step's commit)."""

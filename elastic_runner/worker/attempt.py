@@ -33,7 +33,9 @@ import torch
 from .. import __version__
 from ..config import Config, ConfigError
 from ..config.imports import resolve
+from ..data.corpus import mixture_sampler
 from ..data.datasets import TensorPairDataset
+from ..data.mixture import MixtureDataset
 from ..data.order import DEFAULT_ORDER
 from ..data.layout import layout_for
 from ..data.sampler import ElasticSampler
@@ -251,9 +253,13 @@ class Attempt:
         cfg, env, dist, w = self.cfg, self.env, self.dist, self.workload
         sampler_cls = ElasticSampler if cfg.data.sampler == "elastic" else resolve(cfg.data.sampler, "data.sampler")
         try:
-            sampler = sampler_cls(w.num_train, self.layout.global_size, seed=cfg.run.seed,
-                                  shuffle=cfg.data.shuffle, partial_batch=cfg.data.partial_batch,
-                                  rank=env.rank, world_size=env.world_size)
+            if isinstance(w.train, MixtureDataset):  # data.sources
+                sampler = mixture_sampler(w.train, self.layout.global_size, seed=cfg.run.seed,
+                                          shuffle=cfg.data.shuffle, rank=env.rank, world_size=env.world_size)
+            else:
+                sampler = sampler_cls(w.num_train, self.layout.global_size, seed=cfg.run.seed,
+                                      shuffle=cfg.data.shuffle, partial_batch=cfg.data.partial_batch,
+                                      rank=env.rank, world_size=env.world_size)
         except ValueError as exc:
             raise ConfigError("batch.global_size", str(exc), "Adjust batch.global_size or data.partial_batch") from exc
         if cfg.parallel.sharded:  # before the optimizer: it must hold this rank's shards only
@@ -323,13 +329,15 @@ class Attempt:
         ckpt.open_writer()
         audit = None
         if cfg.audit.samples:
+            mixture = parts.sampler.state_dict() if isinstance(w.train, MixtureDataset) else None
             audit = AuditWriter(cfg.run.dir, generation=self.generation, rank=env.rank, world_size=env.world_size, header={
                 "num_samples": w.num_train, "seed": cfg.run.seed, "shuffle": cfg.data.shuffle,
                 "partial_batch": cfg.data.partial_batch, "global_batch": self.layout.global_size,
-                "sampler": cfg.data.sampler,
+                "sampler": "mixture" if mixture else cfg.data.sampler,
                 # The order this attempt follows, as resumed: a run from before order kinds goes on in randperm.
                 "order": getattr(parts.sampler, "order_kind", DEFAULT_ORDER),
-            })
+            } | ({"sources": [{"label": label, "samples": n, "weight": weight} for label, n, weight in
+                             zip(mixture["labels"], mixture["sizes"], mixture["weights"])]} if mixture else {}))
             if self.records is not None:
                 self.records.soon()  # the header says this rank is in the attempt, should its node be lost early
         sync: parallel.GradientSync

@@ -24,6 +24,7 @@ from ..support import (
     run_uninterrupted,
     start_agent_while_paused,
     stop_workers_at_step,
+    wait_for_world,
     write_config,
 )
 from .conftest import RESUME_SECTIONS
@@ -281,15 +282,6 @@ def test_a_peer_stopped_inside_a_collective_ends_in_a_recovered_job(
     assert "no replacement was announced" not in logs, "a live peer gets no replacement: the survivor did not wait"
 
 
-def _wait_for_world(run_dir: Path, size: int, after: float, job: Any, timeout: float = 90) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if any(e["world_size"] == size and e["time"] > after for e in events(run_dir, "start")):
-            return
-        time.sleep(0.05)
-    pytest.fail(f"no attempt at world size {size} within {timeout:.0f}s\n" + job.logs_tail())
-
-
 @pytest.mark.parametrize("launcher", ["elastic-runner", "torchrun"])
 def test_a_node_lost_and_a_node_joining_leave_the_survivors_worker_in_its_process(
         launcher: str, resume_config: Path, local_job: Any) -> None:
@@ -303,10 +295,10 @@ def test_a_node_lost_and_a_node_joining_leave_the_survivors_worker_in_its_proces
     lost_at = time.time()
     job.kill_agent(lost_node)  # the node, its agent and its worker at once
     continue_workers(job, [survivor])
-    _wait_for_world(run_dir, 1, lost_at, job)
+    wait_for_world(run_dir, 1, lost_at, job)
     joined_at = time.time()
     start_agent_while_paused(job, at_step=0, count=1)  # the survivor alone could finish before a node starts
-    _wait_for_world(run_dir, 2, joined_at, job)
+    wait_for_world(run_dir, 2, joined_at, job)
     codes = job.wait(timeout=240)
     assert codes[0] == 0 and codes[2] == 0, job.logs_tail()
 

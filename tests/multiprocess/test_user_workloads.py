@@ -142,7 +142,11 @@ def test_launch_workers_import_the_users_module_from_the_working_directory(tmp_p
 
 
 def test_a_nonfinite_loss_stops_every_rank_with_one_line_naming_step_and_rank(tmp_path: Path) -> None:
-    config = write_job(tmp_path, data={"params": {"nan_at": 37}}, audit={"samples": True})
+    from elastic_runner.data.order import FeistelOrder
+
+    # The sample that epoch 0 reaches in step 12 (a global batch of 16): after the snapshot of step 8.
+    bad = FeistelOrder(256, seed=0, epoch=0).index(11 * 16 + 5)
+    config = write_job(tmp_path, data={"params": {"nan_at": bad}}, audit={"samples": True})
     os.chdir(tmp_path)
     try:
         result = run_bounded([sys.executable, "-m", "elastic_runner", "launch", "--standalone", "--nproc_per_node=2",
@@ -151,7 +155,7 @@ def test_a_nonfinite_loss_stops_every_rank_with_one_line_naming_step_and_rank(tm
     finally:
         os.chdir(ROOT)
     assert result.returncode == 3, result.stdout[-3000:]
-    records = [r for r in _audit_records(tmp_path / "run") if 37 in r["indices"]]
+    records = [r for r in _audit_records(tmp_path / "run") if bad in r["indices"]]
     step, rank = records[0]["step"], records[0]["rank"]
     lines = [line for line in result.stdout.splitlines() if "elastic_runner: step" in line]
     assert len(lines) == 1 and f"step {step}: the loss of rank {rank} was nan" in lines[0], result.stdout[-3000:]
@@ -160,11 +164,11 @@ def test_a_nonfinite_loss_stops_every_rank_with_one_line_naming_step_and_rank(tm
     assert saved and max(saved) < step, "no snapshot of the diverged state"
     assert len({e["generation"] for e in events(tmp_path / "run", "start")}) == 1, "not restarted"
 
-    skip = write_job(tmp_path, data={"params": {"nan_at": 37}}, train={"on_nonfinite": "skip"},
+    skip = write_job(tmp_path, data={"params": {"nan_at": bad}}, train={"on_nonfinite": "skip"},
                      run={"dir": str(tmp_path / "skip")})
     result = worker(skip)
     assert result.returncode == 0, result.stdout[-3000:]
-    # The same global window holds sample 37 at any world size: the same step is skipped, once.
+    # The same global window holds the bad sample at any world size: the same step is skipped, once.
     assert [e["step"] for e in events(tmp_path / "skip", "nonfinite_skipped")] == [step]
     assert "finished step=" in result.stdout
 
