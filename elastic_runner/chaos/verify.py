@@ -233,9 +233,12 @@ def verify(*, audit: AuditReport, events: list[dict[str, Any]], faults: list[Inj
                 if finished and audit.finished else f"agents finished: {finished}; audit end record: {audit.finished}")
     dup = sum(len(e.duplicates) for e in audit.epochs)
     missing = sum(len(e.missing) for e in audit.epochs)
+    scope = (f"{len(audit.epochs)} epoch(s): {dup} duplicate(s), {missing} missing" if not audit.sources else
+             "every rank's share of every step is the mixture's; " + ", ".join(
+                 f"{s.label} {s.taken / s.samples:.2f} epochs" for s in audit.sources))
     verdict.add("no sample lost or duplicated", audit.ok,
-                f"{len(audit.epochs)} epoch(s): {dup} duplicate(s), {missing} missing, "
-                f"{len(audit.violations)} other violation(s)" + (f": {audit.violations[:3]}" if audit.violations else ""))
+                f"{scope}, {len(audit.violations)} other violation(s)"
+                + (f": {audit.violations[:3]}" if audit.violations else ""))
     worlds = [e for e in events if e["kind"] == "world"]
     batches = {e["global_batch"] for e in worlds}
     products = {e["micro_batch"] * e["accumulation"] * e["world_size"] for e in worlds}

@@ -26,6 +26,7 @@ import contextlib
 import fcntl
 import glob as globbing
 import hashlib
+import io
 import json
 import os
 from bisect import bisect_right
@@ -39,7 +40,7 @@ from ..config import ConfigError
 from ..config.imports import resolve
 from ..config.locations import is_url, location_problem
 from ..config.sources import PackSpec, SourceSpec
-from ..files import makedirs, write_file_atomically
+from ..files import makedirs, open_file, write_file_atomically
 from .packing import Tokenizer, as_item, window
 from .readers import (DataError, JsonlShard, ParquetShard, StreamShard, TokensShard, check_stream, item_digest,
                       read_range, sampled_checksum, size_of, text_of)
@@ -265,9 +266,15 @@ def make_stream(spec: SourceSpec) -> Any:
 
 
 @contextlib.contextmanager
-def _locked(directory: Path) -> Iterator[None]:
-    makedirs(directory)
-    with open(directory / ".lock", "a") as fh:
+def _locked(directory: Path, spec: SourceSpec) -> Iterator[None]:
+    try:
+        makedirs(directory)
+        fh = open_file(directory / ".lock", "a")
+    except OSError as exc:
+        raise DataError(f"{spec.key}.index", f"the shard index cannot be written to {directory} "
+                        f"({exc.strerror or exc})", "Set the source's index to a directory this user may write, or "
+                        "build it there first with elastic-runner data index") from exc
+    with fh:
         fcntl.flock(fh, fcntl.LOCK_EX)
         try:
             yield
@@ -290,7 +297,7 @@ def open_source(spec: SourceSpec, pack: PackSpec | None, tokenizer: Tokenizer | 
     directory = index_directory(spec, counting)
     shards: list[Shard | None] = [_read_index(directory, name, size) for name, size in listing]
     if any(s is None for s in shards):
-        with _locked(directory):  # another worker of this node may be building it: wait, then read what it wrote
+        with _locked(directory, spec):  # another worker of this node may be building it: wait, then read it
             for k, (name, size) in enumerate(listing):
                 try:
                     shards[k] = shards[k] or _read_index(directory, name, size) or \
@@ -359,10 +366,9 @@ def _build_index(directory: Path, spec: SourceSpec, tokenizer: Tokenizer | None,
     path = _index_path(directory, name)
     makedirs(directory)
     if arrays:
-        with open(path.with_suffix(".tmp.npz"), "wb") as fh:
-            np.savez(fh, **arrays)
-        os.chmod(path.with_suffix(".tmp.npz"), 0o600)
-        os.replace(path.with_suffix(".tmp.npz"), path.with_suffix(".npz"))
+        buffer = io.BytesIO()
+        np.savez(buffer, **arrays)
+        write_file_atomically(path.with_suffix(".npz"), buffer.getvalue())
     record = {"version": INDEX_VERSION, "name": name, "size": size, "check": check, "tokens": tokens,
               "dtype": dtype, "arrays": bool(arrays)}
     write_file_atomically(path, json.dumps(record).encode())
