@@ -45,7 +45,7 @@ from .packing import Tokenizer, as_item, window
 from .readers import (DataError, JsonlShard, ParquetShard, StreamShard, TokensShard, check_stream, item_digest,
                       read_range, sampled_checksum, size_of, text_of)
 
-INDEX_VERSION = 1
+INDEX_VERSION = 2  #: 2: a stream's items are fingerprinted
 INDEX_DIR = ".elastic-runner-index"
 
 
@@ -295,12 +295,14 @@ def open_source(spec: SourceSpec, pack: PackSpec | None, tokenizer: Tokenizer | 
         listing = list_shards(spec)
     counting = tokenizer if pack is not None and spec.format != "tokens" else None
     directory = index_directory(spec, counting)
-    shards: list[Shard | None] = [_read_index(directory, name, size) for name, size in listing]
+    wanted = frozenset({"jsonl": {"offsets", "cum"}, "parquet": {"cum"}, "tokens": set()}.get(
+        spec.format or "", {"digest"} | ({"cum"} if counting is not None else set())))
+    shards: list[Shard | None] = [_read_index(directory, name, size, wanted) for name, size in listing]
     if any(s is None for s in shards):
         with _locked(directory, spec):  # another worker of this node may be building it: wait, then read it
             for k, (name, size) in enumerate(listing):
                 try:
-                    shards[k] = shards[k] or _read_index(directory, name, size) or \
+                    shards[k] = shards[k] or _read_index(directory, name, size, wanted) or \
                         _build_index(directory, spec, counting, name, size, stream)
                 except (PermissionError, FileNotFoundError, IsADirectoryError) as exc:
                     raise DataError(f"{spec.key}.path", f"cannot read {name} ({exc.strerror or exc})",
@@ -312,8 +314,9 @@ def _index_path(directory: Path, name: str) -> Path:
     return directory / f"{hashlib.sha256(name.encode()).hexdigest()[:24]}.json"
 
 
-def _read_index(directory: Path, name: str, size: int) -> Shard | None:
-    """The index of shard ``name`` if it is there, consistent, and of this size; None: build it (again)."""
+def _read_index(directory: Path, name: str, size: int, wanted: frozenset[str] = frozenset()) -> Shard | None:
+    """The index of shard ``name`` if it is there, consistent, of this size and with the arrays ``wanted`` (what this
+    source reads); None: build it (again)."""
     path = _index_path(directory, name)
     try:
         record = json.loads(path.read_bytes()[:1 << 16])
@@ -324,12 +327,16 @@ def _read_index(directory: Path, name: str, size: int) -> Shard | None:
             shard.arrays = path.with_suffix(".npz")
             with np.load(shard.arrays, allow_pickle=False) as data:
                 arrays = {k: data[k] for k in ("cum", "offsets", "digest") if k in data.files}
+            if not wanted <= arrays.keys():
+                return None
             cum, offsets, digests = arrays.get("cum"), arrays.get("offsets"), arrays.get("digest")
             if (cum is not None and (cum[0] != 0 or int(cum[-1]) != shard.tokens or np.any(np.diff(cum) < 1))) or (
                     offsets is not None and (cum is None or len(offsets) != len(cum) or np.any(np.diff(offsets) < 0)
                                              or offsets[-1] > size)) or (
                     digests is not None and len(digests) != (len(cum) - 1 if cum is not None else shard.tokens)):
                 return None  # not what this code writes: built again
+        elif wanted:
+            return None
         return shard
     except (OSError, ValueError, KeyError, TypeError):
         return None

@@ -37,7 +37,7 @@ def stream_config(corpus: Path, path: Path, **sections: Any) -> Path:
     return mixture_config(path, [{"path": str(corpus / "tok" / "*.bin"), "format": "tokens", "weight": 0.5,
                                   "label": "tok"},
                                  {"name": "tests.corpus:stream", "params": {"shards": 4, "items": 30}, "weight": 0.5,
-                                  "label": "stream"}], **sections)
+                                  "label": "stream", "index": str(path.parent / "stream-index")}], **sections)
 
 
 def clean_mixture(run_dir: Path, steps: int) -> AuditReport:

@@ -209,3 +209,18 @@ def test_a_stream_that_gives_other_items_than_before_is_refused_where_it_is_read
     with pytest.raises(DataError, match="'part-1' gave at offset 4 an item other than the one its index read"):
         for i in wanted:
             again[i]
+
+
+def test_an_index_without_what_this_source_reads_is_built_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    stream = spec(name=f"{__name__}:stream_factory")
+    open_source(stream, None, None)
+    arrays = sorted((tmp_path / "cache").rglob("*.npz"))[0]
+    with np.load(arrays) as data:
+        kept = {k: data[k] for k in data.files if k != "digest"}  # an index as an older version wrote it
+    with open(arrays, "wb") as fh:
+        np.savez(fh, **kept)
+    source = open_source(stream, None, None)
+    with np.load(arrays) as data:
+        assert "digest" in data.files, "built again, with the items' fingerprints"
+    assert source[0] == {"text": "shard 0 item 0"}
