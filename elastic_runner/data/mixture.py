@@ -53,17 +53,25 @@ def exact_weights(weights: Sequence[float]) -> tuple[list[int], int]:
 
 def quota_slots(taken: Sequence[int], weights: Sequence[int], denominator: int, count: int) -> list[int]:
     """The sources of the next ``count`` slots, given ``taken`` so far (the quota method; see the module)."""
+    if len(weights) == 1:
+        return [0] * count
     taken = list(taken)
     t = sum(taken)
+    # below[s] = W[s] t - Q taken[s]: how far source s is below its share (times Q) once slot t is given out;
+    # it may take slot t while that is positive (its upper quota), the largest W[s] / (taken[s] + 1) of those.
+    below = [w * (t + 1) - denominator * n for w, n in zip(weights, taken)]
+    sources = range(len(weights))
     out = []
     for _ in range(count):
-        t += 1
         best = -1
-        for s, w in enumerate(weights):
-            if denominator * taken[s] < w * t and (best < 0 or w * (taken[best] + 1) > weights[best] * (taken[s] + 1)):
+        for s in sources:
+            if below[s] > 0 and (best < 0 or weights[s] * (taken[best] + 1) > weights[best] * (taken[s] + 1)):
                 best = s
         taken[best] += 1
+        below[best] -= denominator
         out.append(best)
+        for s in sources:
+            below[s] += weights[s]
     return out
 
 

@@ -59,6 +59,9 @@ MAX_SAMPLES = 1 << 63
 #: would). Each round costs ~1/8 of a step's plan, which stays under a millisecond for 512 positions.
 ROUNDS = 8
 
+#: Positions of an epoch computed at once when it is read forward (see :meth:`FeistelOrder.slice`): 16 KB.
+READ_AHEAD = 2048
+
 #: A step's window is walked in numpy until fewer values than this are still outside ``range(N)``, then in
 #: Python ints: a numpy pass costs tens of microseconds whatever its size, a Python encryption a few, and
 #: the last values of a window may need many more walks than the rest (cycle walking is geometric).
@@ -133,6 +136,7 @@ class FeistelOrder:
         self._keys = [np.uint64(k) for k in self._int_keys]
         self._gamma, self._mix1, self._mix2 = np.uint64(_GAMMA), np.uint64(_MIX1), np.uint64(_MIX2)
         self._s30, self._s27 = np.uint64(30), np.uint64(27)
+        self._ahead_start, self._ahead = 0, []  # positions [start, start + len) computed ahead (see slice)
 
     def __repr__(self) -> str:
         return (f"FeistelOrder(num_samples={self.num_samples}, seed={self.seed}, epoch={self.epoch}, "
@@ -141,10 +145,22 @@ class FeistelOrder:
     # -- the public interface ----------------------------------------------------------------------------
 
     def slice(self, start: int, count: int) -> list[int]:
-        """The dataset indices at positions ``[start, start + count)`` of the epoch."""
+        """The dataset indices at positions ``[start, start + count)`` of the epoch. An epoch is read forward a step
+        at a time: the positions after a slice are computed with it, :data:`READ_AHEAD` at a time (a numpy pass costs
+        the same for 32 values as for thousands), and the next slices come from them."""
         start, count = _check_slice(start, count, self.num_samples)
         if not self.shuffle:
             return list(range(start, start + count))
+        ahead = start - self._ahead_start
+        if 0 <= ahead and ahead + count <= len(self._ahead):
+            return self._ahead[ahead:ahead + count]
+        if count < READ_AHEAD:
+            self._ahead_start = start
+            self._ahead = self._compute(start, min(READ_AHEAD, self.num_samples - start))
+            return self._ahead[:count]
+        return self._compute(start, count)
+
+    def _compute(self, start: int, count: int) -> list[int]:
         if count <= _PYTHON_BELOW:
             return [self._walk_int(p, self._encrypt_int) for p in range(start, start + count)]
         out = self._encrypt(np.arange(count, dtype=np.uint64) + np.uint64(start))
