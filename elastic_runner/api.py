@@ -138,6 +138,24 @@ def parallel_section(parallel: str | Mapping[str, Any]) -> ParallelConfig:
     return section
 
 
+def _built_to_fit(model_cfg: Any, build: dict[str, Any], weights: dict[str, Any], name: str) -> nn.Module:
+    """The model a snapshot's config describes, built only once its shapes are seen to be those of the snapshot's
+    weights: built first on the meta device (no memory), so that parameters read from the run directory (an
+    unsigned snapshot's ``n_embd: 10**6``) cannot make this process allocate what the weights do not hold."""
+    from .workload.models import build_model
+
+    with torch.device("meta"):
+        probe = build_model(model_cfg, **build)
+    wanted = {k: tuple(v.shape) for k, v in unwrap_compiled(probe)[0].state_dict().items()}
+    held = {k: tuple(v.shape) for k, v in without_compile_prefix(weights).items() if isinstance(v, torch.Tensor)}
+    if wanted != held:
+        differ = sorted(k for k in wanted.keys() | held.keys() if wanted.get(k) != held.get(k))[:3]
+        raise ConfigError("load_model", f"the model {name}'s config describes does not have the shapes of its weights "
+                          f"({', '.join(f'{k}: {wanted.get(k)} vs {held.get(k)}' for k in differ)})",
+                          "The snapshot was changed or damaged; export another snapshot, or build the model and pass it")
+    return build_model(model_cfg, **build)
+
+
 def load_model(run_dir: str | os.PathLike[str], model: nn.Module | None = None, *,
                map_location: str | torch.device = "cpu", snapshot: str | None = None,
                trust_import_path: str | None = None) -> nn.Module:
@@ -165,16 +183,17 @@ def load_model(run_dir: str | os.PathLike[str], model: nn.Module | None = None, 
             raise ConfigError("load_model", f"{ref.name} was trained from a script's own model ({name})",
                               "Build that model and pass it: load_model(run_dir, model)")
         if name in BUILTIN or name == "gpt":
-            model = build_model(cfg.model, **build)
+            model = _built_to_fit(cfg.model, build, state["model"], ref.name)
         elif trust_import_path is not None and trust_import_path == name:
             with working_directory_on_path():
-                model = build_model(cfg.model, **build)
+                model = _built_to_fit(cfg.model, build, state["model"], ref.name)
         else:
             offered = f" (you named {trust_import_path!r})" if trust_import_path is not None else ""
-            raise ConfigError("load_model", f"{ref.name} names its model by the import path {name!r}{offered}, and "
-                              "a snapshot never chooses code to run",
-                              "Build the model and pass it: load_model(run_dir, model), or name the import path you "
-                              f"trust: load_model(run_dir, trust_import_path={name!r})")
+            raise ConfigError("load_model", f"{ref.name} names its model by an import path, read from the run "
+                              f"directory{offered}, and a snapshot never chooses code to run",
+                              "Build the model yourself and pass it: load_model(run_dir, model); or, for a model "
+                              "class you wrote, pass the import path as you know it: load_model(run_dir, "
+                              "trust_import_path='package.module:Class')")
     plain, _ = unwrap_compiled(model)
     try:
         plain.load_state_dict(without_compile_prefix(state["model"]))

@@ -15,12 +15,15 @@ elastic_runner.train`` use one). The private torch names it relies on are checke
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import multiprocessing
 import os
+import shutil
 import sys
 import tempfile
+import uuid
 from typing import Any
 
 from torch.distributed.elastic.multiprocessing.api import MultiprocessContext, ProcessFailure, RunProcsResult
@@ -168,13 +171,19 @@ def _end(process: Any) -> None:
         process.join(5)
 
 
+_error_dir: list[str] = []  #: this agent's private directory for the error files of the workers it starts itself
+
+
 def _new_error_file() -> str:
     """Where a process's traceback goes if it raises: a path that does not exist yet (as ``start_processes``
-    gives each process: the file is only created by a failure)."""
-    handle = tempfile.NamedTemporaryFile(prefix="pytorch-errorfile-", suffix=".pickle", delete=False)
-    handle.close()
-    os.unlink(handle.name)
-    return handle.name
+    gives each process: the file is only created by a failure), in a directory only this user can enter. torch
+    unpickles the file when the worker exits non-zero: a name in a shared ``/tmp`` that another local user could
+    create first would let them plant the pickle (torch's own are in a ``mkdtemp`` directory too)."""
+    if not _error_dir:
+        private = tempfile.mkdtemp(prefix="elastic-runner-errors-")  # mode 0700
+        atexit.register(shutil.rmtree, private, True)
+        _error_dir.append(private)
+    return os.path.join(_error_dir[0], f"errorfile-{uuid.uuid4().hex}.pickle")
 
 
 def as_keeping(context: Any) -> KeepingContext | None:

@@ -479,10 +479,56 @@ def _selects(selector: Mapping[str, Any] | None, labels: Mapping[str, str]) -> b
 
 @dataclass
 class Peer:
-    """A pod that opens a connection: its labels, and whether it runs in the job's namespace."""
+    """A pod at one end of a connection: its labels, and its namespace (``None``: the job's)."""
 
     labels: dict[str, str]
-    same_namespace: bool = True
+    namespace: str | None = None
+
+    @property
+    def same_namespace(self) -> bool:
+        return self.namespace is None
+
+    @property
+    def namespace_labels(self) -> dict[str, str]:
+        """What Kubernetes labels every namespace with itself."""
+        return {"kubernetes.io/metadata.name": self.namespace or "the-jobs-namespace"}
+
+
+def _peer_matches(peer: Mapping[str, Any], other: Peer) -> bool:
+    """One entry of a rule's ``from``/``to`` against a pod (pod traffic: an ipBlock is not judged here)."""
+    if "ipBlock" in peer:
+        return False
+    if "namespaceSelector" in peer:
+        namespace_ok = peer["namespaceSelector"] == {} or _selects(peer["namespaceSelector"], other.namespace_labels)
+    else:
+        namespace_ok = other.same_namespace
+    return namespace_ok and ("podSelector" not in peer or _selects(peer["podSelector"], other.labels))
+
+
+def _port_matches(rule_ports: list[dict[str, Any]] | None, named: Mapping[str, int], port: int, protocol: str) -> bool:
+    if rule_ports is None:
+        return True
+    return any(p.get("protocol", "TCP") == protocol
+               and (named.get(p["port"], p["port"]) == port if isinstance(p["port"], str) else p["port"] == port)
+               for p in rule_ports)
+
+
+def egress_admits(docs: list[dict[str, Any]], source_labels: Mapping[str, str], target: Peer, port: int,
+                  protocol: str = "TCP", target_ports: Mapping[str, int] | None = None) -> bool:
+    """Whether the rendered NetworkPolicies let a pod labelled ``source_labels`` open a connection to ``target`` on
+    ``port`` (a pod no Egress policy selects may reach anything; otherwise the union of the rules of those that do)."""
+    policies = [p for p in by_kind(docs, "NetworkPolicy")
+                if "Egress" in p["spec"].get("policyTypes", []) and _selects(p["spec"]["podSelector"], source_labels)]
+    if not policies:
+        return True
+    for policy in policies:
+        for rule in policy["spec"].get("egress", []):
+            if not _port_matches(rule.get("ports"), target_ports or {}, port, protocol):
+                continue
+            peers = rule.get("to")
+            if not peers or any(_peer_matches(peer, target) for peer in peers):
+                return True
+    return False
 
 
 def ingress_admits(docs: list[dict[str, Any]], target_labels: Mapping[str, str], target_ports: Mapping[str, int],
@@ -497,21 +543,9 @@ def ingress_admits(docs: list[dict[str, Any]], target_labels: Mapping[str, str],
         return True
     for policy in policies:
         for rule in policy["spec"].get("ingress", []):
-            ports = rule.get("ports")
-            if ports is not None and not any(
-                    target_ports.get(p["port"], p["port"]) == port if isinstance(p["port"], str) else p["port"] == port
-                    for p in ports):
+            if not _port_matches(rule.get("ports"), target_ports, port, "TCP"):
                 continue
             peers = rule.get("from")
-            if peers is None or peers == []:
+            if not peers or any(_peer_matches(peer, source) for peer in peers):
                 return True
-            for peer in peers:
-                if "ipBlock" in peer:
-                    continue  # pod traffic is judged by selectors here
-                namespace_ok = ("namespaceSelector" in peer) or source.same_namespace
-                if "namespaceSelector" in peer and peer["namespaceSelector"] != {}:
-                    raise ValueError(f"{describe(policy)}: a namespaceSelector with labels is not modelled here")
-                pod_ok = "podSelector" not in peer or _selects(peer["podSelector"], source.labels)
-                if namespace_ok and pod_ok:
-                    return True
     return False

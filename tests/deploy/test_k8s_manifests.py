@@ -38,7 +38,7 @@ from .k8s_support import (
     dockerfile_entrypoint,
     documented_command,
     documented_command_source,
-    ingress_admits,
+    egress_admits, ingress_admits,
     job_specs,
     one,
     quantity,
@@ -444,7 +444,8 @@ def test_only_the_jobs_own_pods_reach_the_training_pods(overlay: tuple[str, list
     interface: the NetworkPolicy is what keeps the rest of the cluster out."""
     name, docs = overlay
     stranger = Peer({"app": "some-other-workload"})
-    prometheus = Peer({"app.kubernetes.io/name": "prometheus"}, same_namespace=False)
+    prometheus = Peer({"app.kubernetes.io/name": "prometheus"}, namespace="monitoring")
+    impostor = Peer({"app.kubernetes.io/name": "prometheus"}, namespace="someone-elses")  # labels itself so
     for pod in pods_of(docs):
         labels = pod.template["metadata"]["labels"]
         ports = {p["name"]: p["containerPort"] for p in pod.container().get("ports", [])}
@@ -455,6 +456,26 @@ def test_only_the_jobs_own_pods_reach_the_training_pods(overlay: tuple[str, list
         for metrics in ("metrics", "agent-metrics"):
             assert ingress_admits(docs, labels, ports, prometheus, port(pod, metrics)), f"{name}: {metrics} not scraped"
             assert not ingress_admits(docs, labels, ports, stranger, port(pod, metrics))
+            assert not ingress_admits(docs, labels, ports, impostor, port(pod, metrics)), \
+                f"{name}: a pod of another namespace that calls itself prometheus reaches {metrics}"
+
+
+def test_the_training_pods_reach_their_peers_etcd_dns_and_https_and_nothing_else(
+        overlay: tuple[str, list[dict[str, Any]]]) -> None:
+    """A worker turned against the cluster (a bad input, a compromised dependency) reaches only what a job needs."""
+    name, docs = overlay
+    etcd = Peer({"app.kubernetes.io/name": "etcd", "app.kubernetes.io/part-of": "elastic-runner"})
+    dns = Peer({"k8s-app": "kube-dns"}, namespace="kube-system")
+    elsewhere = Peer({"app": "a-database"}, namespace="data")
+    for pod in pods_of(docs):
+        labels = pod.template["metadata"]["labels"]
+        assert egress_admits(docs, labels, Peer(dict(labels)), 29500), f"{name}: workers cannot reach each other"
+        assert egress_admits(docs, labels, etcd, 2379), f"{name}: workers cannot reach etcd's client port"
+        assert not egress_admits(docs, labels, etcd, 2380), f"{name}: a worker reaches etcd's peer port"
+        assert egress_admits(docs, labels, dns, 53, "UDP") and egress_admits(docs, labels, dns, 53, "TCP"), name
+        assert egress_admits(docs, labels, elsewhere, 443), f"{name}: no HTTPS (object stores, hubs)"
+        for port_ in (5432, 6379, 8080, 10250):
+            assert not egress_admits(docs, labels, elsewhere, port_), f"{name}: a worker reaches port {port_}"
 
 
 def test_etcd_takes_clients_only_from_the_training_pods_and_peers_only_from_its_members(

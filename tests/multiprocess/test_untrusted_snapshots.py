@@ -102,13 +102,36 @@ def test_an_import_path_model_is_built_only_when_the_caller_names_it(trained: Pa
     meta["meta_sha256"] = meta_digest(meta)
     meta_path.write_text(json.dumps(meta))
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(ConfigError, match="trust_import_path='usermodels:build'"):
+    with pytest.raises(ConfigError) as refused:
         elastic_runner.load_model(run_dir)
+    # The fix names no path to paste: the one the snapshot names was read from the run directory, not from the user.
+    assert "trust_import_path='package.module:Class'" in str(refused.value)
+    assert "usermodels:build" not in str(refused.value)
     path_before = list(sys.path)
     model = elastic_runner.load_model(run_dir, trust_import_path="usermodels:build")
     assert sys.path == path_before
     assert not model.training and sum(p.numel() for p in model.parameters()) > 0
     sys.modules.pop("usermodels", None)
+
+
+def test_a_built_in_models_parameters_that_do_not_fit_its_weights_allocate_nothing(trained: Path,
+                                                                                  tmp_path: Path) -> None:
+    """An unsigned snapshot's config may ask for a model of any size: it is built on the meta device first and
+    refused where its shapes are not those of the weights (before: a 10^6-channel CNN was allocated)."""
+    import resource
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(trained, run_dir)
+    (newest,) = LocalStore(run_dir / "snapshots").complete()
+    meta_path = run_dir / "snapshots" / newest.name / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    meta["config"]["model"]["params"] = {"channels": 1_000_000, "hidden": 1_000_000}
+    meta["meta_sha256"] = meta_digest(meta)
+    meta_path.write_text(json.dumps(meta))
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with pytest.raises(ConfigError, match="does not have the shapes of its weights"):
+        elastic_runner.load_model(run_dir)
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 500_000, "no gigabytes were allocated"
 
 
 def test_with_the_jobs_key_a_snapshot_whose_numbers_were_changed_is_not_taken(tmp_path: Path) -> None:

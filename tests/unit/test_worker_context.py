@@ -283,3 +283,16 @@ def test_the_agent_starts_a_standby_after_a_delay_and_again_when_one_is_lost_but
     agent._schedule_standby()
     agent._start_standby_when_due()
     assert agent._keeping.started == []
+
+
+def test_a_replacements_error_file_is_in_a_directory_no_other_user_can_enter() -> None:
+    """torch unpickles a failed worker's error file: its name must not be one another local user can create first."""
+    import stat
+
+    from elastic_runner.agent.worker_context import _new_error_file
+
+    first, second = _new_error_file(), _new_error_file()
+    assert first != second and not os.path.exists(first), "a fresh name, created only by a failure"
+    directory = os.path.dirname(first)
+    assert directory == os.path.dirname(second) and directory != tempfile.gettempdir()
+    assert stat.S_IMODE(os.stat(directory).st_mode) == 0o700
