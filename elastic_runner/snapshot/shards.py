@@ -325,6 +325,7 @@ class PartReader:
             raise CorruptSnapshotError(f"{self.directory.name}: shard {key} has an unknown dtype {marker.get('dtype')!r}")
         out = torch.empty(shape, dtype=dtype)
         covered = 0
+        filled: list[list[tuple[int, int]]] = []  # the boxes written so far: two parts never write the same value
         for part in self._load():
             piece, where = part["tensors"].get(key), part["offsets"].get(key)
             if piece is None or where is None:
@@ -339,6 +340,11 @@ class PartReader:
                 src.append(slice(a - plo, b - plo))
                 dst.append(slice(a - lo, b - lo))
             else:
+                box = [(d.start, d.stop) for d in dst]
+                if any(all(a < d and c < b for (a, b), (c, d) in zip(box, other)) for other in filled):
+                    raise CorruptSnapshotError(f"{self.directory.name}: two parts hold the same values of {key} (a "
+                                               "part was copied in, or does not belong to this snapshot)")
+                filled.append(box)
                 block = piece[tuple(src)]
                 out[tuple(dst)] = block
                 covered += block.numel()

@@ -680,3 +680,21 @@ def test_a_capture_remembers_where_each_shard_sits_and_asks_again_when_its_layou
             assert got["same_tensors"] and got["markers"]
             assert got["third"] == [0, 0], f"rank {rank}: a replicated weight sits at the origin ({got['third']})"
             assert got["truth"][got["key"]] == ([0, 0] if rank == 0 else [4, 0]), "rows split between the ranks"
+
+
+def test_parts_that_overlap_are_refused_even_when_their_counts_add_up(tmp_path: Path) -> None:
+    """Two parts both holding rows 0..1 of a 4-row tensor add up to the 4 rows needed, and rows 2..3 would have kept
+    uninitialised memory: parts must cover a box exactly once."""
+    from elastic_runner.snapshot.shards import MARKER, SHARD_FORMAT, PartReader
+
+    meta = {"sharded": {"format": SHARD_FORMAT, "parts": [
+        {"file": f"part-{i:05d}.bin", "size_bytes": 1, "sha256": "0" * 64} for i in range(2)]}}
+    marker = {MARKER: "model/w", "dtype": "float32"}
+    rows = torch.arange(8.0).view(2, 4)
+    exact = [{"tensors": {"model/w": rows}, "offsets": {"model/w": [0, 0]}},
+             {"tensors": {"model/w": rows + 8}, "offsets": {"model/w": [2, 0]}}]
+    whole = PartReader(tmp_path / "step-1", meta, loaded=exact).box(marker, [0, 0], [4, 4])
+    assert torch.equal(whole, torch.arange(16.0).view(4, 4))
+    twice = [exact[0], {"tensors": {"model/w": rows}, "offsets": {"model/w": [0, 0]}}]
+    with pytest.raises(SnapshotError, match="two parts hold the same values of model/w"):
+        PartReader(tmp_path / "step-1", meta, loaded=twice).box(marker, [0, 0], [4, 4])
