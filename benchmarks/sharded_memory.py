@@ -107,10 +107,9 @@ def _worker(rank: int, world: int, store: str, job: dict[str, Any]) -> None:
         world_size = world
 
         @staticmethod
-        def sum_floats(values: list[float]) -> list[float]:
-            t = torch.tensor(values, dtype=torch.float64)
-            tdist.all_reduce(t)
-            return t.tolist()
+        def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+            tdist.all_reduce(tensor)
+            return tensor
 
     if job["strategy"] == "fsdp":
         shard_model(model, ParallelConfig(strategy="fsdp"), cpu, world, world)

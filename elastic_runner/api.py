@@ -171,7 +171,7 @@ def load_model(run_dir: str | os.PathLike[str], model: nn.Module | None = None, 
     from .config.imports import working_directory_on_path
     from .snapshot.cli import load_for_export
     from .snapshot.format import signing_key, signing_key_from_environment
-    from .workload.models import BUILTIN, build_model
+    from .workload.models import BUILTIN
 
     with signing_key(signing_key_from_environment()):  # with the job's key: only snapshots signed with it
         ref, meta, state = load_for_export(str(run_dir), snapshot, map_location=map_location)

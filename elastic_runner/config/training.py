@@ -393,7 +393,11 @@ class TrainConfig:
     on_nonfinite: Literal["stop", "skip"] = _help(
         "A step whose gradient is not finite (the loss is NaN or inf on some rank): stop (one line "
         "naming the step and the rank, exit status 3, which is not restarted; the snapshots stay as "
-        "they were) or skip (no update on any rank; counted in elastic_runner_nonfinite_steps_total). "
+        "they were; noted on the device and read at the next logging step, so a step never waits for a GPU "
+        "for it, and no snapshot is taken after the step that diverged) or skip (no update on any rank; counted "
+        "in elastic_runner_nonfinite_steps_total; decided before the update: free with a fused optimizer, "
+        "optim.params: {fused: true} for sgd or adamw, which skips on the device, else one read of the device per "
+        "step). "
         "With fp16 the gradient scaler skips such steps itself.",
         default="stop",
     )

@@ -86,6 +86,14 @@ class StepBooks:
         m.step_duration.observe(time.perf_counter() - self._step_started)
         m.data_wait.observe(result.data_wait_s)
 
+    def skipped_on_device(self, step: int, count: int) -> None:
+        """Steps an optimizer skipped on the device (a non-finite gradient, ``train.on_nonfinite: skip``) since the
+        last logging step: counted there, not at each step (that would wait for the device)."""
+        if count:
+            self.metrics.nonfinite.inc(count)
+            if self.rank0:
+                self.events.emit("nonfinite_skipped", step=step, count=count, on_device=True)
+
     # -- between steps ---------------------------------------------------------------------------------------
 
     def tick(self, step: int) -> None:

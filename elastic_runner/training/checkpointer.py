@@ -290,20 +290,29 @@ class Checkpointer:
             self.events.emit("snapshot_space_low", free_bytes=low[1], needed_bytes=low[2])
         return low is None
 
-    def maybe_save(self, step: int, last: bool) -> None:
-        """After every step: a periodic snapshot when ``snapshot.every_steps``/``every_seconds`` say so."""
+    def capture_due(self, step: int, last: bool) -> tuple[bool, bool]:
+        """Whether :meth:`maybe_save` will capture the state after ``step``: (a node-memory refresh of the shards,
+        a periodic snapshot). The loop reads what it must of the device before either."""
+        if last:
+            return False, False
         snap = self.cfg.snapshot
         if snap.every_steps == "auto":
             due_steps = self.auto is not None and self.auto.due(step)
         else:
             due_steps = bool(snap.every_steps) and step % snap.every_steps == 0
-        due_time = snap.every_seconds and time.monotonic() - self._last_save >= snap.every_seconds
+        due_time = bool(snap.every_seconds) and time.monotonic() - self._last_save >= snap.every_seconds
+        return self.sharded_memory is not None and self.sharded_memory.due(step), bool(due_steps or due_time)
+
+    def maybe_save(self, step: int, last: bool, due: tuple[bool, bool] | None = None) -> None:
+        """After every step: a periodic snapshot when ``snapshot.every_steps``/``every_seconds`` say so (``due``:
+        what :meth:`capture_due` said for this step, if the caller asked already)."""
+        memory_due, snapshot_due = due if due is not None else self.capture_due(step, last)
         if self.sharded_memory is not None:
             self.sharded_memory.schedule.step_done()
-        if self.sharded_memory is not None and self.sharded_memory.due(step) and not last:
-            blocked = self.sharded_memory.refresh(step, lambda: self.capture(replicated_from="node"))
+        if memory_due:
+            blocked = self.sharded_memory.refresh(step, lambda: self.capture(replicated_from="node"))  # type: ignore[union-attr]
             self.metrics.snapshot_blocking.observe(blocked)
-        if (due_steps or due_time) and not last:
+        if snapshot_due:
             if self.auto is not None:
                 self.auto.saving(step)
             self.save("periodic", sync=False)

@@ -138,27 +138,40 @@ class Trainer:
     # ------------------------------------------------------------------ between steps
 
     def after_step(self, plan: StepPlan) -> None:
+        """Between two steps: what reads the device happens here, and only at its steps (a logging step, a capture),
+        so that a step that neither logs nor captures never makes the host wait for a GPU (tests/sync_probe.py)."""
         step = self.parts.state.step
+        gradients = self.step.gradients
         self.checkpointer.check_writer()
         if not self._first_step_done:
             self._first_step_done = True
             self._first_step(step)
         last = step >= self.total_steps
         if step % self.cfg.logging.every_steps == 0 or last:
+            gradients.check()  # the same steps on every rank: a diverged run stops here, naming its step
+            if gradients.on_nonfinite == "skip":
+                self.books.skipped_on_device(step, gradients.newly_skipped())
             self.books.report_progress(step, plan.epoch, self.parts.optimizer.param_groups[0]["lr"])
         else:
             self.books.tick(step)
         every = self.cfg.train.eval_every_steps
         if every and step % every == 0 and not last:
             self.evaluate()
+        due = self.checkpointer.capture_due(step, last)
+        if any(due) and gradients.diverged():
+            due = (False, False)  # never a snapshot of a diverged state: the next logging step stops the run
         before_save = time.monotonic()
-        self.checkpointer.maybe_save(step, last)
+        self.checkpointer.maybe_save(step, last, due)
         self.books.not_productive(time.monotonic() - before_save)
         if self.stop.requested:
+            if gradients.diverged():
+                gradients.stop_here()
             self.events.emit("stop", step=step, signal=self.stop.signal_name, by_agent=self.stop.agent_reason)
             self.checkpointer.save("stop", sync=True)
             raise GracefulStop(self.stop.signal_name)
         if self._park is not None and self._park.requested():
+            if gradients.diverged():
+                gradients.stop_here()
             self.events.emit("park", step=step)
             # As a failure would keep it (where it is stored already, or there is no memory tier, the next attempt
             # resumes from where it is): the next attempt's resume agrees on the newest step every rank can have.

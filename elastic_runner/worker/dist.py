@@ -288,12 +288,6 @@ class Dist:
         tdist.all_reduce(tensor, op=tdist.ReduceOp.MAX)
         return tensor
 
-    def sum_floats(self, values: list[float]) -> list[float]:
-        """Sum a few Python numbers across ranks (float64, so counts stay exact)."""
-        t = torch.tensor(values, dtype=torch.float64, device=self.device if self.backend != "gloo" else "cpu")
-        self.all_reduce_sum(t)
-        return [float(v) for v in t.tolist()]
-
     # Objects travel as JSON, never pickled: a rank accepts data from its peers, not code. (torch's
     # broadcast_object_list/all_gather_object unpickle whatever a peer sends; a peer is only as
     # trustworthy as the rendezvous that admitted it.) Tuples arrive as lists.

@@ -173,6 +173,38 @@ def test_a_nonfinite_loss_stops_every_rank_with_one_line_naming_step_and_rank(tm
     assert "finished step=" in result.stdout
 
 
+def test_a_fused_optimizer_skips_a_nonfinite_step_on_the_device_and_the_logging_step_counts_it(
+        tmp_path: Path) -> None:
+    """train.on_nonfinite: skip without reading the device at every step: the fused AdamW skips the update itself
+    (torch's found_inf); the step is counted at the next logging step and training ends with finite weights."""
+    from elastic_runner.data.order import FeistelOrder
+
+    bad = FeistelOrder(256, seed=0, epoch=0).index(11 * 16 + 5)  # in step 12
+    config = write_job(tmp_path, data={"params": {"nan_at": bad}}, train={"on_nonfinite": "skip"},
+                       optim={"name": "adamw", "lr": 0.01, "params": {"fused": True}})
+    result = worker(config)
+    assert result.returncode == 0, result.stdout[-3000:]
+    skipped = events(tmp_path / "run", "nonfinite_skipped")
+    assert [(e["step"], e["count"], e["on_device"]) for e in skipped] == [(16, 1, True)], skipped
+    import torch
+
+    from elastic_runner import load_model
+
+    model = load_model(str(tmp_path / "run"), _user_model(tmp_path))
+    assert all(torch.isfinite(p).all() for p in model.parameters()), "the non-finite step changed no weight"
+
+
+def _user_model(tmp_path: Path):  # noqa: ANN202
+    import importlib
+    import sys
+
+    sys.path.insert(0, str(tmp_path))
+    try:
+        return importlib.import_module("mymods").linear()
+    finally:
+        sys.path.remove(str(tmp_path))
+
+
 def _audit_records(run_dir: Path) -> list[dict]:
     import json
 

@@ -120,7 +120,7 @@ def test_nothing_is_called_missing_outside_a_pages_list_of_what_is_missing() -> 
         for line in re.sub(r"```.*?```", "", page.read_text(), flags=re.S).splitlines():
             if line.startswith("#"):
                 heading = line
-            elif (m := ABSENT.search(line)) and (page.name == "README.md" or not MISSING_SECTIONS.search(heading)):
+            elif ABSENT.search(line) and (page.name == "README.md" or not MISSING_SECTIONS.search(heading)):
                 found.append(f"{page.relative_to(ROOT)} ({heading.strip('# ') or 'top'}): …{line.strip()[:120]}…")
     assert not found, ("say what exists, or move the gap to the page's list of what is missing:\n"
                        + "\n".join(found))

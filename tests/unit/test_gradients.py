@@ -50,18 +50,23 @@ def _token_loss(model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tenso
 
 
 class _Dist:
-    """The two collectives StepGradients uses, on the default process group."""
+    """The collectives StepGradients uses, on the default process group."""
 
     def __init__(self, world: int) -> None:
         self.world_size = world
 
-    @staticmethod
-    def sum_floats(values: list[float]) -> list[float]:
+    @property
+    def rank(self) -> int:
         import torch.distributed as tdist
 
-        t = torch.tensor(values, dtype=torch.float64)
-        tdist.all_reduce(t)
-        return t.tolist()
+        return tdist.get_rank()
+
+    @staticmethod
+    def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as tdist
+
+        tdist.all_reduce(tensor)
+        return tensor
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         import torch.distributed as tdist
