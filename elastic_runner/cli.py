@@ -27,9 +27,15 @@ from . import __version__
 
 def _audit(args: argparse.Namespace) -> int:
     from .observe.audit import check_audit
-    from .observe.records import run_view
+    from .observe.records_view import run_view
 
-    report = check_audit(run_view(args.run_dir))
+    from .snapshot import SnapshotError
+
+    try:
+        report = check_audit(run_view(args.run_dir, args.records_from))
+    except (SnapshotError, OSError) as exc:
+        print(f"elastic-runner audit: {exc}", file=sys.stderr)
+        return 2
     print(json.dumps(report.to_dict(), indent=2) if args.json else report.render())
     return 0 if report.ok else 1 if report.audited else 2
 
@@ -153,6 +159,9 @@ def _main(argv: Sequence[str] | None = None) -> int:
     pa = sub.add_parser("audit", help="replay RUN_DIR/audit and check every sample was used exactly once")
     pa.add_argument("run_dir")
     pa.add_argument("--json", action="store_true", help="machine-readable report")
+    from .observe.records_view import RECORDS_FROM_HELP
+
+    pa.add_argument("--records-from", default=None, metavar="URL", help=RECORDS_FROM_HELP)
     pc = sub.add_parser("config", help="validate a config and print the effective values")
     pc.add_argument("file", nargs="?", default=None)
     add_overrides_option(pc)

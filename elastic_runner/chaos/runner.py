@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterator
 from ..observe.audit import check_audit, latest_step
 from ..config.locations import is_url
 from ..observe.events import EventFollower, read_events
-from ..observe.records import run_view
+from ..observe.records_view import run_view
 from ..testing.localjob import LocalJob
 from .faults import FAULTS, FaultContext, Skip
 from .scenario import FaultSpec, Scenario, ScenarioError

@@ -60,6 +60,12 @@ class SnapshotConfig:
         "config (e.g. to fine-tune). The differing keys are logged.",
         default=False,
     )
+    resume_from: str | None = _help(
+        "Start this run from another run's newest intact snapshot (its snapshot directory, or a bucket's URL), on "
+        "purpose: only while this run has no snapshot of its own; read, never changed. Without it a snapshot that "
+        "another run wrote (copied into this run's directory) is moved aside, never resumed from.",
+        default=None,
+    )
     in_memory: bool = _help(
         "When an attempt ends (a peer failed, torchrun restarts the group, SIGTERM), every "
         "surviving node keeps its newest step in shared memory (/dev/shm); the next start "
@@ -110,9 +116,10 @@ class SnapshotConfig:
         if not self.records_every_seconds > 0:
             raise ConfigError("snapshot.records_every_seconds", f"got {self.records_every_seconds}, must be > 0",
                               "Set it to e.g. 15")
-        problem = location_problem(self.dir) if self.dir else None
-        if problem is not None:
-            raise ConfigError("snapshot.dir", *problem)
+        for key, value in (("snapshot.dir", self.dir), ("snapshot.resume_from", self.resume_from)):
+            problem = location_problem(value) if value else None
+            if problem is not None:
+                raise ConfigError(key, *problem)
 
 
 @dataclass

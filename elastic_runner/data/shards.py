@@ -29,6 +29,7 @@ import hashlib
 import io
 import json
 import os
+import zipfile
 from bisect import bisect_right
 from dataclasses import dataclass
 from pathlib import Path
@@ -320,7 +321,7 @@ def _read_index(directory: Path, name: str, size: int, wanted: frozenset[str] = 
     path = _index_path(directory, name)
     try:
         record = json.loads(path.read_bytes()[:1 << 16])
-        if record.get("version") != INDEX_VERSION or record.get("name") != name or record.get("size") != size:
+        if not isinstance(record, dict) or record.get("version") != INDEX_VERSION or record.get("name") != name or record.get("size") != size:
             return None
         shard = Shard(name, size, str(record["check"]), int(record["tokens"]), str(record.get("dtype", "")))
         if record.get("arrays"):
@@ -330,6 +331,9 @@ def _read_index(directory: Path, name: str, size: int, wanted: frozenset[str] = 
             if not wanted <= arrays.keys():
                 return None
             cum, offsets, digests = arrays.get("cum"), arrays.get("offsets"), arrays.get("digest")
+            if any(a.ndim != 1 or not len(a) or not np.issubdtype(a.dtype, np.integer)
+                   for a in (cum, offsets) if a is not None) or (offsets is not None and offsets[0] < 0):
+                return None  # not arrays of positions: built again
             if (cum is not None and (cum[0] != 0 or int(cum[-1]) != shard.tokens or np.any(np.diff(cum) < 1))) or (
                     offsets is not None and (cum is None or len(offsets) != len(cum) or np.any(np.diff(offsets) < 0)
                                              or offsets[-1] > size)) or (
@@ -338,8 +342,9 @@ def _read_index(directory: Path, name: str, size: int, wanted: frozenset[str] = 
         elif wanted:
             return None
         return shard
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError, RecursionError, OverflowError,
+            EOFError, NotImplementedError, zipfile.BadZipFile):
+        return None  # a damaged or planted index (or one a crash cut short): built again
 
 
 def _build_index(directory: Path, spec: SourceSpec, tokenizer: Tokenizer | None, name: str, size: int,
@@ -388,7 +393,7 @@ def token_meta(name: str) -> dict[str, Any]:
     meta = (name.rsplit("/", 1)[0] if "/" in name else ".") + "/meta.json"
     try:
         record = json.loads(read_range(meta, 0, min(size_of(meta), 1 << 16)))
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return {}
     if not isinstance(record, dict):
         return {}

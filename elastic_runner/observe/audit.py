@@ -24,14 +24,14 @@ records from all its ranks, or a changing global batch is a violation.
 
 Records lost with a node: a run without a shared directory keeps each node's trail on the node and uploads it to
 the bucket every ``snapshot.records_every_seconds`` (:mod:`elastic_runner.observe.records`); a node lost with its
-disk takes the lines of its last interval along. Read from a bucket (:func:`~elastic_runner.observe.records.bucket_view`),
-a step whose records lack some ranks is accepted only when all of these hold: each of those ranks has records of that
+disk takes the lines of its last interval along. Read from a bucket (:func:`.records_view.bucket_view`), a step
+whose records lack some ranks is accepted only when all of these hold: each of those ranks has records of that
 generation (its header at least, uploaded as soon as it is written) that *end before the step* (it started in the
 attempt, agreed on the steps it recorded, and its upload stopped: never a hole, never a rank with no record at all,
-never a file the bucket has a gap in); a later generation stepped (the
-loss ended this one); and this generation's order is the elastic sampler's, whose shares ``window[rank::world]`` the
-other ranks' records of the step fix. Their samples are counted from there and the report names the ranks and steps
-(``records_lost``). Anywhere else, and for a custom sampler, it stays a violation.
+never a file the bucket has a gap in); a later generation stepped (the loss ended this one); and this generation's
+order is the elastic sampler's, whose shares ``window[rank::world]`` the other ranks' records of the step fix. Their
+samples are counted from there and the report names the ranks and steps (``records_lost``). Anywhere else, and for
+a custom sampler, it stays a violation.
 """
 
 from __future__ import annotations
@@ -45,9 +45,10 @@ from typing import Any, Iterator, TextIO
 
 import numpy as np
 
-from ..data.order import DEFAULT_ORDER, LEGACY_ORDER, ORDERS, EpochOrder, epoch_order
+from ..data.order import DEFAULT_ORDER, LEGACY_ORDER, ORDERS, epoch_order
 from ..files import makedirs, open_file
-from .records import bucket_view
+from .audit_derive import generation_rank, note_lost, proven_by_resumes, started_from, with_derived
+from .records_view import bucket_view
 
 AUDIT_DIR = "audit"
 
@@ -140,6 +141,8 @@ class AuditReport:
     audited: bool = True
     #: A mixture's sources (data.sources): what the run took from each (:mod:`.audit_mixture`).
     sources: list[Any] = field(default_factory=list)
+    #: Where a run that began from another run's snapshot (snapshot.resume_from) started: earlier steps are that run's.
+    started_from: dict[str, Any] | None = None
 
     @property
     def ok(self) -> bool:
@@ -152,6 +155,7 @@ class AuditReport:
             "global_batches": self.global_batches, "torn_lines": self.torn_lines,
             "steps_superseded": self.steps_superseded, "records_lost": self.records_lost,
             "violations": self.violations, "sources": [source.to_dict() for source in self.sources],
+            "started_from": self.started_from,
             "epochs": [
                 {"epoch": e.epoch, "complete": e.complete, "expected": e.expected, "seen": e.seen,
                  "duplicates": len(e.duplicates), "missing": len(e.missing), "unexpected": len(e.unexpected),
@@ -168,39 +172,54 @@ class AuditReport:
             f"at step {self.final_step}; generations {self.generations}; world sizes "
             f"{sorted(set(self.world_sizes.values()))}; global batch {sorted(set(self.global_batches))}",
         ]
-        for e in self.epochs:
-            lines.append(
-                f"  epoch {e.epoch}{'' if e.complete else ' (in progress)'}: seen {e.seen}/{e.expected}, "
-                f"duplicates {len(e.duplicates)}, missing {len(e.missing)}, unexpected {len(e.unexpected)}"
-            )
+        if (f := self.started_from) is not None:
+            lines.append(f"  started from another run's snapshot {f['snapshot']} (snapshot.resume_from): steps "
+                         f"1-{f['step']} and the first {f['consumed']} samples of epoch {f['epoch']} are that run's")
+        lines += [f"  epoch {e.epoch}{'' if e.complete else ' (in progress)'}: seen {e.seen}/{e.expected}, duplicates "
+                  f"{len(e.duplicates)}, missing {len(e.missing)}, unexpected {len(e.unexpected)}" for e in self.epochs]
         lines += [source.line() for source in self.sources]
-        for v in self.violations:
-            lines.append(f"  violation: {v}")
+        lines += [f"  violation: {v}" for v in self.violations]
         if self.torn_lines:
             lines.append(f"  note: {self.torn_lines} torn line(s) from killed writers were ignored")
-        for lost in self.records_lost:
-            lines.append(
-                f"  note: generation {lost['generation']}, ranks {lost['ranks']}: the records of steps "
-                f"{lost['first_step']}-{lost['last_step']} were lost with their node before they were uploaded; "
-                "their samples follow from the sampler's order and the other ranks' records")
+        lines += [f"  note: generation {lost['generation']}, ranks {lost['ranks']}: the records of steps "
+                  f"{lost['first_step']}-{lost['last_step']} were lost with their node before they were uploaded; their "
+                  "samples follow from the sampler's order and the other ranks' records" if lost["ranks"] else
+                  f"  note: every record of steps {lost['first_step']}-{lost['last_step']} was lost with the nodes that "
+                  f"held them (records lost, not samples): the resume at step {lost['proved_by_step']} proves they were "
+                  "trained, and their samples follow from the sampler's order" for lost in self.records_lost]
         return "\n".join(lines)
 
 
 #: The fields each kind of record must have, with their types (a record without them is malformed, not a crash).
 _SHAPES: dict[str, dict[str, type]] = {
-    "header": {"generation": int, "rank": int, "world_size": int, "global_batch": int, "num_samples": int},
+    "header": {"generation": int, "rank": int, "world_size": int, "global_batch": int, "num_samples": int,
+               "seed": int, "shuffle": bool, "partial_batch": str},
     "end": {"generation": int, "step": int},
     "step": {"generation": int, "step": int, "rank": int, "world_size": int, "epoch": int, "start": int,
              "global_count": int, "indices": list},
 }
+#: Counts no run reaches (a count past them would make the checker allocate what a writer of the trail chose).
+_MOST, _MOST_RANKS = 1 << 40, 1 << 20
 
 
 def _well_formed(record: Any) -> bool:
-    if not isinstance(record, dict):
+    if not isinstance(record, dict) or not isinstance(record.get("type"), str):
         return False
-    shape = _SHAPES.get(record.get("type"))  # type: ignore[arg-type]
-    return shape is None or all(isinstance(record.get(k), t) and not isinstance(record.get(k), bool)
-                                for k, t in shape.items())
+    shape = _SHAPES.get(record["type"])
+    if shape is None:
+        return True  # a kind the checker does not read
+    for k, t in shape.items():
+        value = record.get(k)
+        if t is bool:
+            if not isinstance(value, bool):
+                return False
+        elif not isinstance(value, t) or isinstance(value, bool) or (t is int and k != "seed" and not 0 <= value < _MOST):
+            return False
+    if "world_size" in shape and not 1 <= record["world_size"] <= _MOST_RANKS or record.get("global_batch") == 0:
+        return False
+    if record["type"] == "header" and not all(isinstance(record.get(k, ""), str) for k in ("order", "sampler")):
+        return False
+    return record["type"] != "step" or all(type(i) is int for i in record["indices"])
 
 
 class _Lines:
@@ -214,7 +233,7 @@ class _Lines:
     def __iter__(self) -> Iterator[dict[str, Any]]:
         self.torn, self.malformed = 0, []
         for path in self.paths:
-            with open(path) as fh:
+            with open(path, errors="surrogateescape") as fh:  # bytes that are no UTF-8: a line that is no record
                 for line in fh:
                     if not line.endswith("\n"):
                         self.torn += 1
@@ -224,6 +243,8 @@ class _Lines:
                     except ValueError:
                         self.torn += 1
                         continue
+                    except RecursionError:
+                        record = None  # nested past any record of ours: malformed
                     if _well_formed(record):
                         yield record
                     else:
@@ -247,7 +268,7 @@ def latest_step(run_dir: str | os.PathLike[str]) -> int:
         for line in reversed(tail):
             try:
                 record = json.loads(line)
-            except ValueError:
+            except (ValueError, RecursionError):
                 continue
             if isinstance(record, dict) and record.get("type") == "step" and isinstance(record.get("step"), int):
                 best = max(best, record["step"])
@@ -310,6 +331,8 @@ def check_audit(run_dir: str | os.PathLike[str]) -> AuditReport:
         report.violations.append(f"the dataset or order changed between generations: {sorted(variants, key=str)}")
     header = headers[-1]
     num_samples, seed, shuffle, partial, order = (header[k] for k in dataset_keys)
+    report.started_from = started = started_from(headers)
+    first = started["step"] + 1 if started else 1
     report.world_sizes = {h["generation"]: h["world_size"] for h in headers}
     report.generations = sorted(report.world_sizes)
     if ends:
@@ -328,16 +351,27 @@ def check_audit(run_dir: str | os.PathLike[str]) -> AuditReport:
     # (one that stepped), and only where that generation's order is the elastic sampler's.
     view = bucket_view(run_dir)
     lossy = view is not None
-    cut_short = {_generation_rank(name) for name in (view or {}).get("cut_short", [])}  # a gap is no lost tail
+    cut_short = {generation_rank(name) for name in (view or {}).get("cut_short", [])}  # a gap is no lost tail
     elastic_in = {h["generation"] for h in headers if h.get("sampler", "elastic") == "elastic"} \
         - {h["generation"] for h in headers if h.get("sampler", "elastic") != "elastic"}
     last_stepped = max((g for gens in by_step.values() for g in gens), default=0)
+    # Steps whose records went with every node at once, which a later attempt's resume proves were trained.
+    proven = proven_by_resumes(headers, by_step, num_samples, header["global_batch"], partial, first) \
+        if lossy and canonical and len(set(batch_of.values())) == 1 else {}
     owner: dict[int, int] = {}  # step -> the generation whose records count
     # step -> (world size, ranks whose shares follow from the order, epoch, start, global batch)
     derived: dict[int, tuple[int, list[int], int, int, int]] = {}
     epoch_end: dict[int, tuple[int, int]] = {}  # epoch -> (end position, global batch there)
-    for step in range(1, report.final_step + 1):
+    for step in range(first, report.final_step + 1):
         gens = by_step.get(step)
+        if not gens and step in proven:  # counted from the order, as generation 0, and said
+            epoch, start, count, resumed = proven[step]
+            owner[step], derived[step] = 0, (1, [0], epoch, start, count)
+            note_lost(report.records_lost, 0, [], step, resumed)
+            report.global_batches.append(count)
+            if start + count >= epoch_end.get(epoch, (0, 0))[0]:
+                epoch_end[epoch] = (start + count, header["global_batch"])
+            continue
         if not gens:
             report.violations.append(f"step {step} has no records")
             continue
@@ -359,7 +393,7 @@ def check_audit(run_dir: str | os.PathLike[str]) -> AuditReport:
                                           for r in missing)
                                   and not cut_short & {(newest, r) for r in missing})
             if lost_with_node:
-                _note_lost(report.records_lost, newest, missing, step)
+                note_lost(report.records_lost, newest, missing, step)
             else:
                 report.violations.append(
                     f"step {step} (generation {newest}) has records from ranks {ranks}, expected 0..{world - 1}")
@@ -388,14 +422,15 @@ def check_audit(run_dir: str | os.PathLike[str]) -> AuditReport:
     if header.get("sampler") == "mixture":  # data.sources: the mixture's own replay
         from .audit_mixture import check_mixture
 
-        report.sources, found = check_mixture(header, report.final_step, owner, segments_of, lines)
+        report.sources, found = check_mixture(header, report.final_step, owner, segments_of, lines,
+                                              first, started["taken"] if started else None)
         report.violations += found
         return report
     # Pass 2: the indices of the owning records, counted per epoch (saturating at 255), plus any out of range.
     counts: dict[int, np.ndarray] = {}
     outside: dict[int, set[int]] = defaultdict(set)
     seen_total: Counter[int] = Counter()
-    for r in _with_derived(lines, derived, owner, num_samples, seed, shuffle, order):
+    for r in with_derived(lines, derived, owner, num_samples, seed, shuffle, order):
         if r.get("type") != "step" or owner.get(r["step"]) != r["generation"]:
             continue
         epoch, indices = r["epoch"], r["indices"]
@@ -419,8 +454,11 @@ def check_audit(run_dir: str | os.PathLike[str]) -> AuditReport:
         if epoch < last_epoch and not complete:
             report.violations.append(f"epoch {epoch} ended after {usable} of {num_samples} samples")
         seen_set = set(np.flatnonzero(arr).tolist())
+        begin = started["consumed"] if started and epoch == started["epoch"] else 0  # before: the other run's
         if canonical:
-            expected = set(epoch_order(order, num_samples, seed, epoch, shuffle).slice(0, usable))
+            expected = set(epoch_order(order, num_samples, seed, epoch, shuffle).slice(begin, usable - begin))
+        elif begin:
+            expected = set(seen_set)  # a custom sampler's order is unknown, and so is what the other run took
         else:
             # A custom sampler's order is unknown: hold it to exactly-once within the dataset.
             expected = set(range(num_samples)) if (complete and partial == "partial") else set(seen_set)
@@ -438,41 +476,5 @@ def check_audit(run_dir: str | os.PathLike[str]) -> AuditReport:
 def _segments(value: Any) -> tuple[tuple[int, int, int, int], ...]:
     try:
         return tuple((int(a), int(b), int(c), int(d)) for a, b, c, d in value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         return ()
-
-
-def _note_lost(spans: list[dict[str, Any]], generation: int, ranks: list[int], step: int) -> None:
-    """Add ``step`` to the span of lost records it continues, or start one."""
-    last = spans[-1] if spans else None
-    if last is not None and last["generation"] == generation and last["ranks"] == ranks \
-            and last["last_step"] == step - 1:
-        last["last_step"] = step
-    else:
-        spans.append({"generation": generation, "ranks": ranks, "first_step": step, "last_step": step})
-
-
-def _with_derived(lines: _Lines, derived: dict[int, tuple[int, list[int], int, int, int]], owner: dict[int, int],
-                  num_samples: int, seed: int, shuffle: bool, kind: str) -> Iterator[dict[str, Any]]:
-    """The trail's records, and for each step in ``derived`` the shares of the ranks whose records were lost with
-    their node: ``window[rank::world]`` of the step's window in the epoch's order (the elastic sampler's rule)."""
-    yield from lines
-    order: EpochOrder | None = None  # one epoch's order at a time: the steps come in order
-    for step in sorted(derived):
-        world, ranks, epoch, start, count = derived[step]
-        if order is None or order.epoch != epoch:
-            order = epoch_order(kind, num_samples, seed, epoch, shuffle)
-        window = order.slice(start, count)
-        for rank in ranks:
-            yield {"type": "step", "generation": owner[step], "step": step, "epoch": epoch, "rank": rank,
-                   "indices": window[rank::world]}
-
-
-def _generation_rank(relative: str) -> tuple[int, int] | None:
-    """``(generation, rank)`` of an audit file's path (``audit/gen-GGGGGG-rank-RRRRR[-part-NNNN].jsonl``)."""
-    name = relative.rsplit("/", 1)[-1]
-    try:
-        generation, rank = name.removeprefix("gen-").split("-rank-", 1)
-        return int(generation), int(rank[:5])
-    except ValueError:
-        return None

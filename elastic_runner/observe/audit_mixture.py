@@ -53,8 +53,10 @@ class SourceReport:
 
 def check_mixture(header: dict[str, Any], final_step: int, owner: dict[int, int],
                   segments_of: dict[tuple[int, int], tuple[tuple[int, int, int, int], ...]],
-                  records: Iterable[dict[str, Any]]) -> tuple[list[SourceReport], list[str]]:
-    """The sources' reports and every violation (see the module docstring)."""
+                  records: Iterable[dict[str, Any]], first_step: int = 1,
+                  taken_at_start: list[int] | None = None) -> tuple[list[SourceReport], list[str]]:
+    """The sources' reports and every violation (see the module docstring). ``first_step``, ``taken_at_start``: where
+    a run that started from another run's snapshot began (what each source had given by then)."""
     sources = header.get("sources") or []
     violations: list[str] = []
     try:
@@ -65,9 +67,9 @@ def check_mixture(header: dict[str, Any], final_step: int, owner: dict[int, int]
         return [], [f"the audit trail's mixture cannot be read back ({type(exc).__name__}: {exc})"]
     reports = [SourceReport(str(s["label"]), str(s["weight"]), int(s["samples"])) for s in sources]
     weights = [w / sampler.denominator for w in sampler.weights]
-    taken = [0] * len(sources)
+    taken = list(taken_at_start) if taken_at_start and len(taken_at_start) == len(sources) else [0] * len(sources)
     taken_before: dict[int, tuple[int, ...]] = {}
-    for step in range(1, final_step + 1):
+    for step in range(first_step, final_step + 1):
         generation = owner.get(step)
         if generation is None:
             continue  # said in the first pass

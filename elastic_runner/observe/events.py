@@ -10,6 +10,7 @@ Agents of ``elastic-runner launch`` and the chaos tool write here too.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import time
@@ -19,6 +20,8 @@ from typing import Any, TextIO
 from ..files import makedirs, open_file
 
 EVENTS_DIR = "events"
+
+log = logging.getLogger(__name__)
 
 
 class EventLog:
@@ -51,6 +54,58 @@ class NullEventLog(EventLog):
         self._fh = None
 
 
+_NUMBER = (int, float)
+#: The fields every reader of events relies on, with their types; an event whose field has another type is no event
+#: of ours (a planted or damaged line) and is skipped, so that no reader (a resuming worker, ``report``, ``audit``,
+#: the chaos tool) meets a string where it computes with a time. Other fields are the emitters' own.
+FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
+    "time": _NUMBER, "kind": str, "source": str, "host": str, "role": str, "agent": str, "status": str,
+    "snapshot": str, "tier": str, "error": str, "reason": str, "mode": str,
+    "generation": int, "step": int, "rank": int, "world_size": int, "pid": int, "global_batch": int,
+    "micro_batch": int, "accumulation": int, "steps_recomputed": int, "furthest_step": int,
+    "samples_per_s": _NUMBER, "loss": _NUMBER, "eval_loss": _NUMBER, "write_s": _NUMBER, "blocking_s": _NUMBER,
+    "seconds": _NUMBER, "process_start": _NUMBER, "failures": list,
+}
+#: The fields an event of each kind always carries (its readers index them).
+REQUIRED: dict[str, tuple[str, ...]] = {
+    "start": ("world_size",), "progress": ("step", "loss", "samples_per_s"), "eval": ("eval_loss",),
+    "snapshot_saved": ("blocking_s", "write_s"), "resume": ("generation",), "agent_worker_failed": ("failures",),
+}
+#: The numbers a run writes stay far below this; a larger one (10**400, an overflow waiting) is no event of ours.
+_LARGEST = 1e15
+#: What a worker failure an agent reports carries (``local_rank`` too).
+_FAILURE_FIELDS = ("rank", "pid", "exitcode")
+
+
+def _bad_number(field: str, value: Any) -> bool:
+    if isinstance(value, bool) or not isinstance(value, _NUMBER):
+        return False
+    if value != value:  # NaN: a diverged loss is one, nothing else is
+        return field not in ("loss", "eval_loss")
+    return not -_LARGEST < value < _LARGEST
+
+
+def malformed(event: dict[str, Any]) -> str | None:
+    """Why ``event`` is not an event a reader can rely on (None: it is one)."""
+    for field, kind in FIELD_TYPES.items():
+        if field not in event:
+            continue
+        value = event[field]
+        if value is None and kind is str:
+            continue  # an optional text left empty
+        if not isinstance(value, kind) or isinstance(value, bool) or _bad_number(field, value):
+            return f"'{field}' is {type(value).__name__} {str(value)[:20]}"
+    if "time" not in event or "kind" not in event:
+        return "no 'time' or no 'kind'"
+    missing = [f for f in REQUIRED.get(event["kind"], ()) if f not in event]
+    if missing:
+        return f"a {event['kind']} event without {', '.join(missing)}"
+    for failure in event.get("failures") or ():
+        if not isinstance(failure, dict) or not all(type(failure.get(k)) is int for k in _FAILURE_FIELDS):
+            return "a malformed worker failure"
+    return None
+
+
 def read_events(run_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """All events of a run, in time order; torn lines from killed writers are skipped."""
     return EventFollower(run_dir).read()
@@ -67,6 +122,7 @@ class EventFollower:
         self.pattern = pattern
         self._offsets: dict[Path, int] = {}
         self._events: list[dict[str, Any]] = []
+        self._warned: set[Path] = set()
 
     def read(self) -> list[dict[str, Any]]:
         self.read_new()
@@ -94,9 +150,16 @@ class EventFollower:
             self._offsets[path] = self._offsets.get(path, 0) + len(complete)
             for line in complete.splitlines():
                 try:
-                    new.append(json.loads(line))
-                except ValueError:
-                    continue  # a torn line from a killed writer
+                    event = json.loads(line)
+                except (ValueError, RecursionError):
+                    event = None  # a torn line from a killed writer, or bytes that are no event
+                problem = "not a JSON object" if not isinstance(event, dict) else malformed(event)
+                if problem is None:
+                    new.append(event)
+                elif path not in self._warned:
+                    self._warned.add(path)
+                    log.warning("%s: a line that is no event is skipped (%s); a writer of the run directory, or a "
+                                "process killed mid-line, left it (warned once per file)", path, problem)
         if new:
             new.sort(key=lambda e: e.get("time", 0))
             in_order = not self._events or new[0].get("time", 0) >= self._events[-1].get("time", 0)
@@ -123,9 +186,11 @@ def agent_stop_reason(run_dir: str | os.PathLike[str], pid: int, since: float, t
                 continue
             try:
                 event = json.loads(line)
-            except ValueError:
+            except (ValueError, RecursionError):
                 continue
-            if event.get("time", 0) >= since and pid in event.get("pids", ()):
+            if not isinstance(event, dict) or malformed(event) is not None or not isinstance(event.get("pids"), list):
+                continue  # no line of an agent's: it runs in a signal handler, nothing may raise here
+            if event["time"] >= since and pid in event["pids"]:
                 reason = str(event.get("reason") or "a new rendezvous round")
                 break
     return reason

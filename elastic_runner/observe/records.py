@@ -10,7 +10,7 @@ and its byte range: ``records/events/gen-000002-rank-00001.jsonl/3f9a0c21b7e4/00
 Whole lines only: a reader never sees a torn line that was not torn on the node.
 Small whole files (``config.yaml``) are replaced.
 
-:func:`fetch_records` rebuilds the whole run from those objects into a local directory that ``elastic-runner
+:func:`~elastic_runner.observe.records_view.fetch_records` rebuilds the whole run from those objects into a local directory that ``elastic-runner
 audit``, ``report`` and the chaos checker read as they read a shared ``run.dir``. Ranges may overlap (a restarted
 worker uploads a file again from where the bucket ends, two processes of a node may upload the same lines): the
 bytes of an append-only file at an offset never change, so any chain of ranges that starts at 0 rebuilds it; the
@@ -24,7 +24,6 @@ unreachable store are counted and logged once in full, then at most once a minut
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
 import re
@@ -33,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from ..files import makedirs, open_file, private_dir
+from ..files import makedirs, open_file
 
 log = logging.getLogger("elastic_runner.records")
 
@@ -55,7 +54,7 @@ def records_url(snapshot_url: str) -> str:
     return f"{snapshot_url.rstrip('/')}/{RECORDS}"
 
 
-def _filesystem(url: str) -> tuple[Any, str]:
+def filesystem_of(url: str) -> tuple[Any, str]:
     from ..object_client import open_filesystem
 
     fs, path = open_filesystem(url)  # gives up within seconds: records are retried at the next sync anyway
@@ -71,7 +70,7 @@ class RecordSync:
         self.run_dir = Path(run_dir)
         self.url = url.rstrip("/")
         if fs is None:
-            fs, self.prefix = _filesystem(self.url)
+            fs, self.prefix = filesystem_of(self.url)
         else:
             self.prefix = self.url.split("://", 1)[-1]
         self.fs = fs
@@ -86,6 +85,7 @@ class RecordSync:
         self._fresh_sent: dict[tuple[str, str], int] = {}  # the same for fresh files, before the first listing
         self._whole: dict[str, tuple[int, int]] = {}  # relative path -> (size, mtime_ns) last uploaded
         self._last_report = 0.0
+        self._all_due: float | None = None  #: when :meth:`soon` asked for everything (else: the interval's end)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._wake = threading.Event()
@@ -97,7 +97,7 @@ class RecordSync:
         """How far the bucket has each append-only file (the end of its chain of ranges from 0)."""
         ranges: dict[tuple[str, str], list[tuple[int, int]]] = {}
         for key in _list(self.fs, self.prefix):
-            chunk = _split_chunk(key[len(self.prefix) + 1:])
+            chunk = split_chunk(key[len(self.prefix) + 1:])
             if chunk is not None:
                 relative, incarnation, lo, hi = chunk
                 ranges.setdefault((relative, incarnation), []).append((lo, hi))
@@ -177,19 +177,26 @@ class RecordSync:
     def _run(self) -> None:
         due = time.monotonic() + self.every_s
         while True:
-            woken = self._wake.wait(max(0.0, due - time.monotonic()))
+            next_all = min(due, self._all_due) if self._all_due is not None else due
+            woken = self._wake.wait(max(0.0, next_all - time.monotonic()))
             if self._stop.is_set():
                 return
             self._wake.clear()
-            if woken and time.monotonic() < due:
+            if woken and time.monotonic() < next_all:
                 self._attempt(fresh_only=True)
             else:
                 self._attempt()
-                due = time.monotonic() + self.every_s
+                self._all_due, due = None, time.monotonic() + self.every_s
 
-    def soon(self) -> None:
+    def soon(self, then_all_after: float | None = None) -> None:
         """Upload this attempt's new files now rather than at the end of the interval (its audit header, its first
-        step: a node lost in its first interval would otherwise leave the bucket no record of its ranks)."""
+        step: a node lost in its first interval would otherwise leave the bucket no record of its ranks).
+        ``then_all_after``: and, that many seconds later, everything of the node the bucket lacks — the records of
+        the node's earlier attempts, whose workers (ended by a peer's failure, parked, recovered in place) left them
+        to this one: an attempt shorter than the interval would otherwise hand them on until a node lost with its
+        disk takes them along."""
+        if then_all_after is not None:
+            self._all_due = time.monotonic() + then_all_after
         self._wake.set()
 
     def _attempt(self, fresh_only: bool = False) -> None:
@@ -230,85 +237,6 @@ def own_records(generation: int, rank: int) -> Callable[[str], bool]:
     return lambda relative: relative.rsplit("/", 1)[-1] == mine
 
 
-# -- reading a run back --------------------------------------------------------------------------------------------
-
-
-def fetch_records(url: str, into: str | os.PathLike[str], fs: Any = None) -> Path:
-    """Rebuild the run's record files from ``url`` (``SNAPSHOT_URL/records``) in ``into``; returns ``into``.
-    Chunks are downloaded once (kept in ``into/.chunks``), so a second fetch costs a listing and what is new."""
-    target = private_dir(makedirs(Path(into)))
-    if fs is None:
-        fs, prefix = _filesystem(url)
-    else:
-        prefix = url.split("://", 1)[-1].rstrip("/")
-    chunks = private_dir(target / ".chunks")
-    ranges: dict[str, dict[str, list[tuple[int, int, str]]]] = {}
-    produced: set[str] = set()
-    for key, version in _listed_versions(fs, prefix):
-        relative = key[len(prefix) + 1:]
-        if relative in WHOLE_FILES:
-            _write_private(target / relative, fs.cat_file(key))
-            produced.add(relative)
-            continue
-        chunk = _split_chunk(relative)
-        if chunk is None:
-            continue  # not ours (and nothing planted may name a path outside ``into``: checked there)
-        relative, incarnation, lo, hi = chunk
-        # Named by the object's version too: a prefix emptied and used again holds objects of the same names (the
-        # same header, the same ranges) with other bytes, which a copy kept from the earlier run must not stand for.
-        local = chunks / relative.replace("/", "__") / incarnation / f"{lo:015d}-{hi:015d}-{version}"
-        if not local.is_file():
-            makedirs(local.parent)
-            _write_private(local, fs.cat_file(key))
-        ranges.setdefault(relative, {}).setdefault(incarnation, []).append((lo, hi, str(local)))
-    cut_short = []
-    for relative, incarnations in ranges.items():
-        pieces = [_assemble(spans) for _, spans in sorted(incarnations.items())]
-        _write_private(target / relative, b"".join(data for data, _ in pieces))
-        produced.add(relative)
-        if any(short for _, short in pieces):
-            cut_short.append(relative)
-    # What an earlier fetch of the same URL left and the bucket no longer has (a prefix emptied and used again).
-    listed = {span[2] for incarnations in ranges.values() for spans in incarnations.values() for span in spans}
-    for path in list(target.rglob("*")):
-        relative = path.relative_to(target).as_posix()
-        if path.is_file() and relative != FROM_BUCKET and (
-                str(path) not in listed if relative.startswith(".chunks/") else relative not in produced):
-            path.unlink()
-    _write_private(target / FROM_BUCKET, json.dumps({"url": url, "cut_short": sorted(cut_short)}).encode())
-    return target
-
-
-def bucket_view(run_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
-    """What :func:`fetch_records` said about the directory it rebuilt (``url``; ``cut_short``: the files whose
-    chunks in the bucket have a gap, so they end early), or None if ``run_dir`` is not such a directory."""
-    try:
-        info = json.loads((Path(run_dir) / FROM_BUCKET).read_bytes())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(info, dict) or not isinstance(info.get("cut_short"), list):
-        return None
-    return info
-
-
-def _assemble(spans: list[tuple[int, int, str]]) -> tuple[bytes, bool]:
-    """The file from its ranges: from offset 0, each time the range that reaches furthest from where we are; and
-    whether it ends before the furthest range does (a gap: a chunk missing or shorter than its name says)."""
-    out = bytearray()
-    furthest = max((s[1] for s in spans), default=0)
-    while True:
-        here = len(out)
-        best = max((s for s in spans if s[0] <= here < s[1]), key=lambda s: s[1], default=None)
-        if best is None:
-            return bytes(out), here < furthest
-        with open(best[2], "rb") as fh:
-            fh.seek(here - best[0])
-            piece = fh.read(best[1] - here)
-        out += piece
-        if len(piece) < best[1] - here:  # a chunk shorter than its name says (damaged, planted): stop there
-            return bytes(out[:out.rfind(b"\n") + 1]), True
-
-
 def _chain_end(spans: list[tuple[int, int]]) -> int:
     end = 0
     for lo, hi in sorted(spans):
@@ -318,7 +246,7 @@ def _chain_end(spans: list[tuple[int, int]]) -> int:
     return end
 
 
-def _split_chunk(key: str) -> tuple[str, str, int, int] | None:
+def split_chunk(key: str) -> tuple[str, str, int, int] | None:
     """``(relative path, incarnation, start, end)`` of a chunk's key below ``records/``, or None if the key is not
     one (nothing planted may name a path outside the directory it is fetched into)."""
     parts = key.split("/")
@@ -332,22 +260,6 @@ def _split_chunk(key: str) -> tuple[str, str, int, int] | None:
     return f"{sub}/{name}", incarnation, int(m.group(1)), int(m.group(2))
 
 
-def _listed_versions(fs: Any, prefix: str) -> list[tuple[str, str]]:
-    """The keys below ``prefix`` with a short digest of what identifies their bytes (S3's ETag, GCS's generation or
-    MD5, else size and modification time)."""
-    try:
-        found = fs.find(prefix, detail=True)
-    except FileNotFoundError:
-        return []
-    out = []
-    for key, info in found.items():
-        if key.startswith(prefix + "/"):
-            tag = next((str(info[k]) for k in ("ETag", "etag", "generation", "md5Hash") if info.get(k)),
-                       f"{info.get('size')}:{info.get('LastModified') or info.get('mtime') or info.get('updated')}")
-            out.append((key, hashlib.sha256(tag.encode()).hexdigest()[:12]))
-    return out
-
-
 def _list(fs: Any, prefix: str) -> list[str]:
     try:
         return [k for k in fs.find(prefix, detail=False) if k.startswith(prefix + "/")]
@@ -355,60 +267,9 @@ def _list(fs: Any, prefix: str) -> list[str]:
         return []
 
 
-def _write_private(path: Path, data: bytes) -> None:
+def write_private(path: Path, data: bytes) -> None:
     makedirs(path.parent)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     with open_file(tmp, "wb") as fh:
         fh.write(data)
     os.replace(tmp, path)
-
-
-def run_view(location: str) -> str:
-    """The directory that ``audit``, ``report`` and the chaos checker read for ``location``: a run directory as it is,
-    or, for a run whose snapshots are in a bucket (``location`` is that URL, or a node's run directory whose effective
-    config names one), the whole run's records fetched from the bucket into a private local directory."""
-    from ..config.locations import is_url
-
-    url = location if is_url(location) else _snapshot_url_of(Path(location))
-    if url is None:
-        return location
-    from ..object_client import default_local
-
-    view = fetch_records(records_url(url), default_local(url) / "run")
-    if not is_url(location):
-        _take_local(Path(location), view)
-    return str(view)
-
-
-def _take_local(run_dir: Path, view: Path) -> None:
-    """Where ``run_dir``'s own record files go further than the bucket's (lines not uploaded yet; a shared directory
-    holds every node's), the view takes them: whole lines, and only where the bucket's copy is their beginning."""
-    info = bucket_view(view)
-    cut_short = set(info["cut_short"]) if info is not None else set()
-    for sub in APPEND_ONLY:
-        for path in sorted((run_dir / sub).glob("*.jsonl")):
-            try:
-                data = path.read_bytes()
-            except OSError:
-                continue
-            whole = data[:data.rfind(b"\n") + 1]
-            target = view / sub / path.name
-            fetched = target.read_bytes() if target.is_file() else b""
-            if len(whole) > len(fetched) and whole.startswith(fetched):
-                _write_private(target, whole)
-                cut_short.discard(f"{sub}/{path.name}")
-    if info is not None:
-        _write_private(view / FROM_BUCKET, json.dumps(info | {"cut_short": sorted(cut_short)}).encode())
-
-
-def _snapshot_url_of(run_dir: Path) -> str | None:
-    import yaml
-
-    from ..config.locations import is_url
-
-    try:
-        cfg = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
-        custom = (cfg.get("snapshot") or {}).get("dir")
-    except (OSError, yaml.YAMLError, AttributeError):
-        return None
-    return custom if isinstance(custom, str) and is_url(custom) else None

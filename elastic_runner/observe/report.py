@@ -409,13 +409,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--out", default=None, help="PNG file for the timeline (needs the report extra: matplotlib)")
     p.add_argument("--x", dest="x_axis", choices=["time", "steps"], default="time",
                    help="the picture's x axis: wall time (default) or optimizer steps")
+    from .records_view import RECORDS_FROM_HELP
+
+    p.add_argument("--records-from", default=None, metavar="URL", help=RECORDS_FROM_HELP)
 
 
 def run(args: argparse.Namespace) -> int:
-    from .records import run_view
+    from .records_view import run_view
 
     try:
-        run_dir = run_view(args.run_dir)  # a bucket's records, fetched, for a run without a shared directory
+        run_dir = run_view(args.run_dir, args.records_from)  # a bucket's records, fetched, for a run without a shared directory
         if args.out:
             summary = render_timeline(run_dir, args.out, x_axis=args.x_axis)
             print(summary.text())

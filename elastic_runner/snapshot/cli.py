@@ -31,12 +31,16 @@ def snapshot_dir_of(run_dir: str) -> str:
     cfg_path = root / "config.yaml"
     if cfg_path.is_file():
         try:
-            cfg = yaml.safe_load(cfg_path.read_text()) or {}
+            cfg = yaml.safe_load(cfg_path.read_bytes()[:1 << 20]) or {}
             custom = (cfg.get("snapshot") or {}).get("dir")
-            if custom:
-                return str(custom)
-        except yaml.YAMLError:
-            pass
+        except (OSError, yaml.YAMLError, ValueError, RecursionError, AttributeError) as exc:
+            raise SnapshotError(f"{cfg_path} is not a run's config ({type(exc).__name__}); give the snapshot "
+                                "directory itself (RUN_DIR/snapshots, or the bucket's URL)") from exc
+        if isinstance(custom, str) and custom:
+            return custom
+        if custom:
+            raise SnapshotError(f"{cfg_path}: snapshot.dir is {type(custom).__name__}, not a path or URL; give the "
+                                "snapshot directory itself (RUN_DIR/snapshots, or the bucket's URL)")
     return str(root / "snapshots")
 
 

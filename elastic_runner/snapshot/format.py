@@ -36,8 +36,8 @@ from typing import Any, BinaryIO, Callable
 import torch
 
 from ..files import open_file
-from .store import (MAX_META_BYTES, META, STATE, CorruptSnapshotError, SnapshotError, SnapshotUnavailableError,
-                    fsync_dir, in_background)
+from .store import (MAX_META_BYTES, META, STATE, CorruptSnapshotError, SnapshotError, SnapshotRef,
+                    SnapshotUnavailableError, fsync_dir, in_background)
 
 FORMAT_VERSION = 2
 #: Formats this version reads: 1 lacks ``meta_sha256``.
@@ -206,16 +206,30 @@ def parse_meta(name: str, data: bytes) -> dict[str, Any]:
         raise CorruptSnapshotError(f"{name}: unreadable {META} ({type(exc).__name__}: {str(exc)[:120]})") from exc
     if not isinstance(meta, dict) or "sha256" not in meta:
         raise CorruptSnapshotError(f"{name}: {META} lacks its checksum")
+    try:
+        json.dumps(meta, ensure_ascii=False).encode()
+    except (UnicodeEncodeError, ValueError, RecursionError) as exc:  # a lone surrogate ("\ud800"): no text of ours
+        raise CorruptSnapshotError(f"{name}: {META} holds text that is not UTF-8 ({type(exc).__name__})") from exc
+    if _signing_key is not None:  # first: nothing unsigned decides anything, not even "a newer format"
+        try:
+            signature = meta.get("meta_hmac")
+            signed = isinstance(signature, str) and hmac.compare_digest(signature, meta_signature(meta, _signing_key))
+        except (TypeError, ValueError, RecursionError):
+            signed = False
+        if not signed:
+            raise CorruptSnapshotError(f"{name}: {META} is not signed with the job's key (written without "
+                                       f"it, with another, or changed); a reader with {KEY_FILE_VAR} takes only "
+                                       "snapshots signed with it")
     if meta.get("format") not in READABLE_FORMATS and isinstance(meta.get("format"), int):
         raise SnapshotError(f"{name}: format {meta.get('format')} is not supported (this version reads "
                             f"{', '.join(map(str, READABLE_FORMATS))}); resume with the elastic_runner version that wrote it")
     for fields, required in ((_META_FIELDS, True), (_OPTIONAL_FIELDS, False)):
-        for name, kind in fields.items():
-            if name not in meta and not required:
+        for field, kind in fields.items():
+            if field not in meta and not required:
                 continue
-            value = meta.get(name)
-            if not isinstance(value, kind) or isinstance(value, bool) and kind is int:
-                raise CorruptSnapshotError(f"{name}: {META} field '{name}' is {type(value).__name__} "
+            value = meta.get(field)
+            if not isinstance(value, kind) or isinstance(value, bool) and kind in (int, (int, float)):
+                raise CorruptSnapshotError(f"{name}: {META} field '{field}' is {type(value).__name__} "
                                            f"{str(value)[:40]!r}, not {getattr(kind, '__name__', kind)}")
     if not (len(meta["sha256"]) == 64 and all(c in "0123456789abcdef" for c in meta["sha256"])):
         raise CorruptSnapshotError(f"{name}: {META} field 'sha256' is not a SHA-256 hex digest")
@@ -233,13 +247,18 @@ def parse_meta(name: str, data: bytes) -> dict[str, Any]:
             raise CorruptSnapshotError(f"{name}: {META} cannot be checked ({type(exc).__name__})") from exc
         if digest != meta["meta_sha256"]:
             raise CorruptSnapshotError(f"{name}: {META} was modified or damaged (its checksum does not match)")
-    if _signing_key is not None:
-        signature = meta.get("meta_hmac")
-        if not isinstance(signature, str) or not hmac.compare_digest(signature, meta_signature(meta, _signing_key)):
-            raise CorruptSnapshotError(f"{name}: {META} is not signed with the job's key (written without "
-                                       f"it, with another, or changed); a reader with {KEY_FILE_VAR} takes only "
-                                       "snapshots signed with it")
+    ref = SnapshotRef.parse(name)
+    if ref is not None and (meta["step"], meta["generation"]) != (ref.step, ref.generation):
+        # The step and generation are signed; the directory's name is not: a snapshot copied under another name
+        # (a newer generation, to be taken first) says so here.
+        raise CorruptSnapshotError(f"{name}: {META} is the snapshot of step {meta['step']}, generation "
+                                   f"{meta['generation']}, not of its directory's name (copied or renamed)")
     return meta
+
+
+def _open_unfollowed(path: Path) -> BinaryIO:
+    """``path`` for reading, never through a symbolic link (ELOOP: a link planted where a snapshot's file is)."""
+    return open(path, "rb", opener=lambda p, f: os.open(p, f | getattr(os, "O_NOFOLLOW", 0)))
 
 
 def read_verified_bytes(directory: Path, meta: dict[str, Any], verify: bool = True) -> bytes:
@@ -247,7 +266,7 @@ def read_verified_bytes(directory: Path, meta: dict[str, Any], verify: bool = Tr
     path = directory / STATE
     try:
         # One open file for the size check and the read: a file swapped in between cannot slip through.
-        with open(path, "rb", opener=lambda p, f: os.open(p, f | getattr(os, "O_NOFOLLOW", 0))) as fh:
+        with _open_unfollowed(path) as fh:
             info = os.fstat(fh.fileno())
             if stat.S_ISREG(info.st_mode) and info.st_size != meta["size_bytes"]:
                 raise CorruptSnapshotError(f"{directory.name}: {STATE} has {info.st_size} bytes, the marker says "
@@ -255,7 +274,11 @@ def read_verified_bytes(directory: Path, meta: dict[str, Any], verify: bool = Tr
             data = fh.read(meta["size_bytes"] + 1)
     except FileNotFoundError as exc:
         raise CorruptSnapshotError(f"{directory.name}: {STATE} is missing") from exc
-    except (OSError, MemoryError) as exc:
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.EISDIR):  # a link or a directory where the file should be: planted
+            raise CorruptSnapshotError(f"{directory.name}: {STATE} is not a regular file ({exc.strerror})") from exc
+        raise SnapshotUnavailableError(f"{directory.name}: cannot read {STATE} ({exc}); is the filesystem healthy?") from exc
+    except MemoryError as exc:
         raise SnapshotUnavailableError(f"{directory.name}: cannot read {STATE} ({exc}); is the filesystem healthy?") from exc
     if len(data) != meta["size_bytes"]:
         raise CorruptSnapshotError(f"{directory.name}: {STATE} has {len(data)} bytes, the marker says {meta['size_bytes']} (truncated)")

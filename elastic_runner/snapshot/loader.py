@@ -33,7 +33,8 @@ class Loaded:
 
 
 def find_newest(store: LocalStore, *, map_location: torch.device | str = "cpu", verify: bool = True,
-                on_rejected: Callable[[SnapshotRef, str], None] | None = None) -> Loaded | None:
+                on_rejected: Callable[[SnapshotRef, str], None] | None = None, run_uid: str = "",
+                readonly: bool = False) -> Loaded | None:
     """The newest intact snapshot; None only if there never was one.
 
     Only damage to the snapshot itself (marker, size, checksum, unsafe or
@@ -43,21 +44,33 @@ def find_newest(store: LocalStore, *, map_location: torch.device | str = "cpu", 
     attempt fails and the next one retries. If snapshots existed but every one
     was damaged, :class:`SnapshotError` says so instead of silently training
     from scratch.
+
+    ``run_uid``: this run's id (:meth:`~.store.LocalStore.run_uid`). A snapshot another run wrote (its signed
+    ``run_uid`` differs: copied in from another job's directory or bucket) is moved aside like a damaged one —
+    resuming from another run's state on purpose is ``snapshot.resume_from``. Snapshots written before run ids
+    were recorded carry none and are taken. ``readonly``: another run's store, read and never changed (a damaged
+    snapshot there is passed over, not moved aside).
     """
     candidates = list(reversed(store.complete()))
     rejected = []
     for ref in candidates:
-        directory = store.path(ref)
         try:
+            directory = store.path(ref)  # a bucket's: its marker checked before anything else is fetched
             meta = read_meta(directory)
+            theirs = meta.get("run_uid")
+            if run_uid and theirs and theirs != run_uid:
+                raise CorruptSnapshotError(f"{ref.name}: written by another run (run id {theirs}; this run's is "
+                                           f"{run_uid}): copied in, not this run's state")
             data = read_verified_bytes(directory, meta, verify)
             state = load_state_bytes(data, ref.name, map_location)
             if "sharded" in meta:
                 verify_parts(directory, meta, verify)
         except CorruptSnapshotError as exc:
             reason = str(exc)
-            log.error("snapshot %s is damaged and is moved aside: %s; trying the previous one", ref.name, reason)
-            store.quarantine(ref, reason)
+            log.error("snapshot %s is damaged and is %s: %s; trying the previous one", ref.name,
+                      "passed over" if readonly else "moved aside", reason)
+            if not readonly:
+                store.quarantine(ref, reason)
             rejected.append(ref.name)
             if on_rejected is not None:
                 on_rejected(ref, reason)

@@ -35,10 +35,10 @@ from typing import Any, Iterator
 from urllib.parse import urlsplit
 
 from ..config.locations import is_url, location_problem
-from ..files import makedirs, private_dir
-from .format import current_signing_key
+from ..files import makedirs, open_file, private_dir
+from .format import current_signing_key, parse_meta
 from ..object_client import default_local, is_missing_bucket, is_precondition_failure, is_refusal, open_filesystem
-from .shards import part_name, read_record, record_name
+from .shards import listed_objects, part_name, read_record, record_name
 from .store import (MAX_META_BYTES, META, AlreadyCommittedError, CorruptSnapshotError, LocalStore, SnapshotError,
                     SnapshotRef, SnapshotUnavailableError, StoreAccessError, fence_error)
 
@@ -235,30 +235,31 @@ class ObjectStore:
         return None
 
     def path(self, ref: SnapshotRef) -> Path:
-        """A local copy of ``ref`` (downloaded once into the node's private cache). What it holds is checked by
-        whoever reads it, as for a directory: a damaged or planted object fails its checksum there."""
+        """A local copy of ``ref`` (downloaded once into the node's private cache). Only the objects its marker lists
+        are fetched, and only once the marker passed its checks (the job's signature among them) and the listing
+        shows each at the size the marker says: nothing a writer of the bucket adds under the name is downloaded.
+        The bytes are checked by whoever reads the copy, as for a directory."""
         cache = private_dir(self.local / "cache")
         target = cache / ref.name
         if (target / META).is_file():
             return target
+        marker, sizes = self.describe(ref)
+        wanted = listed_objects(ref.name, parse_meta(ref.name, marker), sizes)
         tmp = cache / f".tmp-{ref.name}-{os.getpid()}-{time.monotonic_ns()}"
         private_dir(tmp)
         try:
             remote = f"{self.prefix}/{ref.name}"
             with self._io(f"downloading {ref.name}"):
-                keys = [k for k in self.fs.find(remote, detail=False) if k.startswith(remote + "/")]
-                files = [k for k in keys if "/" not in k[len(remote) + 1:]]
-                # meta.json last: a snapshot removed meanwhile leaves a copy without it (read as incomplete).
-                files.sort(key=lambda k: k.endswith("/" + META))
-                for key in files:
-                    self.fs.get_file(key, str(tmp / key.rsplit("/", 1)[-1]))
+                for name in wanted:
+                    self.fs.get_file(f"{remote}/{name}", str(tmp / name))
+            with open_file(tmp / META, "wb") as fh:  # last: a copy without it is read as incomplete
+                fh.write(marker)
             for child in tmp.iterdir():
                 os.chmod(child, 0o600)
-            if (tmp / META).is_file():  # else: removed or still being uploaded; the reader finds no marker
-                try:
-                    os.rename(tmp, target)
-                except OSError:  # another rank of this node fetched it first (same bytes: names are never reused)
-                    shutil.rmtree(tmp, ignore_errors=True)
+            try:
+                os.rename(tmp, target)
+            except OSError:  # another rank of this node fetched it first (same bytes: names are never reused)
+                shutil.rmtree(tmp, ignore_errors=True)
         finally:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)

@@ -115,7 +115,7 @@ def decode(buffer: Any, name: str) -> dict[str, Any]:
         raise PartFormatError(f"{name}: header length {length} does not fit the file ({view.nbytes} bytes)")
     try:
         header = json.loads(view[16:16 + length].tobytes())
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         raise PartFormatError(f"{name}: the header is not JSON ({exc})") from exc
     if not isinstance(header, dict) or header.get("format") != FORMAT or not isinstance(header.get("tensors"), list) \
             or not isinstance(header.get("rank"), int):
@@ -135,7 +135,8 @@ def _is_ints(value: Any) -> bool:
 
 
 def _entry(entry: Any, view: memoryview, base: int, name: str) -> tuple[torch.Tensor, list[int]]:
-    if not isinstance(entry, dict) or not isinstance(entry.get("key"), str) or entry.get("dtype") not in _DTYPES \
+    if not isinstance(entry, dict) or not isinstance(entry.get("key"), str) or not isinstance(entry.get("dtype"), str) \
+            or entry.get("dtype") not in _DTYPES \
             or not _is_ints(entry.get("shape")) or not _is_ints(entry.get("offset")) \
             or not _is_ints([entry.get("start"), entry.get("nbytes")]) \
             or len(entry["offset"]) != len(entry["shape"]):

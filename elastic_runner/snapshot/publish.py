@@ -143,7 +143,11 @@ def _stale_instead(store: LocalStore, generation: int, exc: Exception) -> Except
 
 
 def _prune(store: LocalStore, keep_last: int, newest: SnapshotRef) -> list[str]:
-    complete = store.complete()
+    """Delete this run's snapshots older than the ``keep_last`` newest. A name later than the one publishing (the
+    fence just checked that its generation is the newest, and a generation's steps only grow) was put there by
+    something else: it counts for nothing here (a reader moves it aside), so it never makes the job's own snapshots
+    look old."""
+    complete = [ref for ref in store.complete() if ref <= newest]
     keep = set(complete[-keep_last:])
     errors = []
     for ref in complete:

@@ -50,7 +50,7 @@ def select_newest(dist: Any, store: LocalStore, *, fingerprint: dict[str, str], 
         complete = store.complete()
         newest_disk = complete[-1] if complete else None
         if best_memory is None or (newest_disk is not None and newest_disk > best_memory.ref):
-            loaded = find_newest(store, map_location="cpu", verify=verify, on_rejected=on_rejected)
+            loaded = find_newest(store, map_location="cpu", verify=verify, on_rejected=on_rejected, run_uid=run_uid)
         if best_memory is not None and (loaded is None or best_memory.ref > loaded.ref):
             decision, loaded = ("memory", best_memory.rank, [best_memory.generation, best_memory.step]), None
         elif loaded is not None:

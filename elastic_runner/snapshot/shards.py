@@ -23,9 +23,11 @@ HSDP's replicas hold the same shards: only the ranks of the first replica write 
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
+import re
 import time
 import weakref
 from pathlib import Path
@@ -35,7 +37,7 @@ import torch
 
 from ..files import open_file
 from . import part_file
-from .store import CorruptSnapshotError, SnapshotError, SnapshotUnavailableError
+from .store import STATE, CorruptSnapshotError, SnapshotError, SnapshotUnavailableError
 
 MARKER = "__shard__"
 #: 2: part files in :mod:`.part_file`'s raw format (``part-RRRRR.bin``); 1: ``torch.save`` (``part-RRRRR.pt``), still read.
@@ -43,6 +45,10 @@ SHARD_FORMAT = 2
 #: Rank 0 waits at least this long for the other ranks' parts before it gives a snapshot up (longer when writing
 #: its own part took long: :func:`~.publish.write_sharded`).
 PART_WAIT_MIN_S = 60.0
+
+
+#: The names of parts (``part_name``; ``.pt``: the older format).
+_PART_FILE = re.compile(r"part-[0-9]{5,9}\.(bin|pt)")
 
 
 def part_name(rank: int) -> str:
@@ -239,10 +245,9 @@ def check_sharded_meta(name: str, meta: dict[str, Any]) -> list[dict[str, Any]]:
         raise CorruptSnapshotError(f"{name}: meta.json field 'sharded' is malformed")
     parts = sharded["parts"]
     for part in parts:
-        ok = isinstance(part, dict) and isinstance(part.get("file"), str) and isinstance(part.get("size_bytes"), int) \
-            and isinstance(part.get("sha256"), str) and len(part["sha256"]) == 64
-        if not ok or "/" in part["file"] or not part["file"].startswith("part-") \
-                or not part["file"].endswith((".bin", ".pt")):
+        ok = isinstance(part, dict) and isinstance(part.get("file"), str) and type(part.get("size_bytes")) is int \
+            and part["size_bytes"] >= 0 and isinstance(part.get("sha256"), str) and len(part["sha256"]) == 64
+        if not ok or not _PART_FILE.fullmatch(part["file"]):  # a name of ours: no path, no NUL, no odd length
             raise CorruptSnapshotError(f"{name}: meta.json lists a malformed part {str(part)[:80]!r}")
     if not parts:
         raise CorruptSnapshotError(f"{name}: meta.json lists no parts")
@@ -258,6 +263,18 @@ def check_part_sizes(name: str, meta: dict[str, Any], sizes: dict[str, int]) -> 
         if size != part["size_bytes"]:
             raise CorruptSnapshotError(f"{name}: {part['file']} has {size} bytes, the marker says "
                                        f"{part['size_bytes']} (truncated or replaced)")
+
+
+def listed_objects(name: str, meta: dict[str, Any], sizes: dict[str, int]) -> list[str]:
+    """The files snapshot ``name``'s checked marker lists (``state.pt`` and any parts), each seen in a listing
+    (``sizes``: file name -> bytes) at the size the marker says: what a copy of it fetches, and nothing else."""
+    if sizes.get(STATE) != meta["size_bytes"]:
+        found = "is missing" if STATE not in sizes else f"has {sizes[STATE]} bytes"
+        raise CorruptSnapshotError(f"{name}: {STATE} {found}, the marker says {meta['size_bytes']} bytes")
+    if "sharded" not in meta:
+        return [STATE]
+    check_part_sizes(name, meta, sizes)
+    return [STATE, *(part["file"] for part in meta["sharded"]["parts"])]
 
 
 def verify_parts(directory: Path, meta: dict[str, Any], verify: bool = True) -> None:
@@ -280,6 +297,9 @@ def verify_parts(directory: Path, meta: dict[str, Any], verify: bool = True) -> 
         except FileNotFoundError as exc:
             raise CorruptSnapshotError(f"{directory.name}: {part['file']} is missing (a rank's part)") from exc
         except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.EISDIR):  # a link or a directory where the part should be: planted
+                raise CorruptSnapshotError(f"{directory.name}: {part['file']} is not a regular file "
+                                           f"({exc.strerror})") from exc
             raise SnapshotUnavailableError(f"{directory.name}: cannot read {part['file']} ({exc.strerror}); is the "
                                            "filesystem healthy?") from exc
 
@@ -294,7 +314,10 @@ class PartReader:
 
     def __init__(self, directory: Path, meta: dict[str, Any], loaded: list[dict[str, Any]] | None = None) -> None:
         self.directory = directory
-        self.names = [p["file"] for p in check_sharded_meta(directory.name, meta)]
+        parts = check_sharded_meta(directory.name, meta)
+        self.names = [p["file"] for p in parts]
+        #: What the parts hold in all: no tensor a marker describes can be larger.
+        self.total_bytes = sum(p["size_bytes"] for p in parts)
         #: Parts already in memory (received from the nodes that held them), instead of the files.
         self._parts: list[dict[str, Any]] | None = loaded
 
@@ -323,6 +346,12 @@ class PartReader:
         dtype = getattr(torch, str(marker.get("dtype")), None)
         if not isinstance(dtype, torch.dtype):
             raise CorruptSnapshotError(f"{self.directory.name}: shard {key} has an unknown dtype {marker.get('dtype')!r}")
+        numel = 1
+        for n in shape:
+            numel *= n
+        if numel * torch.empty((), dtype=dtype).element_size() > self.total_bytes:  # before any allocation
+            raise CorruptSnapshotError(f"{self.directory.name}: shard {key} is described as larger ({shape}) than "
+                                       "every part together")
         out = torch.empty(shape, dtype=dtype)
         covered = 0
         filled: list[list[tuple[int, int]]] = []  # the boxes written so far: two parts never write the same value
@@ -370,7 +399,9 @@ def place(value: Any, like: Any, reader: PartReader | None) -> Any:
     if is_marker(value):
         if reader is None:
             raise CorruptSnapshotError(f"shard {value[MARKER]} in a snapshot that lists no parts")
-        shape = [int(n) for n in value.get("shape", [])]
+        shape = value.get("shape", [])
+        if not isinstance(shape, list) or not all(type(n) is int and 0 <= n < 1 << 48 for n in shape):
+            raise CorruptSnapshotError(f"shard {str(value[MARKER])[:80]} has a malformed shape {str(shape)[:80]}")
         if is_dtensor(like) and list(like.shape) == shape:
             offset, local = target_box(like, shape)
             return _as_dtensor(reader.box(value, offset, local), like, shape)

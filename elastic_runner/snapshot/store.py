@@ -312,6 +312,11 @@ class LocalStore:
 
     def quarantine(self, ref: SnapshotRef, reason: str) -> None:
         target = self.root / f"corrupt-{ref.name}"
+        reason = reason.encode("utf-8", "backslashreplace").decode()  # whatever text a planted marker held
+        for n in range(2, 100):  # a name taken already (moved aside before, or planted) must not keep it in place
+            if not os.path.lexists(target):
+                break
+            target = self.root / f"corrupt-{ref.name}-{n}"
         try:
             os.rename(self.path(ref), target)
             with open_file(target / "REASON", "w") as fh:
@@ -341,21 +346,18 @@ class LocalStore:
         try:
             fh = open_file(path, "w", exclusive=True)
         except FileExistsError:
-            return path.read_text().strip()
+            return _run_id(path)
         with fh:
             fh.write(uuid.uuid4().hex)
             fh.flush()
             os.fsync(fh.fileno())
         fsync_dir(self.root)
-        return path.read_text().strip()
+        return _run_id(path)
 
     def existing_run_uid(self) -> str:
         """The run id if the run has one ("" if not); creates nothing."""
         path = self.root / "run-id"
-        try:
-            return path.read_text().strip() if path.is_file() else ""
-        except OSError as exc:
-            raise SnapshotError(f"cannot read {path} ({exc.strerror})") from exc
+        return _run_id(path) if path.is_file() else ""
 
     # -- fencing -------------------------------------------------------------------------
 
@@ -392,9 +394,10 @@ class LocalStore:
 
     def generation_info(self, generation: int) -> dict[str, Any]:
         try:
-            return json.loads((self.generations / f"{generation:06d}").read_text())
-        except (OSError, ValueError):
+            info = json.loads((self.generations / f"{generation:06d}").read_bytes()[:4096])
+        except (OSError, ValueError, RecursionError):
             return {}
+        return info if isinstance(info, dict) else {}
 
     def check_fence(self, generation: int) -> None:
         newest = self.newest_generation()
@@ -402,11 +405,29 @@ class LocalStore:
             raise fence_error(generation, newest, self.generation_info(newest), str(self.root))
 
 
+def _run_id(path: Path) -> str:
+    """The run id in ``path`` (:meth:`LocalStore.run_uid` writes 32 hex digits)."""
+    try:
+        text = path.read_bytes()[:256].decode("ascii").strip()
+    except OSError as exc:
+        raise SnapshotError(f"cannot read {path} ({exc.strerror})") from exc
+    except UnicodeDecodeError:
+        text = ""
+    if not re.fullmatch(r"[0-9A-Za-z_.-]{1,128}", text):
+        raise SnapshotError(f"{path} does not hold a run id: it was changed or damaged. Restore it "
+                            "from a snapshot's meta.json (its run_uid), or start a new run.dir")
+    return text
+
+
 def fence_error(generation: int, newest: int, info: dict[str, Any], location: str) -> StaleWriterError:
     """Why a writer of ``generation`` must stop: ``newest`` was claimed (``info``: by whom, when)."""
+    claimed = info.get("claimed_at")
+    try:
+        when = time.strftime("%H:%M:%S", time.localtime(claimed)) if isinstance(claimed, (int, float)) else "?"
+    except (OverflowError, ValueError, OSError):
+        when = "?"  # a claim's file is the run directory's: what it says is only a hint
     return StaleWriterError(
-        f"generation {generation} is stale: generation {newest} was started at "
-        f"{time.strftime('%H:%M:%S', time.localtime(info.get('claimed_at', 0)))} by {info.get('host', '?')} "
-        f"(pid {info.get('pid', '?')}). Another rendezvous round owns {location}; this worker "
+        f"generation {generation} is stale: generation {newest} was started at {when} by "
+        f"{str(info.get('host', '?'))[:80]} (pid {str(info.get('pid', '?'))[:20]}). Another rendezvous round owns {location}; this worker "
         "stops instead of overwriting its snapshots (split brain)"
     )

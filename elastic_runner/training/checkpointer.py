@@ -26,16 +26,17 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 
 from .. import __version__
 from ..config import Config
 from ..observe.events import read_events
-from ..snapshot import Loaded, SnapshotError, SnapshotWriter, require_ok
+from ..snapshot import Loaded, SnapshotError, SnapshotRef, SnapshotWriter, find_newest, load_exact, open_store, require_ok
 from ..snapshot.interval import AutoSchedule, SharedInterval, failures_seen
 from ..snapshot.memory import MemoryTier, memory_root, sweep_abandoned_memory
 from ..snapshot.selection import select_newest
@@ -50,7 +51,7 @@ from .sharding import localize
 if TYPE_CHECKING:
     from ..observe.events import EventLog
     from ..observe.metrics import Metrics
-    from ..snapshot import LocalStore, SnapshotRef
+    from ..snapshot import LocalStore
     from ..worker.dist import Dist
     from ..worker.env import WorkerEnv
     from .parts import TrainingParts
@@ -114,6 +115,9 @@ class Checkpointer:
         self.auto: AutoSchedule | None = None
         #: Steps whose durable snapshot is known to be complete (filled on success only).
         self.saved_steps: set[int] = set()
+        #: Where this run began when it started from another run's snapshot (``snapshot.resume_from``): the audit's
+        #: first step, and the position in the epoch before which the samples are the other run's.
+        self.started_from: dict[str, Any] | None = None
         #: Set once the main thread takes the last state of this attempt (a stop or a failure it
         #: handles): the watchdog's handler must then leave the exit to the main thread.
         self.ending = threading.Event()
@@ -200,9 +204,17 @@ class Checkpointer:
         else:
             loaded = select_newest(self.dist, self.store, fingerprint=self.fingerprint, run_uid=self.run_uid,
                                    verify=cfg.snapshot.verify, memory=self.memory, on_rejected=rejected)
+        another_run = loaded is None and bool(cfg.snapshot.resume_from)
+        if another_run:
+            loaded = self._from_another_run(cfg.snapshot.resume_from, rejected)  # type: ignore[arg-type]
         if loaded is None:
             return None
         skipped = self._load(loaded, check_compatible(loaded, cfg, self.identity))
+        if another_run:  # where the audit of this run begins: what came before is the other run's
+            sampler = self.parts.sampler.state_dict()  # type: ignore[union-attr]
+            self.started_from = {"step": self.state.step, "epoch": sampler.get("epoch", 0),
+                                 "consumed": sampler.get("consumed", 0), "snapshot": loaded.ref.name,
+                                 "taken": sampler.get("taken")}
         self.at_boundary()
         if loaded.tier == "disk":
             self.saved_steps.add(self.state.step)  # a memory copy is not durable: the final save must still happen
@@ -211,6 +223,27 @@ class Checkpointer:
             self.sharded_memory.schedule.last = self.state.step
         self.events.emit("snapshot_loaded", snapshot=loaded.ref.name, step=self.state.step, skipped=skipped,
                          tier=loaded.tier)
+        return loaded
+
+    def _from_another_run(self, location: str, rejected: Callable[[SnapshotRef, str], None]) -> Loaded:
+        """``snapshot.resume_from``: the newest intact snapshot of another run, read and never changed (a collective;
+        this run has none of its own yet). Its run id is not this run's: that is the point."""
+        other = open_store(location, local=os.path.join(self.cfg.run.dir, ".objects-resume-from"))
+        found = find_newest(other, verify=self.cfg.snapshot.verify, on_rejected=rejected, readonly=True) \
+            if self.dist.rank == 0 else None
+        name = self.dist.broadcast_object(found.ref.name if found is not None else None)
+        if name is None:
+            raise ResumeError(f"snapshot.resume_from {location!r} holds no intact snapshot to start from; point it at "
+                              "another run's snapshot directory (RUN_DIR/snapshots) or bucket, or remove it")
+        ref = SnapshotRef.parse(name)
+        assert ref is not None
+        loaded = found if found is not None else load_exact(other, ref, map_location="cpu",
+                                                            verify=self.cfg.snapshot.verify)
+        if self.dist.rank == 0:
+            log.warning("this run starts from another run's snapshot %s in %s (snapshot.resume_from); its own "
+                        "snapshots follow from it", name, location)
+            self.events.emit("resumed_from_another_run", location=location, snapshot=name,
+                             their_run_uid=loaded.meta.get("run_uid", ""))
         return loaded
 
     def _load(self, loaded: Loaded, compat: Compatibility) -> list[str]:

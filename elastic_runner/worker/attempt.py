@@ -168,6 +168,32 @@ class Attempt:
             if records is not None:
                 records.close(final=last_upload)  # after the last event: the whole attempt reaches the bucket
 
+    def _audit_header(self, parts: TrainingParts, resumed: bool) -> dict[str, Any]:
+        """The first record of this rank's audit trail: the dataset and its order, and where the attempt resumed (a
+        snapshot's step and sampler position prove what came before it, should every record of it be lost)."""
+        cfg, w, sampler = self.cfg, self.workload, parts.sampler
+        mixture = sampler.state_dict() if isinstance(w.train, MixtureDataset) else None
+        header = {"num_samples": w.num_train, "seed": cfg.run.seed, "shuffle": cfg.data.shuffle,
+                  "partial_batch": cfg.data.partial_batch, "global_batch": self.layout.global_size,
+                  "sampler": "mixture" if mixture else cfg.data.sampler,
+                  # The order this attempt follows, as resumed: a run from before order kinds goes on in randperm.
+                  "order": getattr(sampler, "order_kind", DEFAULT_ORDER)}
+        epoch, consumed = getattr(sampler, "epoch", None), getattr(sampler, "consumed", None)
+        if resumed and isinstance(epoch, int) and isinstance(consumed, int):
+            header["resumed_at"] = {"step": self.state.step, "epoch": epoch, "consumed": consumed}
+        if self.checkpointer.started_from:
+            header["started_from"] = self.checkpointer.started_from
+        if mixture:
+            header["sources"] = [{"label": label, "samples": n, "weight": weight}
+                                 for label, n, weight in zip(mixture["labels"], mixture["sizes"], mixture["weights"])]
+        return header
+
+    def _records_soon(self) -> None:
+        """At the first step: this attempt's records at once, and a second later (off the recovery's critical path)
+        whatever of the node's earlier attempts the bucket still lacks."""
+        assert self.records is not None
+        self.records.soon(then_all_after=1.0)
+
     def reusable(self) -> Workload | None:
         """What the next attempt of this process may train instead of building it again (in-process recovery):
         the workload of a replicated model with the ordered gradient sync. A sharded model's parameters were
@@ -329,15 +355,8 @@ class Attempt:
         ckpt.open_writer()
         audit = None
         if cfg.audit.samples:
-            mixture = parts.sampler.state_dict() if isinstance(w.train, MixtureDataset) else None
-            audit = AuditWriter(cfg.run.dir, generation=self.generation, rank=env.rank, world_size=env.world_size, header={
-                "num_samples": w.num_train, "seed": cfg.run.seed, "shuffle": cfg.data.shuffle,
-                "partial_batch": cfg.data.partial_batch, "global_batch": self.layout.global_size,
-                "sampler": "mixture" if mixture else cfg.data.sampler,
-                # The order this attempt follows, as resumed: a run from before order kinds goes on in randperm.
-                "order": getattr(parts.sampler, "order_kind", DEFAULT_ORDER),
-            } | ({"sources": [{"label": label, "samples": n, "weight": weight} for label, n, weight in
-                             zip(mixture["labels"], mixture["sizes"], mixture["weights"])]} if mixture else {}))
+            audit = AuditWriter(cfg.run.dir, generation=self.generation, rank=env.rank, world_size=env.world_size,
+                                header=self._audit_header(parts, resumed))
             if self.records is not None:
                 self.records.soon()  # the header says this rank is in the attempt, should its node be lost early
         sync: parallel.GradientSync
@@ -367,7 +386,7 @@ class Attempt:
                           self._source("train", w.train, cfg.run.seed + parts.sampler.epoch), ckpt,
                           total_steps=self.total_steps, start=AttemptStart(self.started_at, resumed, self.resume_info),
                           stop=self.stop, events=self.events, metrics=self.metrics, watchdog=self.watchdog,
-                          on_first_step=self.records.soon if self.records is not None else None,
+                          on_first_step=self._records_soon if self.records is not None else None,
                           park=self.park)
         try:
             return trainer.fit()

@@ -140,7 +140,7 @@ def test_a_graceful_stop_and_restart_on_nodes_with_empty_disks_resumes_from_a_bu
     preempted (SIGTERM), then two new nodes with empty directories and empty memory: they resume from the bucket
     alone, and the model is the uninterrupted run's to the bit; the audit, read from the bucket, is clean."""
     from elastic_runner.observe.events import read_events
-    from elastic_runner.observe.records import run_view
+    from elastic_runner.observe.records_view import run_view
 
     url = f"{s3_prefix}/snapshots"
     agents, nproc = LAYOUTS["2x2"]

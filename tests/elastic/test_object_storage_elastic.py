@@ -12,7 +12,7 @@ import pytest
 
 from elastic_runner.observe.audit import check_audit
 from elastic_runner.observe.events import read_events
-from elastic_runner.observe.records import run_view
+from elastic_runner.observe.records_view import run_view
 from elastic_runner.snapshot.object_store import ObjectStore
 from elastic_runner.testing.s3_server import S3Server
 

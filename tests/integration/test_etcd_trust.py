@@ -164,6 +164,15 @@ def test_make_secrets_gives_an_etcd_and_clients_that_accept_each_other_and_nobod
     assert stat.S_IMODE(out.stat().st_mode) == 0o700
     for private in ("ca.key", "peer-ca.key", "server.key", "peer.key", "client.key", "rdzv.key"):
         assert stat.S_IMODE((out / private).stat().st_mode) == 0o600, private
+    for job in ("job-a", "job-b"):  # one key per Job, beside the same certificates
+        made = subprocess.run([str(ROOT / "k8s" / "make-secrets.sh"), "--files-only", "--job", job, "test-ns"],
+                              env=os.environ | {"OUT": str(out)}, capture_output=True, text=True, timeout=120)
+        assert made.returncode == 0 and f"rdzv-{job}.key" in made.stdout, made.stderr[-2000:]
+    keys = {(out / name).read_text() for name in ("rdzv.key", "rdzv-job-a.key", "rdzv-job-b.key")}
+    assert len(keys) == 3, "each Job's key is its own"
+    refused = subprocess.run([str(ROOT / "k8s" / "make-secrets.sh"), "--files-only", "--job", "Job_1"],
+                             env=os.environ | {"OUT": str(out)}, capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and "--job 'Job_1' is not a Kubernetes name" in refused.stderr
     server = etcd_factory(tls=ServerTLS(str(out / "server.crt"), str(out / "server.key"), str(out / "ca.crt"),
                                         client_cert_auth=True, client_cert=str(out / "client.crt"),
                                         client_key=str(out / "client.key")))

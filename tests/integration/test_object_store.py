@@ -475,3 +475,41 @@ def test_inspect_reads_a_bucket_from_markers_and_sizes_and_downloads_only_to_ver
     verified = {e["name"]: e for e in inspect(url, verify=True)["snapshots"]}
     assert verified["step-000000040-gen-000001"].get("verified") and verified["step-000000020-gen-000001"].get("verified")
     assert not verified["step-000000030-gen-000001"]["complete"]
+
+
+def test_a_copy_fetches_only_what_its_marker_lists_at_the_sizes_it_says(store: ObjectStore, url: str, tmp_path: Path,
+                                                                         s3_server: S3Server) -> None:
+    """A writer of the bucket adds a large object under a snapshot's name, or swaps a listed one for a larger one:
+    a reader downloads neither (before: every object under the name was fetched, and then checked). With the
+    job's key, an unsigned marker that claims a newer format is damage, moved aside, not a reason to stop."""
+    from elastic_runner.snapshot.format import signing_key
+
+    with signing_key(b"k" * 32):
+        _fetch_only_the_listed(store, url, tmp_path, s3_server)
+
+
+def _fetch_only_the_listed(store: ObjectStore, url: str, tmp_path: Path, s3_server: S3Server) -> None:
+    w = writer_for(store)
+    for step in (10, 20, 30):
+        require_ok(w.save(step, capture(step), sync=True))
+    fs: Any = s3_server.filesystem()
+    prefix = url.removeprefix("s3://")
+    fs.pipe_file(f"{prefix}/step-000000030-gen-000001/extra.bin", b"\0" * (4 << 20))  # unlisted
+    fs.pipe_file(f"{prefix}/step-000000020-gen-000001/state.pt", b"\0" * (4 << 20))  # listed, another size
+    reader = node(url, tmp_path, "reader")
+
+    newest = reader.path(SnapshotRef(1, 30))
+    assert sorted(p.name for p in newest.iterdir()) == ["meta.json", "state.pt"]
+    with pytest.raises(SnapshotError, match="state.pt has 4194304 bytes, the marker says"):
+        reader.path(SnapshotRef(1, 20))
+    assert sorted(p.name for p in (tmp_path / "reader" / ".objects" / "cache").iterdir()) == [
+        "step-000000030-gen-000001"], "nothing of the swapped snapshot was downloaded"
+    (newest / "meta.json").unlink()  # out of the cache: the next read lists and fetches again
+    shutil.rmtree(newest)
+    fs.rm(f"{prefix}/step-000000030-gen-000001/extra.bin")
+    fs.pipe_file(f"{prefix}/step-000000030-gen-000001/meta.json", b'{"sha256": "' + b"0" * 64 + b'", "format": 3}')
+    rejected: list[str] = []
+    loaded = find_newest(reader, on_rejected=lambda ref, why: rejected.append(f"{ref.name}: {why}"))
+    assert loaded is not None and loaded.ref == SnapshotRef(1, 10)
+    assert len(rejected) == 2 and reader.corrupt() == ["corrupt-step-000000020-gen-000001",
+                                                       "corrupt-step-000000030-gen-000001"]

@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import json
 import logging
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from elastic_runner.observe.records import RecordSync, bucket_view, fetch_records, own_records, run_view
+from elastic_runner.observe.records import RecordSync, own_records
+from elastic_runner.observe.records_view import RecordsError, bucket_view, fetch_records, run_view
+from elastic_runner.snapshot.store import StoreAccessError
 from elastic_runner.testing.s3_server import S3Server
 
 pytestmark = [pytest.mark.timeout(180)]
@@ -86,12 +90,12 @@ def test_objects_planted_in_the_records_never_name_a_path_outside_the_view(
     fs.pipe_file(f"{prefix}/events/.hidden.jsonl/{inc}/000000000000000-000000000000003", b"x\n")
     fs.pipe_file(f"{prefix}/events/ok.jsonl/extra/{inc}/000000000000000-000000000000003", b"x\n")
     fs.pipe_file(f"{prefix}/events/ok.jsonl/{inc}/000000000000000-000000000000011", b'{"kind":1}\n')
-    # A chunk shorter than its name says ends the file at its last whole line (and does not hang the reader).
+    # A chunk of another size than its name says is a gap, never read (nor does it hang the reader).
     fs.pipe_file(f"{prefix}/events/short.jsonl/{inc}/000000000000000-000000000000100", b'{"kind":2}\n{"ki')
     view = fetch_records(records, tmp_path / "deep" / "view", fs=fs)
     written = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file() and ".chunks" not in str(p))
     assert written == ["deep/view/.records-from", "deep/view/events/ok.jsonl", "deep/view/events/short.jsonl"]
-    assert (view / "events/short.jsonl").read_bytes() == b'{"kind":2}\n'
+    assert (view / "events/short.jsonl").read_bytes() == b""
     assert (view.stat().st_mode & 0o077) == 0
     assert bucket_view(view)["cut_short"] == ["events/short.jsonl"], "a short chunk is a gap, said so"
 
@@ -238,3 +242,83 @@ def test_a_log_of_the_same_name_written_anew_on_a_replaced_node_is_kept_beside_t
              (fetch_records(records, tmp_path / "view", fs=fs) / "events/agent-host-7.jsonl").read_text().splitlines()]
     assert sorted((e["kind"], e["n"]) for e in lines) == sorted(
         [("old", n) for n in range(20)] + [("new", n) for n in range(30)]), "every line of both, none torn"
+
+
+def test_what_a_writer_of_the_bucket_adds_is_bounded_before_it_is_downloaded(
+        records: str, s3_server: S3Server, tmp_path: Path) -> None:
+    fs = s3_server.filesystem()
+    prefix = records.removeprefix("s3://")
+    node = tmp_path / "node"
+    append(node / "events/gen-000001-rank-00000.jsonl", *({"kind": "progress", "step": s} for s in range(20)))
+    (node / "config.yaml").write_text("run: {dir: x}\n")
+    RecordSync(node, records, fs=fs).sync()
+    inc = "0123456789abcdef"
+    fs.pipe_file(f"{prefix}/events/big.jsonl/{inc}/000000000000000-000000000000010", b"x" * (2 << 20))  # not 10
+    view = fetch_records(records, tmp_path / "view", fs=fs)
+    assert not [p for p in (view / ".chunks").rglob("*big*") if p.is_file()], "never downloaded"
+    assert bucket_view(view)["cut_short"] == ["events/big.jsonl"]
+    assert (view / "events/gen-000001-rank-00000.jsonl").read_bytes() == \
+        (node / "events/gen-000001-rank-00000.jsonl").read_bytes()
+
+    fs.pipe_file(f"{prefix}/config.yaml", b"#" * (2 << 20))  # a whole file far larger than a config
+    view = fetch_records(records, tmp_path / "view", fs=fs)
+    assert not (view / "config.yaml").exists()
+    with pytest.raises(RecordsError, match="add up to more than 0 MiB"):
+        fetch_records(records, tmp_path / "other-view", fs=fs, max_bytes=100)
+
+
+@pytest.mark.parametrize("named", ["http://169.254.169.254/latest/meta-data", "local:///etc",
+                                   "s3://user:secret@bucket/x"])
+def test_report_and_audit_follow_no_location_a_job_could_not_have_written_to(tmp_path: Path, named: str) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(f"snapshot: {{dir: '{named}'}}\n")
+    with pytest.raises(StoreAccessError, match="config.yaml: snapshot.dir: .* it is not followed") as refused:
+        run_view(str(run))
+    assert "secret" not in str(refused.value)
+    for command in (["audit", str(run)], ["report", str(run)]):
+        result = subprocess.run([sys.executable, "-m", "elastic_runner", *command], capture_output=True, text=True,
+                                timeout=120)
+        assert result.returncode != 0 and "it is not followed" in result.stderr and "Traceback" not in result.stderr
+        assert "secret" not in result.stderr
+
+
+def test_the_bucket_named_on_the_command_line_is_read_instead_of_the_configs(
+        records: str, s3_server: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for key, value in s3_server.env().items():
+        monkeypatch.setenv(key, value)
+    node = tmp_path / "node"
+    append(node / "audit/gen-000001-rank-00000.jsonl", *({"step": s} for s in range(3)))
+    RecordSync(node, records, fs=s3_server.filesystem()).sync()
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text("snapshot: {dir: 'http://example.invalid/x'}\n")
+    view = Path(run_view(str(run), records_from=records.removesuffix("/records")))
+    assert (view / "audit/gen-000001-rank-00000.jsonl").read_text().count("\n") == 3
+    with pytest.raises(StoreAccessError, match="--records-from"):
+        run_view(str(run), records_from="http://example.invalid/x")
+
+
+def test_an_earlier_attempts_records_follow_the_first_step_of_the_next_one_not_the_interval(
+        records: str, s3_server: S3Server, tmp_path: Path) -> None:
+    """A worker ended by a peer's failure leaves its records to the node's next worker; attempts shorter than the
+    interval would hand them on until a node lost with its disk took them along (before: 1,365 steps of a soak's
+    records never reached the bucket). The next attempt uploads them a moment after its first step."""
+    fs = s3_server.filesystem()
+    node = tmp_path / "node"
+    append(node / "audit/gen-000002-rank-00000.jsonl", *({"step": s} for s in range(300)))  # an earlier attempt's
+    append(node / "audit/gen-000003-rank-00000.jsonl", {"type": "header"})
+    sync = RecordSync(node, records, fs=fs, every_s=600,
+                      fresh=lambda relative: relative.endswith("gen-000003-rank-00000.jsonl")).start()
+    try:
+        sync.soon(then_all_after=0.5)
+        deadline = time.monotonic() + 20
+        earlier = len((node / "audit/gen-000002-rank-00000.jsonl").read_bytes())
+        while sync.uploaded_bytes < earlier:
+            assert time.monotonic() < deadline, "the earlier attempt's records did not follow within 20 s"
+            time.sleep(0.05)
+    finally:
+        sync.close(final=False)
+    view = fetch_records(records, tmp_path / "view", fs=fs)
+    assert (view / "audit/gen-000002-rank-00000.jsonl").read_bytes() == \
+        (node / "audit/gen-000002-rank-00000.jsonl").read_bytes()

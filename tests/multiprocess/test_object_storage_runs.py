@@ -17,7 +17,7 @@ import torch
 
 from elastic_runner import load_model
 from elastic_runner.observe.audit import check_audit, latest_step
-from elastic_runner.observe.records import run_view
+from elastic_runner.observe.records_view import run_view
 from elastic_runner.snapshot.format import read_meta, read_verified_bytes
 from elastic_runner.snapshot.object_store import ObjectStore
 from elastic_runner.testing.s3_server import S3Server

@@ -20,7 +20,10 @@ def header(**extra: object) -> dict:
 def simulate(run_dir: Path, generation: int, world: int, start_state: dict | None, steps: int,
              first_step: int, tamper=None, end: bool = False) -> dict:  # noqa: ANN001
     """Run `steps` steps of a `world`-rank job from `start_state`, writing its audit trail."""
-    writers = [AuditWriter(run_dir, generation=generation, rank=r, world_size=world, header=header()) for r in range(world)]
+    resumed = {"resumed_at": {"step": first_step, "epoch": start_state["epoch"], "consumed": start_state["consumed"]}} \
+        if start_state else {}  # as a resumed attempt's header says where its snapshot left the sampler
+    writers = [AuditWriter(run_dir, generation=generation, rank=r, world_size=world, header=header(**resumed))
+               for r in range(world)]
     samplers = [ElasticSampler(N, G, rank=r, world_size=world) for r in range(world)]
     for s in samplers:
         if start_state:
@@ -229,3 +232,35 @@ def test_a_malformed_record_is_a_violation_not_a_crash(tmp_path: Path) -> None:
         fh.write('[1, 2]\n{"type": "step", "generation": 1, "step": "five"}\n')
     report = check_audit(tmp_path)
     assert not report.ok and any("2 record(s) of the audit trail are malformed" in v for v in report.violations)
+
+
+def every_node_lost_after_step_3(run_dir: Path, resumed_position_shift: int = 0) -> None:
+    """Generation 1 at world 2 trained to step 9 and snapshotted there; both nodes uploaded their records up to step 3
+    and were lost with their disks; fresh nodes resumed from the bucket's snapshot of step 9 and finished."""
+    snap = simulate(run_dir, 1, 2, None, 9, 0)
+    for rank in (0, 1):
+        keep_steps_up_to(run_dir, 1, rank, 3)
+    simulate(run_dir, 2, 2, dict(snap, consumed=snap["consumed"] + resumed_position_shift), 11, 9, end=True)
+
+
+def test_records_lost_with_every_node_are_records_lost_not_samples_lost_where_a_resume_proves_the_steps(
+        tmp_path: Path) -> None:
+    """Measured in a soak before: a model that counted every sample's sightings said each was trained exactly once,
+    and the audit said VIOLATIONS FOUND (1,365 steps "have no records")."""
+    every_node_lost_after_step_3(tmp_path)
+    fetched_from_bucket(tmp_path)
+    report = check_audit(tmp_path)
+    assert report.ok and report.finished and report.final_step == 20, report.render()
+    assert report.records_lost == [{"generation": 0, "ranks": [], "first_step": 4, "last_step": 9, "proved_by_step": 9}]
+    assert [e.seen for e in report.epochs] == [40, 40, 40, 40]
+    assert "every record of steps 4-9 was lost with the nodes that held them (records lost, not samples)" in \
+        report.render()
+
+
+def test_without_a_bucket_or_with_a_resume_that_does_not_fit_the_records_it_stays_a_violation(tmp_path: Path) -> None:
+    every_node_lost_after_step_3(tmp_path / "shared")
+    assert any(v == "step 4 has no records" for v in check_audit(tmp_path / "shared").violations)
+    every_node_lost_after_step_3(tmp_path / "shifted", resumed_position_shift=-G)  # a position one step behind
+    fetched_from_bucket(tmp_path / "shifted")
+    report = check_audit(tmp_path / "shifted")
+    assert not report.ok and any(e.duplicates for e in report.epochs), report.render()

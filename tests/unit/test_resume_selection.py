@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 from pathlib import Path
 
 import pytest
@@ -15,19 +16,22 @@ from elastic_runner.snapshot import (
     find_newest,
     require_ok,
 )
+from elastic_runner.snapshot import format as snapshot_format
 
 from ..support import capture
 
 
-def test_a_transient_read_error_moves_nothing_aside(tmp_path: Path) -> None:
+def test_a_transient_read_error_moves_nothing_aside(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     store = LocalStore(tmp_path / "s")
     store.ensure()
     w = SnapshotWriter(store, generation=store.claim_generation({}), keep_last=3)
     require_ok(w.save(10, capture(10), sync=True))
-    state = store.path(SnapshotRef(1, 10)) / "state.pt"
-    state.unlink()
-    state.mkdir()  # reading it now fails with an OSError, as on a flaky NFS mount
-    with pytest.raises(SnapshotUnavailableError):
+
+    def flaky(path: object, *args: object, **kwargs: object) -> None:
+        raise OSError(errno.EIO, "Input/output error", str(path))  # as a flaky NFS mount answers
+
+    monkeypatch.setattr(snapshot_format, "_open_unfollowed", flaky)
+    with pytest.raises(SnapshotUnavailableError, match="Input/output error"):
         find_newest(store)
     assert store.complete() == [SnapshotRef(1, 10)] and store.corrupt() == []
 

@@ -688,7 +688,7 @@ def test_parts_that_overlap_are_refused_even_when_their_counts_add_up(tmp_path: 
     from elastic_runner.snapshot.shards import MARKER, SHARD_FORMAT, PartReader
 
     meta = {"sharded": {"format": SHARD_FORMAT, "parts": [
-        {"file": f"part-{i:05d}.bin", "size_bytes": 1, "sha256": "0" * 64} for i in range(2)]}}
+        {"file": f"part-{i:05d}.bin", "size_bytes": 4096, "sha256": "0" * 64} for i in range(2)]}}
     marker = {MARKER: "model/w", "dtype": "float32"}
     rows = torch.arange(8.0).view(2, 4)
     exact = [{"tensors": {"model/w": rows}, "offsets": {"model/w": [0, 0]}},
