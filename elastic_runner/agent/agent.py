@@ -76,6 +76,7 @@ from ..worker.lifecycle import (
 from ..worker.regroup import RegroupError, announce_replacement
 from . import fast_rendezvous, kept_round
 from .beat import AgentBeat
+from .finish import failed_after_finishing, wait_at_exit
 from .round_members import MemberWatch, WatchfulStore, gone_check
 from .torch_patches import KEEPING_WORKERS, usable
 from .worker_context import KeepingContext, as_keeping
@@ -388,6 +389,12 @@ class ElasticRunnerAgent(LocalElasticAgent):
         # What the next _restart_workers is for: torch restarts after a failure, or when a node waits to join.
         self._restart_reason = ("a worker failed" if result.state == WorkerState.FAILED
                                 else "a node is waiting to join")
+        if result.state == WorkerState.FAILED and failed_after_finishing(result.failures):
+            log.warning("rank(s) %s failed (exit status %s) after finishing the job, its final snapshot durable: the "
+                        "job is done here; no new round", sorted(result.failures),
+                        sorted({f.exitcode for f in result.failures.values()}))
+            self._notify("worker_failed_after_finishing", ranks=sorted(result.failures))
+            return RunResult(state=WorkerState.SUCCEEDED, return_values={w.global_rank: None for w in worker_group.workers})
         if result.state == WorkerState.FAILED:
             codes = sorted({f.exitcode for f in result.failures.values()})
             self._notify("worker_failed", exit_codes=codes, count=len(result.failures),
@@ -406,6 +413,28 @@ class ElasticRunnerAgent(LocalElasticAgent):
                 self._remaining_restarts = 0
         self._notify("state", state=result.state.name, remaining_restarts=self._remaining_restarts)
         return result
+
+    def _exit_barrier(self) -> None:
+        """torch's exit barrier, except that it stops waiting when a node asks for a new round instead of arriving
+        (:mod:`.finish`): the job is finished here, whatever that node does next."""
+        group, started = self._worker_group, time.monotonic()
+        self._in_exit_barrier = True
+        try:
+            how = wait_at_exit(self._store, group.group_world_size, self._exit_barrier_timeout,
+                               group.spec.rdzv_handler.num_nodes_waiting)
+        except SignalException:
+            raise
+        except Exception as exc:  # noqa: BLE001 - as torch's: the job's part here is done either way
+            log.warning("the exit barrier failed after %.1fs (%s: %s); this agent ends", time.monotonic() - started,
+                        type(exc).__name__, exc)
+            return
+        finally:
+            self._in_exit_barrier = False
+        if how == "new round":
+            log.warning("a node asked for a new round after this one finished the job (its worker failed late); not "
+                        "waiting for it: it resumes from the final snapshot on its own")
+        elif how == "timeout":
+            log.warning("not every agent reached the end within %.0fs; this agent ends", self._exit_barrier_timeout)
 
     def _count_out_lost(self, worker_group: WorkerGroup, lost: tuple[int, ...]) -> None:
         """Tell the rendezvous which members of the round this node's workers saw lost (their agents' beat stood

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Mapping
 
 
@@ -104,3 +105,34 @@ class WorkerEnv:
     def is_local_leader(self) -> bool:
         """The first worker on its node: the one that writes node-local state."""
         return self.local_rank == 0
+
+
+#: A worker's word to its agent that it finished the job (:func:`say_finished`), in the agent's private directory.
+FINISHED_PREFIX = "finished-"
+
+
+def say_finished(local_rank: int) -> None:
+    """Tell this worker's agent (elastic_runner's: its private directory is :data:`GOODPUT_FILE_VAR`'s) that it
+    finished the job, its final snapshot durable. Should the process still fail after this (in its teardown), the
+    agent takes the exit for the success it was: a new round that nobody joins — every other node waits in torch's
+    exit barrier — would hold the job up to its barrier's timeout (300 s)."""
+    directory = os.path.dirname(os.environ.get(GOODPUT_FILE_VAR, ""))
+    if not directory or not os.path.isdir(directory):
+        return  # torch's own agent, or none
+    from ..files import write_file_atomically
+
+    try:
+        write_file_atomically(Path(directory) / f"{FINISHED_PREFIX}{local_rank}", str(os.getpid()).encode())
+    except OSError:
+        pass  # the agent then judges the exit status alone, as torch's does
+
+
+def finished_pids(directory: str) -> set[int]:
+    """The processes that said :func:`say_finished` in ``directory`` (the agent's private one)."""
+    found = set()
+    for path in Path(directory).glob(f"{FINISHED_PREFIX}*") if directory else ():
+        try:
+            found.add(int(path.read_text().strip()))
+        except (OSError, ValueError):
+            continue
+    return found

@@ -32,7 +32,7 @@ from .attempt import Attempt
 from .dist import Dist
 from ..training.loop import MembershipChange
 from .ending import ending_for, peer_failure
-from .env import REPLACES_VAR, WorkerEnv
+from .env import REPLACES_VAR, WorkerEnv, say_finished
 from .lifecycle import (EXIT_OK, EXIT_PEER_LOST, EXIT_USAGE, StopRequest, die_with_parent, name_process,
                         process_start_time)
 from .preflight import warn_known_bad_setups
@@ -95,6 +95,7 @@ def run(cfg: Config, env: WorkerEnv, make_workload: Callable[[], Workload] | Non
             parking, lost = False, ()
             try:
                 attempt.run()
+                say_finished(env.local_rank)  # whatever happens to this process from here on, the job is done
                 break
             except MembershipChange as exc:
                 kept, parking, cause = attempt.reusable(), True, str(exc)

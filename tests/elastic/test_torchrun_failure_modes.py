@@ -117,3 +117,24 @@ def test_hung_process_group_creation_ends_within_the_configured_time(small_confi
     assert result.returncode == 75, result.stdout[-2000:]
     assert "was not ready within dist.init_timeout_seconds=3s" in result.stdout
     assert elapsed < 3 + 30, f"took {elapsed:.0f}s (interpreter start included)"
+
+
+@pytest.mark.timeout(240)
+def test_a_worker_that_fails_after_finishing_ends_the_job_in_seconds_not_the_exit_barriers_300(
+        small_config: Path, tmp_path: Path, local_job) -> None:  # noqa: ANN001
+    """Seen in a soak: a worker dies in the job's last moments; its agent started a new round that nobody joined,
+    while the other agents waited in torch's exit barrier for up to 300 s. Both agents need both nodes (2:2), so a
+    new round could never form."""
+    run_dir = tmp_path / "run"
+    program = [str(Path(__file__).parents[1] / "dies_after_finishing.py"), "--config", str(small_config),
+               "--set", f"run.dir={run_dir}", "--set", "train.max_steps=30"]
+    job = local_job(config=str(small_config), run_dir=str(run_dir), nnodes="2:2", launcher="elastic-runner",
+                    program=program, env={"PYTHONPATH": os.pathsep.join(sys.path)})
+    job.start_agent()
+    job.start_agent()
+    assert job.wait(timeout=200) == [0, 0], job.logs_tail()
+    (finished,) = [e for e in events(run_dir, "end") if e.get("rank") == 0]  # one attempt: no new round
+    ended = max(a.log_path.stat().st_mtime for a in job.agents)
+    assert ended - finished["time"] < 30, f"the agents ended {ended - finished['time']:.0f}s after the job finished"
+    assert "after finishing the job, its final snapshot durable" in job.logs_tail(200)
+    assert check_audit(run_dir).ok
