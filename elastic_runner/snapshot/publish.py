@@ -66,14 +66,15 @@ def write_sharded(store: LocalStore, generation: int, keep_last: int, ref: Snaps
     own_part: Callable[[], Any] | None = None
     try:
         store.check_fence(generation)
+        if rank != 0 and rank not in writers:
+            # Nothing to write, and no staging directory to make: a slow rank arriving after rank 0 published
+            # would make it again, and it would stay behind as a leftover beside the snapshot.
+            return Written(meta={"part": None, "step": ref.step})
         staging = store.shared_staging(ref)
         began = time.monotonic()
         if rank != 0:
-            record = write_part(staging, rank, state["part"]) if rank in writers else None
-            if record is not None:
-                store.share_part(staging, ref, rank)  # a bucket: the part goes where rank 0 looks for it
-            elif not store.is_local:
-                store.discard(staging)  # a bucket's staging is this rank's own, and it wrote nothing into it
+            record = write_part(staging, rank, state["part"])
+            store.share_part(staging, ref, rank)  # a bucket: the part goes where rank 0 looks for it
             return Written(meta={"part": record, "step": ref.step})
         # Rank 0's own part in a thread while it writes state.pt (the rest of the state): the two fsyncs overlap.
         if rank in writers:

@@ -302,6 +302,21 @@ def test_a_stale_generation_cannot_publish_a_sharded_snapshot(tmp_path: Path) ->
     assert store.complete() == []
 
 
+def test_a_rank_with_no_part_to_write_leaves_nothing_beside_the_published_snapshot(tmp_path: Path) -> None:
+    """hsdp's second replica writes no part; arriving after rank 0 published, it must not make the staging
+    directory again (before: a `.tmp-...-sharded` leftover that `snapshot inspect` lists as incomplete)."""
+    store = LocalStore(tmp_path / "snapshots")
+    store.claim_generation({})
+    ref = SnapshotRef(generation=1, step=5)
+    meta = {"step": 5, "generation": 1, "world_size": 4, "run_uid": "ours", "fingerprint": {"model": "x"}}
+    for rank in (1, 0, 2, 3):  # ranks 2 and 3 (the second replica) come last
+        part = {"tensors": {"model/w": torch.full((2,), float(rank))}, "offsets": {"model/w": [2 * rank]}}
+        written = write_sharded(store, 1, 3, ref, {"replicated": {"model": {}} if rank == 0 else None, "part": part},
+                                meta, rank=rank, writers=[0, 1])
+        assert rank < 2 or written.meta["part"] is None
+    assert store.complete() == [ref] and store.incomplete() == []
+
+
 # -- what is sharded, and bad input ------------------------------------------------------------------------------
 
 
