@@ -15,14 +15,12 @@ corpus's index is built once, by ``elastic-runner data index`` or the first work
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 import yaml
 

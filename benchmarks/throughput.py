@@ -24,13 +24,17 @@ with other load:
   ``-no-memory`` and ``-no-watchdog``: one of those three off alone (which one costs what);
 - ``elastic-runner-compiled``: defaults but ``model.compile: true`` — what torch.compile gains or costs, as the median
   of per-repeat pair ratios with ``elastic-runner`` (``compiled_vs_uncompiled``); the compile itself happens before
-  the measured steps.
+  the measured steps;
+- ``elastic-runner-untimed``: defaults but ``recovery.straggler_ratio: null`` (no step timed for stragglers):
+  ``timed_vs_untimed``, the median of per-repeat pair ratios with ``elastic-runner``.
 
     .venv/bin/python benchmarks/throughput.py --repeats 3 --out results/throughput.json
     cd benchmarks && ../.venv-vision/bin/python throughput.py --workloads cnn,gpt \
         --variants elastic-runner,elastic-runner-ddp --repeats 5      # the ordered gradient sync against DDP
     cd benchmarks && ../.venv-vision/bin/python throughput.py --workloads cnn,gpt \
         --variants elastic-runner,elastic-runner-compiled --repeats 3 # a compiled model against the same uncompiled
+    cd benchmarks && ../.venv-vision/bin/python throughput.py --workloads cnn,gpt \
+        --variants elastic-runner,elastic-runner-untimed --repeats 5  # what the stragglers' timing costs
     cd benchmarks && ../.venv-vision/bin/python throughput.py --workloads gpt \
         --variants elastic-runner-fsdp,baseline-fsdp --repeats 5     # FSDP2: ours against the plain script
     cd benchmarks && python throughput.py --gpu --workloads gpt --gpt-size 12,12,768 \
@@ -51,6 +55,8 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "elastic-runner": ("elastic-runner", {}),
     "elastic-runner-ddp": ("elastic-runner", {"dist.gradient_sync": "ddp"}),  # right after: a pair per repeat
     "elastic-runner-compiled": ("elastic-runner", {"model.compile": True}),  # likewise
+    # Defaults without the stragglers' timing (recovery.straggler_ratio: null): what timing every step costs
+    "elastic-runner-untimed": ("elastic-runner", {"recovery.straggler_ratio": None}),
     # FSDP2 (right after each other: a pair per repeat): ours against the plain script with FSDP2 and DCP checkpoints
     "elastic-runner-fsdp": ("elastic-runner", {"parallel.strategy": "fsdp"}),
     "baseline-fsdp": ("torchrun-tuned", {"baseline_args": ["--parallel", "fsdp"]}),
@@ -98,7 +104,7 @@ def measure(name: str, workload: Workload, workdir: Path, repeats: int, steps: i
     rates: dict[str, list[float]] = {variant: [] for variant in chosen}
     blocking: list[float] = []
     #: Ratios of two variants run back to back, one pair per repeat: ordered / DDP sync, compiled / uncompiled.
-    pairs: dict[str, list[float]] = {"ordered_vs_ddp_sync": [], "compiled_vs_uncompiled": [],
+    pairs: dict[str, list[float]] = {"ordered_vs_ddp_sync": [], "compiled_vs_uncompiled": [], "timed_vs_untimed": [],
                                      "fsdp_vs_plain_fsdp": [], "fsdp_bare_vs_plain_fsdp": []}
     for _ in range(repeats):
         this: dict[str, float] = {}
@@ -112,6 +118,7 @@ def measure(name: str, workload: Workload, workdir: Path, repeats: int, steps: i
             print(f"{name} {variant}: {rates[variant]}", flush=True)
         for key, (ours, other) in {"ordered_vs_ddp_sync": ("elastic-runner", "elastic-runner-ddp"),
                                    "compiled_vs_uncompiled": ("elastic-runner-compiled", "elastic-runner"),
+                                   "timed_vs_untimed": ("elastic-runner", "elastic-runner-untimed"),
                                    "fsdp_vs_plain_fsdp": ("elastic-runner-fsdp", "baseline-fsdp"),
                                    "fsdp_bare_vs_plain_fsdp": ("elastic-runner-fsdp-bare", "baseline-fsdp")}.items():
             if this.get(ours) and this.get(other):

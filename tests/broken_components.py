@@ -1,10 +1,13 @@
 """Test-only components, injected through config (``--set data.sampler=tests.broken_components:NAME``):
 deliberately broken ones prove the checkers can fail; a paced one makes a job last long enough for a
-fault, however fast the machine trains."""
+fault, however fast the machine trains; a slow one makes one rank a straggler."""
 
 from __future__ import annotations
 
+import os
 import time
+
+import torch
 
 from elastic_runner.data.sampler import ElasticSampler, StepPlan
 
@@ -27,3 +30,25 @@ class PacedSampler(ElasticSampler):
     def advance(self, plan: StepPlan) -> None:
         time.sleep(0.04)
         super().advance(plan)
+
+
+class _SlowOnOneRank(torch.nn.Module):
+    """A small digits classifier whose forward on one rank takes ``delay_s`` more while ``while_file`` exists: a
+    rank on a slow device, for as long as the test keeps the file."""
+
+    def __init__(self, rank: int, while_file: str, delay_s: float) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 32), torch.nn.ReLU(),
+                                       torch.nn.Linear(32, 10))
+        self.slow = int(os.environ.get("RANK", "0")) == rank
+        self.while_file, self.delay_s = while_file, delay_s
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.slow and self.training and os.path.exists(self.while_file):
+            time.sleep(self.delay_s)
+        return self.net(x)
+
+
+def slow_on_one_rank(rank: int = 1, while_file: str = "", delay_s: float = 0.03) -> torch.nn.Module:
+    """``model.name: tests.broken_components:slow_on_one_rank``."""
+    return _SlowOnOneRank(rank, while_file, delay_s)

@@ -114,6 +114,11 @@ class Metrics:
                                  ["rank", "metric"], registry=r)
         self.nonfinite = counter("nonfinite_steps", "Steps whose gradient was not finite and that were skipped "
                                  "(train.on_nonfinite: skip).")
+        self.step_local = gauge("step_local_seconds", "This rank's local time per step (batches, forward, backward, "
+                                "update: all but the wait for the gradient sync), over the last logging window.")
+        self.step_local_ratio = gauge("step_local_ratio", "This rank's local time per step over the median rank's, "
+                                      "over the last logging window (recovery.straggler_ratio).")
+        self.straggler = gauge("straggler", "1 while this rank is named a straggler (recovery.straggler_ratio).")
         self.job = _JobCounters(self.rank)
         r.register(self.job)
         build = Info(PREFIX + "build", "Versions of this worker.", registry=r)

@@ -10,13 +10,15 @@ writes progress lines and events that speak for the whole job.
 
 from __future__ import annotations
 
+import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
 from ..observe.goodput import publish_goodput
 from ..observe.logs import Progress
+from ..observe.stragglers import Straggler, StragglerWatch
 
 if TYPE_CHECKING:
     from ..config import Config
@@ -28,6 +30,8 @@ if TYPE_CHECKING:
     from ..worker.dist import Dist
     from .state import TrainState
     from .step import StepResult
+
+log = logging.getLogger(__name__)
 
 
 class StepBooks:
@@ -49,6 +53,10 @@ class StepBooks:
         self._productive_mark = time.monotonic()  #: end of the time already counted as productive
         self._published_at: float | None = None  #: when local rank 0 last left the clock for its agent
         self._step_started = 0.0
+        # Where a slow rank is told from a waiting one (the wait for the gradient sync is timed apart): ordered ddp.
+        names = cfg.parallel.strategy == "ddp" and cfg.dist.gradient_sync == "ordered"
+        self.stragglers = StragglerWatch(cfg.recovery.straggler_ratio if names else None,
+                                         cfg.recovery.straggler_window_steps)
 
     # -- around each step ----------------------------------------------------------------------------------
 
@@ -105,11 +113,22 @@ class StepBooks:
         if self.rank0:
             self.progress.note(text)
 
-    def report_progress(self, step: int, epoch: int, lr: float) -> None:
-        """The loss over the window since the last report (a collective), the rate, goodput: a progress line."""
+    def report_progress(self, step: int, epoch: int, lr: float, local: tuple[float, int] = (0.0, 0)) -> None:
+        """The loss over the window since the last report (a collective), the rate, goodput: a progress line;
+        ``local``: this rank's local seconds and steps timed in the window (:class:`~.step_clock.StepClock`)."""
         m, state = self.metrics, self.state
-        loss_sum, count = self.dist.all_reduce_sum(self._window_loss.clone()).tolist()
+        world, rank = self.dist.world_size, self.dist.rank
+        timed = self.cfg.recovery.straggler_ratio is not None
+        # Each rank's local time in its own slots of the sum that adds the loss up: every rank learns every rank's
+        # (adding zeros is exact), with no collective of its own.
+        timing = torch.zeros(3 * world if timed else 0, dtype=torch.float64)
+        if timed:
+            timing[3 * rank:3 * rank + 3] = torch.tensor([local[0], local[1], self.dist.env.group_rank])
+        summed = self.dist.all_reduce_sum(torch.cat([self._window_loss, timing.to(self._window_loss.device)])).tolist()
+        loss_sum, count = summed[:2]
         self._window_loss.zero_()
+        if timed:
+            self._note_stragglers(step, summed[2::3], summed[3::3], summed[4::3])
         window_steps = step - self._window_first_step
         self._window_first_step = step
         now = time.monotonic()
@@ -141,6 +160,26 @@ class StepBooks:
             self.events.emit("progress", window_steps=window_steps, total_steps=self.total_steps, **fields)
             self.progress.report(fields)
 
+    def _note_stragglers(self, step: int, local_s: Sequence[float], steps: Sequence[float],
+                         nodes: Sequence[float]) -> None:
+        """Metrics of this rank's local time; a straggler named or cleared: rank 0 says so for the job, the rank
+        itself records it (its event carries its host)."""
+        watch, rank = self.stragglers, self.dist.rank
+        named, cleared = watch.observe(local_s, steps, nodes)
+        if steps[rank] > 0:
+            self.metrics.step_local.set(local_s[rank] / steps[rank])
+        if rank in watch.ratios:
+            self.metrics.step_local_ratio.set(watch.ratios[rank])
+        self.metrics.straggler.set(1 if rank in watch.named else 0)
+        for found, status in [(s, "named") for s in named] + [(s, "cleared") for s in cleared]:
+            if self.rank0:
+                line = _straggler_line(found, status, len(local_s))
+                log.log(logging.WARNING if status == "named" else logging.INFO, "%s", line)
+                self.events.emit("story", line=line)
+            if found.rank == rank:
+                self.events.emit("straggler", step=step, rank=rank, node=found.node, ratio=round(found.ratio, 3),
+                                 local_s=found.local_s, median_s=found.median_s, steps=found.steps, status=status)
+
     def report_eval(self, step: int, result: dict[str, Any]) -> None:
         if self.rank0:
             self.events.emit("eval", step=step, **result)
@@ -149,3 +188,13 @@ class StepBooks:
     def close(self) -> None:
         if self.rank0:
             self.progress.close()
+
+
+def _straggler_line(found: Straggler, status: str, world: int) -> str:
+    where = f"rank {found.rank} (node {found.node})"
+    times = f"{found.local_s * 1000:.1f} ms a step against the median rank's {found.median_s * 1000:.1f} ms"
+    if status == "cleared":
+        return f"{where} is no straggler any more: {times}"
+    return (f"{where} is a straggler: its own work (batches, forward, backward, update) has taken {found.ratio:.2f}x "
+            f"the median rank's for {found.steps} steps ({times}); the other {world - 1} ranks wait for it every "
+            "step (its host is in its straggler event and on its metrics endpoint, elastic_runner_straggler)")

@@ -151,7 +151,8 @@ class Trainer:
             gradients.check()  # the same steps on every rank: a diverged run stops here, naming its step
             if gradients.on_nonfinite == "skip":
                 self.books.skipped_on_device(step, gradients.newly_skipped())
-            self.books.report_progress(step, plan.epoch, self.parts.optimizer.param_groups[0]["lr"])
+            self.books.report_progress(step, plan.epoch, self.parts.optimizer.param_groups[0]["lr"],
+                                       local=self.step.clock.take())
         else:
             self.books.tick(step)
         every = self.cfg.train.eval_every_steps

@@ -22,6 +22,7 @@ from .gradients import StepGradients
 from .parallel import GradientSync
 from .parts import TrainingParts
 from .rng import seed_step, step_seed
+from .step_clock import StepClock
 
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -37,15 +38,18 @@ class TrainStep:
     """The arithmetic of a step on one rank; every rank runs the same collectives in the same order."""
 
     def __init__(self, parts: TrainingParts, sync: GradientSync, task: Task, layout: BatchLayout,
-                 gradients: StepGradients, *, seed: int, rank: int, device: torch.device, precision: str) -> None:
+                 gradients: StepGradients, *, seed: int, rank: int, device: torch.device, precision: str,
+                 timed: bool = True) -> None:
         self.parts, self.sync, self.task, self.layout, self.gradients = parts, sync, task, layout, gradients
         self.seed, self.rank, self.device = seed, rank, device
         self.autocast_dtype = AUTOCAST.get(precision)
         self._training = False
+        self.clock = StepClock(device, timed)  #: this rank's local time per step (recovery.straggler_ratio)
 
     def compute(self, step: int, plan: StepPlan, batches: Iterator[Any]) -> StepResult:
         """Forward and backward over this rank's micro-batches, the gradient sync after the last one; the
         gradient is then the mean over the global batch."""
+        self.clock.begin()
         seed_step(step_seed(self.seed, step, self.rank), self.device)  # dropout, augmentation: as uninterrupted
         if not self._training:  # (a walk over every module: only after an evaluation switched it off)
             self.sync.module.train()
@@ -69,6 +73,7 @@ class TrainStep:
                     self.backward(scaled)
                 else:
                     self.sync.empty_micro_step()  # no sample for this rank here: it joins the sync all the same
+        self.clock.waiting()  # from here to the update: the other ranks' time, not this rank's
         self.sync.finish()  # every gradient is now the sum over the ranks
         apply = self.gradients.finish(step, weighted, loss, self.parts.optimizer)
         return StepResult(loss, apply, data_wait)
@@ -80,6 +85,7 @@ class TrainStep:
     def update(self, result: StepResult) -> None:
         """Apply the gradient (unless skipped) and advance the schedule; the caller holds the step lock."""
         parts = self.parts
+        self.clock.updating()
         if result.apply and parts.scaler is not None:
             parts.scaler.step(parts.optimizer)
             parts.scaler.update()
@@ -87,6 +93,7 @@ class TrainStep:
             parts.optimizer.step()
         parts.scheduler.step()
         parts.optimizer.zero_grad(set_to_none=True)
+        self.clock.end()
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         if self.autocast_dtype is None:

@@ -374,7 +374,8 @@ class Attempt:
         gradients = StepGradients(dist, parts.model, cfg.optim.grad_clip_norm, cfg.train.on_nonfinite, parts.scaler,
                                   averages_over=sync.averages_over)
         step = TrainStep(parts, sync, w.task, self.layout, gradients, seed=cfg.run.seed, rank=dist.rank,
-                         device=dist.device, precision=cfg.train.precision)
+                         device=dist.device, precision=cfg.train.precision,
+                         timed=cfg.recovery.straggler_ratio is not None)
         books = StepBooks(cfg, dist, self.state, self.layout, self.total_steps, events=self.events,
                           metrics=self.metrics, audit=audit, tokens_per_sample=w.model_build.get("block_size"))
         test_size = len(w.test) if w.test is not None else 0  # type: ignore[arg-type]

@@ -157,6 +157,10 @@ def test_alerts_fire_when_they_should_and_only_then(promtool: str, tmp_path: Pat
         # 4 ranks, then 2 for 40 minutes.
         case("ElasticRunnerWorldSizeDegraded", [series(world, "4x30 2x40", pod="p0", rank="0")],
              {"45m": [], "65m": [fired("info")]}),
+        # Rank 1 named a straggler from minute 10 on; rank 0 never.
+        case("ElasticRunnerStraggler", [series("elastic_runner_straggler", "0x10 1x30", pod="p1", rank="1"),
+                                        series("elastic_runner_straggler", "0x40", pod="p0", rank="0")],
+             {"15m": [], "30m": [fired("warning", pod="p1")]}),
         case("ElasticRunnerRestartBudgetLow", [series(agents, "100x10 5x10", pod="p0")],
              {"5m": [], "15m": [fired("warning", pod="p0")]}),
     ]
