@@ -47,6 +47,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--fill-seconds", type=float, default=None,
                    help="how long fill-disk keeps the snapshot volume full (default 8; the volume must be small, "
                         "at most 2 GiB free: put snapshot.dir on a tmpfs)")
+    p.add_argument("--slow-seconds", type=float, default=None,
+                   help="how long slow-node keeps a node's workers throttled to a quarter of their time (default 10)")
     p.add_argument("--supervise", type=float, default=None, metavar="SECONDS",
                    help="keep --agents agents running: replace a killed or preempted agent after SECONDS, as a "
                         "Kubernetes Job restarts a lost pod (default: lost agents stay lost)")
@@ -67,7 +69,7 @@ def build_scenario(args: argparse.Namespace) -> Scenario:
         "config": args.config, "run_dir": args.run_dir, "nnodes": args.nnodes, "agents": args.agents,
         "nproc_per_node": args.nproc_per_node, "rdzv_backend": args.rdzv_backend, "etcd_endpoint": args.etcd_endpoint,
         "launcher": args.launcher, "seed": args.seed, "duration": args.duration, "hang_seconds": args.hang_seconds,
-        "fill_seconds": args.fill_seconds,
+        "fill_seconds": args.fill_seconds, "slow_seconds": args.slow_seconds,
         "loss_tolerance": args.loss_tolerance, "timeout": args.timeout, "supervise": args.supervise,
     }
     given = {k: v for k, v in given.items() if v is not None}

@@ -36,6 +36,9 @@ class FaultContext:
     snapshot_dir: Path | None  #: None: the snapshots are in a bucket
     etcd: Any = None  #: elastic_runner.testing.etcd_server.EtcdServer when self-started
     fill_seconds: float = 8.0
+    slow_seconds: float = 10.0
+    #: The processes the last fault acted on, for the verdict (slow-node: the throttled workers' PIDs).
+    targets: list[int] = field(default_factory=list)
     #: Undo what a fault left behind (a filler file) when the run ends early; each runs once.
     cleanups: list[Callable[[], None]] = field(default_factory=list)
 
@@ -198,6 +201,50 @@ def fill_disk(ctx: FaultContext) -> str:
     return f"filled the snapshot volume ({size / 2**20:.1f} MB, {left // 1024} KB left) for {ctx.fill_seconds:g}s"
 
 
+#: slow-node's duty cycle: stopped, then running, over and over (a quarter of the node's time left to it).
+SLOW_STOPPED_S, SLOW_RUNNING_S = 0.03, 0.01
+
+
+def slow_node(ctx: FaultContext) -> str:
+    """One node's workers throttled to a quarter of their time for ``slow_seconds`` (a throttled GPU, a noisy
+    neighbour): nothing fails, the job slows to their pace, and they must be named stragglers."""
+    running = ctx.job.running_agents()
+    if len(running) < 2:
+        raise Skip("one node: a slow node needs a faster one to be told from")
+    agent = ctx.rng.choice(running)
+    workers = ctx.job.workers(agent)
+    if not workers:
+        raise Skip(f"agent {agent.index} has no worker running")
+    pids = [w.pid for w in workers]
+    ctx.targets = pids
+    done = threading.Event()
+
+    def throttle() -> None:
+        deadline = time.monotonic() + ctx.slow_seconds
+        try:
+            while time.monotonic() < deadline and not done.is_set():
+                for w in workers:
+                    ctx.job.signal_worker(w, signal.SIGSTOP)
+                time.sleep(SLOW_STOPPED_S)
+                for w in workers:
+                    ctx.job.signal_worker(w, signal.SIGCONT)
+                time.sleep(SLOW_RUNNING_S)
+        finally:
+            for w in workers:  # never left stopped (gone already if a recovery replaced it: fine)
+                ctx.job.signal_worker(w, signal.SIGCONT)
+
+    thread = threading.Thread(target=throttle, daemon=True)
+
+    def release() -> None:
+        done.set()
+        thread.join()
+
+    ctx.cleanups.append(release)
+    thread.start()
+    return (f"throttled agent {agent.index}'s {len(workers)} worker(s) (ranks {[w.rank for w in workers]}, pids {pids}) "
+            f"to a quarter of their time for {ctx.slow_seconds:g}s")
+
+
 FAULTS: dict[str, Callable[[FaultContext], str]] = {
     "kill-worker": kill_worker,
     "kill-agent": kill_agent,
@@ -208,6 +255,7 @@ FAULTS: dict[str, Callable[[FaultContext], str]] = {
     "restart-etcd": restart_etcd,
     "corrupt-snapshot": corrupt_snapshot,
     "fill-disk": fill_disk,
+    "slow-node": slow_node,
 }
 # scenario.py validates names without importing the fault machinery; keep the two lists one.
 assert tuple(FAULTS) == FAULT_TYPES, "elastic_runner.chaos.scenario.FAULT_TYPES must list FAULTS"

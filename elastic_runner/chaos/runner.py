@@ -125,7 +125,7 @@ class ChaosRun:
         ctx = FaultContext(job=job, rng=random.Random(s.seed), min_agents=s.min_agents, max_agents=s.max_agents,
                            hang_seconds=s.hang_seconds, etcd=etcd,
                            snapshot_dir=None if is_url(location) else Path(location),
-                           fill_seconds=s.fill_seconds)
+                           fill_seconds=s.fill_seconds, slow_seconds=s.slow_seconds)
         try:
             return self._inject(job, ctx)
         finally:
@@ -165,6 +165,7 @@ class ChaosRun:
                 time.sleep(s.settle_seconds)
             at = time.time()
             reached = self._step()
+            ctx.targets = []
             try:
                 description = FAULTS[spec.type](ctx)
             except Skip as why:
@@ -174,9 +175,9 @@ class ChaosRun:
                     pending.append(s.draw(redraw, last))
                 continue
             self._injected_step = reached
-            lasts = {"hang": s.hang_seconds, "fill-disk": s.fill_seconds}.get(spec.type, 0.0)
+            lasts = {"hang": s.hang_seconds, "fill-disk": s.fill_seconds, "slow-node": s.slow_seconds}.get(spec.type, 0.0)
             self.faults.append(Injected(type=spec.type, at=at, offset=round(at - self.t0, 2), description=description,
-                                        lasts_s=lasts))
+                                        lasts_s=lasts, targets=list(ctx.targets)))
             self.log(f"fault  {spec.type}: {description}")
         while job.running_agents() and time.monotonic() < deadline:
             self._announce_recoveries(announced)

@@ -9,7 +9,7 @@ from pathlib import Path
 import yaml
 
 FAULT_TYPES = ("kill-worker", "kill-agent", "kill-node", "join", "hang", "preempt", "restart-etcd", "corrupt-snapshot",
-               "fill-disk")
+               "fill-disk", "slow-node")
 
 
 class ScenarioError(ValueError):
@@ -56,6 +56,7 @@ class Scenario:
     duration: float = 60.0  #: no new faults after this many seconds of stepping
     hang_seconds: float = 4.0
     fill_seconds: float = 8.0  #: how long fill-disk keeps the snapshot volume full
+    slow_seconds: float = 10.0  #: how long slow-node keeps a node's workers throttled
     #: Replace a killed or preempted agent after this many seconds, keeping ``agents`` running (None: never).
     supervise: float | None = None
     settle_seconds: float = 1.0  #: after a recovery, before the next fault
@@ -118,6 +119,8 @@ class Scenario:
             raise ScenarioError(f"every_steps={self.every_steps}: need 0 < MIN <= MAX steps")
         if self.count is not None and (self.count < 1 or not self.random_types):
             raise ScenarioError(f"count={self.count}: give a positive number of faults and the types to draw (--faults)")
+        if self.slow_seconds <= 0:
+            raise ScenarioError(f"slow_seconds={self.slow_seconds}: give the seconds a node stays slow (> 0)")
         if self.fill_seconds <= 0:
             raise ScenarioError(f"fill_seconds={self.fill_seconds}: give the seconds the volume stays full (> 0)")
         if self.supervise is not None and self.supervise < 0:

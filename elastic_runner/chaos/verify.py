@@ -27,7 +27,8 @@ class Injected:
     resumed_tier: str | None = None
     steps_recomputed: int | None = None
     interrupted: bool = True
-    lasts_s: float = 0.0  #: how long the fault goes on after its injection (a hang, a full volume)
+    lasts_s: float = 0.0  #: how long the fault goes on after its injection (a hang, a full volume, a slow node)
+    targets: list[int] = field(default_factory=list)  #: the PIDs it acted on, where the verdict needs them
     #: "recovered" (a new attempt stepped), "absorbed" (training went on in the same attempt: a hang shorter
     #: than the heartbeat, a hang with no peer to notice, an etcd restart) or "job ended" (it landed as the
     #: job finished); None while undecided.
@@ -84,7 +85,11 @@ def generations(events: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
 
 
 #: Faults the job is built to ride out without a new attempt: a new attempt that follows one is usually another's.
-RIDDEN_OUT = ("restart-etcd", "fill-disk")
+RIDDEN_OUT = ("restart-etcd", "fill-disk", "slow-node")
+
+#: Seconds after a slow node's end within which its workers must have been named stragglers (the logging window
+#: under way when the throttle ends can still complete the count).
+NAMED_WITHIN_S = 5.0
 
 #: Seconds after a fault (after a hang: after it ends) from which a step of the same attempt proves it absorbed.
 ABSORB_AFTER_S = 2.0
@@ -259,6 +264,9 @@ def verify(*, audit: AuditReport, events: list[dict[str, Any]], faults: list[Inj
                     f"{during} durable write(s) failed while the volume was full ({len(fills)} time(s)); "
                     + ("a snapshot was saved after each" if not not_back else
                        f"none saved after the fill at {not_back[0].offset} s"))
+    slowed = [f for f in faults if f.type == "slow-node"]
+    if slowed:
+        verdict.add("slow nodes named stragglers, and only they", *_stragglers_check(events, slowed))
     if audit.records_lost:  # a bucket's view only: each span must belong to a generation a lost node ended
         explained = generations_hit(events, [f for f in faults if f.type in LOSES_RECORDS])
         unexplained = [s for s in audit.records_lost if s["generation"] not in explained]
@@ -272,6 +280,22 @@ def verify(*, audit: AuditReport, events: list[dict[str, Any]], faults: list[Inj
         name = "bitwise at the end" if reference.get("mode") == "bitwise" else "matches the reference run"
         verdict.add(name, reference["ok"], reference["detail"])
     return verdict
+
+
+def _stragglers_check(events: list[dict[str, Any]], slowed: list[Injected]) -> tuple[bool, str]:
+    """Every slow node that training rode out (no recovery cut it short) had a worker named a straggler while it was
+    slow, and no worker that was never slowed was named."""
+    named = [e for e in events if e["kind"] == "straggler" and e.get("status") == "named"]
+    missed = [f for f in slowed if f.outcome == "absorbed" and not any(
+        e.get("pid") in f.targets and f.at <= e["time"] <= f.at + f.lasts_s + NAMED_WITHIN_S for e in named)]
+    wrong = [e for e in named if not any(e.get("pid") in f.targets for f in slowed)]
+    if missed or wrong:
+        return False, "; ".join(
+            [f"the slow node at {f.offset} s (pids {f.targets}) was not named within {f.lasts_s + NAMED_WITHIN_S:g} s"
+             for f in missed] + [f"rank {e.get('rank')} (pid {e.get('pid')}) was named at step {e.get('step')} but "
+                                 "never slowed" for e in wrong])
+    ridden = sum(1 for f in slowed if f.outcome == "absorbed")
+    return True, f"{ridden} of {len(slowed)} slow node(s) ridden out, each named a straggler ({len(named)} naming(s))"
 
 
 def as_dicts(faults: list[Injected]) -> list[dict[str, Any]]:

@@ -247,16 +247,17 @@ class RecoveryConfig:
     straggler_ratio: float | None = _help(
         "A rank whose local time per step (its batches, forward, backward and update: all but the wait for the "
         "gradient sync, timed with no host sync) stays at least this many times the median rank's for "
-        "recovery.straggler_window_steps is named a straggler: a warning with its rank and node, a straggler event "
+        "recovery.straggler_window_seconds is named a straggler: a warning with its rank and node, a straggler event "
         "(with its host), and elastic_runner_straggler 1 on its metrics endpoint; cleared when it is faster again. "
         "Read at logging steps. Names ranks under parallel.strategy: ddp with dist.gradient_sync: ordered; elsewhere "
         "a rank waits for its peers inside forward or backward (fsdp's gathers, torch DDP's reducer), where a slow "
         "rank cannot be told from a waiting one, and only the timings are exported. null: off (nothing timed).",
         default=1.3,
     )
-    straggler_window_steps: int = _help(
-        "For straggler_ratio: the steps a rank must stay that slow (over consecutive logging windows) before it is "
-        "named; one slow window (a snapshot, a page-cache miss) names nobody.", default=100)
+    straggler_window_seconds: float = _help(
+        "For straggler_ratio: how long a rank must stay that slow (over consecutive logging windows) before it is "
+        "named; what slows a rank for a moment (a snapshot, a page-cache miss, a shared machine's scheduler) names "
+        "nobody.", default=60.0)
 
     def validate(self) -> None:
         if self.straggler_ratio is not None and not (isinstance(self.straggler_ratio, (int, float))
@@ -264,9 +265,9 @@ class RecoveryConfig:
             raise ConfigError("recovery.straggler_ratio", f"got {self.straggler_ratio!r}, must be a number > 1 (a "
                               "ratio of 1 or less would name the median rank itself)",
                               "Set it to e.g. 1.3, or null to name no stragglers")
-        if not isinstance(self.straggler_window_steps, int) or self.straggler_window_steps < 1:
-            raise ConfigError("recovery.straggler_window_steps", f"got {self.straggler_window_steps!r}, must be >= 1",
-                              "Set it to e.g. 100")
+        if not 0 < self.straggler_window_seconds < float("inf"):
+            raise ConfigError("recovery.straggler_window_seconds", f"got {self.straggler_window_seconds!r}, must be "
+                              "> 0", "Set it to e.g. 60")
 
 
 @dataclass

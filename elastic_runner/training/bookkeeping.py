@@ -56,7 +56,7 @@ class StepBooks:
         # Where a slow rank is told from a waiting one (the wait for the gradient sync is timed apart): ordered ddp.
         names = cfg.parallel.strategy == "ddp" and cfg.dist.gradient_sync == "ordered"
         self.stragglers = StragglerWatch(cfg.recovery.straggler_ratio if names else None,
-                                         cfg.recovery.straggler_window_steps)
+                                         cfg.recovery.straggler_window_seconds)
 
     # -- around each step ----------------------------------------------------------------------------------
 
@@ -121,18 +121,18 @@ class StepBooks:
         timed = self.cfg.recovery.straggler_ratio is not None
         # Each rank's local time in its own slots of the sum that adds the loss up: every rank learns every rank's
         # (adding zeros is exact), with no collective of its own.
-        timing = torch.zeros(3 * world if timed else 0, dtype=torch.float64)
+        now = time.monotonic()
+        window_s = max(1e-9, now - self._window_started)
+        timing = torch.zeros(4 * world if timed else 0, dtype=torch.float64)
         if timed:
-            timing[3 * rank:3 * rank + 3] = torch.tensor([local[0], local[1], self.dist.env.group_rank])
+            timing[4 * rank:4 * rank + 4] = torch.tensor([local[0], local[1], self.dist.env.group_rank, window_s])
         summed = self.dist.all_reduce_sum(torch.cat([self._window_loss, timing.to(self._window_loss.device)])).tolist()
         loss_sum, count = summed[:2]
         self._window_loss.zero_()
-        if timed:
-            self._note_stragglers(step, summed[2::3], summed[3::3], summed[4::3])
+        if timed:  # the window's length: the longest rank's (the same on every rank, as every decision must be)
+            self._note_stragglers(step, summed[2::4], summed[3::4], summed[4::4], max(summed[5::4]))
         window_steps = step - self._window_first_step
         self._window_first_step = step
-        now = time.monotonic()
-        window_s = max(1e-9, now - self._window_started)
         rate = self._window_samples / window_s
         self._window_started, self._window_samples = now, 0
         # To the end of training at this window's pace (a restart's first window is short: its pace is the job's).
@@ -161,11 +161,11 @@ class StepBooks:
             self.progress.report(fields)
 
     def _note_stragglers(self, step: int, local_s: Sequence[float], steps: Sequence[float],
-                         nodes: Sequence[float]) -> None:
+                         nodes: Sequence[float], window_s: float) -> None:
         """Metrics of this rank's local time; a straggler named or cleared: rank 0 says so for the job, the rank
         itself records it (its event carries its host)."""
         watch, rank = self.stragglers, self.dist.rank
-        named, cleared = watch.observe(local_s, steps, nodes)
+        named, cleared = watch.observe(local_s, steps, nodes, window_s)
         if steps[rank] > 0:
             self.metrics.step_local.set(local_s[rank] / steps[rank])
         if rank in watch.ratios:
@@ -178,7 +178,8 @@ class StepBooks:
                 self.events.emit("story", line=line)
             if found.rank == rank:
                 self.events.emit("straggler", step=step, rank=rank, node=found.node, ratio=round(found.ratio, 3),
-                                 local_s=found.local_s, median_s=found.median_s, steps=found.steps, status=status)
+                                 local_s=found.local_s, median_s=found.median_s, steps=found.steps,
+                                 seconds=round(found.seconds, 1), status=status)
 
     def report_eval(self, step: int, result: dict[str, Any]) -> None:
         if self.rank0:
@@ -196,5 +197,5 @@ def _straggler_line(found: Straggler, status: str, world: int) -> str:
     if status == "cleared":
         return f"{where} is no straggler any more: {times}"
     return (f"{where} is a straggler: its own work (batches, forward, backward, update) has taken {found.ratio:.2f}x "
-            f"the median rank's for {found.steps} steps ({times}); the other {world - 1} ranks wait for it every "
+            f"the median rank's for {found.seconds:.0f} s, {found.steps} steps ({times}); the other {world - 1} ranks wait for it every "
             "step (its host is in its straggler event and on its metrics endpoint, elastic_runner_straggler)")

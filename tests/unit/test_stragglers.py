@@ -14,23 +14,24 @@ from elastic_runner.training.step_clock import StepClock
 NODES = [0, 0, 1, 1]
 
 
-def window(watch: StragglerWatch, per_step_ms: list[float], steps: int = 10):  # noqa: ANN201
-    return watch.observe([ms / 1000 * steps for ms in per_step_ms], [steps] * len(per_step_ms), NODES)
+def window(watch: StragglerWatch, per_step_ms: list[float], steps: int = 10, seconds: float = 10.0):  # noqa: ANN201
+    """A logging window of ``steps`` steps lasting ``seconds``, each rank's local time per step given."""
+    return watch.observe([ms / 1000 * steps for ms in per_step_ms], [steps] * len(per_step_ms), NODES, seconds)
 
 
 def test_a_rank_slow_for_the_whole_window_is_named_once_with_its_node_and_ratio() -> None:
-    watch = StragglerWatch(ratio=1.3, window_steps=30)
+    watch = StragglerWatch(ratio=1.3, window_s=30)
     assert window(watch, [10, 10, 10, 20]) == ([], [])
     assert window(watch, [10, 11, 10, 20]) == ([], [])
     named, cleared = window(watch, [10, 10, 9, 20])
-    assert cleared == [] and [(s.rank, s.node, s.steps) for s in named] == [(3, 1, 30)]
+    assert cleared == [] and [(s.rank, s.node, s.steps, s.seconds) for s in named] == [(3, 1, 30, 30.0)]
     assert named[0].ratio == pytest.approx(2.0) and named[0].median_s == pytest.approx(0.010)
     assert window(watch, [10, 10, 10, 20]) == ([], []), "named once, not at every window"
     assert watch.named == {3}
 
 
 def test_one_slow_window_names_nobody_and_a_faster_window_starts_the_count_again() -> None:
-    watch = StragglerWatch(ratio=1.3, window_steps=30)
+    watch = StragglerWatch(ratio=1.3, window_s=30)
     window(watch, [10, 10, 10, 30])
     window(watch, [10, 10, 10, 30])
     window(watch, [10, 10, 10, 10])  # a snapshot's window, say, was what made it slow
@@ -38,8 +39,16 @@ def test_one_slow_window_names_nobody_and_a_faster_window_starts_the_count_again
     assert window(watch, [10, 10, 10, 30]) == ([], []) and watch.named == set()
 
 
+def test_many_fast_steps_are_not_a_long_time() -> None:
+    """The window is in seconds: 1,000 steps of a millisecond slowed by a shared machine's scheduler are one second,
+    not a straggler."""
+    watch = StragglerWatch(ratio=1.3, window_s=60)
+    for _ in range(5):
+        assert window(watch, [1, 1, 1, 3], steps=200, seconds=0.4) == ([], [])
+
+
 def test_a_named_rank_is_cleared_at_the_first_window_it_is_fast_again() -> None:
-    watch = StragglerWatch(ratio=1.3, window_steps=10)
+    watch = StragglerWatch(ratio=1.3, window_s=10)
     named, _ = window(watch, [10, 25, 10, 10])
     assert [s.rank for s in named] == [1]
     named, cleared = window(watch, [10, 11, 10, 10])
@@ -48,29 +57,29 @@ def test_a_named_rank_is_cleared_at_the_first_window_it_is_fast_again() -> None:
 
 def test_of_two_ranks_the_faster_is_the_measure() -> None:
     """The lower median: with two ranks the mean would put the slow one at most 2x whatever its slowness."""
-    watch = StragglerWatch(ratio=1.5, window_steps=10)
-    named, _ = watch.observe([0.4, 0.1], [10, 10], [0, 1])
+    watch = StragglerWatch(ratio=1.5, window_s=10)
+    named, _ = watch.observe([0.4, 0.1], [10, 10], [0, 1], 10.0)
     assert [(s.rank, s.node) for s in named] == [(0, 0)] and named[0].ratio == pytest.approx(4.0)
 
 
 def test_a_rank_whose_steps_are_still_in_flight_keeps_its_standing() -> None:
-    watch = StragglerWatch(ratio=1.3, window_steps=20)
+    watch = StragglerWatch(ratio=1.3, window_s=20)
     window(watch, [10, 10, 10, 30])
-    named, cleared = watch.observe([0.1, 0.1, 0.1, 0.0], [10, 10, 10, 0], NODES)  # rank 3's events not done yet
+    named, cleared = watch.observe([0.1, 0.1, 0.1, 0.0], [10, 10, 10, 0], NODES, 10.0)  # rank 3's events in flight
     assert (named, cleared) == ([], [])
     named, _ = window(watch, [10, 10, 10, 30])
     assert [s.rank for s in named] == [3]
 
 
 def test_with_the_ratio_off_nobody_is_named_and_the_ratios_are_still_measured() -> None:
-    watch = StragglerWatch(ratio=None, window_steps=1)
+    watch = StragglerWatch(ratio=None, window_s=1)
     assert window(watch, [10, 10, 10, 50]) == ([], [])
     assert watch.ratios[3] == pytest.approx(5.0) and watch.ratios[0] == pytest.approx(1.0)
 
 
 def test_one_rank_alone_has_nobody_to_be_compared_with() -> None:
-    watch = StragglerWatch(ratio=1.3, window_steps=1)
-    assert watch.observe([5.0], [10], [0]) == ([], []) and watch.ratios == {}
+    watch = StragglerWatch(ratio=1.3, window_s=1)
+    assert watch.observe([5.0], [10], [0], 10.0) == ([], []) and watch.ratios == {}
 
 
 def test_the_clock_counts_the_steps_work_and_not_the_wait_for_the_sync() -> None:
@@ -107,7 +116,8 @@ def test_a_step_left_half_way_is_not_timed() -> None:
     ({"straggler_ratio": 0.5}, "recovery.straggler_ratio"),
     ({"straggler_ratio": "fast"}, "recovery.straggler_ratio"),
     ({"straggler_ratio": float("inf")}, "recovery.straggler_ratio"),
-    ({"straggler_window_steps": 0}, "recovery.straggler_window_steps"),
+    ({"straggler_window_seconds": 0}, "recovery.straggler_window_seconds"),
+    ({"straggler_window_seconds": float("nan")}, "recovery.straggler_window_seconds"),
 ])
 def test_a_ratio_that_would_name_the_median_rank_is_refused_naming_the_key(recovery: dict, key: str) -> None:
     with pytest.raises(ConfigError) as caught:
