@@ -129,3 +129,26 @@ def test_null_turns_the_names_off() -> None:
     config = config_from_dict({"recovery": {"straggler_ratio": None}, "train": {"max_steps": 3}})
     config.validate()
     assert config.recovery.straggler_ratio is None
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_clock_times_the_device_and_never_waits_for_it() -> None:
+    """CUDA events on the stream: the host queues a step's kernels and moves on; a take while they run returns only
+    the steps whose events completed, and after them the device's time, not the host's queueing."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device (the production path); none here")
+    clock = StepClock(torch.device("cuda"))
+    x = torch.randn(4096, 4096, device="cuda")
+    for _ in range(5):
+        clock.begin()
+        for _ in range(20):
+            x = torch.tanh(x @ x)  # tens of milliseconds of device work, queued in microseconds
+        clock.waiting()
+        clock.updating()
+        clock.end()
+    early_seconds, early_steps = clock.take()  # never blocks: the first steps' kernels may still be running
+    assert early_steps < 5 or early_seconds > 0
+    torch.cuda.synchronize()
+    seconds, steps = clock.take()
+    assert early_steps + steps == 5 and seconds > 0
+    assert (early_seconds + seconds) / 5 > 1e-3, "the device's time per step, not the host's queueing"
