@@ -69,6 +69,8 @@ class RunSummary:
     goodput: Goodput | None = None
     #: A mixture's sources (data.sources), from the audit: what the run took from each, and its share.
     sources: list[Any] = field(default_factory=list)
+    #: The ``straggler`` events that named a rank (recovery.straggler_ratio), in time order.
+    stragglers: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def wall(self) -> float:
@@ -112,6 +114,10 @@ class RunSummary:
         if self.goodput is not None:
             lines.append(self.goodput.text())
         lines.append(f"samples lost: {self.samples_lost}")
+        if self.stragglers:
+            lines.append("stragglers: " + "; ".join(
+                f"rank {e['rank']} (node {e['node']}, host {e.get('host') or '?'}) named at step {e.get('step')}, "
+                f"{e['ratio']:.2f}x the median rank's own time per step" for e in self.stragglers))
         if self.sources:
             lines.append("mixture: " + ", ".join(
                 f"{s.label} {s.share:.4f} of the samples (weight {s.weight_share:.4f}), "
@@ -169,6 +175,7 @@ def summarize(run_dir: str, events: list[dict[str, Any]] | None = None) -> RunSu
         final_step=max(steps, default=0), generations=len(by_gen),
         world_sizes=_collapse([by_gen[g].get("world") for g in sorted(by_gen) if by_gen[g].get("world")]),
         gaps=gaps, sessions=sessions, snapshots=len(saved), rejected=sum(1 for e in workers if e["kind"] == "snapshot_rejected"),
+        stragglers=[e for e in workers if e["kind"] == "straggler" and e.get("status") == "named"],
     )
     summary.goodput = measure_goodput(events, gaps, summary.wall, {gap.generation for gap in gaps})
     if saved:

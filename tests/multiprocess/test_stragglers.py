@@ -11,6 +11,7 @@ import pytest
 
 from elastic_runner.observe.audit import check_audit
 from elastic_runner.observe.events import read_events
+from elastic_runner.observe.report import summarize
 
 from ..integration.test_metrics import free_port_pair, scrape, value
 from ..support import write_config
@@ -56,5 +57,7 @@ def test_a_slow_rank_is_named_with_its_node_and_cleared_when_it_is_fast_again(tm
     assert [e["rank"] for e in cleared] == [1] and cleared[0]["step"] > named[0]["step"], events
     log = job.agents[0].log_text()
     assert "rank 1 (node 0) is a straggler" in log and "rank 1 (node 0) is no straggler any more" in log, log[-3000:]
+    assert f"stragglers: rank 1 (node 0, host {named[0]['host']}) named at step {named[0]['step']}" in \
+        summarize(str(run_dir)).text(), "elastic-runner report lists it"
     report = check_audit(run_dir)
     assert report.ok and report.final_step == 2000, report.render()
