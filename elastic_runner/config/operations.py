@@ -244,6 +244,12 @@ class RecoveryConfig:
         "replicated (ddp), else recreate.",
         default="auto",
     )
+    health_check: bool = _help(
+        "Before a node takes part in its first rendezvous round, its agent checks the devices its workers will use: "
+        "present, and computing a fixed matmul of small integers exactly (in a child process where an NVIDIA driver "
+        "is installed). A node that fails leaves with one line and exit status 5, and costs the others no round.",
+        default=True,
+    )
     straggler_ratio: float | None = _help(
         "A rank whose local time per step (its batches, forward, backward and update: all but the wait for the "
         "gradient sync, timed with no host sync) stays at least this many times the median rank's for "

@@ -34,6 +34,9 @@ EXIT_DIVERGED = 3
 #: Training finished, but its final snapshot could not be written (a full volume): the state is kept in
 #: node memory and the worker said how to write it out. A restart would only fail to write it again.
 EXIT_NOT_DURABLE = 4
+#: The agent's, not a worker's: this node failed its health check before its first round (a device missing or
+#: computing wrong, :mod:`elastic_runner.agent.health`) and left; the other nodes go on without it.
+EXIT_UNHEALTHY = 5
 #: Statuses our agent does not restart: every attempt would end the same way.
 EXIT_FINAL = frozenset({EXIT_USAGE, EXIT_DIVERGED, EXIT_NOT_DURABLE})
 #: Peers did not arrive within ``dist.init_timeout_seconds`` (process group or first collective).

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from elastic_runner.agent import health
+
 from elastic_runner.agent.launch import merge_rdzv_conf
 
 from ..support import events, run_bounded
@@ -105,6 +107,26 @@ def test_a_configuration_error_prints_its_one_line_and_is_not_retried(
     noise = [word for word in (*HANDLED_FAILURE_NOISE, "every worker restarts") if word in result.stdout]
     assert not noise, f"{noise} on the terminal:\n{result.stdout[-3000:]}"
     assert time.monotonic() - started < 120
+
+
+@pytest.mark.parametrize("launcher", ["launch", "torchrun"])
+@pytest.mark.skipif(health.NVIDIA_DRIVER.exists(), reason="this machine has an NVIDIA driver: cuda is no fault here")
+def test_a_node_that_fails_its_health_check_leaves_before_any_round_with_exit_5(
+        launcher: str, quickstart: Path, tmp_path: Path) -> None:
+    """dist.device: cuda on a node without the device: its agent says so in one line and leaves (exit 5) before
+    the rendezvous; no worker starts, nothing is written."""
+    run_dir = tmp_path / "run"
+    args = ("--standalone", "--nproc_per_node=2", "--max_restarts=5", "-m", "elastic_runner.train",
+            "--config", str(quickstart), "--set", f"run.dir={run_dir}", "--set", "dist.device=cuda")
+    if launcher == "launch":
+        result = launch(*args)
+    else:
+        result = run_bounded([sys.executable, "-m", "torch.distributed.run", *args], 180,
+                             env=os.environ | {"PYTHONUNBUFFERED": "1"})
+    assert result.returncode == 5, result.stdout[-3000:]
+    said = [line for line in result.stdout.splitlines() if "failed its health check" in line]
+    assert len(said) == 1 and "dist.device is cuda, and this node has no NVIDIA driver" in said[0], result.stdout
+    assert "Traceback" not in result.stdout and not run_dir.exists()
 
 
 def test_set_takes_several_values_at_once() -> None:

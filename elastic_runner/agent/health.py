@@ -1,0 +1,113 @@
+"""A node's health check before it takes part in a rendezvous round: is its device there, and does it compute right?
+
+A node with a broken device that joins a round costs every node that round: its workers fail at their first step (or,
+worse, train on with wrong numbers), and the job starts over without it. Checked before its first round, the node
+leaves with a line of its own and exit status 5 (``EXIT_UNHEALTHY``) and the others never wait for it.
+
+The check multiplies two fixed 256x256 matrices of small integers on every device the node's workers will use and
+compares the product with the exact one: small integers are exact in every float format a matmul may use (float32,
+TF32, bf16 inputs accumulated in float32), so a single differing entry is a wrong result, not rounding. A device that
+does not answer within ``TIMEOUT_S`` fails too. On a machine with an NVIDIA driver the check runs in a child process:
+this agent must never touch CUDA (its zygote forks the workers, and a CUDA context does not survive a fork).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SIZE = 256
+TIMEOUT_S = 120.0
+#: Where an NVIDIA driver shows itself without a CUDA call (none: a CUDA device cannot be there).
+NVIDIA_DRIVER = Path("/proc/driver/nvidia/version")
+
+Matmul = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _operands() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Two matrices of integers in [-2, 2] and their exact product (int64, on the CPU)."""
+    generator = torch.Generator().manual_seed(20261128)
+    a = torch.randint(-2, 3, (SIZE, SIZE), generator=generator)
+    b = torch.randint(-2, 3, (SIZE, SIZE), generator=generator)
+    return a, b, a @ b
+
+
+def check_device(device: torch.device, matmul: Matmul = torch.matmul) -> str | None:
+    """What is wrong with ``device`` (None: nothing): its product of the fixed matrices against the exact one."""
+    a, b, exact = _operands()
+    try:
+        product = matmul(a.to(device, torch.float32), b.to(device, torch.float32)).to("cpu")
+    except Exception as exc:  # noqa: BLE001 - whatever a broken device raises is the finding
+        return f"{device} failed to compute a {SIZE}x{SIZE} matmul ({type(exc).__name__}: {str(exc)[:200]})"
+    if not torch.isfinite(product).all():
+        return f"{device} computed non-finite values in a {SIZE}x{SIZE} matmul of small integers"
+    wrong = int((product.round().to(torch.int64) != exact).sum())
+    if wrong or not torch.equal(product, product.round()):
+        return (f"{device} computed a wrong {SIZE}x{SIZE} matmul of small integers ({wrong} of {SIZE * SIZE} entries "
+                "differ from the exact product)")
+    return None
+
+
+def devices_to_check(kind: str, count: int) -> tuple[list[torch.device], str | None]:
+    """The devices this node's ``count`` workers use for ``dist.device: kind`` (auto, cuda, cpu), or a problem. Run
+    where CUDA may be touched (the child process, or a machine without an NVIDIA driver)."""
+    if kind == "cpu" or (kind == "auto" and not torch.cuda.is_available()):
+        return [torch.device("cpu")], None
+    if not torch.cuda.is_available():
+        return [], "dist.device is cuda, and this node has no CUDA device (or its driver does not answer)"
+    visible = torch.cuda.device_count()
+    if visible < count:  # local rank i takes cuda:i
+        return [], f"{count} workers on this node need {count} CUDA devices, and it has {visible}"
+    return [torch.device("cuda", i) for i in range(count)], None
+
+
+def check_here(kind: str, count: int, matmul: Matmul = torch.matmul) -> str | None:
+    devices, problem = devices_to_check(kind, count)
+    if problem:
+        return problem
+    for device in devices:
+        problem = check_device(device, matmul)
+        if problem:
+            return problem
+    return None
+
+
+def check_node(kind: str, count: int, timeout_s: float = TIMEOUT_S) -> str | None:
+    """This node's problem (None: healthy), checked without touching CUDA in this process."""
+    if kind == "cpu" or (not NVIDIA_DRIVER.exists() and kind == "auto"):
+        return check_here("cpu", 1)
+    if not NVIDIA_DRIVER.exists():
+        return "dist.device is cuda, and this node has no NVIDIA driver"
+    cmd = [sys.executable, "-m", "elastic_runner.agent.health", "--kind", kind, "--count", str(count)]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=os.environ.copy())
+    except subprocess.TimeoutExpired:
+        return f"its devices did not finish a {SIZE}x{SIZE} matmul within {timeout_s:g} s (a hung device?)"
+    try:
+        return json.loads(done.stdout.strip().splitlines()[-1])["problem"]
+    except (IndexError, ValueError, KeyError, TypeError):
+        tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
+        return f"the device check exited {done.returncode} without a result ({tail[0][:200]})"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="check this node's devices (run by its agent)")
+    parser.add_argument("--kind", default="auto", choices=["auto", "cuda", "cpu"])
+    parser.add_argument("--count", type=int, default=1)
+    args = parser.parse_args(argv)
+    print(json.dumps({"problem": check_here(args.kind, args.count)}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
