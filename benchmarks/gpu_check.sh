@@ -13,7 +13,7 @@ python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_devic
     | tee "$out/device.txt"
 python3 -m pip install -q --no-deps --no-build-isolation -e . >"$out/install.log" 2>&1 || { cat "$out/install.log"; exit 1; }
 timeout 270 python3 -m pytest -q -p no:cacheprovider -rA -m gpu tests/unit/test_zygote.py tests/elastic/test_gpu_paths.py \
-    tests/multiprocess/test_optional_paths.py tests/unit/test_snapshot_writer_process.py tests/unit/test_stragglers.py 2>&1 | tee "$out/tests.log" \
+    tests/multiprocess/test_optional_paths.py tests/unit/test_snapshot_writer_process.py tests/unit/test_stragglers.py tests/unit/test_health.py 2>&1 | tee "$out/tests.log" \
     | grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed"
 timeout 100 python3 benchmarks/regroup_nccl.py --repeats 3 --out "$out/regroup_nccl.json" 2>&1 | tee "$out/regroup_nccl.log"
 cd benchmarks && timeout 170 python3 throughput.py --gpu --workloads gpt --gpt-size 12,12,768 \

@@ -140,7 +140,6 @@ def adopt(launcher_api: Any, config: Any, entrypoint: Any, args: Sequence[Any],
         # Where its workers are handed their places in a new round. Only here: elsewhere (torch's own agent, a
         # binary entrypoint) they would park for a round that nobody hands them.
         os.environ[HANDOVER_DIR_VAR] = private
-    health = _start_health_check(worker_cfg, config)
     if zygote_wanted and worker_args is not None:
         # forked from this agent, which has imported torch by now
         from ..config.locations import is_url
@@ -150,12 +149,14 @@ def adopt(launcher_api: Any, config: Any, entrypoint: Any, args: Sequence[Any],
                              and is_url(worker_cfg.snapshot.dir))
         entrypoint, args = zygote.worker_main, worker_args
         config.start_method = "forkserver"
-        _end_if_unhealthy(health)  # while the zygote warms up: a node that leaves need not wait for it
+        # After the zygote's fork (the check would be a thread, or a child, it inherited), while it warms up; a node
+        # that leaves need not wait for it.
+        _end_if_unhealthy(_start_health_check(worker_cfg, config))
         if not zygote.wait_warm():  # before this agent takes part in any round (see WARM_WAIT_S)
             log.warning("the worker zygote is not warm after %gs; this node joins the rendezvous anyway",
                         zygote.WARM_WAIT_S)
     else:
-        _end_if_unhealthy(health)  # before this agent takes part in any round
+        _end_if_unhealthy(_start_health_check(worker_cfg, config))  # before this agent takes part in any round
     fast_rendezvous.install()
     quiet_handled_failures()
     agent_metrics = AgentMetrics(agent_events(worker_cfg) if worker_cfg is not None else None)
@@ -179,25 +180,13 @@ def _nothing() -> None:
 
 
 def _start_health_check(worker_cfg: Any, config: Any) -> Callable[[], str | None]:
-    """This node's health check (:mod:`.health`), started in a thread (a GPU node's takes seconds, while its zygote
-    warms up); returns how to wait for its finding."""
-    import threading
-
-    from .health import check_node
+    """This node's health check (:mod:`.health`) started; returns how to wait for its finding."""
+    from .health import start_check
 
     if worker_cfg is not None and not worker_cfg.recovery.health_check:
         return _nothing
-    kind = worker_cfg.dist.device if worker_cfg is not None else "auto"
-    count = int(getattr(config, "nproc_per_node", 1) or 1)
-    found: list[str | None] = []
-    thread = threading.Thread(target=lambda: found.append(check_node(kind, count)), name="health-check", daemon=True)
-    thread.start()
-
-    def finding() -> str | None:
-        thread.join()
-        return found[0] if found else "the health check itself failed (see the log above)"
-
-    return finding
+    return start_check(worker_cfg.dist.device if worker_cfg is not None else "auto",
+                       int(getattr(config, "nproc_per_node", 1) or 1))
 
 
 def _end_if_unhealthy(finding: Callable[[], str | None]) -> None:

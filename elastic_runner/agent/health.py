@@ -27,6 +27,9 @@ import torch
 log = logging.getLogger(__name__)
 
 SIZE = 256
+#: On the CPU the check runs in the agent itself: small enough for torch and the BLAS to stay on this thread (a pool
+#: of theirs in the agent would be inherited, broken, by anything it forks later).
+CPU_SIZE = 64
 TIMEOUT_S = 120.0
 #: Where an NVIDIA driver shows itself without a CUDA call (none: a CUDA device cannot be there).
 NVIDIA_DRIVER = Path("/proc/driver/nvidia/version")
@@ -34,26 +37,27 @@ NVIDIA_DRIVER = Path("/proc/driver/nvidia/version")
 Matmul = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def _operands() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _operands(size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Two matrices of integers in [-2, 2] and their exact product (int64, on the CPU)."""
     generator = torch.Generator().manual_seed(20261128)
-    a = torch.randint(-2, 3, (SIZE, SIZE), generator=generator)
-    b = torch.randint(-2, 3, (SIZE, SIZE), generator=generator)
+    a = torch.randint(-2, 3, (size, size), generator=generator)
+    b = torch.randint(-2, 3, (size, size), generator=generator)
     return a, b, a @ b
 
 
 def check_device(device: torch.device, matmul: Matmul = torch.matmul) -> str | None:
     """What is wrong with ``device`` (None: nothing): its product of the fixed matrices against the exact one."""
-    a, b, exact = _operands()
+    size = CPU_SIZE if device.type == "cpu" else SIZE
+    a, b, exact = _operands(size)
     try:
         product = matmul(a.to(device, torch.float32), b.to(device, torch.float32)).to("cpu")
     except Exception as exc:  # noqa: BLE001 - whatever a broken device raises is the finding
-        return f"{device} failed to compute a {SIZE}x{SIZE} matmul ({type(exc).__name__}: {str(exc)[:200]})"
+        return f"{device} failed to compute a {size}x{size} matmul ({type(exc).__name__}: {str(exc)[:200]})"
     if not torch.isfinite(product).all():
-        return f"{device} computed non-finite values in a {SIZE}x{SIZE} matmul of small integers"
+        return f"{device} computed non-finite values in a {size}x{size} matmul of small integers"
     wrong = int((product.round().to(torch.int64) != exact).sum())
     if wrong or not torch.equal(product, product.round()):
-        return (f"{device} computed a wrong {SIZE}x{SIZE} matmul of small integers ({wrong} of {SIZE * SIZE} entries "
+        return (f"{device} computed a wrong {size}x{size} matmul of small integers ({wrong} of {size * size} entries "
                 "differ from the exact product)")
     return None
 
@@ -82,22 +86,38 @@ def check_here(kind: str, count: int, matmul: Matmul = torch.matmul) -> str | No
     return None
 
 
-def check_node(kind: str, count: int, timeout_s: float = TIMEOUT_S) -> str | None:
-    """This node's problem (None: healthy), checked without touching CUDA in this process."""
+def start_check(kind: str, count: int, timeout_s: float = TIMEOUT_S) -> Callable[[], str | None]:
+    """Start this node's check without touching CUDA in this process; returns how to wait for its finding (None:
+    healthy). Where no NVIDIA driver is installed it runs here and now (milliseconds); else in a child process that
+    runs while the caller goes on (a GPU node's takes seconds: its CUDA start-up). No thread: the agent forks its
+    zygote only while it runs none."""
     if kind == "cpu" or (not NVIDIA_DRIVER.exists() and kind == "auto"):
-        return check_here("cpu", 1)
+        problem = check_here("cpu", 1)
+        return lambda: problem
     if not NVIDIA_DRIVER.exists():
-        return "dist.device is cuda, and this node has no NVIDIA driver"
-    cmd = [sys.executable, "-m", "elastic_runner.agent.health", "--kind", kind, "--count", str(count)]
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=os.environ.copy())
-    except subprocess.TimeoutExpired:
-        return f"its devices did not finish a {SIZE}x{SIZE} matmul within {timeout_s:g} s (a hung device?)"
-    try:
-        return json.loads(done.stdout.strip().splitlines()[-1])["problem"]
-    except (IndexError, ValueError, KeyError, TypeError):
-        tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
-        return f"the device check exited {done.returncode} without a result ({tail[0][:200]})"
+        return lambda: "dist.device is cuda, and this node has no NVIDIA driver"
+    child = subprocess.Popen([sys.executable, "-m", "elastic_runner.agent.health", "--kind", kind, "--count", str(count)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=os.environ.copy())
+
+    def finding() -> str | None:
+        try:
+            out, err = child.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.communicate()
+            return f"its devices did not finish a {SIZE}x{SIZE} matmul within {timeout_s:g} s (a hung device?)"
+        try:
+            return json.loads(out.strip().splitlines()[-1])["problem"]
+        except (IndexError, ValueError, KeyError, TypeError):
+            tail = (err or out).strip().splitlines()[-1:] or ["no output"]
+            return f"the device check exited {child.returncode} without a result ({tail[0][:200]})"
+
+    return finding
+
+
+def check_node(kind: str, count: int, timeout_s: float = TIMEOUT_S) -> str | None:
+    """This node's problem (None: healthy): :func:`start_check`, waited for."""
+    return start_check(kind, count, timeout_s)()
 
 
 def main(argv: list[str] | None = None) -> int:

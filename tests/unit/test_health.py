@@ -22,7 +22,7 @@ def test_one_wrong_entry_of_the_product_is_a_wrong_device() -> None:
         return product
 
     problem = health.check_device(CPU, one_bit_flipped)
-    assert problem is not None and "wrong 256x256 matmul" in problem and "1 of 65536" in problem and "cpu" in problem
+    assert problem is not None and "wrong 64x64 matmul" in problem and "1 of 4096" in problem and "cpu" in problem
 
 
 def test_a_product_off_by_a_fraction_is_wrong_too() -> None:
@@ -50,3 +50,13 @@ def test_a_node_without_a_driver_fails_a_cuda_job_and_passes_an_auto_one() -> No
 def test_the_child_process_answers_in_one_json_line(capsys: pytest.CaptureFixture[str]) -> None:
     assert health.main(["--kind", "cpu", "--count", "2"]) == 0
     assert capsys.readouterr().out.strip() == '{"problem": null}'
+
+
+@pytest.mark.gpu
+def test_a_healthy_gpu_node_passes_through_the_child_process() -> None:
+    if not torch.cuda.is_available() or not health.NVIDIA_DRIVER.exists():
+        pytest.skip("needs a CUDA device (the production path); none here")
+    assert health.check_node("cuda", torch.cuda.device_count()) is None
+    assert health.check_node("auto", 1) is None
+    problem = health.check_node("cuda", torch.cuda.device_count() + 1)
+    assert problem is not None and "CUDA devices, and it has" in problem
