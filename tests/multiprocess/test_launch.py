@@ -27,6 +27,16 @@ def launch(*args: str, timeout: float = 180, env: dict[str, str] | None = None):
                        env=os.environ | {"PYTHONUNBUFFERED": "1"} | (env or {}))
 
 
+def standalone_quickstart(launcher: str, quickstart: Path, run_dir: Path, *more: str):  # noqa: ANN201
+    """The quickstart on two workers of one node, with 5 restarts, by ``elastic-runner launch`` or plain torchrun."""
+    args = ("--standalone", "--nproc_per_node=2", "--max_restarts=5", "-m", "elastic_runner.train",
+            "--config", str(quickstart), "--set", f"run.dir={run_dir}", *more)
+    if launcher == "launch":
+        return launch(*args)
+    return run_bounded([sys.executable, "-m", "torch.distributed.run", *args], 180,
+                       env=os.environ | {"PYTHONUNBUFFERED": "1"})
+
+
 def test_rdzv_defaults_fill_only_missing_keys() -> None:
     assert merge_rdzv_conf("") == "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3"
     assert merge_rdzv_conf("last_call_timeout=5,join_timeout=60") == (
@@ -93,13 +103,7 @@ def test_a_configuration_error_prints_its_one_line_and_is_not_retried(
     """In the config, in an import path met while the workload is built, on the command line: one line per node,
     whichever worker met it first, and no restart."""
     started = time.monotonic()
-    args = ("--standalone", "--nproc_per_node=2", "--max_restarts=5", "-m", "elastic_runner.train",
-            "--config", str(quickstart), "--set", f"run.dir={tmp_path}", *mistake)
-    if launcher == "launch":
-        result = launch(*args)
-    else:
-        result = run_bounded([sys.executable, "-m", "torch.distributed.run", *args], 180,
-                             env=os.environ | {"PYTHONUNBUFFERED": "1"})
+    result = standalone_quickstart(launcher, quickstart, tmp_path, *mistake)
     assert result.returncode == 2, result.stdout[-3000:]
     # Once: one line for the node (not one per worker), and never again (not restarted 5 times).
     errors = [line for line in result.stdout.splitlines() if said in line]
@@ -116,13 +120,7 @@ def test_a_node_that_fails_its_health_check_leaves_before_any_round_with_exit_5(
     """dist.device: cuda on a node without the device: its agent says so in one line and leaves (exit 5) before
     the rendezvous; no worker starts, nothing is written."""
     run_dir = tmp_path / "run"
-    args = ("--standalone", "--nproc_per_node=2", "--max_restarts=5", "-m", "elastic_runner.train",
-            "--config", str(quickstart), "--set", f"run.dir={run_dir}", "--set", "dist.device=cuda")
-    if launcher == "launch":
-        result = launch(*args)
-    else:
-        result = run_bounded([sys.executable, "-m", "torch.distributed.run", *args], 180,
-                             env=os.environ | {"PYTHONUNBUFFERED": "1"})
+    result = standalone_quickstart(launcher, quickstart, run_dir, "--set", "dist.device=cuda")
     assert result.returncode == 5, result.stdout[-3000:]
     said = [line for line in result.stdout.splitlines() if "failed its health check" in line]
     assert len(said) == 1 and "dist.device is cuda, and this node has no NVIDIA driver" in said[0], result.stdout
