@@ -74,6 +74,9 @@ def test_defaults_apply_for_keys_the_file_leaves_out(tmp_path: Path) -> None:
         ("audit.samples=maybe", "audit.samples", "true or false"),
         ("train.precision=fp8", "train.precision", "one of"),
         ("batch.scale_lr=linear", "batch.scale_lr", "per_rank_size"),
+        ("recovery.straggler_ratio=1", "recovery.straggler_ratio", "must be a number > 1"),
+        ("recovery.straggler_window_seconds=0", "recovery.straggler_window_seconds", "must be > 0"),
+        ("recovery.health_check=maybe", "recovery.health_check", "true or false"),
     ],
 )
 def test_each_invalid_value_names_its_key_and_a_fix(quickstart: Path, override: str, key: str, words: str) -> None:
