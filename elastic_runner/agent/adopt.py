@@ -180,13 +180,14 @@ def _nothing() -> None:
 
 
 def _start_health_check(worker_cfg: Any, config: Any) -> Callable[[], str | None]:
-    """This node's health check (:mod:`.health`) started; returns how to wait for its finding."""
+    """This node's health check (:mod:`.health`) started; returns how to wait for its finding. Only for our worker
+    with its config read here: a script's own devices (elastic_runner.fit) are its to choose, and a config that does
+    not load is the workers' to report."""
     from .health import start_check
 
-    if worker_cfg is not None and not worker_cfg.recovery.health_check:
+    if worker_cfg is None or not worker_cfg.recovery.health_check:
         return _nothing
-    return start_check(worker_cfg.dist.device if worker_cfg is not None else "auto",
-                       int(getattr(config, "nproc_per_node", 1) or 1))
+    return start_check(worker_cfg.dist.device, int(getattr(config, "nproc_per_node", 1) or 1))
 
 
 def _end_if_unhealthy(finding: Callable[[], str | None]) -> None:

@@ -7,13 +7,16 @@ leaves with a line of its own and exit status 5 (``EXIT_UNHEALTHY``) and the oth
 The check multiplies two fixed 256x256 matrices of small integers on every device the node's workers will use and
 compares the product with the exact one: small integers are exact in every float format a matmul may use (float32,
 TF32, bf16 inputs accumulated in float32), so a single differing entry is a wrong result, not rounding. A device that
-does not answer within ``TIMEOUT_S`` fails too. On a machine with an NVIDIA driver the check runs in a child process:
-this agent must never touch CUDA (its zygote forks the workers, and a CUDA context does not survive a fork).
+does not answer within ``TIMEOUT_S`` fails too. On a machine with a GPU driver the check runs in a child process:
+this agent must never touch CUDA (its zygote forks the workers, and a CUDA context does not survive a fork). Without
+one, a CPU check (64x64) runs in the agent itself, after its zygote was forked.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import glob
 import json
 import logging
 import os
@@ -27,12 +30,17 @@ import torch
 log = logging.getLogger(__name__)
 
 SIZE = 256
-#: On the CPU the check runs in the agent itself: small enough for torch and the BLAS to stay on this thread (a pool
-#: of theirs in the agent would be inherited, broken, by anything it forks later).
+#: On the CPU the check runs in the agent itself, after its zygote was forked (the BLAS may start its thread pool
+#: there; the agent forks nothing afterwards, its other children exec a new program): small, a millisecond.
 CPU_SIZE = 64
 TIMEOUT_S = 120.0
-#: Where an NVIDIA driver shows itself without a CUDA call (none: a CUDA device cannot be there).
-NVIDIA_DRIVER = Path("/proc/driver/nvidia/version")
+
+
+def gpu_driver() -> bool:
+    """Whether a GPU driver is installed, told without a CUDA call: NVIDIA's (its /proc entry or device files) or
+    ROCm's (/dev/kfd). Without one no CUDA device can be there."""
+    return (Path("/proc/driver/nvidia/version").exists() or bool(glob.glob("/dev/nvidia[0-9]*"))
+            or Path("/dev/kfd").exists())
 
 Matmul = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -91,20 +99,27 @@ def start_check(kind: str, count: int, timeout_s: float = TIMEOUT_S) -> Callable
     healthy). Where no NVIDIA driver is installed it runs here and now (milliseconds); else in a child process that
     runs while the caller goes on (a GPU node's takes seconds: its CUDA start-up). No thread: the agent forks its
     zygote only while it runs none."""
-    if kind == "cpu" or (not NVIDIA_DRIVER.exists() and kind == "auto"):
+    driver = gpu_driver()
+    if kind == "cpu" or (not driver and kind == "auto"):
         problem = check_here("cpu", 1)
         return lambda: problem
-    if not NVIDIA_DRIVER.exists():
-        return lambda: "dist.device is cuda, and this node has no NVIDIA driver"
-    child = subprocess.Popen([sys.executable, "-m", "elastic_runner.agent.health", "--kind", kind, "--count", str(count)],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=os.environ.copy())
+    if not driver:
+        return lambda: "dist.device is cuda, and this node has no GPU driver"
+    try:
+        child = subprocess.Popen(
+            [sys.executable, "-m", "elastic_runner.agent.health", "--kind", kind, "--count", str(count)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=os.environ.copy())
+    except OSError as exc:  # a node that cannot start a process cannot start its workers either
+        problem = f"could not start the device check ({exc.strerror or exc})"
+        return lambda: problem
 
     def finding() -> str | None:
         try:
             out, err = child.communicate(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            child.kill()
-            child.communicate()
+            child.kill()  # (a process stuck in the driver may not die at once: do not wait for it long)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                child.communicate(timeout=5)
             return f"its devices did not finish a {SIZE}x{SIZE} matmul within {timeout_s:g} s (a hung device?)"
         try:
             return json.loads(out.strip().splitlines()[-1])["problem"]

@@ -108,6 +108,7 @@ def join(ctx: FaultContext) -> str:
 def hang(ctx: FaultContext) -> str:
     w = _random_worker(ctx)
     ctx.job.signal_worker(w, signal.SIGSTOP)
+    ctx.targets = [w.pid]  # (a hung worker may be named a straggler: no false naming)
 
     def resume() -> None:
         time.sleep(ctx.hang_seconds)

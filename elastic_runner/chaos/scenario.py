@@ -121,6 +121,8 @@ class Scenario:
             raise ScenarioError(f"count={self.count}: give a positive number of faults and the types to draw (--faults)")
         if self.slow_seconds <= 0:
             raise ScenarioError(f"slow_seconds={self.slow_seconds}: give the seconds a node stays slow (> 0)")
+        if "slow-node" in wanted:
+            self._check_stragglers_can_be_named()
         if self.fill_seconds <= 0:
             raise ScenarioError(f"fill_seconds={self.fill_seconds}: give the seconds the volume stays full (> 0)")
         if self.supervise is not None and self.supervise < 0:
@@ -131,6 +133,26 @@ class Scenario:
         if len(by_step) > 1:
             raise ScenarioError("faults are placed either by time (T:TYPE, --every) or by step (step:N:TYPE, "
                                 "--every-steps), not both in one scenario")
+
+    def _check_stragglers_can_be_named(self) -> None:
+        """slow-node's verdict needs the job to name stragglers within the slow seconds: its config must let it."""
+        from ..config import ConfigError, load_config
+
+        try:
+            cfg = load_config(self.config, list(self.overrides))
+        except ConfigError:
+            return  # the job itself says what is wrong with it
+        why = None
+        if cfg.recovery.straggler_ratio is None:
+            why = "recovery.straggler_ratio is null (nobody is named)"
+        elif cfg.parallel.strategy != "ddp" or cfg.dist.gradient_sync != "ordered":
+            why = "stragglers are named under parallel.strategy: ddp with dist.gradient_sync: ordered only"
+        elif cfg.recovery.straggler_window_seconds >= self.slow_seconds:
+            why = (f"recovery.straggler_window_seconds ({cfg.recovery.straggler_window_seconds:g}) is not shorter than "
+                   f"slow_seconds ({self.slow_seconds:g}): the node would be fast again before it could be named; "
+                   "--set recovery.straggler_window_seconds=3, or a longer --slow-seconds")
+        if why:
+            raise ScenarioError(f"slow-node: {why}")
 
     def schedule(self) -> list[FaultSpec]:
         """The fixed faults plus random ones (seeded): ``count`` of them, or until ``duration`` seconds; by

@@ -266,7 +266,8 @@ def verify(*, audit: AuditReport, events: list[dict[str, Any]], faults: list[Inj
                        f"none saved after the fill at {not_back[0].offset} s"))
     slowed = [f for f in faults if f.type == "slow-node"]
     if slowed:
-        verdict.add("slow nodes named stragglers, and only they", *_stragglers_check(events, slowed))
+        hung = {pid for f in faults if f.type == "hang" for pid in f.targets}
+        verdict.add("slow nodes named stragglers, and only they", *_stragglers_check(events, slowed, hung))
     if audit.records_lost:  # a bucket's view only: each span must belong to a generation a lost node ended
         explained = generations_hit(events, [f for f in faults if f.type in LOSES_RECORDS])
         unexplained = [s for s in audit.records_lost if s["generation"] not in explained]
@@ -282,13 +283,13 @@ def verify(*, audit: AuditReport, events: list[dict[str, Any]], faults: list[Inj
     return verdict
 
 
-def _stragglers_check(events: list[dict[str, Any]], slowed: list[Injected]) -> tuple[bool, str]:
+def _stragglers_check(events: list[dict[str, Any]], slowed: list[Injected], hung: set[int]) -> tuple[bool, str]:
     """Every slow node that training rode out (no recovery cut it short) had a worker named a straggler while it was
-    slow, and no worker that was never slowed was named."""
+    slow, and no worker that was never slowed (or hung: a hang long enough may name its worker) was named."""
     named = [e for e in events if e["kind"] == "straggler" and e.get("status") == "named"]
     missed = [f for f in slowed if f.outcome == "absorbed" and not any(
         e.get("pid") in f.targets and f.at <= e["time"] <= f.at + f.lasts_s + NAMED_WITHIN_S for e in named)]
-    wrong = [e for e in named if not any(e.get("pid") in f.targets for f in slowed)]
+    wrong = [e for e in named if e.get("pid") not in hung and not any(e.get("pid") in f.targets for f in slowed)]
     if missed or wrong:
         return False, "; ".join(
             [f"the slow node at {f.offset} s (pids {f.targets}) was not named within {f.lasts_s + NAMED_WITHIN_S:g} s"

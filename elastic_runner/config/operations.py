@@ -246,7 +246,7 @@ class RecoveryConfig:
     )
     health_check: bool = _help(
         "Before a node takes part in its first rendezvous round, its agent checks the devices its workers will use: "
-        "present, and computing a fixed matmul of small integers exactly (in a child process where an NVIDIA driver "
+        "present, and computing a fixed matmul of small integers exactly (in a child process where a GPU driver "
         "is installed). A node that fails leaves with one line and exit status 5, and costs the others no round.",
         default=True,
     )

@@ -125,7 +125,8 @@ class StepBooks:
         window_s = max(1e-9, now - self._window_started)
         timing = torch.zeros(4 * world if timed else 0, dtype=torch.float64)
         if timed:
-            timing[4 * rank:4 * rank + 4] = torch.tensor([local[0], local[1], self.dist.env.group_rank, window_s])
+            timing[4 * rank:4 * rank + 4] = torch.tensor([local[0], local[1], self.dist.env.group_rank, window_s],
+                                                         dtype=torch.float64)
         summed = self.dist.all_reduce_sum(torch.cat([self._window_loss, timing.to(self._window_loss.device)])).tolist()
         loss_sum, count = summed[:2]
         self._window_loss.zero_()
@@ -195,7 +196,9 @@ def _straggler_line(found: Straggler, status: str, world: int) -> str:
     where = f"rank {found.rank} (node {found.node})"
     times = f"{found.local_s * 1000:.1f} ms a step against the median rank's {found.median_s * 1000:.1f} ms"
     if status == "cleared":
-        return f"{where} is no straggler any more: {times}"
-    return (f"{where} is a straggler: its own work (batches, forward, backward, update) has taken {found.ratio:.2f}x "
-            f"the median rank's for {found.seconds:.0f} s, {found.steps} steps ({times}); the other {world - 1} ranks wait for it every "
-            "step (its host is in its straggler event and on its metrics endpoint, elastic_runner_straggler)")
+        return f"{where} is no straggler any more: {times} in the last logging window"
+    others = "the other rank waits" if world == 2 else f"the other {world - 1} ranks wait"
+    return (f"{where} is a straggler: its own work (batches, forward, backward, update) has taken at least the "
+            f"straggler ratio times the median rank's for {found.seconds:.0f} s ({found.steps} steps), "
+            f"{found.ratio:.2f}x in the last logging window ({times}); {others} for it every step (its host is in its "
+            "straggler event and on its metrics endpoint, elastic_runner_straggler)")

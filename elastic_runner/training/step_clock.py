@@ -3,8 +3,8 @@
 Local time is the step less the wait for the gradient sync: from the step's start to the sync's wait (its batches,
 forward, backward), plus the optimizer's update. On a CPU the host's clock measures it. On a GPU the host only
 queues kernels, so the host's clock would measure the queueing: CUDA events recorded on the compute stream at the
-same four points measure the device, and they are read only once they have completed (``Event.query``, which never
-waits) — at the logging steps, where the logged loss's read has made the host wait for them anyway.
+same four points measure the device, and they are read at logging steps only once they have completed
+(``Event.query``, which never waits): a step still in flight then counts in the next logging window.
 """
 
 from __future__ import annotations

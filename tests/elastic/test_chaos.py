@@ -73,6 +73,9 @@ def test_bad_scenarios_are_refused_with_what_to_change(chaos_config: Path, tmp_p
     assert result.returncode == 2 and "unknown fault 'explode'" in result.stdout
     result = chaos("--config", str(chaos_config), "--run-dir", str(tmp_path / "r"), "--at", "2:restart-etcd", timeout=60)
     assert result.returncode == 2 and "restart-etcd needs --rdzv-backend etcd-v3" in result.stdout
+    result = chaos("--config", str(chaos_config), "--run-dir", str(tmp_path / "r"), "--at", "2:slow-node", timeout=60)
+    assert result.returncode == 2 and "slow-node: recovery.straggler_window_seconds (60) is not shorter than " \
+        "slow_seconds (10)" in result.stdout, result.stdout
 
 
 def test_a_hang_with_no_peer_to_notice_is_absorbed_not_waited_for(chaos_config: Path, tmp_path: Path) -> None:

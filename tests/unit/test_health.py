@@ -41,9 +41,9 @@ def test_non_finite_values_and_a_failing_device_are_named() -> None:
     assert problem is not None and "failed to compute" in problem and "illegal memory access" in problem
 
 
-@pytest.mark.skipif(health.NVIDIA_DRIVER.exists(), reason="this machine has an NVIDIA driver")
+@pytest.mark.skipif(health.gpu_driver(), reason="this machine has a GPU driver")
 def test_a_node_without_a_driver_fails_a_cuda_job_and_passes_an_auto_one() -> None:
-    assert health.check_node("cuda", 2) == "dist.device is cuda, and this node has no NVIDIA driver"
+    assert health.check_node("cuda", 2) == "dist.device is cuda, and this node has no GPU driver"
     assert health.check_node("auto", 2) is None and health.check_node("cpu", 2) is None
 
 
@@ -54,7 +54,7 @@ def test_the_child_process_answers_in_one_json_line(capsys: pytest.CaptureFixtur
 
 @pytest.mark.gpu
 def test_a_healthy_gpu_node_passes_through_the_child_process() -> None:
-    if not torch.cuda.is_available() or not health.NVIDIA_DRIVER.exists():
+    if not torch.cuda.is_available() or not health.gpu_driver():
         pytest.skip("needs a CUDA device (the production path); none here")
     assert health.check_node("cuda", torch.cuda.device_count()) is None
     assert health.check_node("auto", 1) is None
