@@ -115,12 +115,12 @@ def test_a_full_snapshot_volume_is_ridden_out_and_snapshots_resume_once_space_is
 
 
 def test_a_slow_node_is_named_a_straggler_and_the_job_rides_it_out(chaos_config: Path, tmp_path: Path) -> None:
-    """slow-node throttles one node's worker to a quarter of its time for 8 s: nothing fails, the job slows, and
+    """slow-node throttles one node's worker to a quarter of its time for 6 s: nothing fails, the job slows, and
     that worker (and no other) is named a straggler while it is slow (at 1.5x the median for 3 s: at the default
     minute, a step of milliseconds would need a longer run)."""
     run_dir = tmp_path / "run"
     result = chaos("--config", str(chaos_config), "--run-dir", str(run_dir), "--agents", "2", "--nnodes", "2:2",
-                   "--at", "step:100:slow-node", "--slow-seconds", "8", "--set", "train.epochs=40",
+                   "--at", "step:100:slow-node", "--slow-seconds", "6", "--set", "train.epochs=25",
                    "--set", "recovery.straggler_ratio=1.5", "--set", "recovery.straggler_window_seconds=3")
     assert result.returncode == 0, result.stdout[-4000:]
     report = json.loads((run_dir / "chaos" / "report.json").read_text())
