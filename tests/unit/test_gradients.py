@@ -185,6 +185,7 @@ def test_token_weighted_gradient_is_the_same_at_any_world_size_and_micro_batchin
             assert torch.allclose(e, g, atol=1e-12), f"{sync}: world {world}, {micro} micro-batches"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [3, 4])
 def test_a_resumed_process_does_exactly_the_arithmetic_of_one_that_never_stopped(tmp_path: Path, world: int) -> None:
     """4 steps, new processes with the saved state, 4 more: bitwise the 8 uninterrupted steps (ordered sync)."""

@@ -234,6 +234,7 @@ def test_a_sharded_snapshot_reshards_to_any_world_size_and_strategy_exactly(tmp_
         _assert_same(torch.load(out), saved, f"fsdp at 2 -> {strategy} at {world}")
 
 
+@pytest.mark.slow
 def test_an_hsdp_snapshot_is_written_by_the_first_replica_and_loads_into_fsdp(tmp_path: Path) -> None:
     from elastic_runner.snapshot.cli import inspect
 

@@ -83,6 +83,7 @@ def test_the_worker_s_start_is_when_the_standby_took_its_place() -> None:
     assert standby.placed_at() is not None and abs(standby.placed_at() - __import__("time").time()) < 5
 
 
+@pytest.mark.slow
 def test_a_compiled_model_is_traced_ahead_so_that_the_worker_s_first_step_compiles_nothing(tmp_path: Path) -> None:
     from torch._dynamo.utils import counters
 
