@@ -192,14 +192,22 @@ def test_a_run_directory_that_names_a_bucket_adds_what_it_holds_beyond_the_bucke
     assert not (view / "audit/gen-000001-rank-00001.jsonl").exists()
 
 
-def test_an_attempt_s_first_step_is_uploaded_at_once_not_at_the_end_of_the_interval(
-        records: str, s3_server: S3Server, tmp_path: Path) -> None:
-    fs = s3_server.filesystem()
+def syncing_after_an_earlier_attempt(tmp_path: Path, records: str, fs: Any,
+                                     earlier_steps: int) -> tuple[Path, RecordSync]:
+    """A node whose attempt 2 left ``earlier_steps`` audit records and whose attempt 3 (the fresh one) has begun,
+    its records' upload started with a long interval (600 s)."""
     node = tmp_path / "node"
-    append(node / "audit/gen-000002-rank-00000.jsonl", *({"step": s} for s in range(100)))  # an earlier attempt's
+    append(node / "audit/gen-000002-rank-00000.jsonl", *({"step": s} for s in range(earlier_steps)))
     append(node / "audit/gen-000003-rank-00000.jsonl", {"type": "header"})
     sync = RecordSync(node, records, fs=fs, every_s=600,
                       fresh=lambda relative: relative.endswith("gen-000003-rank-00000.jsonl")).start()
+    return node, sync
+
+
+def test_an_attempt_s_first_step_is_uploaded_at_once_not_at_the_end_of_the_interval(
+        records: str, s3_server: S3Server, tmp_path: Path) -> None:
+    fs = s3_server.filesystem()
+    node, sync = syncing_after_an_earlier_attempt(tmp_path, records, fs, earlier_steps=100)
     try:
         append(node / "audit/gen-000003-rank-00000.jsonl", {"type": "step", "step": 1})
         sync.soon()
@@ -305,11 +313,7 @@ def test_an_earlier_attempts_records_follow_the_first_step_of_the_next_one_not_t
     interval would hand them on until a node lost with its disk took them along (before: 1,365 steps of a soak's
     records never reached the bucket). The next attempt uploads them a moment after its first step."""
     fs = s3_server.filesystem()
-    node = tmp_path / "node"
-    append(node / "audit/gen-000002-rank-00000.jsonl", *({"step": s} for s in range(300)))  # an earlier attempt's
-    append(node / "audit/gen-000003-rank-00000.jsonl", {"type": "header"})
-    sync = RecordSync(node, records, fs=fs, every_s=600,
-                      fresh=lambda relative: relative.endswith("gen-000003-rank-00000.jsonl")).start()
+    node, sync = syncing_after_an_earlier_attempt(tmp_path, records, fs, earlier_steps=300)
     try:
         sync.soon(then_all_after=0.5)
         deadline = time.monotonic() + 20

@@ -900,21 +900,9 @@ def test_a_malformed_event_line_is_skipped_and_no_consumer_of_events_raises(even
                     break
                 findings.cases += 1
                 files = copy.deepcopy(event_files)
-                planted = []
-                for _ in range(rng.choice((1, 2, 3, 4, 6))):
-                    name = rng.choice(sorted(files))
-                    lines = files[name]
-                    i = rng.randrange(len(event_files[name]))
-                    line = mutated_line(rng, event_files[name][i])
-                    planted.append(line)
-                    if rng.random() < 0.5:
-                        lines[i] = line
-                    else:
-                        lines.insert(i, line)
-                run_dir = tmp_path / case.replace(":", "-")
-                (run_dir / EVENTS_DIR).mkdir(parents=True)
-                for name, lines in files.items():
-                    (run_dir / EVENTS_DIR / name).write_bytes(b"".join(lines))
+                planted = plant_lines(rng, files, event_files, (1, 2, 3, 4, 6), lambda line: mutated_line(rng, line),
+                                      insert=0.5)
+                run_dir = write_run(tmp_path, case, EVENTS_DIR, files)
                 data = b"".join(planted)
                 _consume(findings, case, data, run_dir, warnings)
                 # A follower reading the same files as they grow (a line split across two reads).
@@ -929,6 +917,33 @@ def test_a_malformed_event_line_is_skipped_and_no_consumer_of_events_raises(even
     finally:
         logger.removeHandler(warnings)
     findings.check()
+
+
+def plant_lines(rng: random.Random, files: dict[str, list[bytes]], originals: dict[str, list[bytes]],
+                counts: tuple[int, ...], make: Callable[[bytes], bytes], insert: float | None = None) -> list[bytes]:
+    """Damage ``files`` (a copy of ``originals``: name -> lines) in place: ``rng.choice(counts)`` times, a line made by
+    ``make`` from an original one takes its place, or (with chance ``insert``) goes before it. Returns what it
+    planted."""
+    planted = []
+    for _ in range(rng.choice(counts)):
+        name = rng.choice(sorted(files))
+        i = rng.randrange(len(originals[name]))
+        line = make(originals[name][i])
+        planted.append(line)
+        if insert is not None and rng.random() >= insert:
+            files[name].insert(i, line)
+        else:
+            files[name][i] = line
+    return planted
+
+
+def write_run(tmp_path: Path, case: str, subdir: str, files: dict[str, list[bytes]]) -> Path:
+    """A run directory for ``case`` with ``files`` (name -> lines) under ``subdir``."""
+    run_dir = tmp_path / case.replace(":", "-")
+    (run_dir / subdir).mkdir(parents=True)
+    for name, lines in files.items():
+        (run_dir / subdir / name).write_bytes(b"".join(lines))
+    return run_dir
 
 
 #: What the event sweep sets a field to (DROP: the field left out).
@@ -1051,25 +1066,17 @@ def test_a_damaged_audit_record_is_reported_and_the_check_goes_on(audit_files: d
                 break
             findings.cases += 1
             files = copy.deepcopy(audit_files)
-            planted = []
-            for _ in range(rng.choice((1, 1, 2, 3, 4))):
-                name = rng.choice(sorted(files))
-                lines = files[name]
-                i = rng.randrange(len(lines))
-                original = audit_files[name][i]
+
+            def damaged(original: bytes) -> bytes:
                 roll = rng.random()
                 if roll < 0.65:
-                    line = dumps(rng, mutate_json(rng, json.loads(original), AUDIT_FIELDS)).replace(b"\n", b" ") + b"\n"
-                elif roll < 0.9:
-                    line = garble(rng, original.rstrip(b"\n")).replace(b"\n", b" ") + b"\n"
-                else:
-                    line = not_an_object(rng, json.loads(original)).replace(b"\n", b" ") + b"\n"
-                planted.append(line)
-                lines[i] = line
-            run_dir = tmp_path / case.replace(":", "-")
-            (run_dir / AUDIT_DIR).mkdir(parents=True)
-            for name, lines in files.items():
-                (run_dir / AUDIT_DIR / name).write_bytes(b"".join(lines))
+                    return dumps(rng, mutate_json(rng, json.loads(original), AUDIT_FIELDS)).replace(b"\n", b" ") + b"\n"
+                if roll < 0.9:
+                    return garble(rng, original.rstrip(b"\n")).replace(b"\n", b" ") + b"\n"
+                return not_an_object(rng, json.loads(original)).replace(b"\n", b" ") + b"\n"
+
+            planted = plant_lines(rng, files, audit_files, (1, 1, 2, 3, 4), damaged)
+            run_dir = write_run(tmp_path, case, AUDIT_DIR, files)
             if rng.random() < 0.2:
                 view = mutate_json(rng, {"url": "s3://b/r/records", "cut_short": ["audit/gen-000001-rank-00001.jsonl"]},
                                    ["url", "cut_short"])
