@@ -52,3 +52,31 @@ class _SlowOnOneRank(torch.nn.Module):
 def slow_on_one_rank(rank: int = 1, while_file: str = "", delay_s: float = 0.03) -> torch.nn.Module:
     """``model.name: tests.broken_components:slow_on_one_rank``."""
     return _SlowOnOneRank(rank, while_file, delay_s)
+
+
+class _CorruptsOneRank(torch.nn.Module):
+    """A small digits classifier whose replica on one rank gets one bit of a weight flipped (a device's silent
+    corruption) at its ``at_forward``-th training forward in a process: once in the run while ``once_file`` does
+    not exist yet (the model creates it), or in every process that gets there when ``once_file`` is empty."""
+
+    def __init__(self, rank: int, at_forward: int, once_file: str) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 32), torch.nn.ReLU(),
+                                       torch.nn.Linear(32, 10))
+        self.bad = int(os.environ.get("RANK", "0")) == rank
+        self.at_forward, self.once_file, self.forwards = at_forward, once_file, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.bad and self.training:
+            self.forwards += 1
+            if self.forwards == self.at_forward and not (self.once_file and os.path.exists(self.once_file)):
+                if self.once_file:
+                    open(self.once_file, "w").close()
+                with torch.no_grad():  # a mantissa bit: the loss stays finite, only the replicas differ
+                    self.net[1].weight.view(-1).view(torch.int32)[5] ^= 1 << 12
+        return self.net(x)
+
+
+def corrupts_one_rank(rank: int = 1, at_forward: int = 50, once_file: str = "") -> torch.nn.Module:
+    """``model.name: tests.broken_components:corrupts_one_rank``."""
+    return _CorruptsOneRank(rank, at_forward, once_file)

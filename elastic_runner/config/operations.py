@@ -264,8 +264,37 @@ class RecoveryConfig:
         "For straggler_ratio: how long a rank must stay that slow (over consecutive logging windows) before it is "
         "named; what slows a rank for a moment (a snapshot, a page-cache miss, a shared machine's scheduler) names "
         "nobody.", default=60.0)
+    fingerprint_every_steps: int | Literal["auto"] | None = _help(
+        "Silent corruption (a flipped bit, a miscomputing device) told from bitwise replicas: every this many steps "
+        "(at a logging step, and at the last step) each rank sums its parameters and optimizer state as integers on "
+        "its device, and the sums ride in the all-reduce of the logged loss; a rank whose sum differs from the "
+        "majority's is named (a story line, a replica_mismatch event with its host), and the job rolls back: the "
+        "snapshots taken after the last step whose sums agreed are moved aside (corrupt-*, with a REASON) and "
+        "removed from node memory, and every worker restarts from the newest state a check vouched for. Two "
+        "replicas that differ cannot say which one is wrong: both roll back. auto: on for parallel.strategy: ddp "
+        "with dist.gradient_sync: ordered (where replicas are bitwise identical), as often as costs at most 1 % of "
+        "step time (measured); off elsewhere. A number asks for it (and is refused where replicas differ by "
+        "design). null: off.", default="auto")
+    max_rollbacks: int = _help(
+        "For fingerprint_every_steps: after this many rollbacks within rollback_window_seconds, the next mismatch "
+        "stops the job (exit status 3, not restarted) naming the suspect ranks and nodes: a device that keeps "
+        "corrupting its replica needs a person (or its node taken out).", default=3)
+    rollback_window_seconds: float = _help(
+        "For max_rollbacks: the window in which rollbacks are counted (from the run directory's events).",
+        default=3600.0)
 
     def validate(self) -> None:
+        every = self.fingerprint_every_steps
+        if every is not None and every != "auto" and (isinstance(every, bool) or not isinstance(every, int)
+                                                      or every < 1):
+            raise ConfigError("recovery.fingerprint_every_steps", f"got {every!r}, must be a whole number >= 1",
+                              "Set it to e.g. 100, auto (as often as costs 1 % of step time), or null (off)")
+        if isinstance(self.max_rollbacks, bool) or not isinstance(self.max_rollbacks, int) or self.max_rollbacks < 0:
+            raise ConfigError("recovery.max_rollbacks", f"got {self.max_rollbacks!r}, must be a whole number >= 0",
+                              "Set it to e.g. 3 (0: the first mismatch stops the job)")
+        if not 0 < self.rollback_window_seconds < float("inf"):
+            raise ConfigError("recovery.rollback_window_seconds", f"got {self.rollback_window_seconds!r}, must be "
+                              "> 0", "Set it to e.g. 3600")
         if self.straggler_ratio is not None and not (isinstance(self.straggler_ratio, (int, float))
                                                      and 1 < self.straggler_ratio < float("inf")):
             raise ConfigError("recovery.straggler_ratio", f"got {self.straggler_ratio!r}, must be a number > 1 (a "

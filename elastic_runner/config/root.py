@@ -76,6 +76,26 @@ class Config:
                               f"{self.parallel.strategy} (its device mesh's groups are made anew with the model)",
                               "Use auto or recreate")
 
+        every = self.recovery.fingerprint_every_steps
+        if isinstance(every, int) and not isinstance(every, bool) and not self.replicas_bitwise:
+            why = ("under dist.gradient_sync: ddp, replicas are not bitwise identical across restarts (torch's "
+                   "reducer sums in its own bucket order), so a difference would name a healthy rank"
+                   if self.parallel.strategy == "ddp" else
+                   "fsdp's shards have no replica to compare with" if self.parallel.strategy == "fsdp" else
+                   "comparing hsdp's replicas shard by shard is not built yet")
+            raise ConfigError("recovery.fingerprint_every_steps", f"got {every}: {why}",
+                              "Use parallel.strategy: ddp with dist.gradient_sync: ordered, or set it to auto or null")
+
+    @property
+    def replicas_bitwise(self) -> bool:
+        """Whether every rank's replica is bitwise the same after every step (what fingerprints compare)."""
+        return self.parallel.strategy == "ddp" and self.dist.gradient_sync == "ordered"
+
+    @property
+    def fingerprints(self) -> bool:
+        """Whether replicas' fingerprints are compared (``recovery.fingerprint_every_steps``)."""
+        return self.recovery.fingerprint_every_steps is not None and self.replicas_bitwise
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 

@@ -65,12 +65,14 @@ FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
     "micro_batch": int, "accumulation": int, "steps_recomputed": int, "furthest_step": int,
     "samples_per_s": _NUMBER, "loss": _NUMBER, "eval_loss": _NUMBER, "write_s": _NUMBER, "blocking_s": _NUMBER,
     "seconds": _NUMBER, "process_start": _NUMBER, "failures": list, "node": int, "ratio": _NUMBER,
+    "verified_step": int, "suspects": list, "nodes": list,
 }
 #: The fields an event of each kind always carries (its readers index them).
 REQUIRED: dict[str, tuple[str, ...]] = {
     "start": ("world_size",), "progress": ("step", "loss", "samples_per_s"), "eval": ("eval_loss",),
     "snapshot_saved": ("blocking_s", "write_s"), "resume": ("generation",), "agent_worker_failed": ("failures",),
     "straggler": ("step", "rank", "node", "ratio", "status"),
+    "replica_mismatch": ("step", "verified_step", "suspects", "status"),
 }
 #: The numbers a run writes stay far below this; a larger one (10**400, an overflow waiting) is no event of ours.
 _LARGEST = 1e15

@@ -119,6 +119,12 @@ class Metrics:
         self.step_local_ratio = gauge("step_local_ratio", "This rank's local time per step over the median rank's, "
                                       "over the last logging window (recovery.straggler_ratio).")
         self.straggler = gauge("straggler", "1 while this rank is named a straggler (recovery.straggler_ratio).")
+        self.fingerprint_checks = counter("fingerprint_checks", "Checks of the replicas' fingerprints "
+                                          "(recovery.fingerprint_every_steps).")
+        self.fingerprint_interval = gauge("fingerprint_interval_steps", "Steps between fingerprint checks (chosen "
+                                          "from their measured cost under recovery.fingerprint_every_steps: auto).")
+        self.verified_step = gauge("verified_step", "The newest step whose replicas' fingerprints agreed: a "
+                                   "rollback returns to a snapshot of this step or before.")
         self.job = _JobCounters(self.rank)
         r.register(self.job)
         build = Info(PREFIX + "build", "Versions of this worker.", registry=r)

@@ -113,9 +113,17 @@ class StepBooks:
         if self.rank0:
             self.progress.note(text)
 
-    def report_progress(self, step: int, epoch: int, lr: float, local: tuple[float, int] = (0.0, 0)) -> None:
+    def pace_s(self, step: int) -> float:
+        """This rank's wall time per step in the current logging window so far (0 before its first step)."""
+        steps = step - self._window_first_step
+        return (time.monotonic() - self._window_started) / steps if steps > 0 else 0.0
+
+    def report_progress(self, step: int, epoch: int, lr: float, local: tuple[float, int] = (0.0, 0),
+                        mine: torch.Tensor | None = None) -> list[float]:
         """The loss over the window since the last report (a collective), the rate, goodput: a progress line;
-        ``local``: this rank's local seconds and steps timed in the window (:class:`~.step_clock.StepClock`)."""
+        ``local``: this rank's local seconds and steps timed in the window (:class:`~.step_clock.StepClock`);
+        ``mine``: floats of this rank's (on its device; every rank passes as many at the same step) that every rank
+        learns — returned: every rank's, rank by rank (empty without ``mine``)."""
         m, state = self.metrics, self.state
         world, rank = self.dist.world_size, self.dist.rank
         timed = self.cfg.recovery.straggler_ratio is not None
@@ -127,11 +135,18 @@ class StepBooks:
         if timed:
             timing[4 * rank:4 * rank + 4] = torch.tensor([local[0], local[1], self.dist.env.group_rank, window_s],
                                                          dtype=torch.float64)
-        summed = self.dist.all_reduce_sum(torch.cat([self._window_loss, timing.to(self._window_loss.device)])).tolist()
+        parts = [self._window_loss, timing.to(self._window_loss.device)]
+        if mine is not None:
+            blocks = torch.zeros(mine.numel() * world, dtype=torch.float64, device=self._window_loss.device)
+            blocks[mine.numel() * rank:mine.numel() * (rank + 1)] = mine
+            parts.append(blocks)
+        summed = self.dist.all_reduce_sum(torch.cat(parts)).tolist()
+        theirs = summed[2 + timing.numel():]
         loss_sum, count = summed[:2]
         self._window_loss.zero_()
         if timed:  # the window's length: the longest rank's (the same on every rank, as every decision must be)
-            self._note_stragglers(step, summed[2::4], summed[3::4], summed[4::4], max(summed[5::4]))
+            times = summed[2:2 + timing.numel()]
+            self._note_stragglers(step, times[0::4], times[1::4], times[2::4], max(times[3::4]))
         window_steps = step - self._window_first_step
         self._window_first_step = step
         rate = self._window_samples / window_s
@@ -160,6 +175,7 @@ class StepBooks:
             # window_steps: how many steps the loss averages (fewer right after a restart)
             self.events.emit("progress", window_steps=window_steps, total_steps=self.total_steps, **fields)
             self.progress.report(fields)
+        return theirs
 
     def _note_stragglers(self, step: int, local_s: Sequence[float], steps: Sequence[float],
                          nodes: Sequence[float], window_s: float) -> None:

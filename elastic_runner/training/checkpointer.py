@@ -400,6 +400,25 @@ class Checkpointer:
             f"training finished at step {step}, but its final snapshot could not be written to {self.store.location}: "
             f"{exc}{f' ({space})' if space else ''}; {where}")
 
+    def discard_after(self, step: int, reason: str) -> list[str]:
+        """Take the states after ``step`` out of every resume (a rollback: no check vouched for them): this
+        attempt's disk snapshots of later steps moved aside (rank 0, once its writer has finished: a write in
+        flight would publish one after), its node-memory copies removed (each node's first rank). Every rank calls
+        it; returns the names moved aside."""
+        moved: list[str] = []
+        if self.writer is not None:
+            self.writer.wait()
+        if self.dist.rank == 0:
+            for ref in self.store.complete():
+                if ref.generation == self.generation and ref.step > step:
+                    self.store.quarantine(ref, reason)
+                    moved.append(ref.name)
+        if self.memory is not None and self.env.is_local_leader:
+            for ref in self.memory.store.complete():
+                if ref.generation == self.generation and ref.step > step:
+                    self.memory.store.remove(ref)
+        return moved
+
     def check_writer(self) -> None:
         """Raise if the writer learned that a newer generation owns the run (split brain)."""
         if self.writer is not None:

@@ -25,7 +25,9 @@ from ..data.layout import split_even
 from ..data.sampler import StepPlan
 from ..data.sources import BatchSource
 from ..observe.failure_story import failure_story
+from ..observe.events import read_events
 from ..snapshot.shards import is_dtensor
+from .fingerprint import FingerprintCheck, ReplicasDiverged, TooManyRollbacks, Verdict
 
 if TYPE_CHECKING:
     from ..config import Config
@@ -86,6 +88,10 @@ class Trainer:
         self._on_first_step = on_first_step  #: e.g. the records' upload, at once (see RecordSync.soon)
         #: The agent's requests to leave the attempt for a new membership (in-process recovery).
         self._park = park
+        #: Replicas' fingerprints compared (recovery.fingerprint_every_steps): where there are replicas to compare.
+        self.fingerprints = (FingerprintCheck(cfg.recovery.fingerprint_every_steps, cfg.logging.every_steps,
+                                              parts.state.step, dist.device)
+                             if cfg.fingerprints and dist.world_size > 1 else None)
 
     # ------------------------------------------------------------------ the loop
 
@@ -151,8 +157,7 @@ class Trainer:
             gradients.check()  # the same steps on every rank: a diverged run stops here, naming its step
             if gradients.on_nonfinite == "skip":
                 self.books.skipped_on_device(step, gradients.newly_skipped())
-            self.books.report_progress(step, plan.epoch, self.parts.optimizer.param_groups[0]["lr"],
-                                       local=self.step.clock.take())
+            self.report_progress(step, plan.epoch, last)
         else:
             self.books.tick(step)
         every = self.cfg.train.eval_every_steps
@@ -178,6 +183,63 @@ class Trainer:
             # resumes from where it is): the next attempt's resume agrees on the newest step every rank can have.
             self.checkpointer.keep("membership change")
             raise MembershipChange(f"the agent asked for a new membership at step {step}")
+
+    def report_progress(self, step: int, epoch: int, last: bool) -> None:
+        """The progress line; at a fingerprint check's step, every rank's fingerprint rides along and a mismatch
+        rolls the job back (:meth:`roll_back`)."""
+        check, mine = self.fingerprints, None
+        if check is not None and check.due(step, last):
+            value = check.compute(self.parts.model, self.parts.optimizer)
+            mine = check.slots(value, self.dist.env.group_rank, self.books.pace_s(step))
+        theirs = self.books.report_progress(step, epoch, self.parts.optimizer.param_groups[0]["lr"],
+                                            local=self.step.clock.take(), mine=mine)
+        if check is None or mine is None:
+            return
+        verdict = check.judge(step, theirs)
+        self.metrics.fingerprint_checks.inc()
+        self.metrics.fingerprint_interval.set(check.every)
+        if not verdict.agreed:
+            self.roll_back(verdict, check.verified_step)
+        self.metrics.verified_step.set(check.verified_step)
+
+    def roll_back(self, verdict: Verdict, verified: int) -> None:
+        """Replicas differ at ``verdict.step``: the states no check vouched for (after ``verified``) are taken out
+        of every resume, and every rank leaves the attempt (:class:`ReplicasDiverged`: restarted, resuming from the
+        newest vouched-for state), or stops the job if rollbacks keep coming (:class:`TooManyRollbacks`)."""
+        step, rank, recovery = verdict.step, self.dist.rank, self.cfg.recovery
+        who = ("no majority says which replica is wrong (" + ("two replicas" if self.dist.world_size == 2 else
+                                                              "no value held by most ranks") + "): all are suspect"
+               if verdict.undecided else
+               ", ".join(f"rank {r} (node {n})" for r, n in zip(verdict.suspects, verdict.nodes)) +
+               (" holds" if len(verdict.suspects) == 1 else " hold") + " a state that differs from the other ranks'")
+        moved = self.checkpointer.discard_after(verified, f"taken after step {verified}, the last whose replicas' "
+                                                           f"fingerprints agreed; at step {step} {who}")
+        earlier = self._rollbacks_since(time.time() - recovery.rollback_window_seconds) if rank == 0 else 0
+        earlier = int(self.dist.broadcast_object(earlier))
+        stop = earlier >= recovery.max_rollbacks
+        status = "stopped" if stop else "rolled_back"
+        if rank == 0 or rank in verdict.suspects:  # a suspect's own event carries its host
+            self.events.emit("replica_mismatch", step=step, verified_step=verified, suspects=verdict.suspects,
+                             nodes=verdict.nodes, status=status, moved_aside=moved, rollbacks_before=earlier)
+        line = (f"step {step}: the replicas' fingerprints differ: {who} (silent corruption: a flipped bit or a "
+                f"miscomputing device); the snapshots after step {verified}, the last whose fingerprints agreed, "
+                f"are moved aside" + (f" ({', '.join(moved)})" if moved else "") + " and removed from node memory; ")
+        if stop:
+            line += (f"stopping (exit status 3, not restarted): {earlier} rollbacks in the last "
+                     f"{recovery.rollback_window_seconds:.0f} s already (recovery.max_rollbacks: "
+                     f"{recovery.max_rollbacks}); take the suspect node out and start the job again (it resumes "
+                     "from the newest state a check vouched for)")
+            raise TooManyRollbacks(line)
+        raise ReplicasDiverged(line + "rolling back: every worker restarts from the newest state a check vouched "
+                                      "for")
+
+    def _rollbacks_since(self, since: float) -> int:
+        try:
+            events = read_events(self.cfg.run.dir)
+        except OSError:
+            return 0
+        return sum(1 for e in events if e["kind"] == "replica_mismatch" and e.get("status") == "rolled_back"
+                   and e.get("rank") == 0 and e["time"] >= since)  # rank 0 records each rollback once
 
     def _first_step(self, step: int) -> None:
         since_start = time.time() - self.start.started_at

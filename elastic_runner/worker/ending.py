@@ -16,6 +16,9 @@ stopped first and broke a
 collective
 config / resume / set-up      failed              2 (not restarted)      nothing changed
 NaN or inf gradient           failed              3 (not restarted)      snapshots as they were
+replicas that differ          failed              1 (restarted)          snapshots after the last agreeing
+(a fingerprint check)                                                    check moved aside, node memory too
+too many rollbacks            failed              3 (not restarted)      the same
 final snapshot not written    finished_not_durable  4 (not restarted)    node memory (``snapshot persist``)
 a newer generation owns the   failed              1                      nothing (fenced)
 run; a stop snapshot failed;
@@ -39,6 +42,7 @@ import torch
 from ..config import ConfigError
 from ..snapshot import StaleWriterError
 from ..training.checkpointer import FinalSnapshotFailed, ResumeError, StopSnapshotFailed
+from ..training.fingerprint import ReplicasDiverged, TooManyRollbacks
 from ..training.gradients import NonFiniteGradient
 from ..training.loop import GracefulStop, MembershipChange
 from .dist import Dist, DistError
@@ -81,6 +85,10 @@ _KNOWN: tuple[tuple[tuple[type[BaseException], ...], Ending], ...] = (
     ((ConfigError, ResumeError, SetupError), Ending("failed", EXIT_USAGE, say=True, said_by="node")),
     ((DistError,), Ending("failed", EXIT_USAGE, say=True)),
     ((NonFiniteGradient,), Ending("failed", EXIT_DIVERGED, say=True, said_by="job")),
+    # Nothing kept: the state now is the one no check vouches for (the snapshots after the last check that
+    # agreed are moved aside already); the next attempt resumes from the newest vouched-for one.
+    ((ReplicasDiverged,), Ending("failed", EXIT_FAILED, say=True, said_by="job")),
+    ((TooManyRollbacks,), Ending("failed", EXIT_DIVERGED, say=True, said_by="job")),
     ((FinalSnapshotFailed,), Ending("finished_not_durable", EXIT_NOT_DURABLE, say=True)),
     ((RetryableSetupError,), Ending("failed", EXIT_FAILED, say=True, said_by="node")),
     ((StaleWriterError, StopSnapshotFailed), Ending("failed", EXIT_FAILED, say=True)),
@@ -93,8 +101,9 @@ def ending_for(exc: BaseException | None, stop_requested: bool) -> Ending:
         return FINISHED
     for kinds, ending in _KNOWN:
         if isinstance(exc, kinds):
-            if isinstance(exc, (GracefulStop, FinalSnapshotFailed, MembershipChange)):
-                return ending  # their snapshot is written (or the state already kept) on the way out
+            if isinstance(exc, (GracefulStop, FinalSnapshotFailed, MembershipChange, ReplicasDiverged,
+                                TooManyRollbacks)):
+                return ending  # their snapshot is written (or the state already kept, or not to keep) on the way out
             return Ending(ending.status, ending.exit_code, ending.say, ending.said_by, keeps_state=True)
     if stop_requested and isinstance(exc, Exception):
         # Peers stopping at the same time broke our collective after we kept our state: that is the
