@@ -21,7 +21,7 @@ echo "==> the short run on torch 2.13.0"
   tests/unit/test_torch_patches.py tests/unit/test_torchrun_hook.py tests/unit/test_fast_rendezvous.py \
   tests/unit/test_lease_rendezvous.py tests/unit/test_etcd_fake.py tests/unit/test_snapshot.py \
   tests/unit/test_snapshot_writer_process.py \
-  tests/unit/test_security.py tests/unit/test_components.py tests/unit/test_image_data.py tests/unit/test_gradients.py tests/unit/test_sampler.py \
+  tests/unit/test_security.py tests/unit/test_components.py tests/unit/test_image_data.py tests/unit/test_sampler.py \
   tests/unit/test_preflight.py tests/unit/test_master_port.py tests/multiprocess/test_launch.py tests/unit/test_compile.py \
   tests/multiprocess/test_regroup.py tests/unit/test_worker_context.py tests/unit/test_handover.py \
   "tests/elastic/test_in_process.py::test_a_killed_worker_is_replaced_alone_its_peer_keeps_its_process_and_the_run_ends_bitwise_identical[torchrun]" \

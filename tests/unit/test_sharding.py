@@ -114,6 +114,8 @@ def test_the_sharded_gradient_is_the_exact_mean_at_any_world_size(tmp_path: Path
         nn.utils.clip_grad_norm_(model.parameters(), clip)
     expected = [p.grad for p in model.parameters()]
     cases = [("fsdp", 1, 1, 1), ("fsdp", 2, 2, 2), ("fsdp", 3, 4, 3), ("fsdp", 4, 1, 4), ("hsdp", 4, 2, 2)]
+    if clip is not None:  # the clipping norm is over every shard: where there are shards of unequal size, and replicas
+        cases = [("fsdp", 3, 4, 3), ("hsdp", 4, 2, 2)]
     for strategy, world, micro, local_world in cases:
         out = tmp_path / f"grads-{strategy}-{world}.pt"
         _spawn(_gradient_worker, world, tmp_path,
