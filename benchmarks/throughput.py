@@ -26,7 +26,10 @@ with other load:
   of per-repeat pair ratios with ``elastic-runner`` (``compiled_vs_uncompiled``); the compile itself happens before
   the measured steps;
 - ``elastic-runner-untimed``: defaults but ``recovery.straggler_ratio: null`` (no step timed for stragglers):
-  ``timed_vs_untimed``, the median of per-repeat pair ratios with ``elastic-runner``.
+  ``timed_vs_untimed``, the median of per-repeat pair ratios with ``elastic-runner``;
+- ``elastic-runner-unfingerprinted``: defaults but ``recovery.fingerprint_every_steps: null`` (no replica
+  fingerprints): ``fingerprinted_vs_not`` (the default, auto) and, with ``elastic-runner-fingerprint-every-log``
+  (a check at every logging step, the most often there can be one), ``fingerprint_every_log_vs_not``.
 
     .venv/bin/python benchmarks/throughput.py --repeats 3 --out results/throughput.json
     cd benchmarks && ../.venv-vision/bin/python throughput.py --workloads cnn,gpt \
@@ -35,6 +38,8 @@ with other load:
         --variants elastic-runner,elastic-runner-compiled --repeats 3 # a compiled model against the same uncompiled
     cd benchmarks && ../.venv-vision/bin/python throughput.py --workloads cnn,gpt \
         --variants elastic-runner,elastic-runner-untimed --repeats 5  # what the stragglers' timing costs
+    cd benchmarks && ../.venv-vision/bin/python throughput.py --workloads cnn,gpt --variants \
+        elastic-runner,elastic-runner-fingerprint-every-log,elastic-runner-unfingerprinted --repeats 5  # fingerprints
     cd benchmarks && ../.venv-vision/bin/python throughput.py --workloads gpt \
         --variants elastic-runner-fsdp,baseline-fsdp --repeats 5     # FSDP2: ours against the plain script
     cd benchmarks && python throughput.py --gpu --workloads gpt --gpt-size 12,12,768 \
@@ -57,6 +62,9 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "elastic-runner-compiled": ("elastic-runner", {"model.compile": True}),  # likewise
     # Defaults without the stragglers' timing (recovery.straggler_ratio: null): what timing every step costs
     "elastic-runner-untimed": ("elastic-runner", {"recovery.straggler_ratio": None}),
+    # Replicas' fingerprints at every logging step (the most often), and none: what checking for corruption costs
+    "elastic-runner-fingerprint-every-log": ("elastic-runner", {"recovery.fingerprint_every_steps": 50}),
+    "elastic-runner-unfingerprinted": ("elastic-runner", {"recovery.fingerprint_every_steps": None}),
     # FSDP2 (right after each other: a pair per repeat): ours against the plain script with FSDP2 and DCP checkpoints
     "elastic-runner-fsdp": ("elastic-runner", {"parallel.strategy": "fsdp"}),
     "baseline-fsdp": ("torchrun-tuned", {"baseline_args": ["--parallel", "fsdp"]}),
@@ -105,6 +113,7 @@ def measure(name: str, workload: Workload, workdir: Path, repeats: int, steps: i
     blocking: list[float] = []
     #: Ratios of two variants run back to back, one pair per repeat: ordered / DDP sync, compiled / uncompiled.
     pairs: dict[str, list[float]] = {"ordered_vs_ddp_sync": [], "compiled_vs_uncompiled": [], "timed_vs_untimed": [],
+                                     "fingerprinted_vs_not": [], "fingerprint_every_log_vs_not": [],
                                      "fsdp_vs_plain_fsdp": [], "fsdp_bare_vs_plain_fsdp": []}
     for _ in range(repeats):
         this: dict[str, float] = {}
@@ -119,6 +128,9 @@ def measure(name: str, workload: Workload, workdir: Path, repeats: int, steps: i
         for key, (ours, other) in {"ordered_vs_ddp_sync": ("elastic-runner", "elastic-runner-ddp"),
                                    "compiled_vs_uncompiled": ("elastic-runner-compiled", "elastic-runner"),
                                    "timed_vs_untimed": ("elastic-runner", "elastic-runner-untimed"),
+                                   "fingerprinted_vs_not": ("elastic-runner", "elastic-runner-unfingerprinted"),
+                                   "fingerprint_every_log_vs_not": ("elastic-runner-fingerprint-every-log",
+                                                                    "elastic-runner-unfingerprinted"),
                                    "fsdp_vs_plain_fsdp": ("elastic-runner-fsdp", "baseline-fsdp"),
                                    "fsdp_bare_vs_plain_fsdp": ("elastic-runner-fsdp-bare", "baseline-fsdp")}.items():
             if this.get(ours) and this.get(other):

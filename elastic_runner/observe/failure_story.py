@@ -66,7 +66,14 @@ def failure_story(run_dir: str | os.PathLike[str], generation: int, world_size: 
     signalled = [(e, f) for e, f in failures if f.get("exitcode", 0) < 0]
     causes = signalled or [(e, f) for e, f in failures
                            if f.get("exitcode") != EXIT_PEER_LOST and f.get("pid") not in broken]
-    if causes:
+    mismatch = next((e for e in of_previous if e.get("kind") == "replica_mismatch" and e.get("rank") == 0), None)
+    if mismatch is not None:  # every worker left on purpose: the rollback is the cause, not their exit statuses
+        first_at = mismatch["time"]
+        suspects = ", ".join(f"rank {r}" for r in mismatch.get("suspects") or []) or "no majority"
+        cause = (f"the replicas' fingerprints differed at step {mismatch['step']} (suspect: {suspects}; the last "
+                 f"check that agreed: step {mismatch['verified_step']}), a rollback")
+        step = mismatch["step"]
+    elif causes:
         first_at = min(e["time"] for e, _ in causes)
         parts = [f"rank {f['rank']} (node {e.get('host', '?')}, pid {f['pid']}) {_exit_words(f['exitcode'])}"
                  for e, f in sorted(causes, key=lambda c: c[1]["rank"])]
@@ -87,7 +94,8 @@ def failure_story(run_dir: str | os.PathLike[str], generation: int, world_size: 
         cause = f"the attempt before ended at step {step}"
     took = f" in {now - first_at:.2f} s" if first_at is not None else ""
     lost = resume.get("steps_recomputed")
-    verb = "training" if previous_world is not None and previous_world < world_size and not causes else "recovered"
+    verb = ("training" if previous_world is not None and previous_world < world_size and not causes
+            and mismatch is None else "recovered")
     # In-process recovery: this rank kept the process it had in the attempt before (its peers kept theirs).
     mine = {e.get("pid") for e in events if e.get("kind") == "start" and e.get("generation") == generation
             and e.get("rank") == 0}

@@ -60,8 +60,8 @@ def replica_tensors(model: nn.Module, optimizer: torch.optim.Optimizer | None) -
 
 
 def fingerprint(tensors: Iterable[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """An int64 on ``device``: the sum over tensors of (their bits summed as integers) x (an odd weight of their
-    place), wrapping at 2**64. Changing one bit of one tensor changes it (an odd multiple of a power of two below
+    """An int64 on ``device``: the sum over tensors of (their bits summed as integers, :func:`_bits_sum`) x (an odd
+    weight of their place), wrapping at 2**64. Changing one bit of one tensor changes it (an odd multiple of a power of two below
     2**64 is never 0 modulo 2**64); moving a value between tensors changes it too. Queued on the device: nothing
     waits for it here."""
     total = torch.zeros((), dtype=torch.int64, device=device)
@@ -69,12 +69,21 @@ def fingerprint(tensors: Iterable[torch.Tensor], device: torch.device) -> torch.
         if tensor.numel() == 0:
             continue
         local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-        flat = local.reshape(-1)
-        if flat.dtype.is_floating_point or flat.dtype.is_complex:
-            flat = flat.view(_AS_INT[flat.element_size()])
-        summed = flat.sum(dtype=torch.int64)
-        total += summed.to(device, non_blocking=True) * (2 * place + 1)
+        total += _bits_sum(local).to(device, non_blocking=True) * (2 * place + 1)
     return total
+
+
+def _bits_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes summed as int64 words (a short tail as bytes), wrapping: any one flipped bit changes it.
+    Words, not elements: a CPU sums int64s 15x faster than it sums int32s into an int64."""
+    data = tensor.reshape(-1).view(torch.uint8)
+    whole = data.numel() // 8 * 8
+    try:
+        words = data[:whole].view(torch.int64).sum()
+    except RuntimeError:  # not 8-byte aligned in its storage: element by element, as integers of its width
+        elements = tensor.reshape(-1)
+        return elements.view(_AS_INT[elements.element_size()]).sum(dtype=torch.int64)
+    return words + data[whole:].to(torch.int64).sum() if whole < data.numel() else words
 
 
 def split(value: torch.Tensor) -> torch.Tensor:

@@ -92,3 +92,17 @@ def test_a_job_started_again_at_another_world_size_is_no_node_that_left(tmp_path
     story = failure_story(tmp_path, 2, 1, {"step": 40, "tier": "disk"}, now=__import__("time").time())
     assert story == ("the job was started again (new agents on every node, world size 2 before) → training at world "
                      "size 1, resumed step 40 from disk"), story
+
+
+def test_a_rollback_is_told_as_the_replicas_that_differed_not_as_every_worker_exiting(tmp_path: Path) -> None:
+    previous_attempt(tmp_path, 3)
+    rank0 = EventLog(tmp_path, "gen-000001-rank-00000", generation=1, rank=0)
+    rank0.emit("replica_mismatch", step=80, verified_step=60, suspects=[2], nodes=[1], status="rolled_back")
+    for rank in range(3):  # every worker leaves with status 1 on purpose
+        agent_saw(tmp_path, f"n{rank}", {"rank": rank, "pid": 5000 + rank, "exitcode": 1})
+    resume = {"step": 50, "furthest_step": 80, "steps_recomputed": 30, "tier": "disk"}
+    story = failure_story(tmp_path, 2, 3, resume, now=__import__("time").time() + 0.5)
+    assert story is not None and story.startswith(
+        "the replicas' fingerprints differed at step 80 (suspect: rank 2; the last check that agreed: step 60), "
+        "a rollback → recovered in "), story
+    assert "exited with status" not in story and story.endswith("resumed step 50 from disk, 30 steps lost")
