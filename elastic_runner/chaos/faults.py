@@ -246,6 +246,17 @@ def slow_node(ctx: FaultContext) -> str:
             f"to a quarter of their time for {ctx.slow_seconds:g}s")
 
 
+def corrupt_param(ctx: FaultContext) -> str:
+    """One worker's replica gets one bit of a parameter flipped at its next step boundary (a device's silent
+    corruption; elastic_runner.training.injected_faults): nothing fails, and its fingerprint must give it away."""
+    if len(ctx.job.workers()) < 2:
+        raise Skip("one worker: no replica to compare its fingerprint with")
+    w = _random_worker(ctx)
+    ctx.targets = [w.pid]
+    ctx.job.signal_worker(w, signal.SIGUSR2)
+    return f"asked worker rank {w.rank} (pid {w.pid}) to flip a bit of its replica's largest parameter"
+
+
 FAULTS: dict[str, Callable[[FaultContext], str]] = {
     "kill-worker": kill_worker,
     "kill-agent": kill_agent,
@@ -257,6 +268,7 @@ FAULTS: dict[str, Callable[[FaultContext], str]] = {
     "corrupt-snapshot": corrupt_snapshot,
     "fill-disk": fill_disk,
     "slow-node": slow_node,
+    "corrupt-param": corrupt_param,
 }
 # scenario.py validates names without importing the fault machinery; keep the two lists one.
 assert tuple(FAULTS) == FAULT_TYPES, "elastic_runner.chaos.scenario.FAULT_TYPES must list FAULTS"

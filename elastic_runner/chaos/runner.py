@@ -23,6 +23,7 @@ from ..config.locations import is_url
 from ..observe.events import EventFollower, read_events
 from ..observe.records_view import run_view
 from ..testing.localjob import LocalJob
+from ..training import injected_faults
 from .faults import FAULTS, FaultContext, Skip
 from .scenario import FaultSpec, Scenario, ScenarioError
 from .verify import History, Injected, Verdict, as_dicts, attribute_recoveries, generations, recovery_stats, verify
@@ -101,7 +102,9 @@ class ChaosRun:
         return LocalJob(config=s.config, run_dir=str(run_dir), overrides=[*s.overrides, "audit.samples=true", *extra],
                         nnodes=s.nnodes, nproc_per_node=s.nproc_per_node, rdzv_backend=s.rdzv_backend,
                         rdzv_endpoint=endpoint, launcher=s.launcher, max_restarts=1000,
-                        separate_run_dirs=s.private_dirs and run_dir == self.run_dir)
+                        separate_run_dirs=s.private_dirs and run_dir == self.run_dir,
+                        # corrupt-param's hook in the workers (not in the reference run: nothing is injected there)
+                        env={injected_faults.ENV: "1"} if run_dir == self.run_dir else {})
 
     def _reference(self, etcd: Any) -> dict[str, Any]:
         ref_dir = self.run_dir.with_name(self.run_dir.name + "-reference")

@@ -9,7 +9,7 @@ from pathlib import Path
 import yaml
 
 FAULT_TYPES = ("kill-worker", "kill-agent", "kill-node", "join", "hang", "preempt", "restart-etcd", "corrupt-snapshot",
-               "fill-disk", "slow-node")
+               "fill-disk", "slow-node", "corrupt-param")
 
 
 class ScenarioError(ValueError):
@@ -123,6 +123,8 @@ class Scenario:
             raise ScenarioError(f"slow_seconds={self.slow_seconds}: give the seconds a node stays slow (> 0)")
         if "slow-node" in wanted:
             self._check_stragglers_can_be_named()
+        if "corrupt-param" in wanted:
+            self._check_replicas_are_compared()
         if self.fill_seconds <= 0:
             raise ScenarioError(f"fill_seconds={self.fill_seconds}: give the seconds the volume stays full (> 0)")
         if self.supervise is not None and self.supervise < 0:
@@ -153,6 +155,19 @@ class Scenario:
                    "--set recovery.straggler_window_seconds=3, or a longer --slow-seconds")
         if why:
             raise ScenarioError(f"slow-node: {why}")
+
+    def _check_replicas_are_compared(self) -> None:
+        """corrupt-param's verdict needs the job to compare its replicas' fingerprints: its config must let it."""
+        from ..config import ConfigError, load_config
+
+        try:
+            cfg = load_config(self.config, list(self.overrides))
+        except ConfigError:
+            return  # the job itself says what is wrong with it
+        if not cfg.fingerprints:
+            raise ScenarioError("corrupt-param: the job compares no fingerprints (recovery.fingerprint_every_steps: "
+                                "null, or not parallel.strategy: ddp with dist.gradient_sync: ordered), so a flipped "
+                                "bit would go unseen; leave recovery.fingerprint_every_steps at auto or set a number")
 
     def schedule(self) -> list[FaultSpec]:
         """The fixed faults plus random ones (seeded): ``count`` of them, or until ``duration`` seconds; by

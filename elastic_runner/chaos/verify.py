@@ -161,7 +161,9 @@ def newest_snapshot_violations(events: list[dict[str, Any]], wiped_at: Sequence[
     generation and, when that one stepped and died without survivors, went with it), unless a fault wiped every
     node's memory at one of ``wiped_at`` (corrupt-snapshot) before the resume. One pass over the states in time
     order: a soak has thousands of resumes."""
-    rejected = {e["snapshot"] for e in events if e["kind"] == "snapshot_rejected"}
+    # Rejected at a resume, or moved aside by a rollback (taken after the last check whose fingerprints agreed).
+    rejected = {e["snapshot"] for e in events if e["kind"] == "snapshot_rejected"} | {
+        name for e in events if e["kind"] == "replica_mismatch" for name in e.get("moved_aside") or ()}
     states = sorted(
         (e["time"], e["kind"] == "kept_in_memory", e["generation"], e["step"],
          e["snapshot"] if e["kind"] == "snapshot_saved" else f"memory step {e['step']}")
@@ -268,6 +270,9 @@ def verify(*, audit: AuditReport, events: list[dict[str, Any]], faults: list[Inj
     if slowed:
         hung = {pid for f in faults if f.type == "hang" for pid in f.targets}
         verdict.add("slow nodes named stragglers, and only they", *_stragglers_check(events, slowed, hung))
+    corrupted = [f for f in faults if f.type == "corrupt-param"]
+    if corrupted:
+        verdict.add("corrupted replicas named within one fingerprint interval", *_corruption_check(events, corrupted))
     if audit.records_lost:  # a bucket's view only: each span must belong to a generation a lost node ended
         explained = generations_hit(events, [f for f in faults if f.type in LOSES_RECORDS])
         unexplained = [s for s in audit.records_lost if s["generation"] not in explained]
@@ -297,6 +302,46 @@ def _stragglers_check(events: list[dict[str, Any]], slowed: list[Injected], hung
                                  "never slowed" for e in wrong])
     ridden = sum(1 for f in slowed if f.outcome == "absorbed")
     return True, f"{ridden} of {len(slowed)} slow node(s) ridden out, each named a straggler ({len(named)} naming(s))"
+
+
+def _corruption_check(events: list[dict[str, Any]], corrupted: list[Injected]) -> tuple[bool, str]:
+    """Every flipped bit (the worker's ``chaos_corrupted`` event) was found by the next fingerprint check: rank 0's
+    ``replica_mismatch`` at most one interval of steps later, naming the corrupted rank (or nobody, where no majority
+    can tell). A flip whose attempt ended before its next check (another fault's recovery replaced the state) is
+    excused; a request its worker never carried out (gone first) has nothing to find."""
+    flips = [e for e in events if e["kind"] == "chaos_corrupted"]
+    found = sorted((e for e in events if e["kind"] == "replica_mismatch" and e.get("rank") == 0),
+                   key=lambda e: e["time"])
+    gens = generations(events)
+    problems, named, excused = [], 0, 0
+    for fault in corrupted:
+        flip = next((e for e in flips if e.get("pid") in fault.targets and e["time"] >= fault.at), None)
+        if flip is None:
+            excused += 1
+            continue
+        rank, step, generation = flip.get("rank"), flip["step"], flip.get("generation")
+        match = next((e for e in found if e.get("generation") == generation and e["time"] >= flip["time"]), None)
+        if match is None:
+            # Excused if its attempt never reached the check due after the flip (another fault ended it first).
+            furthest = max((e["step"] for e in events if e["kind"] == "progress" and e.get("generation") == generation
+                            and e.get("rank") == 0), default=step)
+            if furthest < step + max(1, int(flip.get("interval_steps") or 0)) and any(g > (generation or 0) for g in gens):
+                excused += 1
+            else:
+                problems.append(f"rank {rank}'s bit flipped at step {step} was never found (its attempt went on to "
+                                f"step {furthest})")
+            continue
+        late = match["step"] - step > max(1, int(match.get("interval_steps") or 0))
+        wrong = bool(match.get("suspects")) and rank not in match["suspects"]
+        if late or wrong:
+            problems.append(f"rank {rank}'s bit flipped at step {step} was found at step {match['step']} (interval "
+                            f"{match.get('interval_steps')}) naming {match.get('suspects') or 'nobody'}")
+        else:
+            named += 1
+    if problems:
+        return False, "; ".join(problems)
+    return True, (f"{named} of {len(corrupted)} flipped bit(s) found at the next check and rolled back"
+                  + (f", {excused} ended first by another fault" if excused else ""))
 
 
 def as_dicts(faults: list[Injected]) -> list[dict[str, Any]]:

@@ -27,6 +27,7 @@ from ..data.sources import BatchSource
 from ..observe.failure_story import failure_story
 from ..observe.events import read_events
 from ..snapshot.shards import is_dtensor
+from . import injected_faults
 from .fingerprint import FingerprintCheck, ReplicasDiverged, TooManyRollbacks, Verdict
 
 if TYPE_CHECKING:
@@ -149,6 +150,10 @@ class Trainer:
         step = self.parts.state.step
         gradients = self.step.gradients
         self.checkpointer.check_writer()
+        injected = injected_faults.REQUEST  # None but in a job the chaos tool started
+        if injected is not None and injected.requested:
+            self.events.emit("chaos_corrupted", step=step, **injected.corrupt(self.parts.model),
+                             interval_steps=self.fingerprints.every if self.fingerprints is not None else 0)
         if not self._first_step_done:
             self._first_step_done = True
             self._first_step(step)
@@ -220,7 +225,8 @@ class Trainer:
         status = "stopped" if stop else "rolled_back"
         if rank == 0 or rank in verdict.suspects:  # a suspect's own event carries its host
             self.events.emit("replica_mismatch", step=step, verified_step=verified, suspects=verdict.suspects,
-                             nodes=verdict.nodes, status=status, moved_aside=moved, rollbacks_before=earlier)
+                             nodes=verdict.nodes, status=status, moved_aside=moved, rollbacks_before=earlier,
+                             interval_steps=self.fingerprints.every if self.fingerprints is not None else 0)
         line = (f"step {step}: the replicas' fingerprints differ: {who} (silent corruption: a flipped bit or a "
                 f"miscomputing device); the snapshots after step {verified}, the last whose fingerprints agreed, "
                 f"are moved aside" + (f" ({', '.join(moved)})" if moved else "") + " and removed from node memory; ")

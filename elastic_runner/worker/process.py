@@ -30,6 +30,7 @@ from ..object_client import prewarm
 from . import standby
 from .attempt import Attempt
 from .dist import Dist
+from ..training import injected_faults
 from ..training.loop import MembershipChange
 from .ending import ending_for, peer_failure
 from .env import REPLACES_VAR, WorkerEnv, say_finished
@@ -71,6 +72,7 @@ def run(cfg: Config, env: WorkerEnv, make_workload: Callable[[], Workload] | Non
         torch.set_num_threads(int(threads))
     started = time.time()
     stop = StopRequest(lambda: agent_stop_reason(cfg.run.dir, os.getpid(), started)).install()
+    injected_faults.install()  # only in a job the chaos tool started
     if cfg.run.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)

@@ -8,7 +8,8 @@ from typing import Any
 
 import pytest
 
-from elastic_runner.chaos.verify import History, Injected, attribute_recoveries, newest_snapshot_violations
+from elastic_runner.chaos.verify import (History, Injected, _corruption_check, attribute_recoveries,
+                                         newest_snapshot_violations)
 
 
 def attempt(generation: int, start: float, world: int, steps_until: float, *, finished: bool = False) -> list[dict[str, Any]]:
@@ -89,6 +90,9 @@ def test_a_resume_older_than_a_snapshot_that_existed_is_a_violation() -> None:
     assert "generation 2 resumed at step 200 but s250" in problem
     rejected = events + [{"time": 2.5, "kind": "snapshot_rejected", "snapshot": "s250", "generation": 1, "rank": 0}]
     assert newest_snapshot_violations(rejected) == [], "a damaged snapshot the loader rejected is no candidate"
+    rolled_back = events + [{"time": 2.5, "kind": "replica_mismatch", "generation": 1, "rank": 0, "step": 260,
+                             "verified_step": 240, "suspects": [1], "status": "rolled_back", "moved_aside": ["s250"]}]
+    assert newest_snapshot_violations(rolled_back) == [], "a snapshot a rollback moved aside is no candidate"
 
 
 def test_survivors_memory_counts_for_the_next_attempt_only() -> None:
@@ -230,3 +234,42 @@ def test_records_lost_must_belong_to_a_generation_a_lost_node_ended() -> None:
                     leftover=[], finished=True, reference=None).checks
     ok, detail = checks["records lost only with a lost node"]
     assert not ok and "generation(s) [2]" in detail
+
+
+def flipped(pid: int, rank: int, step: int, at: float, generation: int = 1) -> dict[str, Any]:
+    return {"time": at, "kind": "chaos_corrupted", "pid": pid, "rank": rank, "step": step, "generation": generation,
+            "interval_steps": 25}
+
+
+def found(step: int, at: float, suspects: list[int], generation: int = 1) -> dict[str, Any]:
+    return {"time": at, "kind": "replica_mismatch", "rank": 0, "step": step, "generation": generation,
+            "verified_step": step - 25, "suspects": suspects, "status": "rolled_back", "interval_steps": 25}
+
+
+def corrupt_param(at: float, pid: int) -> Injected:
+    injected = fault("corrupt-param", at)
+    injected.targets = [pid]
+    return injected
+
+
+def test_a_flipped_bit_must_be_found_at_the_next_check_naming_its_rank_or_nobody() -> None:
+    events = attempt(1, 0.0, 3, 9.0) + attempt(2, 10.0, 3, 12.0, finished=True)
+    ok, detail = _corruption_check(events + [flipped(77, 2, 110, 4.0), found(125, 5.0, [2])],
+                                   [corrupt_param(3.9, 77)])
+    assert ok and detail.startswith("1 of 1 flipped bit(s) found"), detail
+    assert _corruption_check(events + [flipped(77, 2, 110, 4.0), found(125, 5.0, [])], [corrupt_param(3.9, 77)])[0], \
+        "two replicas: nobody can be named"
+    ok, detail = _corruption_check(events + [flipped(77, 2, 110, 4.0), found(125, 5.0, [0])], [corrupt_param(3.9, 77)])
+    assert not ok and "naming [0]" in detail, "the wrong rank named"
+    ok, detail = _corruption_check(events + [flipped(77, 2, 10, 4.0), found(75, 5.0, [2])], [corrupt_param(3.9, 77)])
+    assert not ok and "found at step 75" in detail, "found, but later than one interval"
+    ok, detail = _corruption_check(events + [flipped(77, 2, 20, 0.5)], [corrupt_param(0.4, 77)])
+    assert not ok and "never found (its attempt went on to step 90)" in detail
+
+
+def test_a_flip_whose_attempt_ended_before_its_check_or_that_never_happened_is_excused() -> None:
+    events = attempt(1, 0.0, 3, 9.0) + attempt(2, 10.0, 3, 12.0, finished=True)
+    ok, detail = _corruption_check(events + [flipped(77, 2, 89, 8.9)], [corrupt_param(8.8, 77)])
+    assert ok and "1 ended first by another fault" in detail, detail
+    ok, detail = _corruption_check(events, [corrupt_param(8.8, 77)])
+    assert ok and detail.startswith("0 of 1"), "its worker was gone before its next step boundary"

@@ -143,3 +143,31 @@ def test_fingerprints_are_on_by_default_for_ordered_ddp() -> None:
 def test_bad_rollback_limits_are_refused_naming_the_key(key, value) -> None:  # noqa: ANN001
     with pytest.raises(ConfigError, match=f"recovery.{key}"):
         load_config(recovery={key: value})
+
+
+def test_the_chaos_hook_is_armed_only_by_its_variable_and_flips_one_mantissa_bit(monkeypatch) -> None:  # noqa: ANN001
+    import os
+    import signal
+
+    from elastic_runner.training import injected_faults
+
+    monkeypatch.setattr(injected_faults, "REQUEST", None)
+    monkeypatch.delenv(injected_faults.ENV, raising=False)
+    assert injected_faults.install() is None, "no hook in a job the chaos tool did not start"
+    monkeypatch.setenv(injected_faults.ENV, "1")
+    previous = signal.getsignal(signal.SIGUSR2)
+    try:
+        request = injected_faults.install()
+        assert request is not None and not request.requested
+        os.kill(os.getpid(), signal.SIGUSR2)
+        assert request.requested
+        model, optimizer = trained_pair()
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        clean = int(fingerprint(replica_tensors(model, optimizer), CPU))
+        what = request.corrupt(model)
+        assert not request.requested and what["parameter"] == "0.weight", what
+        changed = [(n, int((p != before[n]).sum())) for n, p in model.named_parameters() if (p != before[n]).any()]
+        assert changed == [("0.weight", 1)] and torch.isfinite(model[0].weight).all()
+        assert int(fingerprint(replica_tensors(model, optimizer), CPU)) != clean
+    finally:
+        signal.signal(signal.SIGUSR2, previous)

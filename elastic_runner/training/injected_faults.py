@@ -1,0 +1,65 @@
+"""Faults the chaos tool injects from inside a worker: a flipped bit of its replica (``corrupt-param``).
+
+A flipped bit in a device's memory cannot be caused from outside the process, so a worker started by
+``elastic-runner chaos`` (its environment has ``ELASTIC_RUNNER_CHAOS_HOOKS=1``) takes SIGUSR2 as the request to flip,
+at its next step boundary, one mantissa bit of one element of its largest parameter — what a device's silent
+corruption does: nothing fails, the loss stays finite, and only the replicas' fingerprints can tell
+(:mod:`.fingerprint`). It records a ``chaos_corrupted`` event (its rank, step and the parameter) for the verdict. In
+every other job nothing is installed and SIGUSR2 keeps its default action.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+from typing import Any
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+ENV = "ELASTIC_RUNNER_CHAOS_HOOKS"
+#: A mantissa bit of each width (neither the sign nor the exponent): the value changes a little and stays finite.
+_MANTISSA_BIT = {2: 3, 4: 12, 8: 40}
+_AS_INT = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+class CorruptionRequest:
+    """Set by SIGUSR2 (the signal handler only sets a flag); read by the loop between steps."""
+
+    def __init__(self) -> None:
+        self.requested = False
+
+    def _handle(self, signum: int, frame: Any) -> None:  # noqa: ARG002 - signal handler signature
+        self.requested = True
+
+    def corrupt(self, model: nn.Module) -> dict[str, Any]:
+        """Flip the bit now (in place, on the parameter's device: no host wait); what was flipped, for the event."""
+        self.requested = False
+        name, param = max(model.named_parameters(), key=lambda item: item[1].numel())
+        local = param.to_local() if hasattr(param, "to_local") else param
+        flat = local.detach().view(-1)
+        index, bit = flat.numel() // 2, _MANTISSA_BIT[flat.element_size()]
+        with torch.no_grad():
+            flat.view(_AS_INT[flat.element_size()])[index] ^= 1 << bit
+        return {"parameter": name, "index": index, "bit": bit}
+
+
+#: This process's request, when the chaos tool armed it (:func:`install`); None in every other job.
+REQUEST: CorruptionRequest | None = None
+
+
+def install() -> CorruptionRequest | None:
+    """Arm the hook where the environment asks for it (once per process, from the main thread)."""
+    global REQUEST
+    if os.environ.get(ENV) != "1" or REQUEST is not None:
+        return REQUEST
+    if threading.current_thread() is not threading.main_thread():
+        log.warning("%s is set, but the hook can only be armed from the main thread: not armed", ENV)
+        return None
+    REQUEST = CorruptionRequest()
+    signal.signal(signal.SIGUSR2, REQUEST._handle)
+    return REQUEST
