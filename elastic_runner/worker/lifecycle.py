@@ -29,7 +29,8 @@ EXIT_OK = 0
 EXIT_FAILED = 1
 #: A configuration or resume problem: a restart would fail the same way, so our agent does not retry.
 EXIT_USAGE = 2
-#: The gradient became NaN or inf (train.on_nonfinite: stop): a restart would diverge the same way.
+#: The gradient became NaN or inf (train.on_nonfinite: stop): a restart would diverge the same way. Also: the
+#: replicas kept differing after recovery.max_rollbacks rollbacks (a device that keeps corrupting its replica).
 EXIT_DIVERGED = 3
 #: Training finished, but its final snapshot could not be written (a full volume): the state is kept in
 #: node memory and the worker said how to write it out. A restart would only fail to write it again.
