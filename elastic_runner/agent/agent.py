@@ -405,7 +405,8 @@ class ElasticRunnerAgent(LocalElasticAgent):
                 return RunResult(state=WorkerState.HEALTHY)
             final = sorted(set(codes) & EXIT_FINAL)
             if final and self._remaining_restarts > 0:
-                why = {EXIT_USAGE: "configuration or resume error", EXIT_DIVERGED: "the gradient became NaN or inf",
+                why = {EXIT_USAGE: "configuration or resume error", EXIT_DIVERGED: "the gradient became NaN or inf, or the "
+                       "replicas kept differing",
                        EXIT_NOT_DURABLE: "the final snapshot could not be written"}
                 # DEBUG: the worker printed the cause in one line; the exit status says the rest.
                 log.debug("a worker exited with status %d (%s); restarting would fail the same way, "

@@ -168,6 +168,12 @@ class Scenario:
             raise ScenarioError("corrupt-param: the job compares no fingerprints (recovery.fingerprint_every_steps: "
                                 "null, or not parallel.strategy: ddp with dist.gradient_sync: ordered), so a flipped "
                                 "bit would go unseen; leave recovery.fingerprint_every_steps at auto or set a number")
+        flips = sum(f.type == "corrupt-param" for f in self.faults) + (
+            self.count or 0 if "corrupt-param" in self.random_types else 0)
+        if flips > cfg.recovery.max_rollbacks:
+            raise ScenarioError(f"corrupt-param: up to {flips} flipped bit(s), but the job stops at the rollback after "
+                                f"recovery.max_rollbacks ({cfg.recovery.max_rollbacks}), as it must for a device that "
+                                f"keeps corrupting its replica; --set recovery.max_rollbacks={flips}")
 
     def schedule(self) -> list[FaultSpec]:
         """The fixed faults plus random ones (seeded): ``count`` of them, or until ``duration`` seconds; by

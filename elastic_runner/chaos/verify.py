@@ -272,7 +272,7 @@ def verify(*, audit: AuditReport, events: list[dict[str, Any]], faults: list[Inj
         verdict.add("slow nodes named stragglers, and only they", *_stragglers_check(events, slowed, hung))
     corrupted = [f for f in faults if f.type == "corrupt-param"]
     if corrupted:
-        verdict.add("corrupted replicas named within one fingerprint interval", *_corruption_check(events, corrupted))
+        verdict.add("corrupted replicas named at the next fingerprint check", *_corruption_check(events, corrupted))
     if audit.records_lost:  # a bucket's view only: each span must belong to a generation a lost node ended
         explained = generations_hit(events, [f for f in faults if f.type in LOSES_RECORDS])
         unexplained = [s for s in audit.records_lost if s["generation"] not in explained]
@@ -305,10 +305,12 @@ def _stragglers_check(events: list[dict[str, Any]], slowed: list[Injected], hung
 
 
 def _corruption_check(events: list[dict[str, Any]], corrupted: list[Injected]) -> tuple[bool, str]:
-    """Every flipped bit (the worker's ``chaos_corrupted`` event) was found by the next fingerprint check: rank 0's
-    ``replica_mismatch`` at most one interval of steps later, naming the corrupted rank (or nobody, where no majority
-    can tell). A flip whose attempt ended before its next check (another fault's recovery replaced the state) is
-    excused; a request its worker never carried out (gone first) has nothing to find."""
+    """Every flipped bit (the worker's ``chaos_corrupted`` event) was found by the first fingerprint check after it:
+    rank 0's ``replica_mismatch`` of that attempt whose last agreeing check came before the flip, naming the corrupted
+    rank (or nobody, which only two replicas, or half against half, may say). A flip whose attempt ended before its
+    next check (another fault's recovery replaced the state) is excused, and so is a request whose worker was gone
+    before its next step boundary (a new attempt followed the fault); any other request never carried out fails (is
+    the hook armed?)."""
     flips = [e for e in events if e["kind"] == "chaos_corrupted"]
     found = sorted((e for e in events if e["kind"] == "replica_mismatch" and e.get("rank") == 0),
                    key=lambda e: e["time"])
@@ -317,7 +319,10 @@ def _corruption_check(events: list[dict[str, Any]], corrupted: list[Injected]) -
     for fault in corrupted:
         flip = next((e for e in flips if e.get("pid") in fault.targets and e["time"] >= fault.at), None)
         if flip is None:
-            excused += 1
+            if fault.generation is not None:  # its worker's attempt ended first
+                excused += 1
+            else:
+                problems.append(f"the worker (pids {fault.targets}) asked at {fault.offset} s never flipped its bit")
             continue
         rank, step, generation = flip.get("rank"), flip["step"], flip.get("generation")
         match = next((e for e in found if e.get("generation") == generation and e["time"] >= flip["time"]), None)
@@ -331,11 +336,14 @@ def _corruption_check(events: list[dict[str, Any]], corrupted: list[Injected]) -
                 problems.append(f"rank {rank}'s bit flipped at step {step} was never found (its attempt went on to "
                                 f"step {furthest})")
             continue
-        late = match["step"] - step > max(1, int(match.get("interval_steps") or 0))
-        wrong = bool(match.get("suspects")) and rank not in match["suspects"]
-        if late or wrong:
-            problems.append(f"rank {rank}'s bit flipped at step {step} was found at step {match['step']} (interval "
-                            f"{match.get('interval_steps')}) naming {match.get('suspects') or 'nobody'}")
+        world = gens.get(generation, {}).get("world_size") if generation is not None else None
+        first_check = match.get("verified_step", -1) < step <= match["step"]
+        suspects = match.get("suspects") or []
+        wrong = rank not in suspects if suspects else (world is not None and world >= 3)
+        if not first_check or wrong:
+            problems.append(f"rank {rank}'s bit flipped at step {step} was found at step {match['step']} (the last "
+                            f"agreeing check: step {match.get('verified_step')}) naming {suspects or 'nobody'}"
+                            + (f" at world size {world}" if wrong and not suspects else ""))
         else:
             named += 1
     if problems:

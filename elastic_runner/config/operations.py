@@ -292,7 +292,8 @@ class RecoveryConfig:
         if isinstance(self.max_rollbacks, bool) or not isinstance(self.max_rollbacks, int) or self.max_rollbacks < 0:
             raise ConfigError("recovery.max_rollbacks", f"got {self.max_rollbacks!r}, must be a whole number >= 0",
                               "Set it to e.g. 3 (0: the first mismatch stops the job)")
-        if not 0 < self.rollback_window_seconds < float("inf"):
+        if isinstance(self.rollback_window_seconds, bool) or not isinstance(self.rollback_window_seconds, (int, float)) \
+                or not 0 < self.rollback_window_seconds < float("inf"):
             raise ConfigError("recovery.rollback_window_seconds", f"got {self.rollback_window_seconds!r}, must be "
                               "> 0", "Set it to e.g. 3600")
         if self.straggler_ratio is not None and not (isinstance(self.straggler_ratio, (int, float))

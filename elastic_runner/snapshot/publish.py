@@ -117,7 +117,7 @@ def _publish(store: LocalStore, generation: int, keep_last: int, staging: Path, 
     except AlreadyCommittedError:
         written.already_committed = True
     written.published_at = time.perf_counter()
-    written.prune_errors = _prune(store, keep_last, ref)
+    written.prune_errors = _prune(store, keep_last, ref, written.meta.get("verified_step"))
     return written
 
 
@@ -143,13 +143,17 @@ def _stale_instead(store: LocalStore, generation: int, exc: Exception) -> Except
     return exc
 
 
-def _prune(store: LocalStore, keep_last: int, newest: SnapshotRef) -> list[str]:
-    """Delete this run's snapshots older than the ``keep_last`` newest. A name later than the one publishing (the
-    fence just checked that its generation is the newest, and a generation's steps only grow) was put there by
-    something else: it counts for nothing here (a reader moves it aside), so it never makes the job's own snapshots
-    look old."""
+def _prune(store: LocalStore, keep_last: int, newest: SnapshotRef, verified_step: int | None = None) -> list[str]:
+    """Delete this run's snapshots older than the ``keep_last`` newest, but the newest of ``newest``'s generation
+    at or before ``verified_step`` (the last step whose replicas' fingerprints agreed: where a rollback returns,
+    however many snapshots were taken since). A name later than the one publishing (the fence just checked that its
+    generation is the newest, and a generation's steps only grow) was put there by something else: it counts for
+    nothing here (a reader moves it aside), so it never makes the job's own snapshots look old."""
     complete = [ref for ref in store.complete() if ref <= newest]
     keep = set(complete[-keep_last:])
+    if verified_step is not None:
+        vouched = [ref for ref in complete if ref.generation == newest.generation and ref.step <= verified_step]
+        keep |= set(vouched[-1:])
     errors = []
     for ref in complete:
         if ref not in keep and ref < newest:

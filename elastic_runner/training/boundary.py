@@ -49,11 +49,16 @@ class Keeper:
         self.events = events
         #: The step this attempt resumed at: that state is already stored where it came from.
         self.resumed_step: int | None = None
+        #: A rollback: no state after this step is kept, from any thread (no check vouched for it).
+        self.keep_at_most: int | None = None
         self._kept_step: int | None = None
 
     def keep(self, reason: str, lock_timeout: float = 10.0) -> bool:
         """Keep the newest completed step in node memory; True if the node holds it."""
         if self.memory is None or self.state.step == 0 or self.state.step == self.resumed_step:
+            return False
+        if self.keep_at_most is not None and self.state.step > self.keep_at_most:
+            log.info("not keeping step %d in memory (%s): no fingerprint check vouched for it", self.state.step, reason)
             return False
         if self._kept_step == self.state.step:
             return True

@@ -121,6 +121,9 @@ class Checkpointer:
         #: Set once the main thread takes the last state of this attempt (a stop or a failure it
         #: handles): the watchdog's handler must then leave the exit to the main thread.
         self.ending = threading.Event()
+        #: The newest step whose replicas' fingerprints agreed (recovery.fingerprint_every_steps), in each
+        #: snapshot's meta: pruning keeps the newest snapshot at or before it, the one a rollback returns to.
+        self.verified_step: int | None = None
         # A replicated state is kept whole when an attempt ends; shards are kept by the periodic refresh instead.
         self._keeper = Keeper(None if self.sharded else self.memory, self.capture, self.guard, self.state, events)
         self._last_save = time.monotonic()
@@ -150,7 +153,7 @@ class Checkpointer:
             "writer": {"rank": self.env.rank, "host": self.env.hostname}, "torch": torch.__version__,
             "elastic_runner": __version__, "samples_total": self.state.samples_total, "run_uid": self.run_uid,
             "model_build": self._model_build, "script": self.identity,
-        }
+        } | ({"verified_step": self.verified_step} if self.verified_step is not None else {})
 
     def capture(self, replicated_from: str = "rank0") -> tuple[dict[str, Any], dict[str, Any]]:
         """(state, meta) with live tensors. Sharded: this rank's slices apart, and the rest (with a marker per slice)
@@ -400,24 +403,29 @@ class Checkpointer:
             f"training finished at step {step}, but its final snapshot could not be written to {self.store.location}: "
             f"{exc}{f' ({space})' if space else ''}; {where}")
 
-    def discard_after(self, step: int, reason: str) -> list[str]:
+    def keep_nothing_after(self, step: int) -> None:
+        """From now on no thread keeps a state after ``step`` in node memory (a rollback is under way)."""
+        self._keeper.keep_at_most = step
+
+    def discard_after(self, step: int, reason: str) -> tuple[list[str], list[str]]:
         """Take the states after ``step`` out of every resume (a rollback: no check vouched for them): this
         attempt's disk snapshots of later steps moved aside (rank 0, once its writer has finished: a write in
         flight would publish one after), its node-memory copies removed (each node's first rank). Every rank calls
-        it; returns the names moved aside."""
-        moved: list[str] = []
+        it; returns (the names moved aside, those that could not be: still in place)."""
+        self.keep_nothing_after(step)
         if self.writer is not None:
             self.writer.wait()
+        suspect = []
         if self.dist.rank == 0:
-            for ref in self.store.complete():
-                if ref.generation == self.generation and ref.step > step:
-                    self.store.quarantine(ref, reason)
-                    moved.append(ref.name)
+            suspect = [ref for ref in self.store.complete() if ref.generation == self.generation and ref.step > step]
+            for ref in suspect:
+                self.store.quarantine(ref, reason)
         if self.memory is not None and self.env.is_local_leader:
             for ref in self.memory.store.complete():
                 if ref.generation == self.generation and ref.step > step:
                     self.memory.store.remove(ref)
-        return moved
+        left = set(self.store.complete()) if suspect else set()
+        return [r.name for r in suspect if r not in left], [r.name for r in suspect if r in left]
 
     def check_writer(self) -> None:
         """Raise if the writer learned that a newer generation owns the run (split brain)."""

@@ -44,6 +44,11 @@ class TooManyRollbacks(RuntimeError):
     corrupting its replica (or a fault no rollback cures) stops the job (exit status 3)."""
 
 
+class RollbackImpossible(TooManyRollbacks):
+    """A snapshot no check vouched for could not be moved aside: a restart would resume from it, so the job stops
+    (exit status 3) and says which one to move."""
+
+
 def replica_tensors(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
     """What every replica holds alike, in one order on every rank: the parameters by name, then the optimizer's
     state tensors by parameter and key. Buffers are left out: a BatchNorm's running statistics are each rank's
@@ -80,9 +85,8 @@ def _bits_sum(tensor: torch.Tensor) -> torch.Tensor:
     whole = data.numel() // 8 * 8
     try:
         words = data[:whole].view(torch.int64).sum()
-    except RuntimeError:  # not 8-byte aligned in its storage: element by element, as integers of its width
-        elements = tensor.reshape(-1)
-        return elements.view(_AS_INT[elements.element_size()]).sum(dtype=torch.int64)
+    except RuntimeError:  # not 8-byte aligned in its storage: a copy is, and sums to what aligned bytes sum to
+        return _bits_sum(tensor.clone())
     return words + data[whole:].to(torch.int64).sum() if whole < data.numel() else words
 
 

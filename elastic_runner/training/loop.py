@@ -28,7 +28,7 @@ from ..observe.failure_story import failure_story
 from ..observe.events import read_events
 from ..snapshot.shards import is_dtensor
 from . import injected_faults
-from .fingerprint import FingerprintCheck, ReplicasDiverged, TooManyRollbacks, Verdict
+from .fingerprint import FingerprintCheck, ReplicasDiverged, RollbackImpossible, TooManyRollbacks, Verdict
 
 if TYPE_CHECKING:
     from ..config import Config
@@ -93,6 +93,8 @@ class Trainer:
         self.fingerprints = (FingerprintCheck(cfg.recovery.fingerprint_every_steps, cfg.logging.every_steps,
                                               parts.state.step, dist.device)
                              if cfg.fingerprints and dist.world_size > 1 else None)
+        if self.fingerprints is not None:
+            checkpointer.verified_step = self.fingerprints.verified_step
 
     # ------------------------------------------------------------------ the loop
 
@@ -200,42 +202,52 @@ class Trainer:
                                             local=self.step.clock.take(), mine=mine)
         if check is None or mine is None:
             return
+        interval = check.every  # the one in force until this check (auto may choose another from its cost)
         verdict = check.judge(step, theirs)
         self.metrics.fingerprint_checks.inc()
         self.metrics.fingerprint_interval.set(check.every)
         if not verdict.agreed:
-            self.roll_back(verdict, check.verified_step)
+            self.roll_back(verdict, check.verified_step, interval)
+        self.checkpointer.verified_step = check.verified_step
         self.metrics.verified_step.set(check.verified_step)
 
-    def roll_back(self, verdict: Verdict, verified: int) -> None:
+    def roll_back(self, verdict: Verdict, verified: int, interval: int) -> None:
         """Replicas differ at ``verdict.step``: the states no check vouched for (after ``verified``) are taken out
         of every resume, and every rank leaves the attempt (:class:`ReplicasDiverged`: restarted, resuming from the
         newest vouched-for state), or stops the job if rollbacks keep coming (:class:`TooManyRollbacks`)."""
         step, rank, recovery = verdict.step, self.dist.rank, self.cfg.recovery
+        # First: no thread keeps this state from here (a watchdog that sees a peer leave first, a failure below),
+        # or the next attempt would resume from it.
+        self.checkpointer.keep_nothing_after(verified)
+        earlier = self._rollbacks_since(time.time() - recovery.rollback_window_seconds) if rank == 0 else 0
+        earlier = int(self.dist.broadcast_object(earlier))  # before the slow part: every rank decides alike
+        stop = earlier >= recovery.max_rollbacks
         who = ("no majority says which replica is wrong (" + ("two replicas" if self.dist.world_size == 2 else
                                                               "no value held by most ranks") + "): all are suspect"
                if verdict.undecided else
                ", ".join(f"rank {r} (node {n})" for r, n in zip(verdict.suspects, verdict.nodes)) +
                (" holds" if len(verdict.suspects) == 1 else " hold") + " a state that differs from the other ranks'")
-        moved = self.checkpointer.discard_after(verified, f"taken after step {verified}, the last whose replicas' "
-                                                           f"fingerprints agreed; at step {step} {who}")
-        earlier = self._rollbacks_since(time.time() - recovery.rollback_window_seconds) if rank == 0 else 0
-        earlier = int(self.dist.broadcast_object(earlier))
-        stop = earlier >= recovery.max_rollbacks
-        status = "stopped" if stop else "rolled_back"
+        moved, stuck = self.checkpointer.discard_after(verified, f"taken after step {verified}, the last whose "
+                                                                 f"replicas' fingerprints agreed; at step {step} {who}")
+        status = "stopped" if stop or stuck else "rolled_back"
         if rank == 0 or rank in verdict.suspects:  # a suspect's own event carries its host
             self.events.emit("replica_mismatch", step=step, verified_step=verified, suspects=verdict.suspects,
-                             nodes=verdict.nodes, status=status, moved_aside=moved, rollbacks_before=earlier,
-                             interval_steps=self.fingerprints.every if self.fingerprints is not None else 0)
+                             nodes=verdict.nodes, status=status, moved_aside=moved, not_moved=stuck,
+                             rollbacks_before=earlier, interval_steps=interval)
         line = (f"step {step}: the replicas' fingerprints differ: {who} (silent corruption: a flipped bit or a "
                 f"miscomputing device); the snapshots after step {verified}, the last whose fingerprints agreed, "
                 f"are moved aside" + (f" ({', '.join(moved)})" if moved else "") + " and removed from node memory; ")
+        if stuck:
+            raise RollbackImpossible(
+                line + f"but {', '.join(stuck)} could not be moved aside in {self.checkpointer.store.location}, and a "
+                "restart would resume from it: stopping (exit status 3, not restarted); move it aside (or delete "
+                "it) and start the job again")
         if stop:
-            line += (f"stopping (exit status 3, not restarted): {earlier} rollbacks in the last "
-                     f"{recovery.rollback_window_seconds:.0f} s already (recovery.max_rollbacks: "
-                     f"{recovery.max_rollbacks}); take the suspect node out and start the job again (it resumes "
-                     "from the newest state a check vouched for)")
-            raise TooManyRollbacks(line)
+            raise TooManyRollbacks(
+                line + f"stopping (exit status 3, not restarted): {earlier} rollbacks in the last "
+                f"{recovery.rollback_window_seconds:.0f} s already (recovery.max_rollbacks: {recovery.max_rollbacks}); "
+                "take the suspect node out and start the job again (it resumes from the newest state a check "
+                "vouched for)")
         raise ReplicasDiverged(line + "rolling back: every worker restarts from the newest state a check vouched "
                                       "for")
 

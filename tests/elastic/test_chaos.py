@@ -79,6 +79,9 @@ def test_bad_scenarios_are_refused_with_what_to_change(chaos_config: Path, tmp_p
     result = chaos("--config", str(chaos_config), "--run-dir", str(tmp_path / "r"), "--at", "2:corrupt-param",
                    "--set", "recovery.fingerprint_every_steps=null", timeout=60)
     assert result.returncode == 2 and "corrupt-param: the job compares no fingerprints" in result.stdout, result.stdout
+    result = chaos("--config", str(chaos_config), "--run-dir", str(tmp_path / "r"), "--at",
+                   "step:10:corrupt-param,step:20:corrupt-param,step:30:corrupt-param,step:40:corrupt-param", timeout=60)
+    assert result.returncode == 2 and "--set recovery.max_rollbacks=4" in result.stdout, result.stdout
 
 
 def test_a_hang_with_no_peer_to_notice_is_absorbed_not_waited_for(chaos_config: Path, tmp_path: Path) -> None:
@@ -150,7 +153,7 @@ def test_bitwise_at_the_end_holds_for_worker_kills_and_a_flipped_bit_at_world_fo
     assert report["checks"]["bitwise at the end"]["ok"], report["checks"]
     assert report["reference"]["mode"] == "bitwise"
     assert [f["outcome"] for f in report["faults"]] == ["recovered", "recovered", "recovered"], report["faults"]
-    check = report["checks"]["corrupted replicas named within one fingerprint interval"]
+    check = report["checks"]["corrupted replicas named at the next fingerprint check"]
     assert check["ok"] and check["detail"].startswith("1 of 1 flipped bit(s) found"), check
     (flip,) = [e for e in read_events(run_dir) if e["kind"] == "chaos_corrupted"]
     (found,) = [e for e in read_events(run_dir) if e["kind"] == "replica_mismatch" and e["rank"] == 0]

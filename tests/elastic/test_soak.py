@@ -16,6 +16,9 @@ from elastic_runner.chaos.scenario import FAULT_TYPES
 
 from ..support import run_bounded
 
+#: The soak's default draw but slow-node (seconds long) and corrupt-param.
+NINE = [t for t in FAULT_TYPES if t not in ("slow-node", "corrupt-param")]
+
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.timeout(420)]
 
 SOAK = Path(__file__).resolve().parents[2] / "benchmarks" / "soak.py"
@@ -30,12 +33,13 @@ def soak(out: Path, *args: str) -> tuple[int, str, dict]:  # type: ignore[type-a
 def test_a_short_soak_breaks_the_job_every_way_and_it_loses_nothing(tmp_path: Path, etcd_binary: str) -> None:
     if os.geteuid() != 0:
         pytest.skip("fill-disk needs the snapshots on a small tmpfs, and mounting one needs root")
-    # Seed 414 draws each of the nine fault types once in nine faults; one the job's shape does not allow
-    # at that moment (a join at the maximum) is drawn again, so at least eight are certain.
-    code, out, figures = soak(tmp_path / "soak", "--faults", "9", "--seed", "414")
+    # Seed 414 draws each of these nine fault types once in nine faults; one the job's shape does not allow
+    # at that moment (a join at the maximum) is drawn again, so at least eight are certain. (corrupt-param, in the
+    # soak's default draw too, has its own chaos test: a tenth fault would cost this one more minutes.)
+    code, out, figures = soak(tmp_path / "soak", "--faults", "9", "--seed", "414", "--types", ",".join(NINE))
     assert code == 0, out[-5000:]
     assert figures["faults_injected"] == 9 and figures["undecided"] == 0
-    assert len(set(figures["by_type"]) & set(FAULT_TYPES)) >= 8, figures["by_type"]
+    assert len(set(figures["by_type"]) & set(NINE)) >= 8, figures["by_type"]
     assert {"kill-agent", "kill-node", "restart-etcd", "fill-disk", "corrupt-snapshot"} <= set(figures["by_type"])
     assert figures["recoveries"] + figures["absorbed"] == 9, "every fault recovered from or ridden out"
     # etcd restarting and a full snapshot volume are ridden out: workers never talk to etcd, and training

@@ -55,6 +55,8 @@ def test_a_flipped_bit_is_named_at_the_next_check_and_the_job_rolls_back_to_the_
     assert "the last whose replicas' fingerprints agreed" in (aside / "REASON").read_text()
     log = job.agents[0].log_text()
     assert "rank 2 (node 0) holds a state that differs from the other ranks'" in log, log[-3000:]
+    kept = [e for e in read_events(run_dir) if e["kind"] == "kept_in_memory" and e["generation"] == 1]
+    assert not kept, "no worker kept the state no check vouched for (a watchdog seeing its peers leave first)"
     resumes = [e for e in read_events(run_dir) if e["kind"] == "resume" and e.get("rank") == 0]
     assert [e["step"] for e in resumes] == [50], "the newest snapshot at or before step 60"
 

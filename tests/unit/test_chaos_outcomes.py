@@ -257,12 +257,15 @@ def test_a_flipped_bit_must_be_found_at_the_next_check_naming_its_rank_or_nobody
     ok, detail = _corruption_check(events + [flipped(77, 2, 110, 4.0), found(125, 5.0, [2])],
                                    [corrupt_param(3.9, 77)])
     assert ok and detail.startswith("1 of 1 flipped bit(s) found"), detail
-    assert _corruption_check(events + [flipped(77, 2, 110, 4.0), found(125, 5.0, [])], [corrupt_param(3.9, 77)])[0], \
+    pair = attempt(1, 0.0, 2, 9.0) + attempt(2, 10.0, 2, 12.0, finished=True)
+    assert _corruption_check(pair + [flipped(77, 1, 110, 4.0), found(125, 5.0, [])], [corrupt_param(3.9, 77)])[0], \
         "two replicas: nobody can be named"
+    ok, detail = _corruption_check(events + [flipped(77, 2, 110, 4.0), found(125, 5.0, [])], [corrupt_param(3.9, 77)])
+    assert not ok and "naming nobody at world size 3" in detail, "three replicas and one flip: a majority names it"
     ok, detail = _corruption_check(events + [flipped(77, 2, 110, 4.0), found(125, 5.0, [0])], [corrupt_param(3.9, 77)])
     assert not ok and "naming [0]" in detail, "the wrong rank named"
     ok, detail = _corruption_check(events + [flipped(77, 2, 10, 4.0), found(75, 5.0, [2])], [corrupt_param(3.9, 77)])
-    assert not ok and "found at step 75" in detail, "found, but later than one interval"
+    assert not ok and "found at step 75 (the last agreeing check: step 50)" in detail, "a check after it agreed"
     ok, detail = _corruption_check(events + [flipped(77, 2, 20, 0.5)], [corrupt_param(0.4, 77)])
     assert not ok and "never found (its attempt went on to step 90)" in detail
 
@@ -271,5 +274,9 @@ def test_a_flip_whose_attempt_ended_before_its_check_or_that_never_happened_is_e
     events = attempt(1, 0.0, 3, 9.0) + attempt(2, 10.0, 3, 12.0, finished=True)
     ok, detail = _corruption_check(events + [flipped(77, 2, 89, 8.9)], [corrupt_param(8.8, 77)])
     assert ok and "1 ended first by another fault" in detail, detail
-    ok, detail = _corruption_check(events, [corrupt_param(8.8, 77)])
-    assert ok and detail.startswith("0 of 1"), "its worker was gone before its next step boundary"
+    gone = corrupt_param(8.8, 77)
+    gone.generation = 2  # a new attempt followed: its worker was gone before its next step boundary
+    ok, detail = _corruption_check(events, [gone])
+    assert ok and detail.startswith("0 of 1"), detail
+    ok, detail = _corruption_check(events, [corrupt_param(5.0, 77)])
+    assert not ok and "never flipped its bit" in detail, "a request nobody carried out, in a running attempt"

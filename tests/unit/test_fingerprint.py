@@ -46,6 +46,15 @@ def test_any_single_flipped_bit_of_a_parameter_or_of_the_optimizer_state_changes
         assert int(fingerprint(replica_tensors(model, optimizer), CPU)) == clean
 
 
+def test_the_same_bytes_give_the_same_fingerprint_wherever_they_lie_in_memory() -> None:
+    base = torch.randn(1001)
+    for offset in range(1, 4):  # 4, 8 and 12 bytes into its storage: not 8-byte aligned for two of them
+        view = base[offset:offset + 997]
+        assert int(fingerprint([view], CPU)) == int(fingerprint([view.clone()], CPU)), offset
+    half = torch.randn(64, dtype=torch.bfloat16)[3:40]  # 6 bytes in, a tail of 2 bytes
+    assert int(fingerprint([half], CPU)) == int(fingerprint([half.clone()], CPU))
+
+
 def test_equal_replicas_agree_and_values_moved_between_tensors_do_not() -> None:
     a, b = trained_pair(), trained_pair()
     assert int(fingerprint(replica_tensors(*a), CPU)) == int(fingerprint(replica_tensors(*b), CPU))

@@ -104,6 +104,20 @@ def test_keeps_the_last_k_and_deletes_older_only_after_a_newer_is_complete(store
     assert [r.step for r in store.complete()] == [30, 40]
 
 
+def test_the_newest_snapshot_a_fingerprint_check_vouched_for_outlives_keep_last(store: LocalStore) -> None:
+    """Snapshots every 10 steps, checks every 50: a rollback at step 95 returns to step 50, however many snapshots
+    were taken since (recovery.fingerprint_every_steps; the meta says which step the last check agreed at)."""
+    w = writer_for(store, keep_last=2)
+    for step in range(10, 100, 10):
+        verified = step // 50 * 50
+
+        def vouched(step: int = step, verified: int = verified):  # noqa: ANN202
+            state, meta = capture(step)()
+            return state, meta | {"verified_step": verified}
+        require_ok(w.save(step, vouched, sync=True))
+    assert [r.step for r in store.complete()] == [50, 80, 90]
+
+
 def test_readers_never_see_a_staging_directory(store: LocalStore) -> None:
     staging = store.staging(SnapshotRef(1, 50))
     (staging / "state.pt").write_bytes(b"half")
