@@ -118,9 +118,14 @@ def test_nodes_with_private_directories_survive_a_worker_kill_a_newcomer_losing_
     assert report.ok and report.finished and report.final_step == STEPS, report.render()
     assert len(report.generations) >= 5, report.render()  # five phases; a round that never trained has no trail
     # Records lost, never samples: what the lost node had not uploaded (its one rank, of the generation at world size 3
-    # that its loss ended), and what every node had not uploaded when all were lost (proven by the resume from 1,000).
+    # that its loss ended), and what every node had not uploaded when all were lost (proven by the resume from 1,000):
+    # the nodes upload at their own times, so at the edge of that span some ranks' records of a step may be in the
+    # bucket and the others' not (a loaded machine, CI: step 305 of ranks 0 and 1).
+    ended_by_the_loss_of_all = max(g for g in report.generations if g < first_resume["generation"])
     for lost in report.records_lost:
-        if lost["ranks"]:
+        if lost["ranks"] and lost["generation"] == ended_by_the_loss_of_all:
+            assert lost["last_step"] <= 1000, report.render()
+        elif lost["ranks"]:
             assert len(lost["ranks"]) == 1 and report.world_sizes[lost["generation"]] == 3, report.render()
         else:
             assert lost["proved_by_step"] == 1000 and lost["last_step"] <= 1000, report.render()
