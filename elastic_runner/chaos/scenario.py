@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -122,9 +123,9 @@ class Scenario:
         if self.slow_seconds <= 0:
             raise ScenarioError(f"slow_seconds={self.slow_seconds}: give the seconds a node stays slow (> 0)")
         if "slow-node" in wanted:
-            self._check_stragglers_can_be_named()
+            self._check_stragglers_can_be_named(self._job_config())
         if "corrupt-param" in wanted:
-            self._check_replicas_are_compared()
+            self._check_replicas_are_compared(self._job_config())
         if self.fill_seconds <= 0:
             raise ScenarioError(f"fill_seconds={self.fill_seconds}: give the seconds the volume stays full (> 0)")
         if self.supervise is not None and self.supervise < 0:
@@ -136,14 +137,19 @@ class Scenario:
             raise ScenarioError("faults are placed either by time (T:TYPE, --every) or by step (step:N:TYPE, "
                                 "--every-steps), not both in one scenario")
 
-    def _check_stragglers_can_be_named(self) -> None:
-        """slow-node's verdict needs the job to name stragglers within the slow seconds: its config must let it."""
+    def _job_config(self) -> Any:
+        """The job's config with the scenario's overrides, or None where it is wrong (the job itself says how)."""
         from ..config import ConfigError, load_config
 
         try:
-            cfg = load_config(self.config, list(self.overrides))
+            return load_config(self.config, list(self.overrides))
         except ConfigError:
-            return  # the job itself says what is wrong with it
+            return None
+
+    def _check_stragglers_can_be_named(self, cfg: Any) -> None:
+        """slow-node's verdict needs the job to name stragglers within the slow seconds: its config must let it."""
+        if cfg is None:
+            return
         why = None
         if cfg.recovery.straggler_ratio is None:
             why = "recovery.straggler_ratio is null (nobody is named)"
@@ -156,14 +162,10 @@ class Scenario:
         if why:
             raise ScenarioError(f"slow-node: {why}")
 
-    def _check_replicas_are_compared(self) -> None:
+    def _check_replicas_are_compared(self, cfg: Any) -> None:
         """corrupt-param's verdict needs the job to compare its replicas' fingerprints: its config must let it."""
-        from ..config import ConfigError, load_config
-
-        try:
-            cfg = load_config(self.config, list(self.overrides))
-        except ConfigError:
-            return  # the job itself says what is wrong with it
+        if cfg is None:
+            return
         if not cfg.fingerprints:
             raise ScenarioError("corrupt-param: the job compares no fingerprints (recovery.fingerprint_every_steps: "
                                 "null, or not parallel.strategy: ddp with dist.gradient_sync: ordered), so a flipped "

@@ -315,6 +315,10 @@ def _corruption_check(events: list[dict[str, Any]], corrupted: list[Injected]) -
     found = sorted((e for e in events if e["kind"] == "replica_mismatch" and e.get("rank") == 0),
                    key=lambda e: e["time"])
     gens = generations(events)
+    furthest_of: dict[Any, int] = {}  #: generation -> the furthest step rank 0 logged in it
+    for e in events:
+        if e["kind"] == "progress" and e.get("rank") == 0:
+            furthest_of[e.get("generation")] = max(furthest_of.get(e.get("generation"), 0), e["step"])
     problems, named, excused = [], 0, 0
     for fault in corrupted:
         flip = next((e for e in flips if e.get("pid") in fault.targets and e["time"] >= fault.at), None)
@@ -328,8 +332,7 @@ def _corruption_check(events: list[dict[str, Any]], corrupted: list[Injected]) -
         match = next((e for e in found if e.get("generation") == generation and e["time"] >= flip["time"]), None)
         if match is None:
             # Excused if its attempt never reached the check due after the flip (another fault ended it first).
-            furthest = max((e["step"] for e in events if e["kind"] == "progress" and e.get("generation") == generation
-                            and e.get("rank") == 0), default=step)
+            furthest = furthest_of.get(generation, step)
             if furthest < step + max(1, int(flip.get("interval_steps") or 0)) and any(g > (generation or 0) for g in gens):
                 excused += 1
             else:

@@ -24,8 +24,6 @@ from typing import Iterable, Sequence
 import torch
 from torch import nn
 
-#: The integer type of each float width: a tensor's bits, summed as integers.
-_AS_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 #: What a check may cost, as a share of step time, when ``recovery.fingerprint_every_steps`` is auto.
 AUTO_SHARE = 0.01
 #: Floats each rank puts in the logging all-reduce: its sum's low and high 32 bits, its node, the last check's cost
