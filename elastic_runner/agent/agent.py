@@ -1,13 +1,13 @@
-"""``ElasticRunnerAgent``: torch's ``LocalElasticAgent`` with three corrections, and observers.
+"""``ElasticRunnerAgent``: torch's ``LocalElasticAgent`` with these corrections, and observers.
 
-- **Stopped workers are killed, not waited for.** Stopping a worker group
-  sends SIGTERM and waits up to the shutdown timeout (30 s) before SIGKILL. A
-  worker in the stopped state (SIGSTOP, a debugger, a wedged cgroup) cannot
-  handle SIGTERM, so that wait is pure loss: it is SIGKILLed at once.
+- **Stopped workers are killed, not waited for.** Stopping a worker group sends SIGTERM and waits up to the shutdown
+  timeout (30 s) before SIGKILL; a worker in the stopped state (SIGSTOP, a debugger, a wedged cgroup) cannot handle
+  SIGTERM, so that wait is pure loss: it is SIGKILLed at once.
 - **Configuration errors are not retried.** A worker that exits with status 2
-  (:data:`elastic_runner.worker.lifecycle.EXIT_USAGE`: invalid config, incompatible
-  snapshot) or 3 (the gradient became NaN or inf) would fail identically on
-  every restart; the agent stops instead of burning ``--max-restarts`` restarts.
+  (:data:`elastic_runner.worker.lifecycle.EXIT_USAGE`: invalid config, incompatible snapshot) or 3 (the gradient
+  became NaN or inf) would fail identically on every restart; the agent stops instead of burning its restarts.
+- **A stop signal is never lost** (:mod:`.stop_signal`): one that torch's handler raised inside some ``except
+  Exception`` stops the agent at its next look.
 - **A round a member never starts in is left, not fatal, and not waited out.** A node that dies right
   after a round is sealed (a SIGKILL between the seal and its workers' rank assignment) never writes
   its part of the round's store; torch's agent waits ``read_timeout`` (60 s) for it and then raises,
@@ -18,12 +18,9 @@
   collective (in the process group's start, for a node killed right after it was seated) waited for
   ``dist.init_timeout_seconds`` (30 s); the agent restarts them for the next round as soon as the
   rendezvous counts the member dead (:class:`~elastic_runner.agent.round_members.MemberWatch`).
-- **No lazy imports on the recovery path.** torch's log formatter imports
-  ``torch._dynamo`` (~2.5 s) the first time it formats an exception, and
-  torch logs one exactly when a worker fails; that record goes to our DEBUG
-  log unformatted (:mod:`elastic_runner.agent.terminal`), so the import never
-  happens there. (It used to be paid up front in a background thread after
-  the first round, which on a joining node competed with its first workers.)
+- **No lazy imports on the recovery path.** torch's log formatter imports ``torch._dynamo`` (~2.5 s) the first time
+  it formats an exception, and torch logs one exactly when a worker fails; that record goes to our DEBUG log
+  unformatted (:mod:`elastic_runner.agent.terminal`), so the import never happens there.
 
 - **A failed worker is replaced alone** (``recovery.in_process``, :mod:`elastic_runner.agent.worker_context`):
   torch's process context ends every worker of the node when one fails, and torch's agent then restarts every
@@ -74,7 +71,7 @@ from ..worker.lifecycle import (
     process_start_time,
 )
 from ..worker.regroup import RegroupError, announce_replacement
-from . import fast_rendezvous, kept_round
+from . import fast_rendezvous, kept_round, stop_signal
 from .beat import AgentBeat
 from .finish import failed_after_finishing, wait_at_exit
 from .round_members import MemberWatch, WatchfulStore, gone_check
@@ -98,19 +95,6 @@ ANNOUNCE_CONNECT_S = 0.5
 ROUND_RETRIES = 5
 
 _PROCESS_START = process_start_time()
-
-
-def _signal_behind(exc: BaseException) -> SignalException | None:
-    """torch's stop signal (its agent raises it in the main thread, wherever that thread is), if a store
-    error wraps it: the launcher must see it as such, or it closes the rendezvous for every node."""
-    seen: set[int] = set()
-    cause: BaseException | None = exc
-    while cause is not None and id(cause) not in seen:
-        if isinstance(cause, SignalException):
-            return cause
-        seen.add(id(cause))
-        cause = cause.__cause__ or cause.__context__
-    return None
 
 
 class ElasticRunnerAgent(LocalElasticAgent):
@@ -143,7 +127,12 @@ class ElasticRunnerAgent(LocalElasticAgent):
     def run(self, role: str = DEFAULT_ROLE) -> RunResult:
         try:
             return super().run(role)
-        except SignalException:
+        except Exception as exc:
+            # An agent told to stop whose stopping failed somewhere (a store request cut short by the signal, the
+            # rendezvous host gone first) is stopped all the same: the launcher must not close the rendezvous.
+            stop = exc if isinstance(exc, SignalException) else stop_signal.behind(exc) or stop_signal.as_exception()
+            if stop is None:
+                raise
             # Stopped by a signal (preempted, drained): torch has stopped this node's workers. Leave the rendezvous
             # now, where it can say so (etcd-v3's lease protocol), so that the others' next round does not wait the
             # dead-node window for this node.
@@ -153,12 +142,16 @@ class ElasticRunnerAgent(LocalElasticAgent):
                     leave()
                 except Exception:  # noqa: BLE001 - its lease expires in the window, as before
                     log.debug("could not leave the rendezvous", exc_info=True)
-            raise
+            if stop is exc:
+                raise
+            raise stop from exc
 
     def _notify(self, event: str, **fields: Any) -> None:
         for observer in self.observers:
             try:
                 observer(event, **fields)
+            except SignalException:
+                raise  # a stop signal that reached the agent inside an observer: still the agent's stop
             except Exception:  # noqa: BLE001 - observers must never take the agent down
                 log.debug("agent observer failed", exc_info=True)
 
@@ -168,11 +161,12 @@ class ElasticRunnerAgent(LocalElasticAgent):
         started = time.monotonic()
         began = time.time()
         for attempt in range(1, ROUND_RETRIES + 2):
+            stop_signal.raise_if_received()  # (a stop swallowed in a store request of the round before)
             try:
                 super()._rendezvous(worker_group)
                 break
             except (DistStoreError, DistNetworkError) as exc:
-                stop = _signal_behind(exc)
+                stop = stop_signal.behind(exc)
                 if stop is not None:  # a SIGTERM/SIGINT that reached the agent inside a store request: stop
                     raise stop from exc
                 if attempt > ROUND_RETRIES:
@@ -263,6 +257,7 @@ class ElasticRunnerAgent(LocalElasticAgent):
             for place in self._places or ():
                 place.clear()  # nothing asked of, nor left by, the workers of an earlier round
         ids = super()._start_workers(worker_group)
+        stop_signal.latch()  # torch's process context has just installed its stop handler (again)
         self._keeping = None
         if self.in_process and usable(KEEPING_WORKERS, log):
             self._keeping = as_keeping(getattr(self, "_pcontext", None))
@@ -304,6 +299,8 @@ class ElasticRunnerAgent(LocalElasticAgent):
         self._standby_due = None
         try:
             pid = self._keeping.start_standby()
+        except SignalException:
+            raise
         except Exception as exc:  # noqa: BLE001 - without a standby a failed worker is replaced by a new process
             log.warning("the standby worker could not be started (%s: %s); a failed worker is replaced by a new "
                         "process", type(exc).__name__, exc)
@@ -362,6 +359,8 @@ class ElasticRunnerAgent(LocalElasticAgent):
                 announce_replacement(store, rank)
         except RegroupError as exc:  # it died in the round's start: its peers wait for it there
             return str(exc)
+        except SignalException:
+            raise
         except Exception as exc:  # noqa: BLE001 - unreachable or gone: nothing to rebuild with
             return f"the job's store does not answer ({type(exc).__name__})"
         return ""
@@ -372,6 +371,9 @@ class ElasticRunnerAgent(LocalElasticAgent):
         # When a worker has exited, torch's process context SIGTERMs the others and
         # waits up to 30 s for them, before _stop_workers ever runs: a stopped
         # sibling must be gone before that wait starts. (A keeping context leaves them.)
+        # A stop signal that some `except` swallowed since the last look (torch's loop asks the rendezvous between
+        # two looks): the agent stops now, as if it had raised where it arrived.
+        stop_signal.raise_if_received()
         self._start_standby_when_due()
         pcontext = getattr(self, "_pcontext", None)
         if pcontext is not None and self._keeping is None and \
@@ -446,6 +448,8 @@ class ElasticRunnerAgent(LocalElasticAgent):
             return
         try:
             names = count_out(lost)  # (never this agent's own node: count_out skips it)
+        except SignalException:
+            raise
         except Exception:  # noqa: BLE001 - the round then waits the dead-node window, as before
             log.debug("could not count the lost nodes out of the round", exc_info=True)
             return
@@ -453,6 +457,7 @@ class ElasticRunnerAgent(LocalElasticAgent):
             self._notify("members_counted_out", members=names, group_ranks=list(lost))
 
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
+        stop_signal.raise_if_received()  # (swallowed in the rendezvous's answer that asked for this restart)
         self._notify("restart")
         if not self._keep_for_next_round(worker_group):
             self._beat.pause()  # its workers restart: survivors elsewhere stop waiting for an announcement from it

@@ -18,7 +18,10 @@ import os
 import time
 from typing import Any, Callable
 
+from torch.distributed.elastic.multiprocessing.api import SignalException
+
 from ..worker.env import GOODPUT_FILE_VAR, finished_pids
+from . import stop_signal
 
 log = logging.getLogger(__name__)
 
@@ -47,8 +50,11 @@ def wait_at_exit(store: Any, world_size: int, timeout_s: float, nodes_waiting: C
     while time.monotonic() < deadline:
         if store.check([last]):
             return "all"
+        stop_signal.raise_if_received()  # (a stop that arrived in a store request of this wait)
         try:
             waiting = nodes_waiting()
+        except SignalException:
+            raise
         except Exception:  # noqa: BLE001 - a rendezvous that cannot say: wait on, as torch does
             waiting = 0
         if waiting > 0:

@@ -31,6 +31,9 @@ from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from torch.distributed import DistStoreError
+from torch.distributed.elastic.multiprocessing.api import SignalException
+
+from . import stop_signal
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +88,8 @@ def look(gone: GoneCheck) -> str | None:
     """``gone()``, where a look that failed (the rendezvous did not answer) says nothing: None."""
     try:
         return gone()
+    except SignalException:
+        raise  # the agent's stop, arrived while it looked: never "no verdict" (the agent would run on)
     except Exception:  # noqa: BLE001 - no verdict either way: wait on
         log.debug("could not look at the round's members", exc_info=True)
         return None
@@ -157,7 +162,16 @@ class MemberWatch:
         asked = handler.num_nodes_waiting
 
         def num_nodes_waiting() -> int:
-            waiting = int(asked())
+            try:
+                waiting = int(asked())
+            except Exception as exc:
+                # torch's c10d handler wraps whatever its store request raised, the agent's stop too: the launcher
+                # must see the stop as such (exit 128 + the signal, the rendezvous left open for the next job).
+                stop = stop_signal.behind(exc)
+                if stop is not None:
+                    raise stop from exc
+                raise
+            stop_signal.raise_if_received()  # (one that the handler swallowed on its way)
             return waiting if waiting else int(self.member_gone() is not None)
 
         handler.num_nodes_waiting = num_nodes_waiting

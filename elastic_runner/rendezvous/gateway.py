@@ -179,6 +179,8 @@ class EtcdGatewayClient(KVClient):
             try:
                 answer = client.post(client.get_url("/auth/authenticate"),
                                      json={"name": self.options.user, "password": self.options.password or ""})
+            except SignalException:
+                raise  # the agent's stop, not an answer to classify
             except Exception as exc:  # noqa: BLE001 - classified below
                 if "authentication is not enabled" in _detail(exc):
                     if not self._warned_auth_off:
