@@ -20,11 +20,9 @@ import os
 import sys
 from typing import Any, Callable, Sequence
 
-from .zygote import worker_config
+from .zygote import WORKER_MODULE, worker_config
 
 log = logging.getLogger(__name__)
-
-WORKER_MODULE = "elastic_runner.train"
 
 
 def worker_program(entrypoint: Any, args: Sequence[Any]) -> list[str] | None:

@@ -35,9 +35,6 @@ log = logging.getLogger(__name__)
 
 #: Seconds the node's workers have to reach a step boundary and park (a step takes milliseconds to seconds).
 PARK_WAIT_S = 15.0
-#: Where torch's agent starts the workers of a round (the name is swapped while the places are handed over; checked
-#: by :data:`~elastic_runner.agent.torch_patches.KEPT_ROUNDS`).
-LOCAL_AGENT = torch_patches.LOCAL_AGENT
 
 
 def handovers(local_world_size: int) -> list[Handover] | None:
@@ -112,7 +109,9 @@ def park(keeping: KeepingContext, places: list[Handover], why: str, wait_s: floa
 def handing_over(keeping: KeepingContext, places: list[Handover]) -> Iterator[list[tuple[int, int, bool]]]:
     """While inside, torch's agent starting the round's workers hands each parked worker its place instead, and
     starts a process only where the old one is gone. Yields the list it fills: ``(local_rank, pid, kept)``."""
-    module = importlib.import_module(LOCAL_AGENT)
+    # Where torch's agent starts the workers of a round (the name is swapped while the places are handed over;
+    # checked by torch_patches.KEPT_ROUNDS).
+    module = importlib.import_module(torch_patches.LOCAL_AGENT)
     original = module.start_processes
     outcome: list[tuple[int, int, bool]] = []
 

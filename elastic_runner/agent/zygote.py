@@ -203,11 +203,6 @@ def fork_zygote(preload: list[str] = PRELOAD) -> bool:
     return True
 
 
-def is_worker_command(module: bool, script: str) -> bool:
-    """True when the launched program is our worker (``-m elastic_runner.train``)."""
-    return bool(module) and script == WORKER_MODULE
-
-
 def worker_main(*argv: str) -> None:
     """The worker's entrypoint inside a forked process (same as ``python -m elastic_runner.train``).
 

@@ -184,6 +184,3 @@ class Metrics:
 
     def set_generation(self, generation: int) -> None:
         self.job.gauges["resume_generation"] = float(generation)
-
-    def job_value(self, key: str) -> float:
-        return self.job.values[key]

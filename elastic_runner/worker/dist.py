@@ -284,10 +284,6 @@ class Dist:
         tdist.all_reduce(tensor, op=tdist.ReduceOp.SUM)
         return tensor
 
-    def all_reduce_max(self, tensor: torch.Tensor) -> torch.Tensor:
-        tdist.all_reduce(tensor, op=tdist.ReduceOp.MAX)
-        return tensor
-
     # Objects travel as JSON, never pickled: a rank accepts data from its peers, not code. (torch's
     # broadcast_object_list/all_gather_object unpickle whatever a peer sends; a peer is only as
     # trustworthy as the rendezvous that admitted it.) Tuples arrive as lists.

@@ -94,10 +94,6 @@ class WorkerEnv:
         )
 
     @property
-    def is_distributed(self) -> bool:
-        return self.world_size > 1
-
-    @property
     def is_rank0(self) -> bool:
         return self.rank == 0
 

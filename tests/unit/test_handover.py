@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_processes
 
-from elastic_runner.agent import kept_round
+from elastic_runner.agent import kept_round, torch_patches
 from elastic_runner.agent.worker_context import as_keeping
 from elastic_runner.worker.handover import HANDOVER_DIR_VAR, Handover, HandoverError
 
@@ -151,7 +151,7 @@ def test_the_agent_parks_its_workers_and_hands_them_their_new_places_the_others_
         assert kept_round.parked(context, places) == [0, 1], "local rank 3 was not asked: it cannot park yet"
         assert not places[3].park_file.exists()
         # torch's agent starts the round's workers through the module's start_processes: the places go instead
-        module = importlib.import_module(kept_round.LOCAL_AGENT)
+        module = importlib.import_module(torch_patches.LOCAL_AGENT)
         original = module.start_processes
         with kept_round.handing_over(context, places) as outcome:
             returned = module.start_processes(name="trainer", entrypoint=_worker, args={}, logs_specs=None,
