@@ -181,10 +181,17 @@ def _start_health_check(worker_cfg: Any, config: Any) -> Callable[[], str | None
     """This node's health check (:mod:`.health`) started; returns how to wait for its finding. Only for our worker
     with its config read here: a script's own devices (elastic_runner.fit) are its to choose, and a config that does
     not load is the workers' to report."""
-    from .health import start_check
+    from .health import network_problem, start_check
 
     if worker_cfg is None or not worker_cfg.recovery.health_check:
         return _nothing
+    problem, doubt = network_problem(backend=worker_cfg.dist.backend, device=worker_cfg.dist.device,
+                                     max_nodes=int(config.max_nodes), rdzv_backend=str(config.rdzv_backend),
+                                     endpoint=str(config.rdzv_endpoint or ""))
+    if problem:
+        return lambda: problem
+    if doubt:
+        log.warning("%s", doubt)
     return start_check(worker_cfg.dist.device, int(getattr(config, "nproc_per_node", 1) or 1))
 
 

@@ -1,4 +1,5 @@
-"""A node's health check before it takes part in a rendezvous round: is its device there, and does it compute right?
+"""A node's health check before it takes part in a rendezvous round: is its device there, does it compute right, and
+could the other machines reach its gloo workers?
 
 A node with a broken device that joins a round costs every node that round: its workers fail at their first step (or,
 worse, train on with wrong numbers), and the job starts over without it. Checked before its first round, the node
@@ -10,6 +11,9 @@ TF32, bf16 inputs accumulated in float32), so a single differing entry is a wron
 does not answer within ``TIMEOUT_S`` fails too. On a machine with a GPU driver the check runs in a child process:
 this agent must never touch CUDA (its zygote forks the workers, and a CUDA context does not survive a fork). Without
 one, a CPU check (64x64) runs in the agent itself, after its zygote was forked.
+
+The network check (:func:`network_problem`) only resolves names and binds sockets on this machine: it tells where gloo
+would listen, not whether the other nodes' workers answer (they are not known before the round).
 """
 
 from __future__ import annotations
@@ -17,9 +21,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import glob
+import ipaddress
 import json
 import logging
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -128,6 +134,84 @@ def start_check(kind: str, count: int, timeout_s: float = TIMEOUT_S) -> Callable
             return f"the device check exited {child.returncode} without a result ({tail[0][:200]})"
 
     return finding
+
+
+# -- the network ----------------------------------------------------------------------------------------------
+
+#: What torch's gloo does when no interface is named: it listens on the first address this machine's hostname resolves
+#: to that it can bind, and on the loopback address where there is none. A Debian or Ubuntu ``/etc/hosts`` maps the
+#: hostname to 127.0.1.1: the node's workers then listen where no other machine can reach them, and the job's first
+#: collective hangs until its timeout on every node, round after round.
+Resolve = Callable[[str], list[str]]
+
+
+def _resolve(host: str) -> list[str]:
+    """The addresses ``host`` resolves to, in the resolver's order (as gloo tries them); none if it does not."""
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError):
+        return []
+    return list(dict.fromkeys(str(info[4][0]) for info in infos))
+
+
+def _bindable(address: str) -> bool:
+    """Whether this machine has ``address`` (a socket can be bound to it): one of its own."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.bind((address, 0))
+        return True
+    except OSError:
+        return False
+
+
+def _endpoint_host(endpoint: str) -> str:
+    """The host of a rendezvous endpoint (``HOST:PORT``, ``[v6]:PORT``, ``HOST``; the first of a list)."""
+    first = endpoint.split(",")[0].strip()
+    if "://" in first:
+        first = first.split("://", 1)[1]
+    if first.startswith("["):
+        return first[1:].split("]", 1)[0]
+    return first.rsplit(":", 1)[0] if first.count(":") == 1 else first
+
+
+def _loopback(address: str) -> bool:
+    try:
+        return ipaddress.ip_address(address.split("%")[0]).is_loopback
+    except ValueError:
+        return address == "localhost"
+
+
+def network_problem(*, backend: str, device: str, max_nodes: int, rdzv_backend: str, endpoint: str,
+                    env: dict[str, str] | None = None,
+                    hostname: str | None = None, resolve: Resolve | None = None,
+                    bindable: Callable[[str], bool] | None = None) -> tuple[str | None, str | None]:
+    """Whether this node's gloo workers could be reached from the other machines of the job: ``(problem, doubt)``.
+    A problem (the node leaves): the job spans machines — its c10d rendezvous endpoint is another machine, where
+    another agent hosts the round — and gloo would listen on a loopback address here. A doubt (a warning, the node goes
+    on): the endpoint is this machine, or a service (etcd) that tells nothing of where the nodes are, so the job may
+    run on this machine alone, where loopback is fine."""
+    env = os.environ if env is None else env
+    resolve, bindable = resolve or _resolve, bindable or _bindable
+    gloo = backend == "gloo" or (backend == "auto" and (device == "cpu" or (device == "auto" and not gpu_driver())))
+    host = _endpoint_host(endpoint)
+    if max_nodes <= 1 or not gloo or env.get("GLOO_SOCKET_IFNAME") or not host or _loopback(host):
+        return None, None  # one node, nccl (which skips loopback itself), an interface named, or one machine for sure
+    name = hostname if hostname is not None else socket.gethostname()
+    mine = [a for a in resolve(name) if bindable(a)]
+    listens = mine[0] if mine else "127.0.0.1"
+    if not _loopback(listens):
+        return None, None
+    where = (f"this node's hostname {name!r} resolves to {listens}, a loopback address" if mine else
+             f"this node's hostname {name!r} resolves to no address of this machine, so gloo falls back to loopback")
+    fix = ("set GLOO_SOCKET_IFNAME to the network interface the nodes share (for example eth0), or map the hostname "
+           "to that interface's address in /etc/hosts")
+    others = resolve(host) if rdzv_backend == "c10d" else []
+    if others and not any(bindable(a) or _loopback(a) for a in others):
+        return (f"{where}: gloo would listen there, and the workers of the other machines (the rendezvous endpoint "
+                f"{host!r} is one) could not reach this node's; {fix}"), None
+    return None, (f"{where}: if this job spans machines, gloo would listen where the others cannot reach it; {fix} "
+                  "(on one machine, nothing to do)")
 
 
 def check_node(kind: str, count: int, timeout_s: float = TIMEOUT_S) -> str | None:

@@ -247,7 +247,10 @@ class RecoveryConfig:
     health_check: bool = _help(
         "Before a node takes part in its first rendezvous round, its agent checks the devices its workers will use: "
         "present, and computing a fixed matmul of small integers exactly (in a child process where a GPU driver "
-        "is installed). A node that fails leaves with one line and exit status 5, and costs the others no round.",
+        "is installed); and, for gloo workers of a job that spans machines, that this machine's hostname does not "
+        "resolve to a loopback address (where gloo would listen out of the other nodes' reach; a warning where the "
+        "job may run on this machine alone). A node that fails leaves with one line and exit status 5, and costs the "
+        "others no round.",
         default=True,
     )
     straggler_ratio: float | None = _help(
