@@ -80,3 +80,18 @@ class _CorruptsOneRank(torch.nn.Module):
 def corrupts_one_rank(rank: int = 1, at_forward: int = 50, once_file: str = "") -> torch.nn.Module:
     """``model.name: tests.broken_components:corrupts_one_rank``."""
     return _CorruptsOneRank(rank, at_forward, once_file)
+
+
+def digits_with_poisoned_samples(poisoned: list[int] | None = None) -> tuple[torch.utils.data.Dataset,
+                                                                               torch.utils.data.Dataset]:
+    """``data.name: tests.broken_components:digits_with_poisoned_samples``: the shipped digits (train / test split as
+    ``data.name: digits``) with the inputs of the training samples ``poisoned`` all NaN: the loss of whichever rank
+    draws one is NaN, in every attempt that trains on it (a corrupt record in a corpus)."""
+    from elastic_runner.data.datasets import DIGITS_SPLIT_SEED, TensorPairDataset, _split, load_digits_tensors
+
+    x, y = load_digits_tensors()
+    train, test = _split(x, y, 0.2, DIGITS_SPLIT_SEED)
+    bad_x = train.x.clone()
+    for index in poisoned or []:
+        bad_x[index] = float("nan")
+    return TensorPairDataset(bad_x, train.y), test

@@ -390,16 +390,27 @@ class TrainConfig:
         "(saved in snapshots); bf16 works on CPU and recent GPUs.",
         default="fp32",
     )
-    on_nonfinite: Literal["stop", "skip"] = _help(
+    on_nonfinite: Literal["stop", "skip", "rollback"] = _help(
         "A step whose gradient is not finite (the loss is NaN or inf on some rank): stop (one line "
         "naming the step and the rank, exit status 3, which is not restarted; the snapshots stay as "
         "they were; noted on the device and read at the next logging step, so a step never waits for a GPU "
-        "for it, and no snapshot is taken after the step that diverged) or skip (no update on any rank; counted "
+        "for it, and no snapshot is taken after the step that diverged), skip (no update on any rank; counted "
         "in elastic_runner_nonfinite_steps_total; decided before the update: free with a fused optimizer, "
         "optim.params: {fused: true} for sgd or adamw, which skips on the device, else one read of the device per "
-        "step). "
+        "step) or rollback (noted and read as for stop; then every worker, in its process, resumes from the newest "
+        "snapshot, necessarily from before that step (node memory first), and skips that step by rule: its batch "
+        "is consumed, no update is made, its samples are marked skipped in the audit trail; the rule travels in "
+        "every later snapshot, as train.skip_steps would. recovery.max_rollbacks in "
+        "recovery.rollback_window_seconds, then exit status 3). "
         "With fp16 the gradient scaler skips such steps itself.",
         default="stop",
+    )
+    skip_steps: list[int] = _help(
+        "Steps whose batch is consumed but not trained on (no forward pass, no update; the learning-rate schedule "
+        "advances): e.g. the steps around a loss spike, after resuming from a snapshot before it. Their samples are "
+        "marked skipped in the audit trail (each still used once: never seen twice, never lost unsaid). "
+        "train.on_nonfinite: rollback adds to this list by itself.",
+        default_factory=list,
     )
 
     def validate(self) -> None:
@@ -412,5 +423,9 @@ class TrainConfig:
             value = getattr(self, key)
             if value is not None and value <= 0:
                 raise ConfigError(f"train.{key}", f"got {value}, must be a positive integer", f"Set train.{key} to e.g. 10, or null")
+        bad = [s for s in self.skip_steps if isinstance(s, bool) or not isinstance(s, int) or s <= 0]
+        if bad:
+            raise ConfigError("train.skip_steps", f"got {bad[0]!r} in {self.skip_steps!r}, each must be a step number "
+                              ">= 1", "Write the steps as a list of integers, e.g. [1200, 1201]")
         if self.eval_every_steps < 0:
             raise ConfigError("train.eval_every_steps", f"got {self.eval_every_steps}, must be >= 0", "Set it to 0 to evaluate only at the end")

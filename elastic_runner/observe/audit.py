@@ -7,6 +7,9 @@ step to ``RUN_DIR/audit/gen-<GEN>-rank-<RANK>.jsonl``::
      "world_size": 2, "start": 704, "global_count": 64, "micro_batch": 32,
      "accumulation": 1, "indices": [17, 902, ...]}
 
+A step skipped by rule (``train.skip_steps``, a non-finite rollback's) adds ``"skipped": true``: its samples count
+as used once (never again, never missing), and the report says how many were not trained on.
+
 The line is written and flushed *before* the step's first collective. A step
 can only complete if every rank reached its collectives, so every completed
 step has a record from every rank; a rank killed mid-write leaves at most a
@@ -91,12 +94,13 @@ class AuditWriter:
         self._written = self.path.stat().st_size
 
     def step(self, *, step: int, epoch: int, start: int, global_count: int, indices: list[int],
-             micro_batch: int, accumulation: int, segments: tuple[tuple[int, int, int, int], ...] = ()) -> None:
+             micro_batch: int, accumulation: int, segments: tuple[tuple[int, int, int, int], ...] = (),
+             skipped: bool = False) -> None:
         self._write({
             "type": "step", "generation": self.generation, "epoch": epoch, "step": step, "rank": self.rank,
             "world_size": self.world_size, "start": start, "global_count": global_count,
             "micro_batch": micro_batch, "accumulation": accumulation, "indices": indices,
-        } | ({"segments": [list(g) for g in segments]} if segments else {}))
+        } | ({"segments": [list(g) for g in segments]} if segments else {}) | ({"skipped": True} if skipped else {}))
 
     def end(self, step: int) -> None:
         self._write({"type": "end", "generation": self.generation, "step": step, "rank": self.rank})
@@ -117,6 +121,7 @@ class EpochReport:
     duplicates: list[int] = field(default_factory=list)
     missing: list[int] = field(default_factory=list)
     unexpected: list[int] = field(default_factory=list)
+    skipped: int = 0  #: of ``seen``: samples of steps skipped by rule (consumed, not trained on)
 
     @property
     def clean(self) -> bool:
@@ -143,6 +148,8 @@ class AuditReport:
     sources: list[Any] = field(default_factory=list)
     #: Where a run that began from another run's snapshot (snapshot.resume_from) started: earlier steps are that run's.
     started_from: dict[str, Any] | None = None
+    #: Steps skipped by rule (train.skip_steps, a non-finite rollback's), as the owning generation recorded them.
+    skipped_steps: list[int] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -155,9 +162,9 @@ class AuditReport:
             "global_batches": self.global_batches, "torn_lines": self.torn_lines,
             "steps_superseded": self.steps_superseded, "records_lost": self.records_lost,
             "violations": self.violations, "sources": [source.to_dict() for source in self.sources],
-            "started_from": self.started_from,
+            "started_from": self.started_from, "skipped_steps": self.skipped_steps,
             "epochs": [
-                {"epoch": e.epoch, "complete": e.complete, "expected": e.expected, "seen": e.seen,
+                {"epoch": e.epoch, "complete": e.complete, "expected": e.expected, "seen": e.seen, "skipped": e.skipped,
                  "duplicates": len(e.duplicates), "missing": len(e.missing), "unexpected": len(e.unexpected),
                  "examples": {"duplicates": e.duplicates[:10], "missing": e.missing[:10], "unexpected": e.unexpected[:10]}}
                 for e in self.epochs
@@ -175,8 +182,11 @@ class AuditReport:
         if (f := self.started_from) is not None:
             lines.append(f"  started from another run's snapshot {f['snapshot']} (snapshot.resume_from): steps "
                          f"1-{f['step']} and the first {f['consumed']} samples of epoch {f['epoch']} are that run's")
-        lines += [f"  epoch {e.epoch}{'' if e.complete else ' (in progress)'}: seen {e.seen}/{e.expected}, duplicates "
+        lines += [f"  epoch {e.epoch}{'' if e.complete else ' (in progress)'}: seen {e.seen}/{e.expected}"
+                  f"{f' ({e.skipped} skipped by rule: consumed, not trained on)' if e.skipped else ''}, duplicates "
                   f"{len(e.duplicates)}, missing {len(e.missing)}, unexpected {len(e.unexpected)}" for e in self.epochs]
+        if self.skipped_steps:
+            lines.append(f"  note: steps skipped by rule (train.skip_steps, non-finite rollbacks): {self.skipped_steps}")
         lines += [source.line() for source in self.sources]
         lines += [f"  violation: {v}" for v in self.violations]
         if self.torn_lines:
@@ -301,6 +311,7 @@ def check_audit(run_dir: str | os.PathLike[str]) -> AuditReport:
     last_of: dict[tuple[int, int], int] = {}  # (generation, rank) -> the last step its trail reached
     present: set[tuple[int, int]] = set()  # (generation, rank) with any record (a header at least)
     segments_of: dict[tuple[int, int], tuple[tuple[int, int, int, int], ...]] = {}
+    skipped_at: set[tuple[int, int]] = set()  # (step, generation) recorded as skipped by rule
     for r in lines:
         kind = r.get("type")
         if kind == "header":
@@ -311,6 +322,8 @@ def check_audit(run_dir: str | os.PathLike[str]) -> AuditReport:
         elif kind == "step":
             by_step[r["step"]][r["generation"]].append(
                 (r["rank"], r["world_size"], r["epoch"], r["start"], r["global_count"], len(r["indices"])))
+            if r.get("skipped") is True:
+                skipped_at.add((r["step"], r["generation"]))
             if "segments" in r:  # a mixture's: the same on every rank of a step (checked in the mixture's pass)
                 segments_of.setdefault((r["step"], r["generation"]), _segments(r["segments"]))
             key = (r["generation"], r["rank"])
@@ -418,6 +431,7 @@ def check_audit(run_dir: str | os.PathLike[str]) -> AuditReport:
         if end >= epoch_end.get(epoch, (0, 0))[0]:
             epoch_end[epoch] = (end, nominal)
     del by_step
+    report.skipped_steps = sorted(step for step, generation in skipped_at if owner.get(step) == generation)
 
     if header.get("sampler") == "mixture":  # data.sources: the mixture's own replay
         from .audit_mixture import check_mixture
@@ -430,6 +444,7 @@ def check_audit(run_dir: str | os.PathLike[str]) -> AuditReport:
     counts: dict[int, np.ndarray] = {}
     outside: dict[int, set[int]] = defaultdict(set)
     seen_total: Counter[int] = Counter()
+    skipped_total: Counter[int] = Counter()
     for r in with_derived(lines, derived, owner, num_samples, seed, shuffle, order):
         if r.get("type") != "step" or owner.get(r["step"]) != r["generation"]:
             continue
@@ -437,6 +452,8 @@ def check_audit(run_dir: str | os.PathLike[str]) -> AuditReport:
         if epoch not in counts:
             counts[epoch] = np.zeros(num_samples, dtype=np.uint8)
         seen_total[epoch] += len(indices)
+        if (r["step"], r["generation"]) in skipped_at:
+            skipped_total[epoch] += len(indices)
         valid = [i for i in indices if isinstance(i, int) and 0 <= i < num_samples]
         outside[epoch].update(i for i in indices if not (isinstance(i, int) and 0 <= i < num_samples))
         if valid:
@@ -465,7 +482,7 @@ def check_audit(run_dir: str | os.PathLike[str]) -> AuditReport:
             if complete and len(seen_set) != usable:
                 report.violations.append(f"epoch {epoch}: {len(seen_set)} distinct samples, expected {usable}")
         report.epochs.append(EpochReport(
-            epoch=epoch, complete=complete, expected=len(expected), seen=seen_total[epoch],
+            epoch=epoch, complete=complete, expected=len(expected), seen=seen_total[epoch], skipped=skipped_total[epoch],
             duplicates=np.flatnonzero(arr > 1).tolist(),
             missing=sorted(expected - seen_set),
             unexpected=sorted((seen_set - expected) | outside[epoch]),

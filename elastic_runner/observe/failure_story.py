@@ -67,7 +67,12 @@ def failure_story(run_dir: str | os.PathLike[str], generation: int, world_size: 
     causes = signalled or [(e, f) for e, f in failures
                            if f.get("exitcode") != EXIT_PEER_LOST and f.get("pid") not in broken]
     mismatch = next((e for e in of_previous if e.get("kind") == "replica_mismatch" and e.get("rank") == 0), None)
-    if mismatch is not None:  # every worker left on purpose: the rollback is the cause, not their exit statuses
+    nonfinite = next((e for e in of_previous if e.get("kind") == "nonfinite_rollback" and e.get("rank") == 0), None)
+    if nonfinite is not None:  # every worker left the attempt on purpose, in its process
+        first_at, step = nonfinite["time"], nonfinite["step"]
+        who = ", ".join(f"rank {r}" for r in nonfinite.get("ranks") or []) or "an overflow"
+        cause = f"the loss of step {step} was not finite ({who}), a rollback that skips its batch"
+    elif mismatch is not None:  # every worker left on purpose: the rollback is the cause, not their exit statuses
         first_at = mismatch["time"]
         suspects = ", ".join(f"rank {r}" for r in mismatch.get("suspects") or []) or "no majority"
         cause = (f"the replicas' fingerprints differed at step {mismatch['step']} (suspect: {suspects}; the last "

@@ -64,12 +64,12 @@ class StepBooks:
         """Start-up and restore are not training: the productive clock starts here."""
         self._productive_mark = time.monotonic()
 
-    def before(self, step: int, plan: StepPlan) -> None:
+    def before(self, step: int, plan: StepPlan, skipped: bool = False) -> None:
         self._step_started = time.perf_counter()
         if self.audit is not None:
             self.audit.step(step=step, epoch=plan.epoch, start=plan.start, global_count=plan.global_count,
                             indices=plan.indices, micro_batch=self.layout.micro_size,
-                            accumulation=self.layout.accumulation, segments=plan.segments)
+                            accumulation=self.layout.accumulation, segments=plan.segments, skipped=skipped)
 
     def count_productive(self) -> None:
         """The time since the last mark was training (called under the step lock, with the step's commit)."""

@@ -55,6 +55,15 @@ class NonFiniteGradient(RuntimeError):
             "train.on_nonfinite: skip to skip such steps")
 
 
+class NonFiniteRollback(Exception):
+    """``train.on_nonfinite: rollback``: the gradient of ``step`` was not finite; every rank leaves the attempt and
+    its process runs the next one, resumed from the newest snapshot (before ``step``) with ``step`` skipped."""
+
+    def __init__(self, step: int, ranks: list[int], line: str) -> None:
+        self.step, self.ranks = step, ranks
+        super().__init__(line)
+
+
 class StepGradients:
     def __init__(self, dist: Any, model: nn.Module, clip_norm: float | None, on_nonfinite: str, scaler: Any,
                  averages_over: int = 1) -> None:
@@ -137,7 +146,7 @@ class StepGradients:
         if self.scaler is not None:
             return True  # fp16: the gradient scaler skips the step itself
         finite = torch.isfinite(norm)
-        if self.on_nonfinite == "stop":
+        if self.on_nonfinite in ("stop", "rollback"):  # (rollback: the loop rolls back where stop would stop)
             self._note(step, finite, step_loss[0])
             return True
         if getattr(optimizer, "_step_supports_amp_scaling", False) and getattr(optimizer, "defaults", {}).get("fused"):

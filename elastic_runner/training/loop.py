@@ -29,6 +29,7 @@ from ..observe.events import read_events
 from ..snapshot.shards import is_dtensor
 from . import injected_faults
 from .fingerprint import FingerprintCheck, ReplicasDiverged, RollbackImpossible, TooManyRollbacks, Verdict
+from .gradients import NonFiniteGradient, NonFiniteRollback
 
 if TYPE_CHECKING:
     from ..config import Config
@@ -95,6 +96,8 @@ class Trainer:
                              if cfg.fingerprints and dist.world_size > 1 else None)
         if self.fingerprints is not None:
             checkpointer.verified_step = self.fingerprints.verified_step
+        #: Steps skipped by rule (:meth:`skip_step`): the config's and those that non-finite rollbacks added.
+        self._skips = set(parts.state.skipped_steps) | set(cfg.train.skip_steps)
 
     # ------------------------------------------------------------------ the loop
 
@@ -133,6 +136,9 @@ class Trainer:
 
     def train_step(self, plan: StepPlan, batches: Iterator[Any]) -> None:
         parts, step = self.parts, self.parts.state.step + 1
+        if step in self._skips:
+            self.skip_step(step, plan, batches)
+            return
         self.books.before(step, plan)  # the audit record: before any collective
         result = self.step.compute(step, plan, batches)
         self.checkpointer.sync_buffers()  # a collective: outside the lock, a lost peer may break it
@@ -145,6 +151,24 @@ class Trainer:
         self.books.after(step, plan, result)
 
     # ------------------------------------------------------------------ between steps
+
+    def skip_step(self, step: int, plan: StepPlan, batches: Iterator[Any]) -> None:
+        """A step skipped by rule (train.skip_steps, or a non-finite rollback's): its batch is consumed and recorded
+        as skipped in the audit trail, nothing is computed and no update made; the learning-rate schedule advances,
+        so the steps after it are those of the run without the rule, less one update."""
+        parts = self.parts
+        self.books.before(step, plan, skipped=True)
+        result = self.step.skip(plan, batches)
+        with self.checkpointer.mutating():
+            self.step.update(result)
+            parts.sampler.advance(plan)
+            parts.state.step = step
+            parts.state.samples_total += plan.global_count
+        if self.dist.rank == 0:
+            self.events.emit("step_skipped", step=step, epoch=plan.epoch, samples=plan.global_count)
+            log.warning("step %d skipped by rule (train.skip_steps%s): its %d samples are consumed, not trained on",
+                        step, ", added by a non-finite rollback" if step not in self.cfg.train.skip_steps else "",
+                        plan.global_count)
 
     def after_step(self, plan: StepPlan) -> None:
         """Between two steps: what reads the device happens here, and only at its steps (a logging step, a capture),
@@ -161,7 +185,12 @@ class Trainer:
             self._first_step(step)
         last = step >= self.total_steps
         if step % self.cfg.logging.every_steps == 0 or last:
-            gradients.check()  # the same steps on every rank: a diverged run stops here, naming its step
+            try:
+                gradients.check()  # the same steps on every rank: a diverged run stops here, naming its step
+            except NonFiniteGradient as exc:
+                if gradients.on_nonfinite != "rollback":
+                    raise
+                self.roll_back_nonfinite(exc)
             if gradients.on_nonfinite == "skip":
                 self.books.skipped_on_device(step, gradients.newly_skipped())
             self.report_progress(step, plan.epoch, last)
@@ -251,12 +280,43 @@ class Trainer:
         raise ReplicasDiverged(line + "rolling back: every worker restarts from the newest state a check vouched "
                                       "for")
 
+    def roll_back_nonfinite(self, exc: NonFiniteGradient) -> None:
+        """``train.on_nonfinite: rollback``: the gradient of ``exc.step`` was not finite (every rank read it at this
+        logging step). No state after the step before it is kept or resumed (no snapshot was taken of one: a capture
+        skips a diverged state), and every rank leaves the attempt (:class:`NonFiniteRollback`): its process runs the
+        next one from the newest snapshot with the step skipped; or, if rollbacks keep coming, the job stops
+        (:class:`TooManyRollbacks`)."""
+        step, recovery = exc.step, self.cfg.recovery
+        self.checkpointer.keep_nothing_after(step - 1)
+        earlier = self._rollbacks_since(time.time() - recovery.rollback_window_seconds) if self.dist.rank == 0 else 0
+        earlier = int(self.dist.broadcast_object(earlier))  # every rank decides alike
+        who = (f"the loss of rank {', '.join(map(str, exc.ranks))} was {exc.value}" if exc.ranks
+               else "the gradient overflowed")
+        moved, stuck = self.checkpointer.discard_after(step - 1, f"taken after step {step - 1}: the gradient of step "
+                                                                 f"{step} was not finite")
+        status = "stopped" if stuck or earlier >= recovery.max_rollbacks else "rolled_back"
+        if self.dist.rank == 0:
+            self.events.emit("nonfinite_rollback", step=step, ranks=exc.ranks, value=str(exc.value), status=status,
+                             rollbacks_before=earlier, moved_aside=moved, not_moved=stuck)
+        line = f"step {step}: {who} (train.on_nonfinite: rollback); "
+        if stuck:
+            raise RollbackImpossible(line + f"{', '.join(stuck)} in {self.checkpointer.store.location} holds a state "
+                                     "after it and could not be moved aside: stopping (exit status 3, not restarted)")
+        if status == "stopped":
+            raise TooManyRollbacks(
+                line + f"stopping (exit status 3, not restarted): {earlier} rollbacks in the last "
+                f"{recovery.rollback_window_seconds:.0f} s already (recovery.max_rollbacks: {recovery.max_rollbacks}); "
+                "the run diverges whatever batch it skips: resume with a lower optim.lr or optim.grad_clip_norm")
+        raise NonFiniteRollback(step, exc.ranks, line + f"rolling back: every worker resumes, in its process, from "
+                                                        f"the newest snapshot and skips step {step}'s batch")
+
     def _rollbacks_since(self, since: float) -> int:
         try:
             events = read_events(self.cfg.run.dir)
         except OSError:
             return 0
-        return sum(1 for e in events if e["kind"] == "replica_mismatch" and e.get("status") == "rolled_back"
+        kinds = ("replica_mismatch", "nonfinite_rollback")
+        return sum(1 for e in events if e["kind"] in kinds and e.get("status") == "rolled_back"
                    and e.get("rank") == 0 and e["time"] >= since)  # rank 0 records each rollback once
 
     def _first_step(self, step: int) -> None:

@@ -30,6 +30,12 @@ class TrainState:
     session_started: float = 0.0  #: wall clock at which this session's first attempt began (0: not yet)
     state_time: float = 0.0  #: wall clock of this state (set when it is captured: state_dict)
     session_agents: list[str] = field(default_factory=list)  #: agents seen in this session (newest 64)
+    #: Steps skipped by rule (train.skip_steps, and those a non-finite rollback added): kept in every snapshot, so a
+    #: later resume from before such a step skips it again instead of meeting its NaN again.
+    skipped_steps: list[int] = field(default_factory=list)
+
+    def add_skipped(self, steps: Any) -> None:
+        self.skipped_steps = sorted(set(self.skipped_steps) | {int(s) for s in steps})
 
     def state_dict(self) -> dict[str, Any]:
         # The state's wall-clock time is when it is captured (a snapshot), not kept up to date every step.

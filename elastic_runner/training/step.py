@@ -78,6 +78,17 @@ class TrainStep:
         apply = self.gradients.finish(step, weighted, loss, self.parts.optimizer)
         return StepResult(loss, apply, data_wait)
 
+    def skip(self, plan: StepPlan, batches: Iterator[Any]) -> StepResult:
+        """A step skipped by rule (every rank skips it alike: no collective): this rank's micro-batches taken from
+        ``batches`` so that the next step gets its own, nothing computed, nothing to apply. Not timed (the straggler
+        clock drops a step without its first marks)."""
+        t0 = time.perf_counter()
+        for micro in split_even(plan.indices, self.layout.accumulation):
+            if micro:
+                next(batches)
+        loss = torch.zeros(2, dtype=torch.float64, device=self.device)
+        return StepResult(loss, False, time.perf_counter() - t0)
+
     def backward(self, loss: torch.Tensor) -> None:
         scaler = self.parts.scaler
         (scaler.scale(loss) if scaler is not None else loss).backward()

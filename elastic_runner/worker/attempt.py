@@ -105,8 +105,12 @@ class Attempt:
 
     def __init__(self, cfg: Config, env: WorkerEnv, dist: Dist, stop: StopRequest, started_at: float,
                  make_workload: Callable[[], Workload] | None = None, kept: Workload | None = None,
-                 park: ParkChannel | None = None, loaders: KeptLoaders | None = None) -> None:
+                 park: ParkChannel | None = None, loaders: KeptLoaders | None = None,
+                 skip_steps: frozenset[int] = frozenset()) -> None:
         self.cfg, self.env, self.dist, self.stop, self.started_at = cfg, env, dist, stop, started_at
+        #: Steps this process's earlier attempts rolled back from (a non-finite gradient): skipped by rule from now on,
+        #: whatever the snapshot resumed from knows (one from before the rollback knows nothing of it).
+        self.skip_steps = skip_steps
         #: How this worker's agent asks it to leave for a new membership (:mod:`.handover`), at a step boundary.
         self.park = park
         self.make_workload = make_workload or (lambda: from_config(cfg))
@@ -319,6 +323,7 @@ class Attempt:
             rescale_lr(parts.optimizer, parts.scheduler, old=state.lr_scale, new=self.layout.lr_scale)
             state.lr_scale = self.layout.lr_scale
         parts.sampler.reshard(env.rank, env.world_size)
+        state.add_skipped(self.skip_steps)
         state.enter_generation(self.generation, env.world_size, loaded is not None)
         agents = [a for a in self.dist.all_gather_object(env.agent_id) if a]
         state.start_clock(time.time(), agents, resumed=loaded is not None, by_hand=not env.under_torchrun)

@@ -18,6 +18,9 @@ config / resume / set-up      failed              2 (not restarted)      nothing
 NaN or inf gradient           failed              3 (not restarted)      snapshots as they were
 replicas that differ          failed              1 (restarted)          snapshots after the last agreeing
 (a fingerprint check)                                                    check moved aside, node memory too
+NaN or inf gradient with      rolled_back         (the process stays:    the snapshots (none is of a state
+``on_nonfinite: rollback``                        its next attempt       after the step); node memory after
+                                                  skips the step)        it removed
 too many rollbacks            failed              3 (not restarted)      the same
 final snapshot not written    finished_not_durable  4 (not restarted)    node memory (``snapshot persist``)
 a newer generation owns the   failed              1                      nothing (fenced)
@@ -43,7 +46,7 @@ from ..config import ConfigError
 from ..snapshot import StaleWriterError
 from ..training.checkpointer import FinalSnapshotFailed, ResumeError, StopSnapshotFailed
 from ..training.fingerprint import ReplicasDiverged, TooManyRollbacks
-from ..training.gradients import NonFiniteGradient
+from ..training.gradients import NonFiniteGradient, NonFiniteRollback
 from ..training.loop import GracefulStop, MembershipChange
 from .dist import Dist, DistError
 from .lifecycle import EXIT_DIVERGED, EXIT_FAILED, EXIT_NOT_DURABLE, EXIT_OK, EXIT_PEER_LOST, EXIT_USAGE
@@ -89,6 +92,8 @@ _KNOWN: tuple[tuple[tuple[type[BaseException], ...], Ending], ...] = (
     # agreed are moved aside already); the next attempt resumes from the newest vouched-for one.
     ((ReplicasDiverged,), Ending("failed", EXIT_FAILED, say=True, said_by="job")),
     ((TooManyRollbacks,), Ending("failed", EXIT_DIVERGED, say=True, said_by="job")),
+    # The process runs the next attempt itself, with the step skipped (the exit status only where it cannot).
+    ((NonFiniteRollback,), Ending("rolled_back", EXIT_FAILED, say=True, said_by="job")),
     ((FinalSnapshotFailed,), Ending("finished_not_durable", EXIT_NOT_DURABLE, say=True)),
     ((RetryableSetupError,), Ending("failed", EXIT_FAILED, say=True, said_by="node")),
     ((StaleWriterError, StopSnapshotFailed), Ending("failed", EXIT_FAILED, say=True)),
@@ -102,7 +107,7 @@ def ending_for(exc: BaseException | None, stop_requested: bool) -> Ending:
     for kinds, ending in _KNOWN:
         if isinstance(exc, kinds):
             if isinstance(exc, (GracefulStop, FinalSnapshotFailed, MembershipChange, ReplicasDiverged,
-                                TooManyRollbacks)):
+                                TooManyRollbacks, NonFiniteRollback)):
                 return ending  # their snapshot is written (or the state already kept, or not to keep) on the way out
             return Ending(ending.status, ending.exit_code, ending.say, ending.said_by, keeps_state=True)
     if stop_requested and isinstance(exc, Exception):

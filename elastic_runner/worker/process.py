@@ -31,6 +31,7 @@ from . import standby
 from .attempt import Attempt
 from .dist import Dist
 from ..training import injected_faults
+from ..training.gradients import NonFiniteRollback
 from ..training.loop import MembershipChange
 from .ending import ending_for, peer_failure
 from .env import REPLACES_VAR, WorkerEnv, say_finished
@@ -92,13 +93,25 @@ def run(cfg: Config, env: WorkerEnv, make_workload: Callable[[], Workload] | Non
             return EXIT_PEER_LOST
         # A standby that took this worker's place built the workload ahead: the first attempt trains it.
         kept = standby.take(cfg) if make_workload is None else None
+        skips: frozenset[int] = frozenset()  #: steps rolled back from in this process (train.on_nonfinite: rollback)
         while True:
-            attempt = Attempt(cfg, env, dist, stop, started_at, make_workload, kept, park=handover, loaders=loaders)
+            attempt = Attempt(cfg, env, dist, stop, started_at, make_workload, kept, park=handover, loaders=loaders,
+                              skip_steps=skips)
             parking, lost = False, ()
             try:
                 attempt.run()
                 say_finished(env.local_rank)  # whatever happens to this process from here on, the job is done
                 break
+            except NonFiniteRollback as exc:
+                # Every rank read the non-finite step at the same logging step: all come here, the group intact.
+                kept, skips = attempt.reusable(), skips | {exc.step}
+                del attempt
+                if env.rank == 0:
+                    say(f"elastic_runner: {exc}")
+                if stop.requested:
+                    return EXIT_OK
+                started_at = time.time()
+                continue
             except MembershipChange as exc:
                 kept, parking, cause = attempt.reusable(), True, str(exc)
             except Exception as exc:

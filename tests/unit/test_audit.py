@@ -18,7 +18,8 @@ def header(**extra: object) -> dict:
 
 
 def simulate(run_dir: Path, generation: int, world: int, start_state: dict | None, steps: int,
-             first_step: int, tamper=None, end: bool = False) -> dict:  # noqa: ANN001
+             first_step: int, tamper=None, end: bool = False, skipped: frozenset[int] = frozenset(),  # noqa: ANN001
+             snapshot_at: int | None = None) -> dict:
     """Run `steps` steps of a `world`-rank job from `start_state`, writing its audit trail."""
     resumed = {"resumed_at": {"step": first_step, "epoch": start_state["epoch"], "consumed": start_state["consumed"]}} \
         if start_state else {}  # as a resumed attempt's header says where its snapshot left the sampler
@@ -28,7 +29,7 @@ def simulate(run_dir: Path, generation: int, world: int, start_state: dict | Non
     for s in samplers:
         if start_state:
             s.load_state_dict(start_state)
-    step = first_step
+    step, snapshot = first_step, None
     for _ in range(steps):
         if samplers[0].epoch_done():
             for s in samplers:
@@ -38,14 +39,16 @@ def simulate(run_dir: Path, generation: int, world: int, start_state: dict | Non
         for w, p in zip(writers, plans):
             indices = tamper(step, w.rank, list(p.indices)) if tamper else p.indices
             w.step(step=step, epoch=p.epoch, start=p.start, global_count=p.global_count, indices=indices,
-                   micro_batch=len(p.indices), accumulation=1)
+                   micro_batch=len(p.indices), accumulation=1, skipped=step in skipped)
         for s, p in zip(samplers, plans):
             s.advance(p)
+        if step == snapshot_at:
+            snapshot = samplers[0].state_dict()
     if end:
         writers[0].end(step)
     for w in writers:
         w.close()
-    return samplers[0].state_dict()
+    return snapshot if snapshot is not None else samplers[0].state_dict()
 
 
 def test_a_clean_run_with_a_restart_and_a_world_size_change_is_clean(tmp_path: Path) -> None:
@@ -59,6 +62,21 @@ def test_a_clean_run_with_a_restart_and_a_world_size_change_is_clean(tmp_path: P
     assert report.steps_superseded == 2
     assert [e.seen for e in report.epochs] == [40, 40, 40, 40]
     assert set(report.world_sizes.values()) == {2, 3}
+
+
+def test_a_step_skipped_by_rule_uses_its_samples_once_and_the_report_says_they_were_not_trained_on(
+        tmp_path: Path) -> None:
+    """A non-finite rollback: generation 1 met a NaN at step 8 and rolled back to its step-5 snapshot; generation 2
+    redid steps 6..20 with step 8 skipped. Generation 1's own skipped record of step 7, which generation 2 redid and
+    trained on, does not count."""
+    snap = simulate(tmp_path, 1, 2, None, 9, 0, skipped=frozenset({7}), snapshot_at=5)
+    simulate(tmp_path, 2, 2, snap, 15, 5, skipped=frozenset({8}), end=True)
+    report = check_audit(tmp_path)
+    assert report.ok and report.final_step == 20, report.render()
+    assert report.skipped_steps == [8]
+    assert [e.skipped for e in report.epochs] == [0, G, 0, 0] and [e.seen for e in report.epochs] == [N] * 4
+    assert f"epoch 1: seen {N}/{N} ({G} skipped by rule: consumed, not trained on)" in report.render()
+    assert report.to_dict()["skipped_steps"] == [8] and report.to_dict()["epochs"][1]["skipped"] == G
 
 
 def test_a_repeated_sample_is_a_violation(tmp_path: Path) -> None:

@@ -77,6 +77,9 @@ def test_defaults_apply_for_keys_the_file_leaves_out(tmp_path: Path) -> None:
         ("recovery.straggler_ratio=1", "recovery.straggler_ratio", "must be a number > 1"),
         ("recovery.straggler_window_seconds=0", "recovery.straggler_window_seconds", "must be > 0"),
         ("recovery.health_check=maybe", "recovery.health_check", "true or false"),
+        ("train.skip_steps=[12, 0]", "train.skip_steps", "each must be a step number >= 1"),
+        ("train.skip_steps=12", "train.skip_steps", "expected a list"),
+        ("train.on_nonfinite=retry", "train.on_nonfinite", "one of"),
     ],
 )
 def test_each_invalid_value_names_its_key_and_a_fix(quickstart: Path, override: str, key: str, words: str) -> None:
