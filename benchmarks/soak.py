@@ -158,8 +158,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="config override for both runs (e.g. data.sampler=... to prove the checks can fail)")
     ap.add_argument("--types", default=",".join(DEFAULT_TYPES),
                     help="fault types to draw (default: all but slow-node, whose throttle of seconds outlasts the "
-                         "40-80 steps between faults; add it here); with corrupt-param, recovery.max_rollbacks is "
-                         "set to --faults (each flip is rolled back)")
+                         "40-80 steps between faults; add it here); with corrupt-param or nan-batch, "
+                         "recovery.max_rollbacks is set to --faults (each is rolled back), and with nan-batch "
+                         "train.on_nonfinite to rollback")
     ap.add_argument("--every-steps", default="40:80", metavar="MIN:MAX", help="steps between faults (default 40:80)")
     ap.add_argument("--agents", type=int, default=3)
     ap.add_argument("--nnodes", default="1:4")
@@ -196,9 +197,10 @@ def main(argv: list[str] | None = None) -> int:
         if "fill-disk" in types and not mounted:
             types.remove("fill-disk")
             print("soak: fill-disk left out: a small volume for the snapshots cannot be mounted here (needs root)")
-        # Every flipped bit is rolled back; a real job stops after recovery.max_rollbacks of them (a device that
-        # keeps corrupting its replica), the soak injects them on purpose.
-        extra += [f"recovery.max_rollbacks={args.faults}"] if "corrupt-param" in types else []
+        # Every flipped bit and NaN batch is rolled back; a real job stops after recovery.max_rollbacks of them (a
+        # device that keeps corrupting its replica, a run that diverges), the soak injects them on purpose.
+        extra += [f"recovery.max_rollbacks={args.faults}"] if {"corrupt-param", "nan-batch"} & set(types) else []
+        extra += ["train.on_nonfinite=rollback"] if "nan-batch" in types else []
         scenario = Scenario(
             config=args.config, run_dir=str(out / "run"),
             overrides=[f"train.max_steps={steps}", *extra, *args.overrides],

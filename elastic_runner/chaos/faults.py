@@ -257,6 +257,15 @@ def corrupt_param(ctx: FaultContext) -> str:
     return f"asked worker rank {w.rank} (pid {w.pid}) to flip a bit of its replica's largest parameter"
 
 
+def nan_batch(ctx: FaultContext) -> str:
+    """One worker's loss of its next step is made NaN (a corrupt record in a corpus; elastic_runner.training.
+    injected_faults): with train.on_nonfinite: rollback the job must roll back and skip that step's batch."""
+    w = _random_worker(ctx)
+    ctx.targets = [w.pid]
+    ctx.job.signal_worker(w, signal.SIGUSR1)
+    return f"asked worker rank {w.rank} (pid {w.pid}) to make its loss of its next step NaN"
+
+
 FAULTS: dict[str, Callable[[FaultContext], str]] = {
     "kill-worker": kill_worker,
     "kill-agent": kill_agent,
@@ -269,6 +278,7 @@ FAULTS: dict[str, Callable[[FaultContext], str]] = {
     "fill-disk": fill_disk,
     "slow-node": slow_node,
     "corrupt-param": corrupt_param,
+    "nan-batch": nan_batch,
 }
 # scenario.py validates names without importing the fault machinery; keep the two lists one.
 assert tuple(FAULTS) == FAULT_TYPES, "elastic_runner.chaos.scenario.FAULT_TYPES must list FAULTS"

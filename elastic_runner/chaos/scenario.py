@@ -10,7 +10,7 @@ from typing import Any
 import yaml
 
 FAULT_TYPES = ("kill-worker", "kill-agent", "kill-node", "join", "hang", "preempt", "restart-etcd", "corrupt-snapshot",
-               "fill-disk", "slow-node", "corrupt-param")
+               "fill-disk", "slow-node", "corrupt-param", "nan-batch")
 
 
 class ScenarioError(ValueError):
@@ -126,6 +126,10 @@ class Scenario:
             self._check_stragglers_can_be_named(self._job_config())
         if "corrupt-param" in wanted:
             self._check_replicas_are_compared(self._job_config())
+        if "nan-batch" in wanted:
+            self._check_nonfinite_rolls_back(self._job_config())
+        if set(wanted) & {"corrupt-param", "nan-batch"}:
+            self._check_rollbacks_allowed(self._job_config())
         if self.fill_seconds <= 0:
             raise ScenarioError(f"fill_seconds={self.fill_seconds}: give the seconds the volume stays full (> 0)")
         if self.supervise is not None and self.supervise < 0:
@@ -170,12 +174,25 @@ class Scenario:
             raise ScenarioError("corrupt-param: the job compares no fingerprints (recovery.fingerprint_every_steps: "
                                 "null, or not parallel.strategy: ddp with dist.gradient_sync: ordered), so a flipped "
                                 "bit would go unseen; leave recovery.fingerprint_every_steps at auto or set a number")
-        flips = sum(f.type == "corrupt-param" for f in self.faults) + (
-            self.count or 0 if "corrupt-param" in self.random_types else 0)
-        if flips > cfg.recovery.max_rollbacks:
-            raise ScenarioError(f"corrupt-param: up to {flips} flipped bit(s), but the job stops at the rollback after "
-                                f"recovery.max_rollbacks ({cfg.recovery.max_rollbacks}), as it must for a device that "
-                                f"keeps corrupting its replica; --set recovery.max_rollbacks={flips}")
+
+    @staticmethod
+    def _check_nonfinite_rolls_back(cfg: Any) -> None:
+        """nan-batch's verdict needs the job to roll back from a non-finite loss, not stop or skip."""
+        if cfg is not None and cfg.train.on_nonfinite != "rollback":
+            raise ScenarioError(f"nan-batch: the job's train.on_nonfinite is {cfg.train.on_nonfinite} (a NaN loss would "
+                                "stop it, or be skipped unrecorded); --set train.on_nonfinite=rollback")
+
+    def _check_rollbacks_allowed(self, cfg: Any) -> None:
+        """Each flipped bit and each NaN batch costs a rollback: the job must not stop at recovery.max_rollbacks."""
+        if cfg is None:
+            return
+        kinds = ("corrupt-param", "nan-batch")
+        rollbacks = sum(f.type in kinds for f in self.faults) + (
+            self.count or 0 if set(kinds) & set(self.random_types) else 0)
+        if rollbacks > cfg.recovery.max_rollbacks:
+            raise ScenarioError(f"corrupt-param, nan-batch: up to {rollbacks} rollback(s), but the job stops at the "
+                                f"rollback after recovery.max_rollbacks ({cfg.recovery.max_rollbacks}), as it must for "
+                                f"a fault no rollback cures; --set recovery.max_rollbacks={rollbacks}")
 
     def schedule(self) -> list[FaultSpec]:
         """The fixed faults plus random ones (seeded): ``count`` of them, or until ``duration`` seconds; by

@@ -273,6 +273,10 @@ def verify(*, audit: AuditReport, events: list[dict[str, Any]], faults: list[Inj
     corrupted = [f for f in faults if f.type == "corrupt-param"]
     if corrupted:
         verdict.add("corrupted replicas named at the next fingerprint check", *_corruption_check(events, corrupted))
+    poisoned = [f for f in faults if f.type == "nan-batch"]
+    if poisoned:
+        verdict.add("NaN batches rolled back at the next logging step and skipped",
+                    *_nonfinite_check(events, poisoned, audit.skipped_steps))
     if audit.records_lost:  # a bucket's view only: each span must belong to a generation a lost node ended
         explained = generations_hit(events, [f for f in faults if f.type in LOSES_RECORDS])
         unexplained = [s for s in audit.records_lost if s["generation"] not in explained]
@@ -353,6 +357,49 @@ def _corruption_check(events: list[dict[str, Any]], corrupted: list[Injected]) -
         return False, "; ".join(problems)
     return True, (f"{named} of {len(corrupted)} flipped bit(s) found at the next check and rolled back"
                   + (f", {excused} ended first by another fault" if excused else ""))
+
+
+def _nonfinite_check(events: list[dict[str, Any]], poisoned: list[Injected], skipped: list[int]) -> tuple[bool, str]:
+    """Every NaN loss (the worker's ``chaos_nan`` event) was rolled back at the first logging step after it: rank 0's
+    ``nonfinite_rollback`` of that attempt naming that step, status rolled_back. Excused as a flipped bit is: its
+    attempt ended before that logging step, or its worker was gone before its next step. (Its samples: the audit's
+    exactly-once holds them, skipped by rule where the final records skip the step; a later resume from before the
+    rollback in a new process trains on them, the NaN being the chaos tool's, not the data's.)"""
+    nans = [e for e in events if e["kind"] == "chaos_nan"]
+    rolled = [e for e in events if e["kind"] == "nonfinite_rollback" and e.get("rank") == 0]
+    gens = generations(events)
+    furthest_of: dict[Any, int] = {}
+    for e in events:
+        if e["kind"] == "progress" and e.get("rank") == 0:
+            furthest_of[e.get("generation")] = max(furthest_of.get(e.get("generation"), 0), e["step"])
+    problems, caught, excused = [], 0, 0
+    for fault in poisoned:
+        nan = next((e for e in nans if e.get("pid") in fault.targets and e["time"] >= fault.at), None)
+        if nan is None:
+            if fault.generation is not None:
+                excused += 1
+            else:
+                problems.append(f"the worker (pids {fault.targets}) asked at {fault.offset} s never made its loss NaN")
+            continue
+        rank, step, generation = nan.get("rank"), nan["step"], nan.get("generation")
+        match = next((e for e in rolled if e.get("generation") == generation and e["step"] == step), None)
+        if match is None:
+            furthest = furthest_of.get(generation, step)
+            if furthest < step + max(1, int(nan.get("interval_steps") or 0)) and any(g > (generation or 0) for g in gens):
+                excused += 1
+            else:
+                problems.append(f"rank {rank}'s NaN loss at step {step} was never rolled back (its attempt went on to "
+                                f"step {furthest})")
+        elif match.get("status") != "rolled_back":
+            problems.append(f"rank {rank}'s NaN loss at step {step} stopped the job ({match.get('status')}): "
+                            "recovery.max_rollbacks too low for the scenario")
+        else:
+            caught += 1
+    if problems:
+        return False, "; ".join(problems)
+    return True, (f"{caught} of {len(poisoned)} NaN batch(es) rolled back at the next logging step; steps skipped by "
+                  f"rule in the final records: {skipped or 'none'}" + (f", {excused} ended first by another fault"
+                                                                        if excused else ""))
 
 
 def as_dicts(faults: list[Injected]) -> list[dict[str, Any]]:

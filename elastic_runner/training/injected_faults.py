@@ -1,11 +1,13 @@
-"""Faults the chaos tool injects from inside a worker: a flipped bit of its replica (``corrupt-param``).
+"""Faults the chaos tool injects from inside a worker: a flipped bit of its replica (``corrupt-param``) and a batch
+whose loss is not finite (``nan-batch``).
 
-A flipped bit in a device's memory cannot be caused from outside the process, so a worker started by
-``elastic-runner chaos`` (its environment has ``ELASTIC_RUNNER_CHAOS_HOOKS=1``) takes SIGUSR2 as the request to flip,
-at its next step boundary, one mantissa bit of one element of its largest parameter — what a device's silent
-corruption does: nothing fails, the loss stays finite, and only the replicas' fingerprints can tell
-(:mod:`.fingerprint`). It records a ``chaos_corrupted`` event (its rank, step and the parameter) for the verdict. In
-every other job nothing is installed and SIGUSR2 keeps its default action.
+Neither can be caused from outside the process, so a worker started by ``elastic-runner chaos`` (its environment has
+``ELASTIC_RUNNER_CHAOS_HOOKS=1``) takes SIGUSR2 as the request to flip, at its next step boundary, one mantissa bit of
+one element of its largest parameter — what a device's silent corruption does: nothing fails, the loss stays finite,
+and only the replicas' fingerprints can tell (:mod:`.fingerprint`) — and SIGUSR1 as the request to make its loss of
+the next step NaN, as a corrupt record in a corpus would (``train.on_nonfinite`` decides what follows). Each records
+an event (``chaos_corrupted``, ``chaos_nan``: its rank and step) for the verdict. In every other job nothing is
+installed and both signals keep their default action.
 """
 
 from __future__ import annotations
@@ -28,13 +30,23 @@ _AS_INT = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 class CorruptionRequest:
-    """Set by SIGUSR2 (the signal handler only sets a flag); read by the loop between steps."""
+    """Set by SIGUSR2 (the signal handler only sets a flag); read by the loop between steps. ``nan_requested``: set
+    by SIGUSR1, taken by the next step (:meth:`take_nan`)."""
 
     def __init__(self) -> None:
         self.requested = False
+        self.nan_requested = False
 
     def _handle(self, signum: int, frame: Any) -> None:  # noqa: ARG002 - signal handler signature
-        self.requested = True
+        if signum == signal.SIGUSR1:
+            self.nan_requested = True
+        else:
+            self.requested = True
+
+    def take_nan(self) -> bool:
+        """Whether this step's loss is to be NaN (once per request)."""
+        wanted, self.nan_requested = self.nan_requested, False
+        return wanted
 
     def corrupt(self, model: nn.Module) -> dict[str, Any]:
         """Flip the bit now (in place, on the parameter's device: no host wait); what was flipped, for the event."""
@@ -62,4 +74,5 @@ def install() -> CorruptionRequest | None:
         return None
     REQUEST = CorruptionRequest()
     signal.signal(signal.SIGUSR2, REQUEST._handle)
+    signal.signal(signal.SIGUSR1, REQUEST._handle)
     return REQUEST

@@ -139,6 +139,10 @@ class Trainer:
         if step in self._skips:
             self.skip_step(step, plan, batches)
             return
+        injected = injected_faults.REQUEST  # None but in a job the chaos tool started
+        if injected is not None and injected.take_nan():
+            self.step.poisoned = True
+            self.events.emit("chaos_nan", step=step, interval_steps=self.cfg.logging.every_steps)
         self.books.before(step, plan)  # the audit record: before any collective
         result = self.step.compute(step, plan, batches)
         self.checkpointer.sync_buffers()  # a collective: outside the lock, a lost peer may break it

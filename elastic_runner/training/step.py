@@ -45,6 +45,7 @@ class TrainStep:
         self.autocast_dtype = AUTOCAST.get(precision)
         self._training = False
         self.clock = StepClock(device, timed)  #: this rank's local time per step (recovery.straggler_ratio)
+        self.poisoned = False  #: the next micro-batch's loss is made NaN (the chaos tool's nan-batch only)
 
     def compute(self, step: int, plan: StepPlan, batches: Iterator[Any]) -> StepResult:
         """Forward and backward over this rank's micro-batches, the gradient sync after the last one; the
@@ -67,6 +68,8 @@ class TrainStep:
                     data_wait += time.perf_counter() - t0
                     with self.autocast():
                         losses, weights = self.task.compute_loss(self.sync.module, batch, len(micro))
+                        if self.poisoned:  # the chaos tool's nan-batch (training.injected_faults): this step only
+                            losses, self.poisoned = losses * float("nan"), False
                         scaled = self.gradients.loss_for_backward(losses, weights, plan.global_count, self.task.where)
                     weighted = weights is not None
                     _add_loss_sums(loss, losses, weights, len(micro))

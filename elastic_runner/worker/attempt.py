@@ -323,9 +323,13 @@ class Attempt:
             rescale_lr(parts.optimizer, parts.scheduler, old=state.lr_scale, new=self.layout.lr_scale)
             state.lr_scale = self.layout.lr_scale
         parts.sampler.reshard(env.rank, env.world_size)
-        state.add_skipped(self.skip_steps)
         state.enter_generation(self.generation, env.world_size, loaded is not None)
-        agents = [a for a in self.dist.all_gather_object(env.agent_id) if a]
+        # Every rank skips the same steps: those its resumed state knows, and those any kept process rolled back from
+        # since (a replacement process knows none of them; a rank skipping alone would leave the others in a collective).
+        mine = {"agent": env.agent_id, "skips": sorted(set(state.skipped_steps) | set(self.skip_steps))}
+        everyone = self.dist.all_gather_object(mine)
+        state.add_skipped(step for other in everyone for step in other["skips"])
+        agents = [other["agent"] for other in everyone if other["agent"]]
         state.start_clock(time.time(), agents, resumed=loaded is not None, by_hand=not env.under_torchrun)
         if env.local_rank == 0:  # the agent's clock, rolled back with the state, not training yet
             publish_goodput(state.productive_s, state.goodput_wall_s(time.time()), training=False)

@@ -82,6 +82,9 @@ def test_bad_scenarios_are_refused_with_what_to_change(chaos_config: Path, tmp_p
     result = chaos("--config", str(chaos_config), "--run-dir", str(tmp_path / "r"), "--at",
                    "step:10:corrupt-param,step:20:corrupt-param,step:30:corrupt-param,step:40:corrupt-param", timeout=60)
     assert result.returncode == 2 and "--set recovery.max_rollbacks=4" in result.stdout, result.stdout
+    result = chaos("--config", str(chaos_config), "--run-dir", str(tmp_path / "r"), "--at", "step:10:nan-batch",
+                   timeout=60)
+    assert result.returncode == 2 and "nan-batch: the job's train.on_nonfinite is stop" in result.stdout, result.stdout
 
 
 def test_a_hang_with_no_peer_to_notice_is_absorbed_not_waited_for(chaos_config: Path, tmp_path: Path) -> None:
@@ -138,21 +141,26 @@ def test_a_slow_node_is_named_a_straggler_and_the_job_rides_it_out(chaos_config:
     assert [e["pid"] for e in named] == slow["targets"], named
 
 
-def test_bitwise_at_the_end_holds_for_worker_kills_and_a_flipped_bit_at_world_four(chaos_config: Path,
-                                                                                   tmp_path: Path) -> None:
-    """--bitwise: a fault-free reference first, then two worker kills and a flipped bit in one replica
-    (corrupt-param) at 2 agents x 2 processes; the flip is named at the next fingerprint check (the job checks at
-    every logging step here) and rolled back, and the final model is exactly the reference's (the world size never
-    changed)."""
+def test_bitwise_at_the_end_holds_for_worker_kills_a_flipped_bit_and_a_nan_batch_at_world_four(
+        chaos_config: Path, tmp_path: Path) -> None:
+    """--bitwise: two worker kills, a flipped bit in one replica (corrupt-param) and a NaN loss on one rank
+    (nan-batch) at 2 agents x 2 processes; the flip is named at the next fingerprint check (the job checks at every
+    logging step here) and rolled back, the NaN rolled back in process and its step skipped by rule, and the final
+    model is exactly that of a fault-free reference run told to skip the same step (run after the job: the world
+    size never changed)."""
     run_dir = tmp_path / "run"
     result = paced_chaos(chaos_config, run_dir, "--agents", "2", "--nnodes", "2:2", "--nproc-per-node", "2",
-                         "--at", "step:50:kill-worker,step:110:corrupt-param,step:170:kill-worker", "--bitwise",
-                         epochs=5)
+                         "--at", "step:50:kill-worker,step:110:corrupt-param,step:140:nan-batch,step:170:kill-worker",
+                         "--bitwise", "--set", "train.on_nonfinite=rollback", epochs=5)
     assert result.returncode == 0, result.stdout[-4000:]
     report = json.loads((run_dir / "chaos" / "report.json").read_text())
     assert report["checks"]["bitwise at the end"]["ok"], report["checks"]
     assert report["reference"]["mode"] == "bitwise"
-    assert [f["outcome"] for f in report["faults"]] == ["recovered", "recovered", "recovered"], report["faults"]
+    assert [f["outcome"] for f in report["faults"]] == ["recovered"] * 4, report["faults"]
+    check = report["checks"]["NaN batches rolled back at the next logging step and skipped"]
+    assert check["ok"] and check["detail"].startswith("1 of 1 NaN batch(es) rolled back"), check
+    (nan,) = [e for e in read_events(run_dir) if e["kind"] == "chaos_nan"]
+    assert report["audit"]["skipped_steps"] == [nan["step"]], report["audit"]["skipped_steps"]
     check = report["checks"]["corrupted replicas named at the next fingerprint check"]
     assert check["ok"] and check["detail"].startswith("1 of 1 flipped bit(s) found"), check
     (flip,) = [e for e in read_events(run_dir) if e["kind"] == "chaos_corrupted"]

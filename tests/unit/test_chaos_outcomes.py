@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from elastic_runner.chaos.verify import (History, Injected, _corruption_check, attribute_recoveries,
+from elastic_runner.chaos.verify import (History, Injected, _corruption_check, _nonfinite_check, attribute_recoveries,
                                          newest_snapshot_violations)
 
 
@@ -280,3 +280,38 @@ def test_a_flip_whose_attempt_ended_before_its_check_or_that_never_happened_is_e
     assert ok and detail.startswith("0 of 1"), detail
     ok, detail = _corruption_check(events, [corrupt_param(5.0, 77)])
     assert not ok and "never flipped its bit" in detail, "a request nobody carried out, in a running attempt"
+
+
+def poisoned(pid: int, rank: int, step: int, at: float, generation: int = 1) -> dict[str, Any]:
+    return {"time": at, "kind": "chaos_nan", "pid": pid, "rank": rank, "step": step, "generation": generation,
+            "interval_steps": 10}
+
+
+def rolled_back(step: int, at: float, generation: int = 1, status: str = "rolled_back") -> dict[str, Any]:
+    return {"time": at, "kind": "nonfinite_rollback", "rank": 0, "step": step, "generation": generation,
+            "ranks": [1], "status": status}
+
+
+def nan_batch(at: float, pid: int) -> Injected:
+    injected = fault("nan-batch", at)
+    injected.targets = [pid]
+    return injected
+
+
+def test_a_nan_batch_must_be_rolled_back_at_the_next_logging_step_of_its_attempt() -> None:
+    events = attempt(1, 0.0, 2, 9.0) + attempt(2, 10.0, 2, 12.0, finished=True)
+    ok, detail = _nonfinite_check(events + [poisoned(77, 1, 41, 4.0), rolled_back(41, 5.0)], [nan_batch(3.9, 77)],
+                                  [41])
+    assert ok and detail.startswith("1 of 1 NaN batch(es) rolled back") and "[41]" in detail, detail
+    ok, detail = _nonfinite_check(events + [poisoned(77, 1, 41, 4.0)], [nan_batch(3.9, 77)], [])
+    assert not ok and "never rolled back (its attempt went on to step 90)" in detail, detail
+    ok, detail = _nonfinite_check(events + [poisoned(77, 1, 41, 4.0), rolled_back(41, 5.0, status="stopped")],
+                                  [nan_batch(3.9, 77)], [])
+    assert not ok and "stopped the job" in detail, detail
+    ok, detail = _nonfinite_check(events + [poisoned(77, 1, 41, 4.0), rolled_back(41, 5.0, generation=2)],
+                                  [nan_batch(3.9, 77)], [])
+    assert not ok, "a rollback of another attempt is not this NaN's"
+    ok, detail = _nonfinite_check(events + [poisoned(77, 1, 88, 8.9)], [nan_batch(8.8, 77)], [])
+    assert ok and "1 ended first by another fault" in detail, "its attempt ended before the logging step"
+    ok, detail = _nonfinite_check(events, [nan_batch(5.0, 77)], [])
+    assert not ok and "never made its loss NaN" in detail, "a request nobody carried out, in a running attempt"
