@@ -181,12 +181,13 @@ def _start_health_check(worker_cfg: Any, config: Any) -> Callable[[], str | None
     """This node's health check (:mod:`.health`) started; returns how to wait for its finding. Only for our worker
     with its config read here: a script's own devices (elastic_runner.fit) are its to choose, and a config that does
     not load is the workers' to report."""
-    from .health import network_problem, start_check
+    from .health import network_problem, start_check, workers_use_gloo
 
     if worker_cfg is None or not worker_cfg.recovery.health_check:
         return _nothing
-    problem, doubt = network_problem(backend=worker_cfg.dist.backend, device=worker_cfg.dist.device,
-                                     max_nodes=int(config.max_nodes), rdzv_backend=str(config.rdzv_backend),
+    gloo = workers_use_gloo(worker_cfg.dist.backend, worker_cfg.dist.device,
+                            worker_cfg.parallel.sharded and worker_cfg.snapshot.in_memory)
+    problem, doubt = network_problem(gloo=gloo, max_nodes=int(config.max_nodes), rdzv_backend=str(config.rdzv_backend),
                                      endpoint=str(config.rdzv_endpoint or ""))
     if problem:
         return lambda: problem

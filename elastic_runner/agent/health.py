@@ -182,7 +182,15 @@ def _loopback(address: str) -> bool:
         return address == "localhost"
 
 
-def network_problem(*, backend: str, device: str, max_nodes: int, rdzv_backend: str, endpoint: str,
+def workers_use_gloo(backend: str, device: str, sharded_memory: bool) -> bool:
+    """Whether the node's workers open gloo connections to other machines: their backend (auto: gloo unless they
+    get a GPU, told here by the driver), or, under nccl, the gloo group a sharded model's node-memory copies travel
+    over (:mod:`elastic_runner.snapshot.sharded_memory`)."""
+    return backend == "gloo" or sharded_memory or (
+        backend == "auto" and (device == "cpu" or (device == "auto" and not gpu_driver())))
+
+
+def network_problem(*, gloo: bool, max_nodes: int, rdzv_backend: str, endpoint: str,
                     env: dict[str, str] | None = None,
                     hostname: str | None = None, resolve: Resolve | None = None,
                     bindable: Callable[[str], bool] | None = None) -> tuple[str | None, str | None]:
@@ -193,10 +201,9 @@ def network_problem(*, backend: str, device: str, max_nodes: int, rdzv_backend: 
     run on this machine alone, where loopback is fine."""
     env = os.environ if env is None else env
     resolve, bindable = resolve or _resolve, bindable or _bindable
-    gloo = backend == "gloo" or (backend == "auto" and (device == "cpu" or (device == "auto" and not gpu_driver())))
     host = _endpoint_host(endpoint)
     if max_nodes <= 1 or not gloo or env.get("GLOO_SOCKET_IFNAME") or not host or _loopback(host):
-        return None, None  # one node, nccl (which skips loopback itself), an interface named, or one machine for sure
+        return None, None  # one node, no gloo (nccl skips loopback itself), an interface named, or one machine for sure
     name = hostname if hostname is not None else socket.gethostname()
     mine = [a for a in resolve(name) if bindable(a)]
     listens = mine[0] if mine else "127.0.0.1"

@@ -279,9 +279,11 @@ class RecoveryConfig:
         "step time (measured); off elsewhere. A number asks for it (and is refused where replicas differ by "
         "design). null: off.", default="auto")
     max_rollbacks: int = _help(
-        "For fingerprint_every_steps: after this many rollbacks within rollback_window_seconds, the next mismatch "
-        "stops the job (exit status 3, not restarted) naming the suspect ranks and nodes: a device that keeps "
-        "corrupting its replica needs a person (or its node taken out).", default=3)
+        "For fingerprint_every_steps and train.on_nonfinite: rollback: after this many rollbacks (of both kinds) "
+        "within rollback_window_seconds, the next mismatch stops the job (exit status 3, not restarted) naming the "
+        "suspect ranks and nodes, and the next non-finite step too: a device that keeps corrupting its replica needs "
+        "a person (or its node taken out), a run that diverges whatever batch it skips a lower learning rate.",
+        default=3)
     rollback_window_seconds: float = _help(
         "For max_rollbacks: the window in which rollbacks are counted (from the run directory's events).",
         default=3600.0)

@@ -51,6 +51,9 @@ class Keeper:
         self.resumed_step: int | None = None
         #: A rollback: no state after this step is kept, from any thread (no check vouched for it).
         self.keep_at_most: int | None = None
+        #: The first step of this attempt whose gradient was not finite, or None (a read of the device: this path
+        #: copies the state off it anyway): no state from it on is kept, whoever asks, before any check read it.
+        self.diverged_at: Callable[[], int | None] | None = None
         self._kept_step: int | None = None
 
     def keep(self, reason: str, lock_timeout: float = 10.0) -> bool:
@@ -72,6 +75,11 @@ class Keeper:
                           "state is half-applied; the next attempt resumes from the previous snapshot", self.state.step)
                 return False
             step = self.state.step
+            bad = self.diverged_at() if self.diverged_at is not None else None
+            if bad is not None and step >= bad:
+                log.info("not keeping step %d in memory (%s): the gradient of step %d was not finite", step, reason,
+                         bad)
+                return False
             ok = self.memory.save(step, self.capture)
         finally:
             self.guard.lock.release()

@@ -403,6 +403,11 @@ class Checkpointer:
             f"training finished at step {step}, but its final snapshot could not be written to {self.store.location}: "
             f"{exc}{f' ({space})' if space else ''}; {where}")
 
+    def never_keep_diverged(self, first_bad: Callable[[], int | None]) -> None:
+        """``first_bad``: the first step whose gradient was not finite (None: none yet); no thread keeps a state from
+        it on in node memory (a failure, a lost peer, a park between that step and the logging step that reads it)."""
+        self._keeper.diverged_at = first_bad
+
     def keep_nothing_after(self, step: int) -> None:
         """From now on no thread keeps a state after ``step`` in node memory (a rollback is under way)."""
         self._keeper.keep_at_most = step

@@ -198,6 +198,11 @@ class StepGradients:
         new, self._skipped_seen = total - self._skipped_seen, total
         return new
 
+    def first_nonfinite(self) -> int | None:
+        """The first step of this attempt whose gradient was not finite, or None (a host sync: not for a step)."""
+        first = int(self._first_bad)
+        return first if first >= 0 else None
+
     def diverged(self) -> bool:
         """Whether a step of this attempt had a non-finite gradient (a host sync, no collective: for a capture that
         one rank decides alone, which must never keep a diverged state)."""

@@ -96,6 +96,7 @@ class Trainer:
                              if cfg.fingerprints and dist.world_size > 1 else None)
         if self.fingerprints is not None:
             checkpointer.verified_step = self.fingerprints.verified_step
+        checkpointer.never_keep_diverged(step.gradients.first_nonfinite)
         #: Steps skipped by rule (:meth:`skip_step`): the config's and those that non-finite rollbacks added.
         self._skips = set(parts.state.skipped_steps) | set(cfg.train.skip_steps)
 
@@ -210,13 +211,17 @@ class Trainer:
         self.checkpointer.maybe_save(step, last, due)
         self.books.not_productive(time.monotonic() - before_save)
         if self.stop.requested:
-            if gradients.diverged():
+            diverged = gradients.diverged()
+            if diverged and gradients.on_nonfinite != "rollback":
                 gradients.stop_here()
-            self.events.emit("stop", step=step, signal=self.stop.signal_name, by_agent=self.stop.agent_reason)
-            self.checkpointer.save("stop", sync=True)
+            self.events.emit("stop", step=step, signal=self.stop.signal_name, by_agent=self.stop.agent_reason,
+                             **({"not_saved": "the gradient was not finite since the last logging step"}
+                                if diverged else {}))
+            if not diverged:  # (rollback: a diverged state is never saved; a resume meets the step again and rolls back)
+                self.checkpointer.save("stop", sync=True)
             raise GracefulStop(self.stop.signal_name)
         if self._park is not None and self._park.requested():
-            if gradients.diverged():
+            if gradients.diverged() and gradients.on_nonfinite != "rollback":  # (rollback: the keeper refuses it)
                 gradients.stop_here()
             self.events.emit("park", step=step)
             # As a failure would keep it (where it is stored already, or there is no memory tier, the next attempt
@@ -291,13 +296,14 @@ class Trainer:
         next one from the newest snapshot with the step skipped; or, if rollbacks keep coming, the job stops
         (:class:`TooManyRollbacks`)."""
         step, recovery = exc.step, self.cfg.recovery
-        self.checkpointer.keep_nothing_after(step - 1)
-        earlier = self._rollbacks_since(time.time() - recovery.rollback_window_seconds) if self.dist.rank == 0 else 0
-        earlier = int(self.dist.broadcast_object(earlier))  # every rank decides alike
-        who = (f"the loss of rank {', '.join(map(str, exc.ranks))} was {exc.value}" if exc.ranks
-               else "the gradient overflowed")
+        # Rank 0 waits for its snapshot writer here while every rank's watchdog still beats (after the broadcast its
+        # peers leave the attempt: a long wait then would look like rank 0's death to its own watchdog).
         moved, stuck = self.checkpointer.discard_after(step - 1, f"taken after step {step - 1}: the gradient of step "
                                                                  f"{step} was not finite")
+        earlier = self._rollbacks_since(time.time() - recovery.rollback_window_seconds) if self.dist.rank == 0 else 0
+        earlier, moved, stuck = self.dist.broadcast_object([earlier, moved, stuck])  # every rank decides alike
+        who = (f"the loss of rank {', '.join(map(str, exc.ranks))} was {exc.value}" if exc.ranks
+               else "the gradient overflowed")
         status = "stopped" if stuck or earlier >= recovery.max_rollbacks else "rolled_back"
         if self.dist.rank == 0:
             self.events.emit("nonfinite_rollback", step=step, ranks=exc.ranks, value=str(exc.value), status=status,

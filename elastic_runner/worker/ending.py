@@ -15,7 +15,8 @@ a stop signal, but peers      stopped             0                      stop sn
 stopped first and broke a
 collective
 config / resume / set-up      failed              2 (not restarted)      nothing changed
-NaN or inf gradient           failed              3 (not restarted)      snapshots as they were
+NaN or inf gradient           failed              3 (not restarted)      snapshots as they were (no stop
+                                                                         snapshot, nothing kept: diverged)
 replicas that differ          failed              1 (restarted)          snapshots after the last agreeing
 (a fingerprint check)                                                    check moved aside, node memory too
 NaN or inf gradient with      rolled_back         (the process stays:    the snapshots (none is of a state
@@ -107,7 +108,7 @@ def ending_for(exc: BaseException | None, stop_requested: bool) -> Ending:
     for kinds, ending in _KNOWN:
         if isinstance(exc, kinds):
             if isinstance(exc, (GracefulStop, FinalSnapshotFailed, MembershipChange, ReplicasDiverged,
-                                TooManyRollbacks, NonFiniteRollback)):
+                                TooManyRollbacks, NonFiniteRollback, NonFiniteGradient)):
                 return ending  # their snapshot is written (or the state already kept, or not to keep) on the way out
             return Ending(ending.status, ending.exit_code, ending.say, ending.said_by, keeps_state=True)
     if stop_requested and isinstance(exc, Exception):

@@ -108,6 +108,7 @@ def run(cfg: Config, env: WorkerEnv, make_workload: Callable[[], Workload] | Non
                 del attempt
                 if env.rank == 0:
                     say(f"elastic_runner: {exc}")
+                stop.between_attempts()
                 if stop.requested:
                     return EXIT_OK
                 started_at = time.time()

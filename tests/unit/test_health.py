@@ -76,8 +76,10 @@ def _machine(hostname_resolves_to: list[str], own: set[str]) -> dict[str, object
 
 
 def _network(endpoint: str = "node-a:29400", backend: str = "gloo", rdzv_backend: str = "c10d", max_nodes: int = 4,
-             env: dict[str, str] | None = None, **machine: object) -> tuple[str | None, str | None]:
-    return health.network_problem(backend=backend, device="cpu", max_nodes=max_nodes, rdzv_backend=rdzv_backend,
+             env: dict[str, str] | None = None, sharded_memory: bool = False,
+             **machine: object) -> tuple[str | None, str | None]:
+    gloo = health.workers_use_gloo(backend, "cuda" if backend == "nccl" else "cpu", sharded_memory)
+    return health.network_problem(gloo=gloo, max_nodes=max_nodes, rdzv_backend=rdzv_backend,
                                   endpoint=endpoint, env=env or {}, **machine)  # type: ignore[arg-type]
 
 
@@ -89,6 +91,8 @@ def test_a_node_whose_hostname_maps_to_loopback_fails_a_job_that_spans_machines(
     assert "'node-b' resolves to 127.0.1.1, a loopback address" in problem and "GLOO_SOCKET_IFNAME" in problem
     problem, _ = _network(endpoint=f"{OTHER_MACHINE}:29400", **_machine([], own={"10.1.2.4"}))
     assert problem is not None and "falls back to loopback" in problem
+    problem, _ = _network(backend="nccl", sharded_memory=True, **_machine(["127.0.1.1"], own={"10.1.2.4"}))
+    assert problem is not None, "under nccl a sharded model's node-memory copies travel over gloo"
 
 
 @pytest.mark.parametrize(("what", "kwargs"), [
