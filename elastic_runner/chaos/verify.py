@@ -308,6 +308,23 @@ def _stragglers_check(events: list[dict[str, Any]], slowed: list[Injected], hung
     return True, f"{ridden} of {len(slowed)} slow node(s) ridden out, each named a straggler ({len(named)} naming(s))"
 
 
+def _furthest_steps(events: list[dict[str, Any]]) -> dict[Any, int]:
+    """Per generation, the furthest step rank 0 logged in it."""
+    furthest_of: dict[Any, int] = {}
+    for e in events:
+        if e["kind"] == "progress" and e.get("rank") == 0:
+            furthest_of[e.get("generation")] = max(furthest_of.get(e.get("generation"), 0), e["step"])
+    return furthest_of
+
+
+def _ended_first(mark: dict[str, Any], furthest_of: dict[Any, int], gens: dict[int, Any]) -> bool:
+    """Whether the attempt of an injected fault's ``mark`` (its worker's chaos event) ended before the check due one
+    interval after it (no step logged that far) and a later attempt followed: another fault's recovery came first."""
+    generation, step = mark.get("generation"), mark["step"]
+    return (furthest_of.get(generation, step) < step + max(1, int(mark.get("interval_steps") or 0))
+            and any(g > (generation or 0) for g in gens))
+
+
 def _corruption_check(events: list[dict[str, Any]], corrupted: list[Injected]) -> tuple[bool, str]:
     """Every flipped bit (the worker's ``chaos_corrupted`` event) was found by the first fingerprint check after it:
     rank 0's ``replica_mismatch`` of that attempt whose last agreeing check came before the flip, naming the corrupted
@@ -318,11 +335,7 @@ def _corruption_check(events: list[dict[str, Any]], corrupted: list[Injected]) -
     flips = [e for e in events if e["kind"] == "chaos_corrupted"]
     found = sorted((e for e in events if e["kind"] == "replica_mismatch" and e.get("rank") == 0),
                    key=lambda e: e["time"])
-    gens = generations(events)
-    furthest_of: dict[Any, int] = {}  #: generation -> the furthest step rank 0 logged in it
-    for e in events:
-        if e["kind"] == "progress" and e.get("rank") == 0:
-            furthest_of[e.get("generation")] = max(furthest_of.get(e.get("generation"), 0), e["step"])
+    gens, furthest_of = generations(events), _furthest_steps(events)
     problems, named, excused = [], 0, 0
     for fault in corrupted:
         flip = next((e for e in flips if e.get("pid") in fault.targets and e["time"] >= fault.at), None)
@@ -337,7 +350,7 @@ def _corruption_check(events: list[dict[str, Any]], corrupted: list[Injected]) -
         if match is None:
             # Excused if its attempt never reached the check due after the flip (another fault ended it first).
             furthest = furthest_of.get(generation, step)
-            if furthest < step + max(1, int(flip.get("interval_steps") or 0)) and any(g > (generation or 0) for g in gens):
+            if _ended_first(flip, furthest_of, gens):
                 excused += 1
             else:
                 problems.append(f"rank {rank}'s bit flipped at step {step} was never found (its attempt went on to "
@@ -367,11 +380,7 @@ def _nonfinite_check(events: list[dict[str, Any]], poisoned: list[Injected], ski
     rollback in a new process trains on them, the NaN being the chaos tool's, not the data's.)"""
     nans = [e for e in events if e["kind"] == "chaos_nan"]
     rolled = [e for e in events if e["kind"] == "nonfinite_rollback" and e.get("rank") == 0]
-    gens = generations(events)
-    furthest_of: dict[Any, int] = {}
-    for e in events:
-        if e["kind"] == "progress" and e.get("rank") == 0:
-            furthest_of[e.get("generation")] = max(furthest_of.get(e.get("generation"), 0), e["step"])
+    gens, furthest_of = generations(events), _furthest_steps(events)
     problems, caught, excused = [], 0, 0
     for fault in poisoned:
         nan = next((e for e in nans if e.get("pid") in fault.targets and e["time"] >= fault.at), None)
@@ -385,7 +394,7 @@ def _nonfinite_check(events: list[dict[str, Any]], poisoned: list[Injected], ski
         match = next((e for e in rolled if e.get("generation") == generation and e["step"] == step), None)
         if match is None:
             furthest = furthest_of.get(generation, step)
-            if furthest < step + max(1, int(nan.get("interval_steps") or 0)) and any(g > (generation or 0) for g in gens):
+            if _ended_first(nan, furthest_of, gens):
                 excused += 1
             else:
                 problems.append(f"rank {rank}'s NaN loss at step {step} was never rolled back (its attempt went on to "
