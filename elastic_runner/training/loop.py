@@ -56,7 +56,11 @@ class ParkChannel(Protocol):
 
 
 class GracefulStop(Exception):
-    """Raised after a stop signal was honoured: snapshot written, exit 0."""
+    """Raised after a stop signal was honoured: snapshot written (``saved``; not of a diverged state), exit 0."""
+
+    def __init__(self, signal_name: str, saved: bool = True) -> None:
+        super().__init__(signal_name)
+        self.saved = saved
 
 
 class MembershipChange(Exception):
@@ -219,7 +223,7 @@ class Trainer:
                                 if diverged else {}))
             if not diverged:  # (rollback: a diverged state is never saved; a resume meets the step again and rolls back)
                 self.checkpointer.save("stop", sync=True)
-            raise GracefulStop(self.stop.signal_name)
+            raise GracefulStop(self.stop.signal_name, saved=not diverged)
         if self._park is not None and self._park.requested():
             if gradients.diverged() and gradients.on_nonfinite != "rollback":  # (rollback: the keeper refuses it)
                 gradients.stop_here()

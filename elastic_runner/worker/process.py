@@ -158,7 +158,9 @@ def run(cfg: Config, env: WorkerEnv, make_workload: Callable[[], Workload] | Non
             raise
         if ending.stopped:
             log.info("stopped %s%s", stop.description,
-                     " (peers stopped first)" if ending.peers_stopped_first else " after saving a snapshot")
+                     " (peers stopped first)" if ending.peers_stopped_first else " after saving a snapshot"
+                     if getattr(exc, "saved", True) else " without a snapshot: the gradient was not finite since the "
+                     "last logging step (a resume meets that step again and rolls back)")
         elif ending.say and {"rank": True, "node": env.local_rank == 0, "job": env.rank == 0}[ending.said_by]:
             say(f"elastic_runner: {exc}")
         return ending.exit_code
