@@ -82,12 +82,14 @@ class Ending:
 
 FINISHED = Ending("finished", EXIT_OK)
 
+# keeps_state where the loop may have run: the last completed step is left for the next attempt. The others write
+# their snapshot on the way out, have kept the state already, or must not keep it (a diverged or unvouched state).
 _KNOWN: tuple[tuple[tuple[type[BaseException], ...], Ending], ...] = (
     ((GracefulStop,), Ending("stopped", EXIT_OK)),
     # Kept at the boundary already; the process waits for its place in the new round (76 if it cannot).
     ((MembershipChange,), Ending("parked", EXIT_PEER_LOST)),
-    ((ConfigError, ResumeError, SetupError), Ending("failed", EXIT_USAGE, say=True, said_by="node")),
-    ((DistError,), Ending("failed", EXIT_USAGE, say=True)),
+    ((ConfigError, ResumeError, SetupError), Ending("failed", EXIT_USAGE, say=True, said_by="node", keeps_state=True)),
+    ((DistError,), Ending("failed", EXIT_USAGE, say=True, keeps_state=True)),
     ((NonFiniteGradient,), Ending("failed", EXIT_DIVERGED, say=True, said_by="job")),
     # Nothing kept: the state now is the one no check vouches for (the snapshots after the last check that
     # agreed are moved aside already); the next attempt resumes from the newest vouched-for one.
@@ -96,8 +98,8 @@ _KNOWN: tuple[tuple[tuple[type[BaseException], ...], Ending], ...] = (
     # The process runs the next attempt itself, with the step skipped (the exit status only where it cannot).
     ((NonFiniteRollback,), Ending("rolled_back", EXIT_FAILED, say=True, said_by="job")),
     ((FinalSnapshotFailed,), Ending("finished_not_durable", EXIT_NOT_DURABLE, say=True)),
-    ((RetryableSetupError,), Ending("failed", EXIT_FAILED, say=True, said_by="node")),
-    ((StaleWriterError, StopSnapshotFailed), Ending("failed", EXIT_FAILED, say=True)),
+    ((RetryableSetupError,), Ending("failed", EXIT_FAILED, say=True, said_by="node", keeps_state=True)),
+    ((StaleWriterError, StopSnapshotFailed), Ending("failed", EXIT_FAILED, say=True, keeps_state=True)),
 )
 
 
@@ -107,10 +109,7 @@ def ending_for(exc: BaseException | None, stop_requested: bool) -> Ending:
         return FINISHED
     for kinds, ending in _KNOWN:
         if isinstance(exc, kinds):
-            if isinstance(exc, (GracefulStop, FinalSnapshotFailed, MembershipChange, ReplicasDiverged,
-                                TooManyRollbacks, NonFiniteRollback, NonFiniteGradient)):
-                return ending  # their snapshot is written (or the state already kept, or not to keep) on the way out
-            return Ending(ending.status, ending.exit_code, ending.say, ending.said_by, keeps_state=True)
+            return ending
     if stop_requested and isinstance(exc, Exception):
         # Peers stopping at the same time broke our collective after we kept our state: that is the
         # stop we were asked for, not a failure.
