@@ -50,7 +50,7 @@ def rollbacks(run_dir: Path) -> list[dict]:
 def test_a_poisoned_batch_is_rolled_back_and_skipped_by_rule_and_the_run_ends_as_one_told_to_skip_it(
         tmp_path: Path, local_job) -> None:  # noqa: ANN001
     job = local_job(config=str(config(tmp_path, "poisoned", [26], on_nonfinite="rollback")), nnodes="1:1",
-                    nproc_per_node=2, max_restarts=0)
+                    nproc_per_node=3, max_restarts=0)
     job.start_agent()
     assert job.wait(timeout=200) == [0], job.logs_tail()
     run_dir = Path(job.run_dir)
@@ -59,7 +59,7 @@ def test_a_poisoned_batch_is_rolled_back_and_skipped_by_rule_and_the_run_ends_as
     resumes = [e for e in read_events(run_dir) if e["kind"] == "resume" and e.get("rank") == 0]
     assert [(e["step"], e["generation"]) for e in resumes] == [(20, 2)], "in its process, from the newest snapshot"
     starts = {e["pid"] for e in read_events(run_dir) if e["kind"] == "start"}
-    assert len(starts) == 2, "no worker was restarted: the rollback runs in the workers' own processes"
+    assert len(starts) == 3, "no worker was restarted: the rollback runs in the workers' own processes"
     skipped = [e for e in read_events(run_dir) if e["kind"] == "step_skipped"]
     assert [(e["step"], e["samples"]) for e in skipped] == [(26, GLOBAL_BATCH)], skipped
     log = job.agents[0].log_text()
@@ -71,7 +71,7 @@ def test_a_poisoned_batch_is_rolled_back_and_skipped_by_rule_and_the_run_ends_as
     assert report.epochs[0].skipped == GLOBAL_BATCH and "skipped by rule" in report.render()
 
     reference = local_job(config=str(config(tmp_path, "told", [26], skip_steps=[26])), nnodes="1:1",
-                          nproc_per_node=2, max_restarts=0, run_dir=str(tmp_path / "reference"))
+                          nproc_per_node=3, max_restarts=0, run_dir=str(tmp_path / "reference"))
     reference.start_agent()
     assert reference.wait(timeout=200) == [0], reference.logs_tail()
     digests = {e["params_sha256"] for e in end_events(run_dir)}
