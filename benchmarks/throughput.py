@@ -102,7 +102,7 @@ def one_run(name: str, workload: Workload, workdir: Path, steps: int, skip: int,
     finally:
         job.close()
     blocking = [e["blocking_s"] for e in read_events(run_dir) if e["kind"] == "snapshot_saved"] \
-        if variant == "elastic-runner" and "parallel.strategy" not in overrides else []
+        if variant == "elastic-runner" else []
     return steady_rate(variant, run_dir, skip, workload.batch_per_rank * workload.world), blocking
 
 
@@ -114,13 +114,16 @@ def measure(name: str, workload: Workload, workdir: Path, repeats: int, steps: i
     #: Ratios of two variants run back to back, one pair per repeat: ordered / DDP sync, compiled / uncompiled.
     pairs: dict[str, list[float]] = {"ordered_vs_ddp_sync": [], "compiled_vs_uncompiled": [], "timed_vs_untimed": [],
                                      "fingerprinted_vs_not": [], "fingerprint_every_log_vs_not": [],
-                                     "fsdp_vs_plain_fsdp": [], "fsdp_bare_vs_plain_fsdp": []}
+                                     "fsdp_vs_plain_fsdp": [], "fsdp_bare_vs_plain_fsdp": [], "fsdp_on_vs_off": []}
+    fsdp_blocking: list[float] = []
     for _ in range(repeats):
         this: dict[str, float] = {}
         for variant in chosen:
             rate, blocked = one_run(variant, workload, workdir, steps, skip, gpu)
             if variant == "elastic-runner":
                 blocking += blocked
+            if variant == "elastic-runner-fsdp":
+                fsdp_blocking += blocked
             if rate is not None:
                 this[variant] = rate
                 rates[variant].append(round(rate * workload.sample_unit, 1))
@@ -132,7 +135,8 @@ def measure(name: str, workload: Workload, workdir: Path, repeats: int, steps: i
                                    "fingerprint_every_log_vs_not": ("elastic-runner-fingerprint-every-log",
                                                                     "elastic-runner-unfingerprinted"),
                                    "fsdp_vs_plain_fsdp": ("elastic-runner-fsdp", "baseline-fsdp"),
-                                   "fsdp_bare_vs_plain_fsdp": ("elastic-runner-fsdp-bare", "baseline-fsdp")}.items():
+                                   "fsdp_bare_vs_plain_fsdp": ("elastic-runner-fsdp-bare", "baseline-fsdp"),
+                                   "fsdp_on_vs_off": ("elastic-runner-fsdp", "elastic-runner-fsdp-bare")}.items():
             if this.get(ours) and this.get(other):
                 pairs[key].append(this[ours] / this[other])
     med = {variant: median(values) for variant, values in rates.items()}
@@ -151,7 +155,8 @@ def measure(name: str, workload: Workload, workdir: Path, repeats: int, steps: i
     unit = "tokens_per_s" if workload.sample_unit > 1 else "samples_per_s"
     return {"unit": unit, "rates": rates, "medians": med, "ratios": ratios, "steps": steps, "skip": skip,
             "snapshot_blocking_ms_median": round(1000 * median(blocking), 1) if blocking else None,
-            "snapshots": len(blocking)}
+            "snapshots": len(blocking),
+            "fsdp_snapshot_blocking_ms": [round(1000 * b, 2) for b in fsdp_blocking]}
 
 
 def main() -> None:

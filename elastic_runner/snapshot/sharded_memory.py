@@ -45,7 +45,7 @@ from .publish import _prune
 from . import part_file
 from .shards import SHARD_FORMAT, PartReader, check_sharded_meta, part_bytes, part_name, wait_for_parts, write_part_bytes
 from .store import SnapshotError, SnapshotRef
-from .writer import HostStaging
+from .staging import HostStaging, Pending
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +114,8 @@ class ShardedMemory:
         self.tier, self.layout, self.group, self.schedule = tier, layout, group, schedule
         self._staging = HostStaging()
         self._thread: threading.Thread | None = None
+        #: A GPU's shards on their way to host memory on a side stream (:mod:`.staging`).
+        self._device_copy: Pending | None = None
         self.failures = 0
 
     def due(self, step: int) -> bool:
@@ -127,13 +129,27 @@ class ShardedMemory:
         self.schedule.refreshing(step)
         ref = SnapshotRef(generation=self.tier.generation, step=step)
         state, meta = capture()
-        host = self._staging.copy(state)
+        # On a GPU the copy is queued on a side stream: the step waits for neither it nor the device (wait_staged
+        # orders the next optimizer step after it); the thread waits for it before reading the host buffers.
+        host = self._staging.copy(state, deferred=True)
+        copying = self._device_copy = self._staging.take_pending()
         meta = dict(meta) | {"step": step, "generation": self.tier.generation, "name": ref.name}
         blocked = time.perf_counter() - started
-        self._thread = threading.Thread(target=self._write, args=(ref, host, meta, blocked), name=f"memory-{ref.name}",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._write, args=(ref, host, meta, blocked, copying),
+                                        name=f"memory-{ref.name}", daemon=True)
         self._thread.start()
         return blocked
+
+    def reserve(self, state: dict[str, Any]) -> None:
+        """Allocate the host buffers for the shards of ``state`` off the step (:meth:`HostStaging.reserve`)."""
+        self.wait()
+        self._staging.reserve(state)
+
+    def wait_staged(self) -> None:
+        """Before the tensors change: the step's stream waits (on the device) for a refresh's copy still under way."""
+        copying, self._device_copy = self._device_copy, None
+        if copying is not None:
+            copying.order_before_changes()
 
     def wait(self, timeout: float | None = None) -> None:
         """Until the refresh in flight is done (at most ``timeout`` seconds)."""
@@ -142,10 +158,11 @@ class ShardedMemory:
             if not self._thread.is_alive():
                 self._thread = None
 
-    def _write(self, ref: SnapshotRef, state: dict[str, Any], meta: dict[str, Any], blocked: float) -> None:
+    def _write(self, ref: SnapshotRef, state: dict[str, Any], meta: dict[str, Any], blocked: float,
+               copying: Pending | None = None) -> None:
         started = time.perf_counter()
         try:
-            self._copy(ref, state, meta)
+            self._copy(ref, state, meta, copying)
         finally:  # every rank, also after a failure: the reduction is a collective
             if self.schedule.fixed is None:
                 self._measure(blocked, time.perf_counter() - started)
@@ -166,9 +183,11 @@ class ShardedMemory:
             values = reduced.tolist()
         self.schedule.pending = values
 
-    def _copy(self, ref: SnapshotRef, state: dict[str, Any], meta: dict[str, Any]) -> None:
+    def _copy(self, ref: SnapshotRef, state: dict[str, Any], meta: dict[str, Any], copying: Pending | None) -> None:
         layout = self.layout
         try:
+            if copying is not None:
+                copying.wait()
             data = part_bytes(layout.part_id, state["part"])
             received = self._swap(data) if layout.ring else None
             self.tier.store.ensure()

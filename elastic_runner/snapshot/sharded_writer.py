@@ -4,8 +4,9 @@ staging, reporting and failure handling, with the write itself replaced by this 
 memory arena per node, and a rank's shards are a state of its own.
 
 The step waits only for the structure of the state (no copy): the copy of this rank's slices into host memory (the
-same reused buffers as a replicated snapshot) runs beside the next forward and backward passes, and the file, its
-SHA-256 and its fsync beside the next steps, on every rank at once, each rank writing 1/W of the state.
+same reused buffers as a replicated snapshot) runs beside the next forward and backward passes — in a thread on the
+CPU, on a side CUDA stream on a GPU (:mod:`.staging`) —, and the file, its SHA-256 and its fsync beside the next steps,
+on every rank at once, each rank writing 1/W of the state.
 """
 
 from __future__ import annotations
@@ -50,6 +51,17 @@ class ShardedSnapshotWriter(SnapshotWriter):
             result.size_estimate = state_bytes(host)
             self._write(result, host, meta)
             result.blocking_s = time.perf_counter() - started
+            return result
+        if self._staging.on_device(state):
+            # A GPU's shards: queued on a side stream into pinned buffers (.staging); the write thread waits for the
+            # copy, the step's stream waits for it only before the next optimizer step (wait_staged), on the device.
+            host = self._staging.copy(state, deferred=True)
+            result.size_estimate = state_bytes(host)
+            self._device_copy = self._staging.take_pending()
+            result.blocking_s = time.perf_counter() - started
+            self._thread = threading.Thread(target=self._write_when_copied, args=(self._device_copy, result, host, meta),
+                                            name=f"snapshot-{ref.name}", daemon=True)
+            self._thread.start()
             return result
         result.blocking_s = time.perf_counter() - started
 

@@ -24,6 +24,8 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
+from .staging import SIDE_STREAM, Copier, Pending, copy_into
+
 log = logging.getLogger(__name__)
 
 #: Each tensor starts at a multiple of this (a cache line; every dtype's alignment divides it).
@@ -167,15 +169,12 @@ def _cuda_call(device: int, call: Callable[[Any], Any]) -> int | Exception:
     return outcome[0] if outcome else RuntimeError("the CUDA call ended without a status")
 
 
-def stage(arena: Arena, plan_: Plan) -> None:
-    """Copy the live tensors into their slots (from any device): one call for a CPU state (a small model's
-    twenty tensors one by one cost more in Python than in copying)."""
+def stage(arena: Arena, plan_: Plan, *, deferred: bool = False, copier: Copier = SIDE_STREAM) -> Pending | None:
+    """Copy the live tensors into their slots (from any device; one call for them all: a small model's twenty tensors
+    one by one cost more in Python than in copying). ``deferred``: a GPU's tensors are copied on a side stream and
+    this returns what is under way (:mod:`.staging`)."""
     targets = [arena.view(slot) for slot in plan_.slots]
-    if all(src.device.type == "cpu" for src in plan_.sources):
-        torch._foreach_copy_(targets, plan_.sources)
-        return
-    for target, src in zip(targets, plan_.sources):
-        target.copy_(src)
+    return copy_into(targets, plan_.sources, deferred=deferred, copier=copier)
 
 
 def rebuild(skeleton: Any, arena: Arena) -> Any:

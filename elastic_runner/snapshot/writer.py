@@ -27,67 +27,16 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
-import torch
-
 from ..files import sharing
 from . import shm
 from .publish import Written, write_and_publish
+from .staging import SIDE_STREAM, Copier, HostStaging, Pending
 from .space import is_disk_full, space_note, state_bytes
 from .object_store import ObjectStore
 from .store import CorruptSnapshotError, LocalStore, SnapshotError, SnapshotRef, StaleWriterError
 from .writer_process import Outcome, WriterGone, WriterProcess
 
 log = logging.getLogger(__name__)
-
-
-class HostStaging:
-    """Host copies of a state in buffers kept from one snapshot to the next: after the first, a snapshot's
-    blocking part is a copy into memory that is already allocated and touched (a fresh 16 MB buffer costs
-    about as much again in page faults as the copy itself). Pinned when the source is on a GPU. Safe to
-    reuse because a writer has at most one write in flight and waits for it before the next copy; the price
-    is one host copy of the state kept between snapshots."""
-
-    def __init__(self) -> None:
-        self._buffers: dict[tuple[Any, ...], torch.Tensor] = {}
-
-    def copy(self, obj: Any) -> Any:
-        seen: set[tuple[Any, ...]] = set()
-        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
-        out = self._copy(obj, (), seen, pairs)
-        for path in set(self._buffers) - seen:  # parts the state no longer has
-            del self._buffers[path]
-        if pairs:
-            # One call for every tensor: it gives up the GIL once. A copy per tensor must win the GIL back after each
-            # one, and beside a training step (whose Python holds it for up to the 5 ms switch interval at a time) a
-            # few hundred tensors took 30-40 ms that way.
-            destinations, sources = [d for d, _ in pairs], [s for _, s in pairs]
-            try:
-                torch._foreach_copy_(destinations, sources)
-            except (AttributeError, RuntimeError, TypeError):  # a torch without it, or tensors it does not take
-                for destination, source in pairs:
-                    destination.copy_(source)
-        return out
-
-    def _copy(self, obj: Any, path: tuple[Any, ...], seen: set[tuple[Any, ...]],
-              pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
-        if isinstance(obj, torch.Tensor):
-            src = obj.detach()
-            if src.layout != torch.strided or src.is_quantized:  # rare: a fresh copy, as before
-                return src.to("cpu", copy=True)
-            buf = self._buffers.get(path)
-            if buf is None or buf.shape != src.shape or buf.dtype != src.dtype or buf.stride() != src.stride():
-                buf = torch.empty_like(src, device="cpu", pin_memory=src.is_cuda and torch.cuda.is_available())
-                self._buffers[path] = buf
-            pairs.append((buf, src))
-            seen.add(path)
-            return buf
-        if isinstance(obj, dict):
-            return {k: self._copy(v, (*path, k), seen, pairs) for k, v in obj.items()}
-        if isinstance(obj, list):
-            return [self._copy(v, (*path, i), seen, pairs) for i, v in enumerate(obj)]
-        if isinstance(obj, tuple):
-            return tuple(self._copy(v, (*path, i), seen, pairs) for i, v in enumerate(obj))
-        return obj
 
 
 class SnapshotObserver(Protocol):
@@ -145,7 +94,9 @@ class SnapshotWriter:
         self.last: SaveResult | None = None
         self.last_saved: SnapshotRef | None = None
         self._thread: threading.Thread | None = None
-        self._staging = HostStaging()
+        #: How a GPU state's copy leaves the step's stream (:mod:`.staging`; tests put a fake here).
+        self.copier: Copier = SIDE_STREAM
+        self._staging = HostStaging(self.copier)
         self._fatal: BaseException | None = None
         self._failing_since: SnapshotRef | None = None
         self._last_report = 0.0
@@ -155,6 +106,10 @@ class SnapshotWriter:
         self._process: WriterProcess | None = None
         self._arena: shm.Arena | None = None
         self._stager: threading.Thread | None = None
+        #: A GPU state's copy under way on the side stream (the step's stream waits for it before the next change).
+        self._device_copy: Pending | None = None
+        #: Hands a GPU state's arena to the writer process once its side-stream copy has landed.
+        self._submitter: threading.Thread | None = None
         self._in_flight: SaveResult | None = None
         self._write_began = 0.0
         self._outcome_lock = threading.Lock()
@@ -175,13 +130,18 @@ class SnapshotWriter:
             if through is not None:
                 self.last = through
                 return through
-        host_state = self._staging.copy(state)  # the previous write is done (wait above): its buffers are free
+        deferred = self.async_write and not sync
+        # The previous write is done (wait above): its buffers are free. Deferred: a GPU state is copied on a side
+        # stream (.staging); the write thread, not the step, waits for it.
+        host_state = self._staging.copy(state, deferred=deferred)
+        copying = self._staging.take_pending()
         result = SaveResult(ref=ref, blocking_s=time.perf_counter() - started)
         result.size_estimate = state_bytes(host_state)
-        if self.async_write and not sync:
+        if deferred:
+            self._device_copy = copying
             self._thread = threading.Thread(
-                target=self._write, args=(result, host_state, meta), name=f"snapshot-{ref.name}", daemon=True
-            )
+                target=self._write_when_copied, args=(copying, result, host_state, meta), name=f"snapshot-{ref.name}",
+                daemon=True)
             self._thread.start()
         else:
             self._write(result, host_state, meta)
@@ -189,9 +149,20 @@ class SnapshotWriter:
         self.last = result
         return result
 
+    def reserve(self, state: dict[str, Any]) -> None:
+        """Allocate the host buffers a snapshot of ``state`` will be copied into, off the step (a GPU state's pinned
+        buffers: see :mod:`.staging`); the first save waits for them if they are not ready by then."""
+        self.wait()
+        # Also with a writer process: until it is ready (it starts at the first save), saves go through the thread.
+        self._staging.reserve(state)
+
     def wait_staged(self) -> None:
         """Block until the state of the save in flight is copied out of the live tensors: call it before
-        changing them (the loop does, in ``Checkpointer.mutating``)."""
+        changing them (the loop does, in ``Checkpointer.mutating``). A copy on a GPU's side stream is waited for by
+        the step's stream, on the device: the host goes on."""
+        copying, self._device_copy = self._device_copy, None
+        if copying is not None:
+            copying.order_before_changes()
         stager = self._stager
         if stager is not None:
             waited = time.perf_counter()
@@ -205,10 +176,10 @@ class SnapshotWriter:
     def wait(self) -> SaveResult | None:
         """Block until the in-flight write (if any) has finished."""
         self.wait_staged()
-        thread = self._thread
-        if thread is not None:
-            thread.join()
-            self._thread = None
+        for thread in (self._thread, self._submitter):
+            if thread is not None:
+                thread.join()
+        self._thread = self._submitter = None
         if self._in_flight is not None:
             self._in_flight.done.wait()
             self._in_flight = None
@@ -275,16 +246,25 @@ class SnapshotWriter:
                             "background thread", layout.total / 1e6, exc.strerror or exc)
                 return None
         fd = self._arena.fd  # until the writer process has it: sent with the first job that gets through
-        self._staging = HostStaging()  # the thread's host copy (saves before the process was ready) goes
+        self._staging = HostStaging(self.copier)  # the thread's host copy (saves before the process was ready) goes
         result = SaveResult(ref=ref, blocking_s=0.0, size_estimate=layout.total)
         self._in_flight = result
         job = {"step": ref.step, "skeleton": layout.skeleton, "meta": meta, "arena_size": self._arena.size}
-        on_device = any(src.device.type != "cpu" for src in layout.sources)
+        on_device = any(self.copier.handles(src) for src in layout.sources)
         try:
             if on_device:
                 self._arena.pin()
             self._write_began = time.perf_counter()
-            if not on_device and layout.total >= OVERLAP_BYTES:
+            if on_device:
+                # Queued on a side stream into the pinned arena: the step neither waits for the copy nor for the
+                # hand-over, which a thread does once the copy has landed (.staging).
+                copying = shm.stage(self._arena, layout, deferred=True, copier=self.copier)
+                result.blocking_s = time.perf_counter() - started
+                self._device_copy = copying
+                self._submitter = threading.Thread(target=self._submit_when_copied, args=(copying, result, job, fd),
+                                                   name=f"snapshot-submit-{ref.name}", daemon=True)
+                self._submitter.start()
+            elif layout.total >= OVERLAP_BYTES:
                 # The loop changes these tensors only in its next optimizer step (under the step lock, which
                 # waits for this thread first, adding its wait to blocking_s): the copy overlaps the next
                 # forward and backward.
@@ -312,6 +292,28 @@ class SnapshotWriter:
                 arena.release_fd()  # the writer process has its own now
         except Exception as exc:  # noqa: BLE001 - reported like any failed write; training goes on
             self._failed(result, exc, 0.0)
+
+    def _submit_when_copied(self, copying: Pending | None, result: SaveResult, job: dict[str, Any],
+                            fd: int | None) -> None:
+        try:
+            if copying is not None:
+                copying.wait()
+            assert self._process is not None and self._arena is not None
+            self._process.submit(job, fd)
+            if fd is not None:
+                self._arena.release_fd()
+        except Exception as exc:  # noqa: BLE001 - reported like any failed write; training goes on
+            self._failed(result, exc, 0.0)
+
+    def _write_when_copied(self, copying: Pending | None, result: SaveResult, state: dict[str, Any],
+                           meta: dict[str, Any]) -> None:
+        if copying is not None:
+            try:
+                copying.wait()
+            except Exception as exc:  # noqa: BLE001 - a device error: this save fails, the step reports the rest
+                self._failed(result, SnapshotError(f"copying the state of {result.ref.name} failed: {exc}"), 0.0)
+                return
+        self._write(result, state, meta)
 
     def _abort(self, result: SaveResult, exc: BaseException) -> None:
         """A save cut short in the caller's thread (Ctrl-C): half a job may be in the socket, so the writer

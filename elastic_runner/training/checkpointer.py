@@ -127,6 +127,7 @@ class Checkpointer:
         # A replicated state is kept whole when an attempt ends; shards are kept by the periodic refresh instead.
         self._keeper = Keeper(None if self.sharded else self.memory, self.capture, self.guard, self.state, events)
         self._last_save = time.monotonic()
+        self._reserved = False  #: the periodic captures' host buffers (:meth:`_reserve_buffers`)
 
     def track(self, parts: TrainingParts) -> None:
         """The parts a snapshot holds (their TrainState is the one this Checkpointer was built with)."""
@@ -173,6 +174,8 @@ class Checkpointer:
         the block normally is a step boundary."""
         if self.writer is not None:
             self.writer.wait_staged()  # a snapshot's copy of these tensors may still be under way
+        if self.sharded_memory is not None:
+            self.sharded_memory.wait_staged()  # likewise a node-memory refresh's (on a GPU: the stream waits)
         with self.guard.mutating():
             yield
             self.at_boundary()
@@ -343,6 +346,8 @@ class Checkpointer:
         """After every step: a periodic snapshot when ``snapshot.every_steps``/``every_seconds`` say so (``due``:
         what :meth:`capture_due` said for this step, if the caller asked already)."""
         memory_due, snapshot_due = due if due is not None else self.capture_due(step, last)
+        if not self._reserved:
+            self._reserve_buffers()
         if self.sharded_memory is not None:
             self.sharded_memory.schedule.step_done()
         if memory_due:
@@ -353,6 +358,17 @@ class Checkpointer:
                 self.auto.saving(step)
             self.save("periodic", sync=False)
             self._last_save = time.monotonic()
+
+    def _reserve_buffers(self) -> None:
+        """After an attempt's first step (the optimizer's state exists by then): a GPU state's pinned host buffers for
+        the periodic captures, allocated in the background rather than inside the step of the first capture."""
+        self._reserved = True
+        if self.dist.device.type != "cuda":
+            return  # host buffers cost nothing that a step would notice: made at the first capture, as ever
+        if self.writer is not None and (self.sharded or self.dist.rank == 0) and self.cfg.snapshot.async_write:
+            self.writer.reserve(self.capture()[0])
+        if self.sharded_memory is not None:
+            self.sharded_memory.reserve(self.capture(replicated_from="node")[0])
 
     def save(self, reason: str, sync: bool) -> None:
         """Durable snapshot of the current step (``reason``: periodic, final or stop). On a stop the
