@@ -9,6 +9,8 @@
 #                THROUGHPUT_REPEATS rounds (default 3; per-round ratios, median and range)
 #   fingerprint  what a replica fingerprint costs against a step (fingerprint_cost.py)
 #   regroup      what in-process recovery saves a worker on NCCL (regroup_nccl.py)
+#   syncprobe    (not in the default) every call site where a worker's host waits for the GPU in a short FSDP2 job
+#                (ELASTIC_RUNNER_CUDA_SYNC_DEBUG=warn)
 #   bash benchmarks/gpu_check.sh                                        # from the repository root
 #   GPU_CHECK_PARTS="tests capture throughput" THROUGHPUT_REPEATS=2 bash benchmarks/gpu_check.sh   # a short window
 #   GPU_TESTS="tests/unit/test_staging.py" ...                         # only these GPU tests
@@ -23,7 +25,7 @@ python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_devic
 python3 -m pip install -q --no-deps --no-build-isolation -e . >"$out/install.log" 2>&1 || { cat "$out/install.log"; exit 1; }
 if want tests; then
     # shellcheck disable=SC2086  # GPU_TESTS: a list of test files or ids, split on spaces
-    timeout 270 python3 -m pytest -q -p no:cacheprovider -rA -m gpu ${GPU_TESTS:-tests/unit/test_staging.py \
+    timeout "${GPU_TESTS_TIMEOUT:-270}" python3 -m pytest -q -p no:cacheprovider -rA -m gpu ${GPU_TESTS:-tests/unit/test_staging.py \
         tests/unit/test_snapshot_writer_process.py tests/elastic/test_gpu_paths.py tests/unit/test_zygote.py \
         tests/multiprocess/test_optional_paths.py tests/unit/test_stragglers.py tests/unit/test_health.py} 2>&1 \
         | tee "$out/tests.log" | grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed"
@@ -33,10 +35,20 @@ if want capture; then
         > "$out/capture_blocking.log" 2>&1; tail -25 "$out/capture_blocking.log")
 fi
 if want throughput; then
-    (cd benchmarks && timeout 330 python3 throughput.py --gpu --workloads gpt --gpt-size 12,12,768 \
+    (cd benchmarks && timeout "${THROUGHPUT_TIMEOUT:-330}" python3 throughput.py --gpu --workloads gpt --gpt-size 12,12,768 \
         --variants elastic-runner-fsdp,elastic-runner-fsdp-bare,baseline-fsdp --repeats "${THROUGHPUT_REPEATS:-3}" \
         --steps 120 --skip 30 --out "$out/throughput.json" > "$out/throughput.log" 2>&1; grep -E "^gpt |Error" "$out/throughput.log"
      python3 -c "import json,sys; w=json.load(open(sys.argv[1]))['workloads']['gpt']; print(json.dumps({k: w[k] for k in ('medians', 'ratios', 'fsdp_snapshot_blocking_ms')}))" "$out/throughput.json")
+fi
+if want syncprobe; then
+    # Every call site where a worker's host waits for the GPU, once each (torch's sync debug mode): start-up, resume
+    # and logging steps wait by design; a line from the step itself is a finding.
+    (cd benchmarks && ELASTIC_RUNNER_CUDA_SYNC_DEBUG=warn timeout 60 python3 throughput.py --gpu --workloads gpt \
+        --gpt-size 12,12,768 --variants elastic-runner-fsdp --repeats 1 --steps 60 --skip 10 --workdir /tmp/syncprobe \
+        > /dev/null 2>&1)
+    grep -rh -A1 "synchronizing CUDA operation" /tmp/syncprobe 2>/dev/null | grep -v "^--$" | sort | uniq -c \
+        | sort -rn > "$out/sync_probe.txt"
+    head -40 "$out/sync_probe.txt"
 fi
 if want fingerprint; then
     timeout 40 python3 benchmarks/fingerprint_cost.py --device cuda --repeats 10 --out "$out/fingerprint_cost.json" \

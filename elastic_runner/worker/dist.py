@@ -16,6 +16,7 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -197,6 +198,10 @@ class Dist:
         chosen = choose_backend(dev, backend)
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
+            if os.environ.get("ELASTIC_RUNNER_CUDA_SYNC_DEBUG"):  # a diagnosis (docs/development.md)
+                # torch then warns (or raises) at every operation that makes the host wait for the device, once per
+                # call site: where a step waits that should not.
+                torch.cuda.set_sync_debug_mode(os.environ["ELASTIC_RUNNER_CUDA_SYNC_DEBUG"])
         timeout = datetime.timedelta(seconds=timeout_seconds)
         message = (
             f"rank {env.rank}: process group ({chosen}, world size {env.world_size}, "
