@@ -328,7 +328,8 @@ def _ended_first(mark: dict[str, Any], furthest_of: dict[Any, int], gens: dict[i
 def _corruption_check(events: list[dict[str, Any]], corrupted: list[Injected]) -> tuple[bool, str]:
     """Every flipped bit (the worker's ``chaos_corrupted`` event) was found by the first fingerprint check after it:
     rank 0's ``replica_mismatch`` of that attempt whose last agreeing check came before the flip, naming the corrupted
-    rank (or nobody, which only two replicas, or half against half, may say). A flip whose attempt ended before its
+    rank (or nobody, which only two copies of the state — two replicas, or hsdp's two nodes —, or half against half, may
+say). A flip whose attempt ended before its
     next check (another fault's recovery replaced the state) is excused, and so is a request whose worker was gone
     before its next step boundary (a new attempt followed the fault); any other request never carried out fails (is
     the hook armed?)."""
@@ -356,14 +357,15 @@ def _corruption_check(events: list[dict[str, Any]], corrupted: list[Injected]) -
                 problems.append(f"rank {rank}'s bit flipped at step {step} was never found (its attempt went on to "
                                 f"step {furthest})")
             continue
-        world = gens.get(generation, {}).get("world_size") if generation is not None else None
+        # How many copies of the flipped state were compared: every rank's under ddp, a shard's under hsdp.
+        copies = match.get("copies") or (gens.get(generation, {}).get("world_size") if generation is not None else None)
         first_check = match.get("verified_step", -1) < step <= match["step"]
         suspects = match.get("suspects") or []
-        wrong = rank not in suspects if suspects else (world is not None and world >= 3)
+        wrong = rank not in suspects if suspects else (copies is not None and copies >= 3)
         if not first_check or wrong:
             problems.append(f"rank {rank}'s bit flipped at step {step} was found at step {match['step']} (the last "
                             f"agreeing check: step {match.get('verified_step')}) naming {suspects or 'nobody'}"
-                            + (f" at world size {world}" if wrong and not suspects else ""))
+                            + (f" among {copies} copies" if wrong and not suspects else ""))
         else:
             named += 1
     if problems:

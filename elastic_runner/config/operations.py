@@ -274,9 +274,10 @@ class RecoveryConfig:
         "majority's is named (a story line, a replica_mismatch event with its host), and the job rolls back: the "
         "snapshots taken after the last step whose sums agreed are moved aside (corrupt-*, with a REASON) and "
         "removed from node memory, and every worker restarts from the newest state a check vouched for. Two "
-        "replicas that differ cannot say which one is wrong: both roll back. auto: on for parallel.strategy: ddp "
-        "with dist.gradient_sync: ordered (where replicas are bitwise identical), as often as costs at most 1 % of "
-        "step time (measured); off elsewhere. A number asks for it (and is refused where replicas differ by "
+        "replicas that differ cannot say which one is wrong: both roll back. Under parallel.strategy: hsdp each rank "
+        "sums its shards and is compared with the ranks that hold the same shard on the other nodes (two nodes: two "
+        "replicas). auto: on for ddp with dist.gradient_sync: ordered and for hsdp (where replicas are bitwise "
+        "identical), as often as costs at most 1 % of step time (measured); off elsewhere (fsdp has no replicas). A number asks for it (and is refused where replicas differ by "
         "design). null: off.", default="auto")
     max_rollbacks: int = _help(
         "For fingerprint_every_steps and train.on_nonfinite: rollback: after this many rollbacks (of both kinds) "

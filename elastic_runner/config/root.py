@@ -81,15 +81,18 @@ class Config:
             why = ("under dist.gradient_sync: ddp, replicas are not bitwise identical across restarts (torch's "
                    "reducer sums in its own bucket order), so a difference would name a healthy rank"
                    if self.parallel.strategy == "ddp" else
-                   "fsdp's shards have no replica to compare with" if self.parallel.strategy == "fsdp" else
-                   "comparing hsdp's replicas shard by shard is not built yet")
+                   "fsdp's shards have no replica to compare with (each rank holds the only copy of its shard)")
             raise ConfigError("recovery.fingerprint_every_steps", f"got {every}: {why}",
-                              "Use parallel.strategy: ddp with dist.gradient_sync: ordered, or set it to auto or null")
+                              "Use parallel.strategy: ddp with dist.gradient_sync: ordered or hsdp (its shards' "
+                              "replicas on the other nodes are compared), or set it to auto or null")
 
     @property
     def replicas_bitwise(self) -> bool:
-        """Whether every rank's replica is bitwise the same after every step (what fingerprints compare)."""
-        return self.parallel.strategy == "ddp" and self.dist.gradient_sync == "ordered"
+        """Whether replicas are bitwise the same after every step (what fingerprints compare): every rank's whole
+        state under ddp with the ordered sum; under hsdp each shard and its copies on the other nodes (one all-reduce
+        across the nodes gives every copy the same gradient, and the same update follows)."""
+        return (self.parallel.strategy == "ddp" and self.dist.gradient_sync == "ordered") or \
+            self.parallel.strategy == "hsdp"
 
     @property
     def fingerprints(self) -> bool:

@@ -7,7 +7,10 @@ rank sums its parameters and optimizer state viewed as integers on its device �
 sum by ± a power of two, never by a multiple of 2**64, so it is always seen — and the sums ride in the all-reduce
 that already adds the logged loss up (:meth:`~elastic_runner.training.bookkeeping.StepBooks.report_progress`): no
 collective of its own, no host read in any other step. The ranks whose sum differs from the majority's are the
-suspects; with no majority (two replicas that differ) the job cannot tell which is wrong and says so.
+suspects; with no majority (two replicas that differ) the job cannot tell which is wrong and says so. Under hsdp
+each rank sums its shards (a DTensor's local slice) and is compared with the ranks holding the same shard on the other
+nodes: one all-reduce across the nodes gives each copy of a shard the same gradient, so the copies stay bitwise equal;
+fsdp has no copies to compare.
 
 What the job does then (:class:`ReplicasDiverged`) is the loop's: it rolls back to the newest state a check vouched
 for (:meth:`~elastic_runner.training.checkpointer.Checkpointer.discard_after`).
@@ -113,15 +116,26 @@ class Verdict:
         return not self.agreed and not self.suspects
 
 
-def compare(step: int, values: Sequence[int], nodes: Sequence[int]) -> Verdict:
-    """The ranks whose fingerprint differs from more than half of the ranks' one."""
-    counts = Counter(values)
-    if len(counts) <= 1:
+def compare(step: int, values: Sequence[int], nodes: Sequence[int], shards: int = 1) -> Verdict:
+    """The ranks whose fingerprint differs from more than half of those of the ranks that hold the same: with
+    ``shards`` > 1 (hsdp: a node's ranks each hold one shard, rank r the shard r % shards) rank r is compared with the
+    ranks of its shard on the other nodes. One shard whose copies differ with no majority among them makes every
+    rank suspect (undecided), whatever the other shards say: the job cannot tell which copy to keep."""
+    suspects: list[int] = []
+    agreed = True
+    for shard in range(shards):
+        ranks = list(range(shard, len(values), shards))
+        counts = Counter(values[r] for r in ranks)
+        if len(counts) <= 1:
+            continue
+        agreed = False
+        common, n = counts.most_common(1)[0]
+        if 2 * n <= len(ranks):
+            return Verdict(step, agreed=False)
+        suspects += [r for r in ranks if values[r] != common]
+    if agreed:
         return Verdict(step)
-    common, n = counts.most_common(1)[0]
-    if 2 * n <= len(values):
-        return Verdict(step, agreed=False)
-    suspects = [rank for rank, value in enumerate(values) if value != common]
+    suspects.sort()
     return Verdict(step, suspects, agreed=False, nodes=[int(nodes[r]) for r in suspects])
 
 
@@ -131,8 +145,11 @@ class FingerprintCheck:
     a check runs at a logging step (``logging_every``) and at the last step, so that the final state is vouched
     for. Every rank decides alike: from the step and from the sums every rank received."""
 
-    def __init__(self, every: int | str, logging_every: int, start_step: int, device: torch.device) -> None:
+    def __init__(self, every: int | str, logging_every: int, start_step: int, device: torch.device,
+                 shards: int = 1) -> None:
         self.auto = every == "auto"
+        #: hsdp: the ranks of a node each hold one shard (:func:`compare`); 1: every rank holds the whole state.
+        self.shards = shards
         self.logging_every = logging_every
         self.every = logging_every if self.auto else int(every)
         #: The newest step whose check agreed: states from there back are vouched for (at first, the state this
@@ -176,7 +193,7 @@ class FingerprintCheck:
         """The verdict from every rank's slots (``summed``: the all-reduced blocks, :data:`SLOTS` per rank)."""
         world = len(summed) // SLOTS
         values = [join(summed[SLOTS * r], summed[SLOTS * r + 1]) for r in range(world)]
-        verdict = compare(step, values, [summed[SLOTS * r + 2] for r in range(world)])
+        verdict = compare(step, values, [summed[SLOTS * r + 2] for r in range(world)], self.shards)
         self._last = step
         if verdict.agreed:
             self.verified_step = step

@@ -95,9 +95,10 @@ class Trainer:
         #: The agent's requests to leave the attempt for a new membership (in-process recovery).
         self._park = park
         #: Replicas' fingerprints compared (recovery.fingerprint_every_steps): where there are replicas to compare.
+        shards = dist.env.local_world_size if cfg.parallel.strategy == "hsdp" else 1  # hsdp: a node's ranks' shards
         self.fingerprints = (FingerprintCheck(cfg.recovery.fingerprint_every_steps, cfg.logging.every_steps,
-                                              parts.state.step, dist.device)
-                             if cfg.fingerprints and dist.world_size > 1 else None)
+                                              parts.state.step, dist.device, shards)
+                             if cfg.fingerprints and dist.world_size > shards else None)
         if self.fingerprints is not None:
             checkpointer.verified_step = self.fingerprints.verified_step
         checkpointer.never_keep_diverged(step.gradients.first_nonfinite)
@@ -264,7 +265,8 @@ class Trainer:
         earlier = self._rollbacks_since(time.time() - recovery.rollback_window_seconds) if rank == 0 else 0
         earlier = int(self.dist.broadcast_object(earlier))  # before the slow part: every rank decides alike
         stop = earlier >= recovery.max_rollbacks
-        who = ("no majority says which replica is wrong (" + ("two replicas" if self.dist.world_size == 2 else
+        replicas = self.dist.world_size // (self.fingerprints.shards if self.fingerprints is not None else 1)
+        who = ("no majority says which replica is wrong (" + ("two replicas" if replicas == 2 else
                                                               "no value held by most ranks") + "): all are suspect"
                if verdict.undecided else
                ", ".join(f"rank {r} (node {n})" for r, n in zip(verdict.suspects, verdict.nodes)) +
@@ -274,7 +276,7 @@ class Trainer:
         status = "stopped" if stop or stuck else "rolled_back"
         if rank == 0 or rank in verdict.suspects:  # a suspect's own event carries its host
             self.events.emit("replica_mismatch", step=step, verified_step=verified, suspects=verdict.suspects,
-                             nodes=verdict.nodes, status=status, moved_aside=moved, not_moved=stuck,
+                             nodes=verdict.nodes, copies=replicas, status=status, moved_aside=moved, not_moved=stuck,
                              rollbacks_before=earlier, interval_steps=interval)
         line = (f"step {step}: the replicas' fingerprints differ: {who} (silent corruption: a flipped bit or a "
                 f"miscomputing device); the snapshots after step {verified}, the last whose fingerprints agreed, "

@@ -166,3 +166,19 @@ def test_bitwise_at_the_end_holds_for_worker_kills_a_flipped_bit_and_a_nan_batch
     (flip,) = [e for e in read_events(run_dir) if e["kind"] == "chaos_corrupted"]
     (found,) = [e for e in read_events(run_dir) if e["kind"] == "replica_mismatch" and e["rank"] == 0]
     assert found["suspects"] == [flip["rank"]] and 0 <= found["step"] - flip["step"] <= 25, (flip, found)
+
+
+def test_under_hsdp_a_flipped_bit_in_one_shard_copy_is_named_among_three_nodes_and_rolled_back_bitwise(
+        chaos_config: Path, tmp_path: Path) -> None:
+    """hsdp on 3 agents x 2 processes: each shard lives on every node, so a flip in rank 3's shard (node 1) is
+    outvoted by that shard's copies on nodes 0 and 2; the job rolls back and ends with the reference run's model."""
+    run_dir = tmp_path / "run"
+    result = paced_chaos(chaos_config, run_dir, "--agents", "3", "--nnodes", "3:3", "--nproc-per-node", "2",
+                         "--at", "step:110:corrupt-param", "--bitwise", "--set", "parallel.strategy=hsdp", epochs=5)
+    assert result.returncode == 0, result.stdout[-4000:]
+    report = json.loads((run_dir / "chaos" / "report.json").read_text())
+    assert report["checks"]["bitwise at the end"]["ok"], report["checks"]
+    (flip,) = [e for e in read_events(run_dir) if e["kind"] == "chaos_corrupted"]
+    (found,) = [e for e in read_events(run_dir) if e["kind"] == "replica_mismatch" and e["rank"] == 0]
+    assert found["suspects"] == [flip["rank"]] and found["nodes"] == [flip["rank"] // 2] and found["copies"] == 3, \
+        (flip, found)

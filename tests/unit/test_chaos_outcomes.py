@@ -261,7 +261,10 @@ def test_a_flipped_bit_must_be_found_at_the_next_check_naming_its_rank_or_nobody
     assert _corruption_check(pair + [flipped(77, 1, 110, 4.0), found(125, 5.0, [])], [corrupt_param(3.9, 77)])[0], \
         "two replicas: nobody can be named"
     ok, detail = _corruption_check(events + [flipped(77, 2, 110, 4.0), found(125, 5.0, [])], [corrupt_param(3.9, 77)])
-    assert not ok and "naming nobody at world size 3" in detail, "three replicas and one flip: a majority names it"
+    assert not ok and "naming nobody among 3 copies" in detail, "three replicas and one flip: a majority names it"
+    hsdp = attempt(1, 0.0, 4, 9.0) + attempt(2, 10.0, 4, 12.0, finished=True)
+    assert _corruption_check(hsdp + [flipped(77, 3, 110, 4.0), found(125, 5.0, []) | {"copies": 2}],
+                             [corrupt_param(3.9, 77)])[0], "hsdp on two nodes: each shard has two copies"
     ok, detail = _corruption_check(events + [flipped(77, 2, 110, 4.0), found(125, 5.0, [0])], [corrupt_param(3.9, 77)])
     assert not ok and "naming [0]" in detail, "the wrong rank named"
     ok, detail = _corruption_check(events + [flipped(77, 2, 10, 4.0), found(75, 5.0, [2])], [corrupt_param(3.9, 77)])

@@ -90,6 +90,27 @@ def test_the_minority_is_named_with_its_node_and_without_a_majority_nobody_is() 
     assert compare(10, [5, 5, 9, 8, 5], [0, 1, 2, 3, 4]).suspects == [2, 3]
 
 
+def test_under_hsdp_each_shard_is_compared_with_its_copies_on_the_other_nodes() -> None:
+    """Three nodes of two ranks: rank r holds shard r % 2, so ranks 0, 2, 4 hold one shard and 1, 3, 5 the other.
+    The two shards' sums differ by nature; a copy that differs from its shard's other copies is the suspect."""
+    nodes = [0, 0, 1, 1, 2, 2]
+    assert compare(10, [5, 7, 5, 7, 5, 7], nodes, shards=2).agreed, "different shards are not compared"
+    verdict = compare(10, [5, 7, 5, 8, 5, 7], nodes, shards=2)
+    assert (verdict.agreed, verdict.suspects, verdict.nodes) == (False, [3], [1])
+    assert compare(10, [6, 8, 5, 7, 5, 7], nodes, shards=2).suspects == [0, 1], "a node with both shards bad"
+    two_nodes = compare(10, [5, 7, 5, 8], [0, 0, 1, 1], shards=2)
+    assert two_nodes.undecided, "two copies of a shard that differ: nobody can say which is right"
+    assert compare(10, [5, 7, 9, 7, 5, 7], nodes, shards=2).suspects == [2]
+    undecided_one = compare(10, [5, 7, 9, 8, 6, 7], nodes, shards=2)
+    assert undecided_one.undecided, "one shard with no majority rolls every rank back, whatever the other says"
+
+
+def test_hsdp_compares_fingerprints_by_default_and_fsdp_does_not() -> None:
+    assert load_config(parallel={"strategy": "hsdp"}).fingerprints
+    assert load_config(parallel={"strategy": "hsdp"}, recovery={"fingerprint_every_steps": 40}).fingerprints
+    assert not load_config(parallel={"strategy": "fsdp"}).fingerprints
+
+
 def blocks(values: list[int], costs: list[float], paces: list[float]) -> list[float]:
     out: list[float] = []
     for rank, (value, cost, pace) in enumerate(zip(values, costs, paces)):
