@@ -399,7 +399,7 @@ def _final_loss(events: list[dict[str, Any]]) -> tuple[float | None, str]:
     evals = [e for e in events if e["kind"] == "eval" and isinstance(e.get("eval_loss"), (int, float))]
     if evals:
         return float(max(evals, key=lambda e: (e["step"], e["time"]))["eval_loss"]), "test"
-    progress = [e for e in events if e["kind"] == "progress"]
+    progress = [e for e in events if e["kind"] == "progress" and "loss" in e]  # (a window of skipped steps has none)
     if not progress:
         return None, "training"
     last = max(progress, key=lambda e: (e["step"], e["generation"]))

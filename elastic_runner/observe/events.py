@@ -69,7 +69,7 @@ FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
 }
 #: The fields an event of each kind always carries (its readers index them).
 REQUIRED: dict[str, tuple[str, ...]] = {
-    "start": ("world_size",), "progress": ("step", "loss", "samples_per_s"), "eval": ("eval_loss",),
+    "start": ("world_size",), "progress": ("step", "samples_per_s"), "eval": ("eval_loss",),
     "snapshot_saved": ("blocking_s", "write_s"), "resume": ("generation",), "agent_worker_failed": ("failures",),
     "straggler": ("step", "rank", "node", "ratio", "status"),
     "replica_mismatch": ("step", "verified_step", "suspects", "status"),

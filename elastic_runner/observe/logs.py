@@ -96,7 +96,8 @@ class Progress:
         shown = (f"{fields['tokens_per_s']:,.0f} tokens/s" if "tokens_per_s" in fields else
                  f"{fields.get('samples_per_s') or 0.0:,.0f} samples/s")
         self._tqdm.set_description_str(f"epoch {fields['epoch']} ", refresh=False)
-        self._tqdm.set_postfix_str(f"loss {fields['loss']:.4g}, {shown}", refresh=False)
+        loss = f"loss {fields['loss']:.4g}" if "loss" in fields else "no step trained (skipped by rule)"
+        self._tqdm.set_postfix_str(f"{loss}, {shown}", refresh=False)
         self.tick(int(fields["step"]))
         self._tqdm.refresh()
 

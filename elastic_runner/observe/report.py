@@ -341,7 +341,7 @@ def timeline_figure(run_dir: str, events: list[dict[str, Any]] | None = None, x_
                              gridspec_kw={"height_ratios": [3, 2, 1.2][:panels]})
     ax_loss, ax_rate = axes[0], axes[1]
     ax_world = axes[2] if panels == 3 else None
-    ax_loss.plot(*_broken([(x(e), e["loss"]) for e in progress], breaks), color="#1f77b4", lw=1.4, label="training loss")
+    ax_loss.plot(*_broken([(x(e), e["loss"]) for e in progress if "loss" in e], breaks), color="#1f77b4", lw=1.4, label="training loss")
     if evals:
         ax_loss.plot([x(e) for e in evals], [e["eval_loss"] for e in evals], "o", color="#ff7f0e", ms=4, label="test loss")
     ax_loss.set_ylabel("loss")

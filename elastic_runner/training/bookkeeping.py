@@ -153,8 +153,10 @@ class StepBooks:
         self._window_started, self._window_samples = now, 0
         # To the end of training at this window's pace (a restart's first window is short: its pace is the job's).
         eta = (self.total_steps - step) * window_s / window_steps if window_steps > 0 else None
-        loss = loss_sum / max(1.0, count)
-        m.loss.set(loss)
+        # A window of steps skipped by rule trained on nothing: it has no loss (0.0 would read as a perfect model).
+        loss = loss_sum / count if count > 0 else None
+        if loss is not None:
+            m.loss.set(loss)
         m.lr.set(lr)
         m.step.set(step)
         m.epoch.set(epoch)
@@ -165,8 +167,8 @@ class StepBooks:
                 every = now - self._published_at if self._published_at is not None else None
                 publish_goodput(state.productive_s, state.goodput_wall_s(time.time()), every_s=every)
                 self._published_at = now
-        fields = {
-            "step": step, "epoch": epoch, "loss": loss, "samples_per_s": round(rate, 1),
+        fields = {"step": step, "epoch": epoch} | ({"loss": loss} if loss is not None else {"trained": False}) | {
+            "samples_per_s": round(rate, 1),
         } | ({"tokens_per_s": round(rate * self.tokens_per_sample)} if self.tokens_per_sample else {}) | {
             "world_size": self.dist.world_size, "lr": lr,
         } | ({"goodput": round(goodput, 4)} if goodput is not None else {}) | (

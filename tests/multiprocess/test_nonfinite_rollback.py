@@ -16,7 +16,7 @@ from elastic_runner.data.order import DEFAULT_ORDER, epoch_order
 from elastic_runner.observe.audit import check_audit
 from elastic_runner.observe.events import read_events
 
-from ..support import end_events, write_config
+from ..support import end_events, torchrun_standalone, write_config
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
@@ -89,3 +89,14 @@ def test_a_run_that_keeps_meeting_nonfinite_steps_stops_after_max_rollbacks_with
     assert [(e["step"], e["status"]) for e in rollbacks(Path(job.run_dir))] == [(16, "rolled_back"), (33, "stopped")]
     log = job.agents[0].log_text()
     assert "stopping (exit status 3, not restarted): 1 rollbacks in the last 3600 s" in log, log[-3000:]
+
+
+def test_a_logging_window_of_only_skipped_steps_reports_no_loss_rather_than_zero(tmp_path: Path) -> None:
+    path = config(tmp_path, "window", [], skip_steps=list(range(11, 21)), max_steps=30)
+    result = torchrun_standalone(path, tmp_path / "run", nproc=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    progress = {e["step"]: e for e in read_events(tmp_path / "run") if e["kind"] == "progress"}
+    assert sorted(progress) == [10, 20, 30]
+    assert "loss" not in progress[20] and progress[20]["trained"] is False, progress[20]
+    assert all(progress[s]["loss"] > 0 for s in (10, 30)), progress
+    assert "no step trained" in result.stdout + result.stderr or "trained=False" in result.stdout + result.stderr
