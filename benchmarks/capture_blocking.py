@@ -6,9 +6,10 @@ One process, one GPU. Each round queues a step's worth of device work (matmuls, 
 state, queues the next step and its optimizer update (an in-place change of every tensor, ordered after the copy as
 the loop orders it), and waits for the device. Per mode: the host's time inside the capture call (what the step is
 blocked), the round's time against a round without a capture (what the whole step loses), and, for the side stream,
-when the copy landed. Rounds interleave the modes (``--rounds``, medians and ranges); the first capture of each mode
-allocates its buffers and is reported apart (the loop reserves them off the step). The side stream's copy is checked
-against the state before the update::
+when the copy landed (a reader thread's time). Rounds interleave the modes (``--rounds``, medians and ranges); the first capture of each mode
+allocates its buffers and is reported apart (the loop reserves them off the step). The last side-stream round's copy
+is checked against the state before the update (the clone it compares with is queued before the capture, so that
+round's timings include it)::
 
     python3 benchmarks/capture_blocking.py --gigabytes 1 --rounds 5 --out results/capture_blocking.json
 """
@@ -73,10 +74,12 @@ def one_round(mode: str, state: dict[str, Any], staging: dict[str, HostStaging],
         blocked = time.perf_counter() - started
         pending = staging[mode].take_pending()
         done = threading.Event()
+        landed_at: list[float] = []
         if pending is not None:
 
             def reader() -> None:
                 pending.wait()
+                landed_at.append(time.perf_counter())
                 done.set()
 
             threading.Thread(target=reader, daemon=True).start()
@@ -90,7 +93,7 @@ def one_round(mode: str, state: dict[str, Any], staging: dict[str, HostStaging],
     total = time.perf_counter() - began
     if mode != "none":
         done.wait()
-        landed = time.perf_counter() - began
+        landed = (landed_at[0] if landed_at else started + blocked) - began  # inline: landed when the call returned
         if expected is not None:
             got = [*host["model"].values(), *host["half"]]
             assert all(torch.equal(g, e.cpu()) for g, e in zip(got, expected)), f"{mode}: the copy is not the state"
@@ -111,12 +114,15 @@ def main() -> None:
     work = torch.randn(4096, 4096, device="cuda") / 64
     iterations = calibrate(work, args.step_ms)
     staging = {"inline": HostStaging(), "side-stream": HostStaging()}
-    first = {mode: one_round(mode, state, staging, work, iterations, check=mode == "side-stream")
+    first = {mode: one_round(mode, state, staging, work, iterations, check=False)
              for mode in ("inline", "side-stream")}  # allocates each mode's pinned buffers
     rows: dict[str, list[dict[str, float]]] = {"none": [], "inline": [], "side-stream": []}
-    for _ in range(args.rounds):
+    for index in range(args.rounds):
         for mode in rows:
-            rows[mode].append(one_round(mode, state, staging, work, iterations, check=False))
+            # The last side-stream round checks the copy against the state before the update: its buffers are
+            # reserved, so the copy runs beside the next step as in training (a missing order would show).
+            check = mode == "side-stream" and index == args.rounds - 1
+            rows[mode].append(one_round(mode, state, staging, work, iterations, check=check))
     baseline = statistics.median(r["round_ms"] for r in rows["none"])
     result: dict[str, Any] = {"benchmark": "capture_blocking", "torch": torch.__version__,
                               "device": torch.cuda.get_device_name(), "state_bytes": size,

@@ -55,7 +55,14 @@ class ShardedSnapshotWriter(SnapshotWriter):
         if self._staging.on_device(state):
             # A GPU's shards: queued on a side stream into pinned buffers (.staging); the write thread waits for the
             # copy, the step's stream waits for it only before the next optimizer step (wait_staged), on the device.
-            host = self._staging.copy(state, deferred=True)
+            try:
+                host = self._staging.copy(state, deferred=True)
+            except Exception as exc:  # noqa: BLE001 - no pinned memory, a device error: this save fails, training goes on
+                queued = self._staging.take_pending()
+                if queued is not None:
+                    queued.wait()  # (nothing may be left copying into buffers the next save reuses)
+                self._failed(result, SnapshotError(f"copying the state of {ref.name} failed: {exc}"), 0.0)
+                return result
             result.size_estimate = state_bytes(host)
             self._device_copy = self._staging.take_pending()
             result.blocking_s = time.perf_counter() - started

@@ -119,12 +119,12 @@ class Arena:
             view = self._views[slot] = flat.view(getattr(torch, slot.dtype)).view(slot.shape)
         return view
 
-    def pin(self) -> bool:
+    def pin(self, device: int | None = None) -> bool:
         """Page-lock the arena for fast device-to-host copies, as DCP pins its shared staging buffers
         (``cudaHostRegisterPortable``); pageable memory (slower copies) where that fails, tried once."""
         if self.pinned or self._pin_failed or not torch.cuda.is_available():
             return self.pinned
-        self._device = torch.cuda.current_device()
+        self._device = torch.cuda.current_device() if device is None else device  # (another thread: say which)
         ptr = torch.frombuffer(self.mm, dtype=torch.uint8).data_ptr()
         code = _cuda_call(self._device, lambda cudart: cudart.cudaHostRegister(ptr, self.size, 1))
         self.pinned = code == 0

@@ -93,7 +93,7 @@ class CudaSideStream:
             stream.wait_event(after_step)
             with torch.cuda.stream(stream):
                 _copy_all(dsts, srcs, non_blocking=True)
-            copied = torch.cuda.Event()
+            copied = torch.cuda.Event(blocking=True)  # its reader's thread sleeps while it waits, not spins a core
             copied.record(stream)
             done.append((device, copied))
         return _CudaPending(done, list(sources))

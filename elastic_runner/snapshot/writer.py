@@ -110,6 +110,10 @@ class SnapshotWriter:
         self._device_copy: Pending | None = None
         #: Hands a GPU state's arena to the writer process once its side-stream copy has landed.
         self._submitter: threading.Thread | None = None
+        #: The last side-stream copy into the arena: waited for before the arena is closed, whatever happened since.
+        self._arena_copy: Pending | None = None
+        #: Makes the arena off the step (:meth:`reserve`).
+        self._reserving: threading.Thread | None = None
         self._in_flight: SaveResult | None = None
         self._write_began = 0.0
         self._outcome_lock = threading.Lock()
@@ -153,8 +157,27 @@ class SnapshotWriter:
         """Allocate the host buffers a snapshot of ``state`` will be copied into, off the step (a GPU state's pinned
         buffers: see :mod:`.staging`); the first save waits for them if they are not ready by then."""
         self.wait()
-        # Also with a writer process: until it is ready (it starts at the first save), saves go through the thread.
+        if self._process_ready(state) or self._process is not None:
+            # The writer process starts now rather than at the first save (this is after the attempt's first step,
+            # off a recovery's critical path), and its arena is made and page-locked in the background: the first
+            # save through it would otherwise do both in the step (most of a second for a gigabyte).
+            layout = shm.plan(state)
+            devices = [src.device.index or 0 for src in layout.sources if self.copier.handles(src)]
+            self._reserving = threading.Thread(target=self._make_arena, args=(layout.total, devices[0] if devices else None),
+                                               name="snapshot-arena", daemon=True)
+            self._reserving.start()
+            return
         self._staging.reserve(state)
+
+    def _make_arena(self, size: int, device: int | None) -> None:
+        try:
+            arena = shm.Arena(size)
+        except OSError as exc:  # the first save says so and falls back to the thread
+            log.debug("no snapshot arena reserved (%s)", exc)
+            return
+        if device is not None:
+            arena.pin(device)
+        self._arena = arena
 
     def wait_staged(self) -> None:
         """Block until the state of the save in flight is copied out of the live tensors: call it before
@@ -175,6 +198,9 @@ class SnapshotWriter:
 
     def wait(self) -> SaveResult | None:
         """Block until the in-flight write (if any) has finished."""
+        if self._reserving is not None:
+            self._reserving.join()
+            self._reserving = None
         self.wait_staged()
         for thread in (self._thread, self._submitter):
             if thread is not None:
@@ -204,8 +230,11 @@ class SnapshotWriter:
             self._process.close()
             self._process = None
         if self._arena is not None:
+            if self._arena_copy is not None:  # (a save cut short after its copy was queued: nothing waited for it)
+                self._arena_copy.wait()
             self._arena.close()
             self._arena = None
+        self._arena_copy = None
 
     # -- through the writer process ---------------------------------------------------------------------
 
@@ -258,7 +287,7 @@ class SnapshotWriter:
             if on_device:
                 # Queued on a side stream into the pinned arena: the step neither waits for the copy nor for the
                 # hand-over, which a thread does once the copy has landed (.staging).
-                copying = shm.stage(self._arena, layout, deferred=True, copier=self.copier)
+                copying = self._arena_copy = shm.stage(self._arena, layout, deferred=True, copier=self.copier)
                 result.blocking_s = time.perf_counter() - started
                 self._device_copy = copying
                 self._submitter = threading.Thread(target=self._submit_when_copied, args=(copying, result, job, fd),

@@ -201,7 +201,8 @@ class Dist:
             if os.environ.get("ELASTIC_RUNNER_CUDA_SYNC_DEBUG"):  # a diagnosis (docs/development.md)
                 # torch then warns (or raises) at every operation that makes the host wait for the device, once per
                 # call site: where a step waits that should not.
-                torch.cuda.set_sync_debug_mode(os.environ["ELASTIC_RUNNER_CUDA_SYNC_DEBUG"])
+                mode = os.environ["ELASTIC_RUNNER_CUDA_SYNC_DEBUG"]
+                torch.cuda.set_sync_debug_mode(int(mode) if mode.isdigit() else mode)  # warn | error | 1 | 2
         timeout = datetime.timedelta(seconds=timeout_seconds)
         message = (
             f"rank {env.rank}: process group ({chosen}, world size {env.world_size}, "

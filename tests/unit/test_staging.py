@@ -151,6 +151,29 @@ def test_a_snapshot_handed_to_the_writer_process_holds_the_captured_step(store: 
     assert all(torch.equal(state["model"][k], captured[k]) for k in captured)
 
 
+@pytest.mark.skipif(not shm.supported(), reason="the writer process needs memfd (Linux)")
+def test_a_reservation_starts_the_writer_process_and_makes_the_arena_the_first_save_uses(store: LocalStore) -> None:
+    device = FakeDevice()
+    w = SnapshotWriter(store, generation=store.claim_generation({}), keep_last=3, writer="process")
+    w.copier = device
+    live = {"w": device.tensor(torch.randn(512, 512))}
+    try:
+        w.reserve({"model": live})
+        assert w._process is not None, "the process starts at the reservation, not at the first save"
+        w.wait()
+        arena = w._arena
+        assert arena is not None and arena.size >= 512 * 512 * 4
+        assert w._process.ready.wait(60)
+        result = w.save(1, lambda: ({"model": live}, {}))
+        assert w._arena is arena, "the first save fills the reserved arena"
+        w.wait_staged()
+        require_ok(w.wait() or result)
+    finally:
+        w.close()
+    _, state = load_snapshot(store.path(SnapshotRef(1, 1)))
+    assert torch.equal(state["model"]["w"], live["w"])
+
+
 def test_buffers_reserved_ahead_are_the_ones_the_copy_fills_and_hold_its_values() -> None:
     staging = HostStaging()
     live = {"w": torch.zeros(1000), "opt": {0: {"exp_avg": torch.zeros(1000)}}}
