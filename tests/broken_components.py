@@ -10,6 +10,7 @@ import time
 import torch
 
 from elastic_runner.data.sampler import ElasticSampler, StepPlan
+from elastic_runner.workload.models import SmallCNN
 
 
 class RepeatingSampler(ElasticSampler):
@@ -80,6 +81,34 @@ class _CorruptsOneRank(torch.nn.Module):
 def corrupts_one_rank(rank: int = 1, at_forward: int = 50, once_file: str = "") -> torch.nn.Module:
     """``model.name: tests.broken_components:corrupts_one_rank``."""
     return _CorruptsOneRank(rank, at_forward, once_file)
+
+
+class _FailsOnItsDevice(SmallCNN):
+    """configs/quickstart.yaml's cnn (the same parameters, initialised alike) whose ``at_forward``-th training forward on
+    ``rank`` raises what NCCL raises after a sticky CUDA error (an illegal memory access), once in the run (``once_file``
+    records it): the device of that process is to be taken as unusable, though the error reads like NCCL's."""
+
+    def __init__(self, num_classes: int, channels: int, hidden: int, rank: int, at_forward: int, once_file: str) -> None:
+        super().__init__((1, 8, 8), num_classes, channels=channels, hidden=hidden)
+        self.bad = int(os.environ.get("RANK", "0")) == rank
+        self.at_forward, self.once_file, self.forwards = at_forward, once_file, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.bad and self.training:
+            self.forwards += 1
+            if self.forwards == self.at_forward and not os.path.exists(self.once_file):
+                open(self.once_file, "w").close()
+                raise RuntimeError("NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled cuda error (run with "
+                                   "NCCL_DEBUG=INFO for details), NCCL version 2.28.9\nncclUnhandledCudaError: Call to "
+                                   "CUDA function failed.\nLast error:\nCuda failure 'an illegal memory access was "
+                                   "encountered'")
+        return super().forward(x)
+
+
+def fails_on_its_device_once(num_classes: int, channels: int = 16, hidden: int = 64, rank: int = 1,
+                             at_forward: int = 130, once_file: str = "") -> torch.nn.Module:
+    """``model.name: tests.broken_components:fails_on_its_device_once``."""
+    return _FailsOnItsDevice(num_classes, channels, hidden, rank, at_forward, once_file)
 
 
 def digits_with_poisoned_samples(poisoned: list[int] | None = None) -> tuple[torch.utils.data.Dataset,

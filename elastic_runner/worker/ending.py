@@ -17,6 +17,8 @@ collective
 config / resume / set-up      failed              2 (not restarted)      nothing changed
 NaN or inf gradient           failed              3 (not restarted)      snapshots as they were (no stop
                                                                          snapshot, nothing kept: diverged)
+a sticky device error         failed              1 (the process is  the last completed step, in
+(illegal memory access...)                        never kept: a new one) node memory
 replicas that differ          failed              1 (restarted)          snapshots after the last agreeing
 (a fingerprint check)                                                    check moved aside, node memory too
 NaN or inf gradient with      rolled_back         (the process stays:    the snapshots (none is of a state
@@ -61,6 +63,10 @@ class RetryableSetupError(RuntimeError):
     """Rank 0 could not prepare the run for a reason that may pass (I/O): the attempt is retried."""
 
 
+class DeviceUnusable(RuntimeError):
+    """This process's device cannot be trusted any more: the process exits and its agent starts a new one."""
+
+
 @dataclass(frozen=True)
 class Ending:
     status: str  #: the ``end`` event's status: finished, stopped, parked, finished_not_durable or failed
@@ -100,6 +106,8 @@ _KNOWN: tuple[tuple[tuple[type[BaseException], ...], Ending], ...] = (
     ((FinalSnapshotFailed,), Ending("finished_not_durable", EXIT_NOT_DURABLE, say=True)),
     ((RetryableSetupError,), Ending("failed", EXIT_FAILED, say=True, said_by="node", keeps_state=True)),
     ((StaleWriterError, StopSnapshotFailed), Ending("failed", EXIT_FAILED, say=True, keeps_state=True)),
+    # Raised between attempts (the state was kept, or not, as the attempt ended): the agent starts a new process.
+    ((DeviceUnusable,), Ending("failed", EXIT_FAILED, say=True)),
 )
 
 
@@ -117,6 +125,36 @@ def ending_for(exc: BaseException | None, stop_requested: bool) -> Ending:
     return Ending("failed", None, keeps_state=True)
 
 
+#: What CUDA says when a context is unusable until its process exits (a "sticky" error: the device or its memory
+#: failed). NCCL reports one inside its own error ("unhandled cuda error ... Cuda failure 'an illegal memory access
+#: was encountered'"), which otherwise reads like a peer's failure.
+STICKY_DEVICE_ERRORS = ("illegal memory access", "device-side assert", "unspecified launch failure",
+                        "misaligned address", "illegal instruction", "uncorrectable ecc", "hardware stack error",
+                        "invalid program counter", "illegal address")
+
+
+def unusable_device(exc: BaseException | None, device: torch.device) -> str | None:
+    """Why this process's device cannot be trusted any more (one line), or None. A sticky CUDA error leaves the context
+    unusable until the process exits — NVIDIA's resiliency extension gave up its in-process restart for such faults —
+    so a process that met one is never kept through a recovery, however its error reads. ``exc``: what ended the
+    attempt (its causes are read too); on a GPU the device is asked as well (a synchronisation raises a sticky error
+    again). Costs a host synchronisation: between attempts only."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        matching = [line.strip() for line in str(exc).splitlines()
+                    if any(word in line.lower() for word in STICKY_DEVICE_ERRORS)]
+        if matching:  # the line that says what failed (NCCL's first line only says that CUDA did)
+            return matching[0][:300]
+        exc = exc.__cause__ or exc.__context__
+    if device.type == "cuda":
+        try:
+            torch.cuda.synchronize(device)
+        except RuntimeError as err:
+            return str(err).strip().splitlines()[0][:300] if str(err).strip() else type(err).__name__
+    return None
+
+
 def peer_lost_exit(stop_requested: bool) -> int:
     """The watchdog found a peer gone while this rank waits in a collective: leave at once."""
     return EXIT_OK if stop_requested else EXIT_PEER_LOST
@@ -126,6 +164,8 @@ def peer_failure(exc: BaseException, dist: Dist, stop_requested: bool) -> bool:
     """Whether the attempt ended because a peer failed (in-process recovery goes on), rather than on this rank's
     own error, a stop, or a job-ending condition (those end the process as ever)."""
     if not isinstance(exc, Exception) or dist.in_process is None or stop_requested:
+        return False
+    if unusable_device(exc, dist.device) is not None:  # this rank's own device failed: not a peer
         return False
     if ending_for(exc, False).exit_code is not None:
         return False

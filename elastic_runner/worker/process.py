@@ -33,7 +33,7 @@ from .dist import Dist
 from ..training import injected_faults
 from ..training.gradients import NonFiniteRollback
 from ..training.loop import MembershipChange
-from .ending import ending_for, peer_failure
+from .ending import DeviceUnusable, ending_for, peer_failure, unusable_device
 from .env import REPLACES_VAR, WorkerEnv, say_finished
 from .lifecycle import (EXIT_OK, EXIT_PEER_LOST, EXIT_USAGE, StopRequest, die_with_parent, name_process,
                         process_start_time)
@@ -104,6 +104,7 @@ def run(cfg: Config, env: WorkerEnv, make_workload: Callable[[], Workload] | Non
                 break
             except NonFiniteRollback as exc:
                 # Every rank read the non-finite step at the same logging step: all come here, the group intact.
+                _require_usable_device(dist, env, exc)  # (a NaN can be a failing device's)
                 kept, skips = attempt.reusable(), skips | {exc.step}
                 del attempt
                 if env.rank == 0:
@@ -114,8 +115,10 @@ def run(cfg: Config, env: WorkerEnv, make_workload: Callable[[], Workload] | Non
                 started_at = time.time()
                 continue
             except MembershipChange as exc:
+                _require_usable_device(dist, env, None)
                 kept, parking, cause = attempt.reusable(), True, str(exc)
             except Exception as exc:
+                _require_usable_device(dist, env, exc)
                 if not peer_failure(exc, dist, stop.requested):
                     raise
                 kept = attempt.reusable()
@@ -170,6 +173,17 @@ def run(cfg: Config, env: WorkerEnv, make_workload: Callable[[], Workload] | Non
             loaders.close()
         if dist is not None:
             dist.down()
+
+
+def _require_usable_device(dist: Dist, env: WorkerEnv, exc: BaseException | None) -> None:
+    """Before this process is kept through a recovery: a sticky device error ends it instead (:func:`unusable_device`),
+    and its agent starts a new one in its place."""
+    broken = unusable_device(exc, dist.device)
+    if broken is not None:
+        log.error("rank %d: this process's device is unusable (%s): the process is not kept through the recovery; "
+                  "its agent starts a new one", env.rank, broken)
+        raise DeviceUnusable(f"rank {env.rank}: the device is unusable ({broken}); a new process takes this one's "
+                             "place") from exc
 
 
 def _up(cfg: Config, env: WorkerEnv, make_workload: Callable[[], Workload] | None) -> Dist | None:

@@ -105,6 +105,25 @@ def test_a_killed_worker_is_replaced_alone_its_peer_keeps_its_process_and_the_ru
     assert resume and resume[0]["tier"] == "memory" and resume[0]["steps_recomputed"] <= 1, resume
 
 
+def test_a_worker_whose_device_fails_is_never_kept_a_new_process_takes_its_place_and_the_run_ends_bitwise(
+        reference_model: Any, local_job: Any, tmp_path: Path) -> None:
+    """A sticky CUDA error (simulated: rank 1's model raises what NCCL raises after an illegal memory access) leaves
+    the process's CUDA context unusable: that process exits and its agent starts a new one, however much the error
+    reads like a peer's; rank 0, whose peer failed, keeps its process."""
+    model = {"name": "tests.broken_components:fails_on_its_device_once",
+             "params": {"channels": 16, "hidden": 64, "rank": 1, "at_forward": 130,
+                        "once_file": str(tmp_path / "failed-once")}}
+    config = write_config(tmp_path / "sticky.yaml", **RESUME_SECTIONS, model=model)
+    job = _started(local_job, config, "elastic-runner", "dist.heartbeat_seconds=2")
+    run_dir = _ends_as_the_uninterrupted_run(job, reference_model, tmp_path)
+    starts = events(run_dir, "start")
+    assert len({e["pid"] for e in starts if e["rank"] == 0}) == 1, "rank 0 kept its process\n" + job.logs_tail()
+    assert len({e["pid"] for e in starts if e["rank"] == 1}) == 2, "rank 1's process was replaced"
+    logs = "\n".join(agent.log_text() for agent in job.agents)
+    assert "this process's device is unusable (Cuda failure 'an illegal memory access was encountered')" in logs, \
+        job.logs_tail()
+
+
 def test_a_survivors_dataloader_workers_live_through_the_recovery_and_one_that_dies_ends_in_a_recovered_job(
         resume_config: Path, reference_model: Any, local_job: Any, tmp_path: Path) -> None:
     # A collate function takes the DataLoader path (in-memory tensors skip it): two loader processes per worker.
