@@ -46,6 +46,7 @@ from ..snapshot.sharded_writer import ShardedSnapshotWriter
 from ..snapshot.space import room_warning, space_note, state_bytes
 from .boundary import Keeper, StateGuard, StepBoundary
 from .compatibility import Compatibility, ResumeError, check_compatible
+from .parts import scaler_numbers
 from .sharding import localize
 
 if TYPE_CHECKING:
@@ -270,7 +271,7 @@ class Checkpointer:
             parts.optimizer.load_state_dict(s["optimizer"])
             parts.scheduler.load_state_dict(s["scheduler"])
             if parts.scaler is not None and s.get("scaler"):
-                parts.scaler.load_state_dict(s["scaler"])
+                parts.scaler.load_state_dict(scaler_numbers(s["scaler"]))
         else:
             skipped.append("optimizer/schedule state (optimisation config changed)")
         if compat.data_ok:
