@@ -114,7 +114,7 @@ def measure(name: str, workload: Workload, workdir: Path, repeats: int, steps: i
     #: Ratios of two variants run back to back, one pair per repeat: ordered / DDP sync, compiled / uncompiled.
     pairs: dict[str, list[float]] = {"ordered_vs_ddp_sync": [], "compiled_vs_uncompiled": [], "timed_vs_untimed": [],
                                      "fingerprinted_vs_not": [], "fingerprint_every_log_vs_not": [],
-                                     "fsdp_vs_plain_fsdp": [], "fsdp_bare_vs_plain_fsdp": [], "fsdp_on_vs_off": []}
+                                     "fsdp_vs_plain_fsdp": [], "fsdp_bare_vs_plain_fsdp": [], "fsdp_on_vs_off": [], "ddp_vs_plain_ddp": []}
     fsdp_blocking: list[float] = []
     for _ in range(repeats):
         this: dict[str, float] = {}
@@ -136,7 +136,8 @@ def measure(name: str, workload: Workload, workdir: Path, repeats: int, steps: i
                                                                     "elastic-runner-unfingerprinted"),
                                    "fsdp_vs_plain_fsdp": ("elastic-runner-fsdp", "baseline-fsdp"),
                                    "fsdp_bare_vs_plain_fsdp": ("elastic-runner-fsdp-bare", "baseline-fsdp"),
-                                   "fsdp_on_vs_off": ("elastic-runner-fsdp", "elastic-runner-fsdp-bare")}.items():
+                                   "fsdp_on_vs_off": ("elastic-runner-fsdp", "elastic-runner-fsdp-bare"),
+                                   "ddp_vs_plain_ddp": ("elastic-runner", "baseline")}.items():
             if this.get(ours) and this.get(other):
                 pairs[key].append(this[ours] / this[other])
     med = {variant: median(values) for variant, values in rates.items()}
