@@ -64,6 +64,7 @@ if want fingerprint; then
         > "$out/fingerprint_cost.log" 2>&1; grep -E "^mlp" "$out/fingerprint_cost.log"
 fi
 if want regroup; then
-    timeout 100 python3 benchmarks/regroup_nccl.py --repeats 3 --out "$out/regroup_nccl.json" > "$out/regroup_nccl.log" 2>&1
-    tail -5 "$out/regroup_nccl.log"
+    PYTHONUNBUFFERED=1 timeout 160 python3 benchmarks/regroup_nccl.py --repeats 3 --out "$out/regroup_nccl.json" \
+        > "$out/regroup_nccl.log" 2>&1
+    grep -vE "Warning|warn" "$out/regroup_nccl.log" | tail -12
 fi

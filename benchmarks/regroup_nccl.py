@@ -142,12 +142,16 @@ def main() -> None:
         return
     os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     results: dict[str, object] = {"new process": [], "new process + compile": []}
+    # Each figure as it comes: a run cut short by its time limit still says what it measured (2026-11-28 on a cold
+    # H200 the whole took more than gpu_check.sh's 100 s then, and printed nothing).
     for _ in range(args.repeats):
         ready, _ = new_process(False)
         results["new process"].append(ready)  # type: ignore[union-attr]
+        print(f"new process: {ready:.3f} s", flush=True)
     for _ in range(args.repeats):
         _, stepped = new_process(True)
         results["new process + compile"].append(stepped)  # type: ignore[union-attr]
+        print(f"new process + compile: {stepped:.3f} s", flush=True)
     results |= survivor(args.repeats)
     import torch
 
