@@ -437,7 +437,7 @@ def check_audit(run_dir: str | os.PathLike[str]) -> AuditReport:
         from .audit_mixture import check_mixture
 
         report.sources, found = check_mixture(header, report.final_step, owner, segments_of, lines,
-                                              first, started["taken"] if started else None)
+                                              first, started["taken"] if started else None, report.skipped_steps)
         report.violations += found
         return report
     # Pass 2: the indices of the owning records, counted per epoch (saturating at 255), plus any out of range.

@@ -32,6 +32,9 @@ class SourceReport:
     epochs_complete: int = 0
     worst_deviation: float = 0.0  #: the largest |taken - weight x slots| after any step
     per_epoch: dict[int, int] = field(default_factory=dict)
+    #: Of ``taken``: samples of steps skipped by rule (consumed, not trained on), and by this source's epoch.
+    skipped: int = 0
+    skipped_per_epoch: dict[int, int] = field(default_factory=dict)
 
     @property
     def weight_share(self) -> float:
@@ -41,22 +44,29 @@ class SourceReport:
     def to_dict(self) -> dict[str, Any]:
         return {"label": self.label, "weight": self.weight, "samples": self.samples, "taken": self.taken,
                 "share": round(self.share, 6), "epochs_complete": self.epochs_complete,
-                "worst_deviation": round(self.worst_deviation, 6)}
+                "worst_deviation": round(self.worst_deviation, 6), "skipped": self.skipped,
+                "skipped_per_epoch": {str(epoch): n for epoch, n in sorted(self.skipped_per_epoch.items())}}
 
     def line(self) -> str:
         left = self.taken - self.epochs_complete * self.samples
         part = f" + {left / self.samples:.0%}" if left else ""
         return (f"  source {self.label}: weight {self.weight_share:.4g}, took {self.taken:,} samples ({self.share:.4f} "
                 f"of all), {self.epochs_complete} epoch{'s' if self.epochs_complete != 1 else ''} of {self.samples:,}"
-                f"{part}, every step within {self.worst_deviation:.3f} of its share")
+                f"{part}, every step within {self.worst_deviation:.3f} of its share"
+                + (f"; {self.skipped:,} skipped by rule (consumed, not trained on: "
+                   + ", ".join(f"epoch {e}: {n:,}" for e, n in sorted(self.skipped_per_epoch.items())) + ")"
+                   if self.skipped else ""))
 
 
 def check_mixture(header: dict[str, Any], final_step: int, owner: dict[int, int],
                   segments_of: dict[tuple[int, int], tuple[tuple[int, int, int, int], ...]],
                   records: Iterable[dict[str, Any]], first_step: int = 1,
-                  taken_at_start: list[int] | None = None) -> tuple[list[SourceReport], list[str]]:
+                  taken_at_start: list[int] | None = None,
+                  skipped_steps: Iterable[int] = ()) -> tuple[list[SourceReport], list[str]]:
     """The sources' reports and every violation (see the module docstring). ``first_step``, ``taken_at_start``: where
-    a run that started from another run's snapshot began (what each source had given by then)."""
+    a run that started from another run's snapshot began (what each source had given by then); ``skipped_steps``: the
+    owning generations' steps skipped by rule (their samples are counted as taken, and as skipped)."""
+    skipped = set(skipped_steps)
     sources = header.get("sources") or []
     violations: list[str] = []
     try:
@@ -82,6 +92,10 @@ def check_mixture(header: dict[str, Any], final_step: int, owner: dict[int, int]
         for g in expected:
             taken[g.source] += g.count
             reports[g.source].per_epoch[g.epoch] = reports[g.source].per_epoch.get(g.epoch, 0) + g.count
+            if step in skipped:
+                reports[g.source].skipped += g.count
+                reports[g.source].skipped_per_epoch[g.epoch] = reports[g.source].skipped_per_epoch.get(g.epoch, 0) \
+                    + g.count
         slots = sum(taken)
         for s, report in enumerate(reports):
             report.worst_deviation = max(report.worst_deviation, abs(taken[s] - weights[s] * slots))

@@ -105,3 +105,29 @@ def test_one_source_trains_its_epochs_end_to_end() -> None:
         sampler.advance(plan)
     # 18 steps of 8: two whole epochs of 50, and 44 samples of the third (the last 6 left: no partial step)
     assert Counter(seen.values()) == {3: 44, 2: 6}
+
+
+def test_the_mixture_audit_counts_each_sources_samples_of_steps_skipped_by_rule_by_its_epoch() -> None:
+    """Steps skipped by rule (train.skip_steps, a non-finite rollback's) consumed their samples: the audit counts them
+    as taken, and says per source and epoch how many were not trained on."""
+    from elastic_runner.observe.audit_mixture import check_mixture
+
+    sampler = MixtureSampler([6, 10], ["1/3", "2/3"], 3, seed=0, shuffle=True, labels=["a", "b"])
+    header = {"sources": [{"label": "a", "samples": 6, "weight": "1/3"}, {"label": "b", "samples": 10, "weight": "2/3"}],
+              "global_batch": 3, "seed": 0, "shuffle": True}
+    taken, segments_of, records, skipped = [0, 0], {}, [], {0: Counter(), 1: Counter()}
+    for step in range(1, 7):
+        ids, segments = sampler.window(taken)
+        segments_of[(step, 1)] = tuple((g.source, g.epoch, g.start, g.count) for g in segments)
+        records.append({"type": "step", "step": step, "generation": 1, "rank": 0, "world_size": 1, "indices": ids})
+        for g in segments:
+            taken[g.source] += g.count
+            if step in (2, 5):
+                skipped[g.source][g.epoch] += g.count
+    reports, violations = check_mixture(header, 6, {s: 1 for s in range(1, 7)}, segments_of, records,
+                                        skipped_steps=[2, 5])
+    assert not violations, violations
+    assert [r.taken for r in reports] == taken
+    assert [r.skipped for r in reports] == [sum(c.values()) for c in skipped.values()] and sum(r.skipped for r in reports) == 6
+    assert [r.skipped_per_epoch for r in reports] == [dict(c) for c in skipped.values()]
+    assert "skipped by rule (consumed, not trained on: epoch 0:" in reports[1].line()
