@@ -202,8 +202,9 @@ def fill_disk(ctx: FaultContext) -> str:
     return f"filled the snapshot volume ({size / 2**20:.1f} MB, {left // 1024} KB left) for {ctx.fill_seconds:g}s"
 
 
-#: slow-node's duty cycle: stopped, then running, over and over (a quarter of the node's time left to it).
-SLOW_STOPPED_S, SLOW_RUNNING_S = 0.03, 0.01
+#: slow-node's duty cycle: running, then stopped three times as long, over and over (a quarter of the node's time
+#: left to it).
+SLOW_RUNNING_S, SLOW_STOPPED_PER_RUNNING = 0.01, 3.0
 
 
 def slow_node(ctx: FaultContext) -> str:
@@ -224,12 +225,15 @@ def slow_node(ctx: FaultContext) -> str:
         deadline = time.monotonic() + ctx.slow_seconds
         try:
             while time.monotonic() < deadline and not done.is_set():
+                # The stop lasts three times what the run really lasted: on a loaded machine this thread's sleeps
+                # overshoot, and fixed sleeps gave the workers far more than a quarter of their time.
+                running_since = time.monotonic()
+                time.sleep(SLOW_RUNNING_S)
                 for w in workers:
                     ctx.job.signal_worker(w, signal.SIGSTOP)
-                time.sleep(SLOW_STOPPED_S)
+                time.sleep(SLOW_STOPPED_PER_RUNNING * (time.monotonic() - running_since))
                 for w in workers:
                     ctx.job.signal_worker(w, signal.SIGCONT)
-                time.sleep(SLOW_RUNNING_S)
         finally:
             for w in workers:  # never left stopped (gone already if a recovery replaced it: fine)
                 ctx.job.signal_worker(w, signal.SIGCONT)

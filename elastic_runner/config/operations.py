@@ -255,17 +255,19 @@ class RecoveryConfig:
     )
     straggler_ratio: float | None = _help(
         "A rank whose local time per step (its batches, forward, backward and update: all but the wait for the "
-        "gradient sync, timed with no host sync) stays at least this many times the median rank's for "
-        "recovery.straggler_window_seconds is named a straggler: a warning with its rank and node, a straggler event "
-        "(with its host), and elastic_runner_straggler 1 on its metrics endpoint; cleared when it is faster again. "
+        "gradient sync, timed with no host sync) is at least this many times the median rank's for more than half "
+        "of the last recovery.straggler_window_seconds is named a straggler: a warning with its rank and node, a "
+        "straggler event (with its host), and elastic_runner_straggler 1 on its metrics endpoint; cleared once it "
+        "was that slow for a quarter of the window or less. "
         "Read at logging steps. Names ranks under parallel.strategy: ddp with dist.gradient_sync: ordered; elsewhere "
         "a rank waits for its peers inside forward or backward (fsdp's gathers, torch DDP's reducer), where a slow "
         "rank cannot be told from a waiting one, and only the timings are exported. null: off (nothing timed).",
         default=1.3,
     )
     straggler_window_seconds: float = _help(
-        "For straggler_ratio: how long a rank must stay that slow (over consecutive logging windows) before it is "
-        "named; what slows a rank for a moment (a snapshot, a page-cache miss, a shared machine's scheduler) names "
+        "For straggler_ratio: the span over which a rank is judged, in seconds of logging windows: named once it was "
+        "that slow for more than half of it (a window below the ratio now and then does not start the count again), "
+        "so what slows a rank for a moment (a snapshot, a page-cache miss, a shared machine's scheduler) names "
         "nobody.", default=60.0)
     fingerprint_every_steps: int | Literal["auto"] | None = _help(
         "Silent corruption (a flipped bit, a miscomputing device) told from bitwise replicas: every this many steps "

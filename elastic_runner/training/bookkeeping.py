@@ -192,7 +192,7 @@ class StepBooks:
         self.metrics.straggler.set(1 if rank in watch.named else 0)
         for found, status in [(s, "named") for s in named] + [(s, "cleared") for s in cleared]:
             if self.rank0:
-                line = _straggler_line(found, status, len(local_s))
+                line = _straggler_line(found, status, len(local_s), watch.window_s)
                 log.log(logging.WARNING if status == "named" else logging.INFO, "%s", line)
                 self.events.emit("story", line=line)
             if found.rank == rank:
@@ -210,13 +210,14 @@ class StepBooks:
             self.progress.close()
 
 
-def _straggler_line(found: Straggler, status: str, world: int) -> str:
+def _straggler_line(found: Straggler, status: str, world: int, window_s: float) -> str:
     where = f"rank {found.rank} (node {found.node})"
     times = f"{found.local_s * 1000:.1f} ms a step against the median rank's {found.median_s * 1000:.1f} ms"
     if status == "cleared":
-        return f"{where} is no straggler any more: {times} in the last logging window"
+        return (f"{where} is no straggler any more: slow for {found.seconds:.0f} s of the last {window_s:g} s, "
+                f"{times} in the last logging window")
     others = "the other rank waits" if world == 2 else f"the other {world - 1} ranks wait"
     return (f"{where} is a straggler: its own work (batches, forward, backward, update) has taken at least the "
-            f"straggler ratio times the median rank's for {found.seconds:.0f} s ({found.steps} steps), "
-            f"{found.ratio:.2f}x in the last logging window ({times}); {others} for it every step (its host is in its "
-            "straggler event and on its metrics endpoint, elastic_runner_straggler)")
+            f"straggler ratio times the median rank's for {found.seconds:.0f} s of the last {window_s:g} s "
+            f"({found.steps} steps), {found.ratio:.2f}x in the last logging window ({times}); {others} for it "
+            "every step (its host is in its straggler event and on its metrics endpoint, elastic_runner_straggler)")

@@ -27,8 +27,8 @@ def test_a_slow_rank_is_named_with_its_node_and_cleared_when_it_is_fast_again(tm
                                                                               local_job) -> None:  # noqa: ANN001
     port, slow_file = free_port_pair(), tmp_path / "slow"
     slow_file.touch()
-    # A 3x ratio for 2 s: a step here takes a few milliseconds, and on a loaded 2-core machine the scheduler alone
-    # can make one rank's steps of a second slower by half or more; the slow rank's forward takes 30 ms more.
+    # A 3x ratio for most of 2 s: a step here takes a few milliseconds, and on a loaded 2-core machine the scheduler
+    # alone can make one rank's steps of a second slower by half or more; the slow rank's forward takes 30 ms more.
     config = write_config(tmp_path / "s.yaml", train={"epochs": None, "max_steps": 1200, "eval_every_steps": 0},
                           model={"name": "tests.broken_components:slow_on_one_rank",
                                  "params": {"rank": 1, "while_file": str(slow_file), "delay_s": 0.03}},
@@ -52,7 +52,7 @@ def test_a_slow_rank_is_named_with_its_node_and_cleared_when_it_is_fast_again(tm
     events = stragglers(run_dir)
     named = [e for e in events if e["status"] == "named"]
     assert [(e["rank"], e["node"], e["pid"]) for e in named] == [(1, 0, slow.pid)], events
-    assert named[0]["ratio"] >= 3.0 and named[0]["seconds"] >= 2.0 and named[0]["steps"] > 0 and named[0]["host"]
+    assert named[0]["ratio"] >= 3.0 and named[0]["seconds"] >= 1.0 and named[0]["steps"] > 0 and named[0]["host"]
     cleared = [e for e in events if e["status"] == "cleared"]
     assert [e["rank"] for e in cleared] == [1] and cleared[0]["step"] > named[0]["step"], events
     log = job.agents[0].log_text()

@@ -19,24 +19,39 @@ def window(watch: StragglerWatch, per_step_ms: list[float], steps: int = 10, sec
     return watch.observe([ms / 1000 * steps for ms in per_step_ms], [steps] * len(per_step_ms), NODES, seconds)
 
 
-def test_a_rank_slow_for_the_whole_window_is_named_once_with_its_node_and_ratio() -> None:
+def test_a_rank_slow_for_most_of_the_window_is_named_once_with_its_node_and_ratio() -> None:
     watch = StragglerWatch(ratio=1.3, window_s=30)
-    assert window(watch, [10, 10, 10, 20]) == ([], [])
-    assert window(watch, [10, 11, 10, 20]) == ([], [])
-    named, cleared = window(watch, [10, 10, 9, 20])
-    assert cleared == [] and [(s.rank, s.node, s.steps, s.seconds) for s in named] == [(3, 1, 30, 30.0)]
+    assert window(watch, [10, 10, 10, 20]) == ([], [])  # slow for 10 s
+    named, cleared = window(watch, [10, 11, 10, 20])  # 20 s: more than half of 30
+    assert cleared == [] and [(s.rank, s.node, s.steps, s.seconds) for s in named] == [(3, 1, 20, 20.0)]
     assert named[0].ratio == pytest.approx(2.0) and named[0].median_s == pytest.approx(0.010)
     assert window(watch, [10, 10, 10, 20]) == ([], []), "named once, not at every window"
     assert watch.named == {3}
 
 
-def test_one_slow_window_names_nobody_and_a_faster_window_starts_the_count_again() -> None:
+def test_a_rank_slow_for_half_the_window_or_less_is_not_named() -> None:
     watch = StragglerWatch(ratio=1.3, window_s=30)
-    window(watch, [10, 10, 10, 30])
-    window(watch, [10, 10, 10, 30])
-    window(watch, [10, 10, 10, 10])  # a snapshot's window, say, was what made it slow
-    window(watch, [10, 10, 10, 30])
-    assert window(watch, [10, 10, 10, 30]) == ([], []) and watch.named == set()
+    for _ in range(3):
+        window(watch, [10, 10, 10, 10])
+    window(watch, [10, 10, 10, 30], seconds=15.0)
+    assert window(watch, [10, 10, 10, 10], seconds=15.0) == ([], []) and watch.named == set()
+
+
+def test_one_slow_window_names_nobody() -> None:
+    """What made it slow for a moment (a snapshot's window, say) is a minority of the window."""
+    watch = StragglerWatch(ratio=1.3, window_s=30)
+    for ms in [10, 10, 40, 10, 10, 10]:
+        assert window(watch, [10, 10, 10, ms]) == ([], [])
+
+
+def test_a_fast_window_now_and_then_does_not_hide_a_slow_rank() -> None:
+    """A throttled node's slowness lands in its own work or in its wait by chance: one window in four below the
+    ratio must not start the count again (a first rule that did never named a throttled node on a loaded machine)."""
+    watch = StragglerWatch(ratio=1.5, window_s=3)
+    found = []
+    for ms in [40, 40, 12, 40, 40, 40, 12, 40]:
+        found += window(watch, [10, ms], steps=25, seconds=0.5)[0]
+    assert [s.rank for s in found] == [1] and found[0].seconds > 1.5
 
 
 def test_many_fast_steps_are_not_a_long_time() -> None:
@@ -47,12 +62,15 @@ def test_many_fast_steps_are_not_a_long_time() -> None:
         assert window(watch, [1, 1, 1, 3], steps=200, seconds=0.4) == ([], [])
 
 
-def test_a_named_rank_is_cleared_at_the_first_window_it_is_fast_again() -> None:
+def test_a_named_rank_is_cleared_once_it_was_fast_for_three_quarters_of_the_window() -> None:
     watch = StragglerWatch(ratio=1.3, window_s=10)
-    named, _ = window(watch, [10, 25, 10, 10])
+    named, _ = window(watch, [10, 25, 10, 10], seconds=6.0)
     assert [s.rank for s in named] == [1]
-    named, cleared = window(watch, [10, 11, 10, 10])
+    assert window(watch, [10, 11, 10, 10], seconds=2.0) == ([], []), "fast for 2 s of the last 10: still named"
+    assert window(watch, [10, 11, 10, 10], seconds=5.0) == ([], []), "slow for 3 s of the last 10: still named"
+    named, cleared = window(watch, [10, 11, 10, 10], seconds=1.0)
     assert named == [] and [s.rank for s in cleared] == [1] and watch.named == set()
+    assert cleared[0].seconds == pytest.approx(2.0)
 
 
 def test_of_two_ranks_the_faster_is_the_measure() -> None:
@@ -67,8 +85,14 @@ def test_a_rank_whose_steps_are_still_in_flight_keeps_its_standing() -> None:
     window(watch, [10, 10, 10, 30])
     named, cleared = watch.observe([0.1, 0.1, 0.1, 0.0], [10, 10, 10, 0], NODES, 10.0)  # rank 3's events in flight
     assert (named, cleared) == ([], [])
-    named, _ = window(watch, [10, 10, 10, 30])
-    assert [s.rank for s in named] == [3]
+    named, _ = window(watch, [10, 10, 10, 30], seconds=1.0)
+    assert [s.rank for s in named] == [3] and named[0].seconds == pytest.approx(11.0), "the window in flight not counted"
+
+
+def test_a_new_world_starts_the_count_again() -> None:
+    watch = StragglerWatch(ratio=1.3, window_s=20)
+    window(watch, [10, 10, 10, 30])
+    assert watch.observe([0.1, 0.3], [10, 10], [0, 1], 5.0) == ([], []), "rank 1 of two is not rank 3 of four"
 
 
 def test_with_the_ratio_off_nobody_is_named_and_the_ratios_are_still_measured() -> None:
