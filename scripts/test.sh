@@ -3,9 +3,9 @@
 #   1. the whole suite on torch 2.14.1 + torchvision 0.29.1 (.venv-vision; extra arguments go to this pytest run),
 #   2. a shorter run on torch 2.13.0, the CPU wheel the quickstart uses (.venv): the unit tests that touch torch's
 #      own APIs (the torch-patch canaries, the torchrun hook, rendezvous handlers and store, snapshot loading, the
-#      snapshot writer process, components, the sampler), the launcher tests, one elastic scenario and one of each kind
-#      of in-process recovery (the 2.13 path recreates the group). The other tests check our own logic; the first run
-#      covers them.
+#      snapshot writer process, components, the sampler), the launcher and regroup tests, and six elastic scenarios:
+#      a worker SIGKILL resumed from a survivor's memory, and each kind of in-process recovery (the 2.13 path recreates
+#      the group). The other tests check our own logic; the first run covers them.
 # The tests install what they need from Debian themselves (etcd-server, prometheus) when run as root.
 set -uo pipefail
 cd "$(dirname "$0")/.."
