@@ -246,7 +246,7 @@ def worker_main(index: int, parent: int, commands: Connection, results: Connecti
 
     Commands (dicts): build (spec, count), arm (stop_heartbeats), go, cleanup, exit. Replies: built,
     armed, one "agent" message per agent that returned, cleaned, or error."""
-    from elastic_runner.worker.lifecycle import follow_parent
+    from elastic_runner.lifecycle import follow_parent
 
     follow_parent(parent)  # never outlive the benchmark
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the main process ends us

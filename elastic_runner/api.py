@@ -18,7 +18,7 @@ batch), the peer watchdog, metrics, events, the audit — with these objects ins
 import paths. The config (a YAML file, a mapping of sections, or ``None`` for the defaults) supplies
 everything else; its ``data``/``model``/``optim`` names are not used (the snapshot records the
 objects' classes and shapes instead, so that a changed model is refused on resume). Returns the
-worker's exit status (:mod:`elastic_runner.worker.lifecycle`).
+worker's exit status (:mod:`elastic_runner.lifecycle`).
 
 :func:`load_model` rebuilds a run's built-in model from its snapshot's config and loads the newest
 snapshot's weights, or loads them into the model you pass (a script's own model, or one named by an
@@ -61,8 +61,8 @@ def fit(model: nn.Module, train_data: Any, *, loss: Callable[..., Any] | str = "
     fsdp/hsdp pass ``optimizer`` as a function of the parameters (it is called with this rank's shards).
     """
     from .observe.logs import say
-    from .worker.env import EnvError, WorkerEnv
-    from .worker.lifecycle import EXIT_USAGE
+    from .env import EnvError, WorkerEnv
+    from .lifecycle import EXIT_USAGE
     from .worker.process import run
 
     try:

@@ -2,9 +2,10 @@
 
 Runs alone (world size 1), under ``torchrun --standalone``, or as part of a
 multi-node elastic job; it reads its place in the job from the environment.
-This module reads the arguments and the config; the process itself (logging,
-signals, the process group, the exit status) is :func:`elastic_runner.worker.process.run`,
-and one training attempt :class:`elastic_runner.worker.attempt.Attempt`.
+This module is the door: the arguments and the config are read in :mod:`elastic_runner.worker.main`
+(where the agent's zygote starts its forked workers too); the process itself (logging, signals, the
+process group, the exit status) is :func:`elastic_runner.worker.process.run`, and one training attempt
+:class:`elastic_runner.worker.attempt.Attempt`.
 
 Exit status (:mod:`elastic_runner.worker.ending` decides it): 0 finished or stopped gracefully
 (SIGTERM/SIGINT), 2 a configuration or resume problem (the message says what
@@ -15,52 +16,11 @@ could not be written (the state is kept in node memory), 75 peers did not arrive
 
 from __future__ import annotations
 
-import argparse
-import os
 import sys
-from typing import NoReturn, Sequence
 
-from torch.distributed.elastic.multiprocessing.errors import record
+from .worker.main import main, parse_args
 
-from .config import ConfigError, add_overrides_option, load_config
-from .observe.logs import say
-from .worker.env import EnvError, WorkerEnv
-from .worker.lifecycle import EXIT_USAGE
-from .worker.process import run
-
-
-class _WorkerArguments(argparse.ArgumentParser):
-    """Every worker of a node parses the same command line: the node's terminal shows a mistake in it once."""
-
-    def error(self, message: str) -> NoReturn:
-        if os.environ.get("LOCAL_RANK", "0") == "0":
-            self.print_usage(sys.stderr)
-            say(f"{self.prog}: error: {message}")
-        sys.exit(EXIT_USAGE)
-
-
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = _WorkerArguments(prog="elastic-runner train", description="Train from a YAML config (one worker).")
-    parser.add_argument("--config", "-c", required=True, help="YAML config file, e.g. configs/quickstart.yaml")
-    add_overrides_option(parser)
-    # torch.distributed.launch passed the local rank as an argument.
-    parser.add_argument("--local_rank", "--local-rank", dest="local_rank", type=int, default=None, help=argparse.SUPPRESS)
-    return parser.parse_args(argv)
-
-
-@record
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
-    try:
-        cfg = load_config(args.config, args.overrides)
-        env = WorkerEnv.from_environ(legacy_local_rank=args.local_rank)
-    except (ConfigError, EnvError) as exc:
-        # Every worker of the node read the same file: the node's terminal shows the error once.
-        if os.environ.get("LOCAL_RANK", "0") == "0":
-            say(f"elastic_runner: config error: {exc}")
-        return EXIT_USAGE
-    return run(cfg, env)
-
+__all__ = ["main", "parse_args"]
 
 if __name__ == "__main__":
     sys.exit(main())

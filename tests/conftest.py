@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Iterator
 import pytest
 
 from elastic_runner.testing.localjob import LocalJob
-from elastic_runner.worker.lifecycle import become_subreaper
+from elastic_runner.lifecycle import become_subreaper
 
 from .support import QUICKSTART, ROOT, write_config
 

@@ -7,7 +7,7 @@ Applied to the agent process just before torch's ``launch_agent`` builds its age
   the entrypoint becomes a function forked from a pre-imported server instead of a new interpreter.
 - **Faster rounds** (:mod:`elastic_runner.agent.fast_rendezvous`) and **our agent**
   (:class:`elastic_runner.agent.agent.ElasticRunnerAgent`), each only where its canary says the torch
-  internals it relies on are still there (:mod:`elastic_runner.agent.torch_patches`).
+  internals it relies on are still there (:mod:`elastic_runner.torch_patches`).
 - **Agent metrics** on ``ELASTIC_RUNNER_AGENT_METRICS_PORT`` and the agent's event log.
 - **A quiet terminal** (:mod:`elastic_runner.agent.terminal`): torch's tracebacks of handled worker failures
   go to DEBUG.
@@ -68,7 +68,7 @@ def name_agent(environ: Any = None) -> str:
     import tempfile
     import time
 
-    from ..worker.env import AGENT_ID_VAR, GOODPUT_FILE_VAR
+    from ..env import AGENT_ID_VAR, GOODPUT_FILE_VAR
 
     environ = os.environ if environ is None else environ
     environ[AGENT_ID_VAR] = f"{socket.gethostname()}-{os.getpid()}-{time.time():.0f}"
@@ -114,7 +114,7 @@ def adopt(launcher_api: Any, config: Any, entrypoint: Any, args: Sequence[Any],
     from .agent import ElasticRunnerAgent
     from .metrics import AgentMetrics, install_bridge
     from .terminal import quiet_handled_failures
-    from .torch_patches import AGENT_CORRECTIONS, PROCESS_GROUP_ABORT, usable
+    from ..torch_patches import AGENT_CORRECTIONS, PROCESS_GROUP_ABORT, usable
 
     key_file = (getattr(config, "rdzv_configs", None) or {}).get("auth_key_file")
     if key_file:
@@ -129,7 +129,7 @@ def adopt(launcher_api: Any, config: Any, entrypoint: Any, args: Sequence[Any],
 
         hold_for_our_workers()  # our worker binds MASTER_PORT with SO_REUSEPORT: the offered port stays held
     worker_cfg = worker_config(worker_args) if worker_args is not None else None
-    from ..worker.env import GOODPUT_FILE_VAR
+    from ..env import GOODPUT_FILE_VAR
 
     private = os.path.dirname(os.environ.get(GOODPUT_FILE_VAR, ""))  # name_agent's directory
     if private and _keeps_workers_across_rounds(worker_cfg, zygote_wanted):
@@ -197,7 +197,7 @@ def _start_health_check(worker_cfg: Any, config: Any) -> Callable[[], str | None
 
 
 def _end_if_unhealthy(finding: Callable[[], str | None]) -> None:
-    from ..worker.lifecycle import EXIT_UNHEALTHY
+    from ..lifecycle import EXIT_UNHEALTHY
 
     problem = finding()
     if problem:
@@ -209,7 +209,7 @@ def _end_if_unhealthy(finding: Callable[[], str | None]) -> None:
 def _keeps_workers_across_rounds(worker_cfg: Any, zygote_wanted: bool) -> bool:
     """Whether this agent hands its workers their places in a new round (:mod:`.kept_round`): ours, with in-process
     recovery, workers started from a function, and the torch internals each part relies on."""
-    from .torch_patches import AGENT_CORRECTIONS, KEEPING_WORKERS, KEPT_ROUNDS
+    from ..torch_patches import AGENT_CORRECTIONS, KEEPING_WORKERS, KEPT_ROUNDS
 
     return bool(worker_cfg is not None and worker_cfg.in_process and zygote_wanted
                 and not (AGENT_CORRECTIONS.problems() or KEEPING_WORKERS.problems() or KEPT_ROUNDS.problems()))

@@ -4,7 +4,7 @@
   timeout (30 s) before SIGKILL; a worker in the stopped state (SIGSTOP, a debugger, a wedged cgroup) cannot handle
   SIGTERM, so that wait is pure loss: it is SIGKILLed at once.
 - **Configuration errors are not retried.** A worker that exits with status 2
-  (:data:`elastic_runner.worker.lifecycle.EXIT_USAGE`: invalid config, incompatible snapshot) or 3 (the gradient
+  (:data:`elastic_runner.lifecycle.EXIT_USAGE`: invalid config, incompatible snapshot) or 3 (the gradient
   became NaN or inf) would fail identically on every restart; the agent stops instead of burning its restarts.
 - **A stop signal is never lost** (:mod:`.stop_signal`): one that torch's handler raised inside some ``except
   Exception`` stops the agent at its next look.
@@ -40,7 +40,7 @@
 
 Observers (agent metrics and events, :mod:`elastic_runner.agent.metrics`) hear of every
 rendezvous round, failed worker group and restart. The private methods overridden here are
-checked by :data:`elastic_runner.agent.torch_patches.AGENT_CORRECTIONS`; ``elastic-runner launch``
+checked by :data:`elastic_runner.torch_patches.AGENT_CORRECTIONS`; ``elastic-runner launch``
 uses torch's agent unchanged when they no longer fit.
 """
 
@@ -59,8 +59,8 @@ from torch.distributed.elastic.agent.server.api import DEFAULT_ROLE, RunResult, 
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
-from ..worker.env import REPLACES_VAR
-from ..worker.lifecycle import (
+from ..env import REPLACES_VAR
+from ..lifecycle import (
     EXIT_DIVERGED,
     EXIT_FINAL,
     EXIT_NOT_DURABLE,
@@ -75,7 +75,7 @@ from . import fast_rendezvous, kept_round, stop_signal
 from .beat import AgentBeat
 from .finish import failed_after_finishing, wait_at_exit
 from .round_members import MemberWatch, WatchfulStore, gone_check
-from .torch_patches import KEEPING_WORKERS, usable
+from ..torch_patches import KEEPING_WORKERS, usable
 from .worker_context import KeepingContext, as_keeping
 
 log = logging.getLogger(__name__)
@@ -211,7 +211,7 @@ class ElasticRunnerAgent(LocalElasticAgent):
 
     def _announce_stop(self, reason: str) -> None:
         """Say, before torch SIGTERMs them, which workers this agent stops and why: a worker reads it
-        (:func:`elastic_runner.worker.lifecycle.StopRequest`) so that it does not report a person's SIGTERM."""
+        (:func:`elastic_runner.lifecycle.StopRequest`) so that it does not report a person's SIGTERM."""
         pids = self._live_worker_pids()
         if pids:
             self._notify("stopping_workers", pids=pids, reason=reason)

@@ -44,7 +44,7 @@ Four changes, applied only inside the ``elastic-runner launch`` agent process:
 Both hook torch internals (``_RendezvousJoinOp``, ``_delay``, the state
 holder's ``_cache_duration`` during ``next_rendezvous``) that have been
 stable since torch 1.9; :func:`install` checks them
-(:data:`elastic_runner.agent.torch_patches.FAST_RENDEZVOUS`) and otherwise leaves
+(:data:`elastic_runner.torch_patches.FAST_RENDEZVOUS`) and otherwise leaves
 torch's behaviour alone with a warning.
 """
 
@@ -115,7 +115,7 @@ def install() -> bool:
         return True
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
 
-    from .torch_patches import FAST_RENDEZVOUS, usable
+    from ..torch_patches import FAST_RENDEZVOUS, usable
 
     if not usable(FAST_RENDEZVOUS, log):
         return False

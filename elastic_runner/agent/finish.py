@@ -5,7 +5,7 @@ for up to ``exit_barrier_timeout`` (300 s). An agent whose worker dies in the jo
 snapshot durable, the process failing in its teardown — would instead start a new rendezvous round that nobody
 joins, and every other node would wait out the barrier. So:
 
-- a worker says it finished the job (:func:`~elastic_runner.worker.env.say_finished`) the moment it has; a failure
+- a worker says it finished the job (:func:`~elastic_runner.env.say_finished`) the moment it has; a failure
   of that process afterwards is the success it was (:func:`failed_after_finishing`): no new round;
 - an agent in the exit barrier stops waiting when a node asks for a new round instead of arriving
   (:func:`wait_at_exit`): the job is finished here, and that node resumes from the final snapshot on its own.
@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
-from ..worker.env import GOODPUT_FILE_VAR, finished_pids
+from ..env import GOODPUT_FILE_VAR, finished_pids
 from . import stop_signal
 
 log = logging.getLogger(__name__)

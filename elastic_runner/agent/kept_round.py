@@ -27,8 +27,8 @@ import time
 from typing import Any, Iterator
 
 from ..worker.handover import HANDOVER_DIR_VAR, Handover
-from ..worker.lifecycle import proc_state
-from . import torch_patches
+from ..lifecycle import proc_state
+from .. import torch_patches
 from .worker_context import KeepingContext
 
 log = logging.getLogger(__name__)

@@ -29,8 +29,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
 from .. import __version__
 from ..observe.events import EventLog
-from ..worker.env import GOODPUT_FILE_VAR
-from .torch_patches import torch_version
+from ..env import GOODPUT_FILE_VAR
+from ..torch_patches import torch_version
 
 log = logging.getLogger(__name__)
 

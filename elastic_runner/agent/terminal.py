@@ -18,7 +18,7 @@ import os
 import sys
 from typing import Any
 
-from ..worker.lifecycle import EXIT_FINAL
+from ..lifecycle import EXIT_FINAL
 
 log = logging.getLogger("elastic_runner.agent")
 
@@ -60,7 +60,7 @@ def quiet_handled_failures() -> None:
 
 def final_exit_code(exc: Any) -> int | None:
     """The exit status to end with when every failure in torch's ``ChildFailedError`` is one that
-    restarting cannot fix (:data:`elastic_runner.worker.lifecycle.EXIT_FINAL`); None otherwise."""
+    restarting cannot fix (:data:`elastic_runner.lifecycle.EXIT_FINAL`); None otherwise."""
     failures = getattr(exc, "failures", None)
     if not failures:
         return None

@@ -15,7 +15,7 @@ import torch._dynamo  # noqa: F401 - the optimizer's lazy import, paid here once
 import torch.distributed  # noqa: F401
 from torch.nn.parallel import DistributedDataParallel  # noqa: F401
 
-import elastic_runner.train  # noqa: F401 - the whole worker and its dependencies
+import elastic_runner.worker.main  # noqa: F401 - the whole worker and its dependencies
 
 # The same lazy paths the first optimizer step takes.
 _param = torch.nn.Parameter(torch.zeros(1))

@@ -10,7 +10,7 @@ shutting down every worker as before.
 
 Only for function entrypoints (the zygote's; both ``elastic-runner launch`` and plain ``torchrun -m
 elastic_runner.train`` use one). The private torch names it relies on are checked by
-:data:`elastic_runner.agent.torch_patches.KEEPING_WORKERS`.
+:data:`elastic_runner.torch_patches.KEEPING_WORKERS`.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from typing import Any
 
 from torch.distributed.elastic.multiprocessing.api import MultiprocessContext, ProcessFailure, RunProcsResult
 
-from .torch_patches import ELASTIC_MP, SPAWN
+from ..torch_patches import ELASTIC_MP, SPAWN
 
 log = logging.getLogger(__name__)
 

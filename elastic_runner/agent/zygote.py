@@ -14,7 +14,7 @@ Workers are then children of the zygote, not of the agent. They still die
 with their agent: the zygote exits when the agent's end of its "alive" pipe
 closes (each worker closes the copy the forkserver hands it), and each worker
 asks for SIGKILL on its parent's death
-(:func:`elastic_runner.worker.lifecycle.die_with_parent`).
+(:func:`elastic_runner.lifecycle.die_with_parent`).
 """
 
 from __future__ import annotations
@@ -215,8 +215,8 @@ def worker_main(*argv: str) -> None:
     worker's ``main`` has already written the error file torchrun reports.
     """
     _as_worker()
-    from elastic_runner.train import main
-    from elastic_runner.worker import lifecycle
+    from elastic_runner.worker.main import main
+    from elastic_runner import lifecycle
 
     sys.argv = [WORKER_MODULE, *argv]
     try:
@@ -259,8 +259,9 @@ def standby_main(conn: Any, template_rank: int, wrap_args: tuple[Any, ...]) -> N
     local rank's worker (``wrap_args``: the context's arguments to torch's inner ``_wrap``, after the local rank), so
     that its result, output and failure are that worker's; the agent's end of ``conn`` closed without a place, it
     exits."""
-    from elastic_runner.agent.torch_patches import ELASTIC_MP, SPAWN
-    from elastic_runner.worker import lifecycle, standby
+    from elastic_runner.torch_patches import ELASTIC_MP, SPAWN
+    from elastic_runner import lifecycle
+    from elastic_runner.worker import standby
 
     lifecycle.die_with_parent()  # the zygote, which dies with its agent
     lifecycle.name_standby()

@@ -25,7 +25,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, default_collate
 
 from ..config import ConfigError
-from ..worker.lifecycle import LoaderWorkersDieWithTrainer
+from ..lifecycle import LoaderWorkersDieWithTrainer
 
 Collate = Callable[[list[Any]], Any]
 

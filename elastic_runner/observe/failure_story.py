@@ -19,7 +19,7 @@ import re
 import signal
 from typing import Any
 
-from ..worker.lifecycle import EXIT_PEER_LOST
+from ..lifecycle import EXIT_PEER_LOST
 from .events import read_events, starts_a_session
 
 #: What a worker's own failure says when it is the peer that went away (gloo, NCCL, the store, our watchdog).

@@ -39,7 +39,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from ..worker.env import GOODPUT_FILE_VAR
+from ..env import GOODPUT_FILE_VAR
 
 CAUSES = ("detection", "rendezvous", "worker start and restore", "other", "recomputed steps", "snapshot blocking")
 

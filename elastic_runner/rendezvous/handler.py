@@ -27,7 +27,7 @@ is read (``OutageTolerantStateHolder._sanitize``):
 
 A node that stays silent for a full window after etcd is back is dropped as before. The classes
 override torch internals that have been stable since torch 1.9 (``from_backend``, the state
-holder's ``_sanitize``), checked by :data:`elastic_runner.agent.torch_patches.OUTAGE_TOLERANT_HANDLER`.
+holder's ``_sanitize``), checked by :data:`elastic_runner.torch_patches.OUTAGE_TOLERANT_HANDLER`.
 """
 
 from __future__ import annotations
@@ -145,7 +145,7 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
 def create_handler(store: Store, backend: RendezvousBackend, params: RendezvousParameters) -> DynamicRendezvousHandler:
     """Like torch's ``create_handler`` (same ``--rdzv_conf`` keys, same validation), returning ours, or
     torch's own handler when this torch's internals no longer fit ours (with a warning)."""
-    from ..agent.torch_patches import OUTAGE_TOLERANT_HANDLER, usable
+    from ..torch_patches import OUTAGE_TOLERANT_HANDLER, usable
 
     reference = torch_create_handler(store, backend, params)  # parses and validates exactly as torch does
     if not usable(OUTAGE_TOLERANT_HANDLER, log):

@@ -4,7 +4,7 @@ A port found free and released at once (torch's ``get_free_port``) can be taken 
 rank 0's worker binds it, much later: that user's process would then receive the job's store traffic. Instead the
 agent keeps a socket bound to the port with ``SO_REUSEPORT`` (and not ``SO_REUSEADDR``), not listening: Linux then
 lets another socket bind the port only if it sets ``SO_REUSEPORT`` too *and* belongs to the same user — this
-agent's own worker (:meth:`elastic_runner.worker.dist.Dist.up` binds it that way), nobody else. The socket is
+agent's own worker (:func:`elastic_runner.worker.group.up` binds it that way), nobody else. The socket is
 dual-stack IPv6 where the host has IPv6 (one hold covers both families), else IPv4.
 
 A worker program that is not ours binds the port the plain way, which the hold would refuse: for those the agent

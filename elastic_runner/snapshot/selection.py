@@ -1,7 +1,7 @@
 """Which state a (re)started job resumes from: the newest of every node's memory tier and the disk.
 
 A collective: every rank calls :func:`select_newest` with the job's collectives (``dist``: the
-worker's :class:`~elastic_runner.worker.dist.Dist` or anything with its ``rank``, ``backend``,
+worker's :class:`~elastic_runner.dist.Dist` or anything with its ``rank``, ``backend``,
 ``device``, ``all_gather_object``, ``broadcast_object`` and ``broadcast_tensor``).
 
 Ranks report what their node keeps in memory; rank 0 compares the newest of those with the newest

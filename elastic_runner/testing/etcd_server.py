@@ -28,7 +28,7 @@ from pathlib import Path
 
 import requests
 
-from ..worker.lifecycle import child_dies_with_starter
+from ..lifecycle import child_dies_with_starter
 from . import debian
 from .localjob import free_port
 from .server_process import ServerProcess

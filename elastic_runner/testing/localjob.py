@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-from ..worker.lifecycle import become_subreaper, child_dies_with_starter, proc_state
+from ..lifecycle import become_subreaper, child_dies_with_starter, proc_state
 
 
 def free_port() -> int:

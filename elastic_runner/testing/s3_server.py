@@ -25,7 +25,7 @@ from pathlib import Path
 
 import requests
 
-from ..worker.lifecycle import child_dies_with_starter
+from ..lifecycle import child_dies_with_starter
 from .localjob import free_port
 from .server_process import ServerProcess
 

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from ..observe.audit import AuditWriter
     from ..observe.events import EventLog
     from ..observe.metrics import Metrics
-    from ..worker.dist import Dist
+    from ..dist import Dist
     from .state import TrainState
     from .step import StepResult
 

@@ -53,8 +53,8 @@ if TYPE_CHECKING:
     from ..observe.events import EventLog
     from ..observe.metrics import Metrics
     from ..snapshot import LocalStore
-    from ..worker.dist import Dist
-    from ..worker.env import WorkerEnv
+    from ..dist import Dist
+    from ..env import WorkerEnv
     from .parts import TrainingParts
     from .state import TrainState
 
@@ -66,7 +66,7 @@ class StopSnapshotFailed(SnapshotError):
 
 class FinalSnapshotFailed(SnapshotError):
     """Training finished but its final snapshot could not be written; the message says where the state is
-    kept and how to write it out (the worker exits with :data:`~elastic_runner.worker.lifecycle.EXIT_NOT_DURABLE`)."""
+    kept and how to write it out (the worker exits with :data:`~elastic_runner.lifecycle.EXIT_NOT_DURABLE`)."""
 
 
 class Checkpointer:

@@ -10,7 +10,7 @@ from ..data.sources import BatchSource, shard
 
 if TYPE_CHECKING:
     from ..observe.metrics import Metrics
-    from ..worker.dist import Dist
+    from ..dist import Dist
     from ..workload.tasks import Task
 
 

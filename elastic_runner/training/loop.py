@@ -35,9 +35,8 @@ if TYPE_CHECKING:
     from ..config import Config
     from ..observe.events import EventLog
     from ..observe.metrics import Metrics
-    from ..worker.dist import Dist
-    from ..worker.lifecycle import StopRequest
-    from ..worker.watchdog import PeerWatchdog
+    from ..dist import Dist
+    from ..lifecycle import StopRequest
     from .bookkeeping import StepBooks
     from .checkpointer import Checkpointer
     from .evaluation import Evaluator
@@ -45,6 +44,13 @@ if TYPE_CHECKING:
     from .step import TrainStep
 
 log = logging.getLogger(__name__)
+
+
+class Watchdog(Protocol):
+    """The peer watchdog as the loop sees it (:class:`elastic_runner.worker.watchdog.PeerWatchdog`): told when the
+    attempt's last collective is done."""
+
+    def stop(self, done: bool = True) -> None: ...
 
 
 class ParkChannel(Protocol):
@@ -84,7 +90,7 @@ class Trainer:
     def __init__(self, cfg: Config, dist: Dist, parts: TrainingParts, step: TrainStep, books: StepBooks,
                  evaluator: Evaluator, source: BatchSource, checkpointer: Checkpointer, *, total_steps: int,
                  start: AttemptStart, stop: StopRequest, events: EventLog, metrics: Metrics,
-                 watchdog: PeerWatchdog | None, on_first_step: Callable[[], None] | None = None,
+                 watchdog: Watchdog | None, on_first_step: Callable[[], None] | None = None,
                  park: ParkChannel | None = None) -> None:
         self.cfg, self.dist, self.parts, self.step, self.books = cfg, dist, parts, step, books
         self.evaluator, self.source, self.checkpointer = evaluator, source, checkpointer

@@ -32,6 +32,8 @@ import torch
 import torch.distributed as tdist
 from torch import nn
 
+from ..dist import broadcast_coalesced
+
 #: The largest bucket, in bytes (DDP's default bucket cap, 25 MiB), and the first one's (DDP's: 1 MiB, so that
 #: communication starts early in the backward pass).
 BUCKET_BYTES = 25 << 20
@@ -244,20 +246,6 @@ def _broadcast_state(model: nn.Module, group: Any) -> None:
     if tdist.get_world_size(group) > 1:
         src = tdist.get_global_rank(group, 0) if group is not None else 0
         broadcast_coalesced(list(model.parameters()) + list(model.buffers()), src, group)
-
-
-def broadcast_coalesced(tensors: list[torch.Tensor], src: int = 0, group: Any = None) -> None:
-    """Overwrite ``tensors`` with rank ``src``'s, in one broadcast per dtype and device."""
-    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-
-    by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-    for t in tensors:
-        by_kind.setdefault((t.dtype, t.device), []).append(t.detach())
-    for same in by_kind.values():
-        flat = _flatten_dense_tensors(same)
-        tdist.broadcast(flat, src=src, group=group)
-        if tdist.get_rank() != src:
-            torch._foreach_copy_(same, list(_unflatten_dense_tensors(flat, same)))
 
 
 #: The input of a micro-step in which this rank has no sample: ``ddp(EMPTY)`` is a zero loss.

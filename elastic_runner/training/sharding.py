@@ -30,8 +30,8 @@ import torch
 from torch import nn
 
 from ..config import ConfigError, ParallelConfig
+from ..dist import broadcast_coalesced
 from ..snapshot.shards import is_dtensor
-from .parallel import broadcast_coalesced
 
 
 def fsdp_available() -> bool:

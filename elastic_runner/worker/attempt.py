@@ -59,10 +59,10 @@ from ..training.sharding import FSDPSync, check_shardable, compile_units, shard_
 from ..training.state import TrainState
 from ..training.step import TrainStep
 from ..workload.spec import Workload, check, check_batchnorm, from_config
-from .dist import Dist
+from ..dist import Dist
 from .ending import Ending, RetryableSetupError, SetupError, ending_for, peer_lost_exit
-from .env import WorkerEnv
-from .lifecycle import EXIT_FINAL, StopRequest, exit_now
+from ..env import WorkerEnv
+from ..lifecycle import EXIT_FINAL, StopRequest, exit_now
 from .preflight import largest_world_size, parent_cmdline
 from .run_dir import prepare_run_dir, record_sync
 from .watchdog import PeerWatchdog, start_watchdog

@@ -51,8 +51,8 @@ from ..training.checkpointer import FinalSnapshotFailed, ResumeError, StopSnapsh
 from ..training.fingerprint import ReplicasDiverged, TooManyRollbacks
 from ..training.gradients import NonFiniteGradient, NonFiniteRollback
 from ..training.loop import GracefulStop, MembershipChange
-from .dist import Dist, DistError
-from .lifecycle import EXIT_DIVERGED, EXIT_FAILED, EXIT_NOT_DURABLE, EXIT_OK, EXIT_PEER_LOST, EXIT_USAGE
+from ..dist import Dist, DistError
+from ..lifecycle import EXIT_DIVERGED, EXIT_FAILED, EXIT_NOT_DURABLE, EXIT_OK, EXIT_PEER_LOST, EXIT_USAGE
 
 
 class SetupError(RuntimeError):

@@ -1,7 +1,7 @@
 """One worker process: logging, signals, the process group up and down, and the exit status.
 
 :func:`run` is what ``python -m elastic_runner.train`` and :func:`elastic_runner.fit` both run once
-they have a config and the worker's place in the job (:class:`~elastic_runner.worker.env.WorkerEnv`).
+they have a config and the worker's place in the job (:class:`~elastic_runner.env.WorkerEnv`).
 The attempt itself is :class:`~elastic_runner.worker.attempt.Attempt`; how it ended, and so the exit
 status, is decided in :mod:`elastic_runner.worker.ending`. With in-process recovery
 (``recovery.in_process``) a process whose peer failed rebuilds its process group with the peer's
@@ -22,24 +22,24 @@ from .. import files
 from ..config import Config
 from ..config.locations import is_url
 from ..data.sources import KeptLoaders
+from ..dist import Dist, destroy_default_group
 from ..observe.events import agent_stop_reason
 from ..observe.logs import say, setup_logging
 from ..snapshot import SnapshotError
 from ..snapshot.format import set_signing_key, signing_key_from_environment
 from ..object_client import prewarm
-from . import standby
+from . import group, standby
 from .attempt import Attempt
-from .dist import Dist
 from ..training import injected_faults
 from ..training.gradients import NonFiniteRollback
 from ..training.loop import MembershipChange
 from .ending import DeviceUnusable, ending_for, peer_failure, unusable_device
-from .env import REPLACES_VAR, WorkerEnv, say_finished
-from .lifecycle import (EXIT_OK, EXIT_PEER_LOST, EXIT_USAGE, StopRequest, die_with_parent, name_process,
+from ..env import REPLACES_VAR, WorkerEnv, say_finished
+from ..lifecycle import (EXIT_OK, EXIT_PEER_LOST, EXIT_USAGE, StopRequest, die_with_parent, name_process,
                         process_start_time)
 from .preflight import warn_known_bad_setups
 from .handover import Handover, HandoverError
-from .regroup import RegroupError, destroy_default_group
+from .regroup import RegroupError
 
 if TYPE_CHECKING:
     from ..workload.spec import Workload
@@ -134,8 +134,8 @@ def run(cfg: Config, env: WorkerEnv, make_workload: Callable[[], Workload] | Non
                 return EXIT_OK
             if not parking:
                 try:
-                    seconds = dist.rejoin(cfg.dist.init_timeout_seconds,
-                                          leaving=handover.requested if handover is not None else None)
+                    seconds = group.rejoin(dist, cfg.dist.init_timeout_seconds,
+                                           leaving=handover.requested if handover is not None else None)
                     # This worker's start in the next attempt (its start-up figures, goodput's "worker start and
                     # restore"): now, not its process's start long ago; the replacement's start is earlier.
                     started_at = time.time()
@@ -190,13 +190,13 @@ def _up(cfg: Config, env: WorkerEnv, make_workload: Callable[[], Workload] | Non
     """The process group of ``env``'s place; None for a replacement whose survivors did not come (the caller exits
     76: another replacement would wait the same way, so every worker restarts)."""
     try:
-        return Dist.up(env, backend=cfg.dist.backend, device=cfg.dist.device,
-                       timeout_seconds=cfg.dist.timeout_seconds,
-                       init_timeout_seconds=cfg.dist.init_timeout_seconds,
-                       in_process=in_process_wanted(cfg, env, make_workload),
-                       regroup_wait_seconds=cfg.dist.heartbeat_seconds or cfg.dist.init_timeout_seconds,
-                       # A sharded model's device mesh makes its groups from the first one: those are made anew.
-                       regroup="recreate" if cfg.parallel.sharded else cfg.recovery.regroup)
+        return group.up(env, backend=cfg.dist.backend, device=cfg.dist.device,
+                        timeout_seconds=cfg.dist.timeout_seconds,
+                        init_timeout_seconds=cfg.dist.init_timeout_seconds,
+                        in_process=in_process_wanted(cfg, env, make_workload),
+                        regroup_wait_seconds=cfg.dist.heartbeat_seconds or cfg.dist.init_timeout_seconds,
+                        # A sharded model's device mesh makes its groups from the first one: those are made anew.
+                        regroup="recreate" if cfg.parallel.sharded else cfg.recovery.regroup)
     except RegroupError as exc:
         # (their agents restarted them for a new round, or they failed again; an ordinary failure would make its
         # agent replace it again and again)

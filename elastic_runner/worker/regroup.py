@@ -33,24 +33,12 @@ from typing import Any, Callable
 import torch
 import torch.distributed as tdist
 
+from ..dist import destroy_default_group
+
 log = logging.getLogger(__name__)
 
 #: Where the members' handles go in the job's store: ``regroup/<generation>/<member>``.
 PREFIX = "regroup"
-
-
-def destroy_default_group() -> None:
-    """Destroy the default process group, if any; a failure is logged, never raised (teardown after a failure must
-    not mask it)."""
-    # Objects in reference cycles (a worker's DDP model after an exception) hold the group
-    # until the collector runs: free them first, or gloo's threads outlive the group
-    # (see _import_dynamo_first for why that matters).
-    if tdist.is_initialized():
-        gc.collect()
-        try:
-            tdist.destroy_process_group()
-        except Exception:  # noqa: BLE001 - teardown after a failure must not mask it
-            log.debug("destroy_process_group failed", exc_info=True)
 
 
 class RegroupError(RuntimeError):
@@ -81,7 +69,7 @@ def chosen_regroup(wanted: str, backend: str) -> str:
 
 def regroup_method(backend: str) -> tuple[str, str]:
     """How this torch build rebuilds a ``backend`` group in the process: ``("reconfigure" | "recreate", why)``."""
-    from ..agent.torch_patches import PROCESS_GROUP_RECONFIGURE
+    from ..torch_patches import PROCESS_GROUP_RECONFIGURE
 
     missing = PROCESS_GROUP_RECONFIGURE.problems()
     if missing:
@@ -320,7 +308,7 @@ class SameMembers:
     Members are the ranks ``0..world_size-1``. Generation 0 is the round's first group; each rebuild is the next
     one. Survivors know theirs; a replacement reads its predecessor's from the store, so both sides name the same
     generation without talking. With ``reconfigure`` the first group is made by :meth:`first` (it must be created
-    reconfigurable); with ``recreate`` by :meth:`~elastic_runner.worker.dist.Dist.up` as any group.
+    reconfigurable); with ``recreate`` by :func:`~elastic_runner.worker.group.up` as any group.
     """
 
     def __init__(self, store: Any, rank: int, world_size: int, backend: str, device: torch.device,

@@ -19,9 +19,9 @@ from ..files import makedirs
 from ..observe.records import RecordSync, own_records, records_url
 from ..snapshot import LocalStore, SnapshotError, open_store
 from ..snapshot.store import SnapshotUnavailableError, StoreAccessError
-from .dist import Dist
+from ..dist import Dist
 from .ending import RetryableSetupError, SetupError
-from .env import WorkerEnv
+from ..env import WorkerEnv
 
 log = logging.getLogger("elastic_runner.train")
 

@@ -30,7 +30,7 @@ import time
 from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:
-    from .env import WorkerEnv
+    from ..env import WorkerEnv
 
 log = logging.getLogger(__name__)
 

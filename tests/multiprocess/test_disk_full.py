@@ -12,7 +12,7 @@ from typing import Iterator
 
 import pytest
 
-from elastic_runner.worker.lifecycle import EXIT_NOT_DURABLE
+from elastic_runner.lifecycle import EXIT_NOT_DURABLE
 
 from ..support import events, mount_small_volume, run_bounded, unmount
 

@@ -175,7 +175,7 @@ def test_a_torch_patch_that_no_longer_fits_is_skipped_with_one_warning(small_con
     # As if a torch upgrade had renamed a private method our agent overrides.
     code = (
         "import dataclasses, sys\n"
-        "from elastic_runner.agent import torch_patches as tp\n"
+        "from elastic_runner import torch_patches as tp\n"
         "renamed = tp.Need(tp.LOCAL_AGENT, 'LocalElasticAgent._renamed_in_a_future_torch')\n"
         "tp.AGENT_CORRECTIONS = dataclasses.replace(tp.AGENT_CORRECTIONS, needs=tp.AGENT_CORRECTIONS.needs + (renamed,))\n"
         "from elastic_runner.agent.launch import main\n"

@@ -21,7 +21,7 @@ from elastic_runner.observe.records_view import run_view
 from elastic_runner.snapshot.format import read_meta, read_verified_bytes
 from elastic_runner.snapshot.object_store import ObjectStore
 from elastic_runner.testing.s3_server import S3Server
-from elastic_runner.worker.lifecycle import EXIT_NOT_DURABLE
+from elastic_runner.lifecycle import EXIT_NOT_DURABLE
 
 from ..support import end_events, events, run_bounded, torchrun_standalone
 

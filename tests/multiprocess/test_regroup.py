@@ -58,7 +58,7 @@ def _share_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, src: 
 def _member(name: str, port: int, method: str, victim: str | None, out: str) -> None:
     """One member's life: every segment of :data:`SCHEDULE` it belongs to. ``victim``: the member that SIGKILLs
     itself at the start of step 5 (None: the membership changes on purpose). Writes what it saw to ``out``."""
-    import torch._dynamo  # noqa: F401 - before any process group, as Dist.up does
+    import torch._dynamo  # noqa: F401 - before any process group, as worker.group.up does
     import torch.distributed as tdist
 
     store = tdist.TCPStore("127.0.0.1", port, None, False, timeout=TIMEOUT)
@@ -188,7 +188,7 @@ def test_a_member_that_never_comes_fails_the_regroup_within_the_timeout_not_a_ha
 
 def _ring_member(name: str, port: int, method: str, out: str) -> None:
     """A member of four that all-reduces until d dies; the survivors then rebuild the group of three."""
-    import torch._dynamo  # noqa: F401 - before any process group, as Dist.up does
+    import torch._dynamo  # noqa: F401 - before any process group, as worker.group.up does
     import torch.distributed as tdist
 
     store = tdist.TCPStore("127.0.0.1", port, None, False, timeout=TIMEOUT)

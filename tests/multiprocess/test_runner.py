@@ -132,7 +132,7 @@ def test_a_stop_before_training_ends_the_worker_at_once_even_while_it_waits_for_
     import time
 
     from elastic_runner.testing.localjob import free_port
-    from elastic_runner.worker.lifecycle import EXIT_OK
+    from elastic_runner.lifecycle import EXIT_OK
 
     port = free_port()
     env = os.environ | {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": "0",
@@ -177,8 +177,8 @@ def test_a_stop_while_a_survivor_rebuilds_its_process_group_ends_it_at_once(smal
 
     from elastic_runner.observe.events import read_events
     from elastic_runner.testing.localjob import free_port
-    from elastic_runner.worker.env import AGENT_ID_VAR
-    from elastic_runner.worker.lifecycle import EXIT_OK
+    from elastic_runner.env import AGENT_ID_VAR
+    from elastic_runner.lifecycle import EXIT_OK
     from elastic_runner.worker.regroup import announce_replacement
 
     port, run_dir = free_port(), tmp_path / "run"
@@ -236,8 +236,8 @@ def test_a_replacement_whose_survivors_never_rebuild_the_group_ends_so_that_ever
 
     import torch.distributed as tdist
 
-    from elastic_runner.worker.env import AGENT_ID_VAR, REPLACES_VAR
-    from elastic_runner.worker.lifecycle import EXIT_PEER_LOST
+    from elastic_runner.env import AGENT_ID_VAR, REPLACES_VAR
+    from elastic_runner.lifecycle import EXIT_PEER_LOST
 
     store = tdist.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=30),
                            wait_for_workers=False, multi_tenant=True)

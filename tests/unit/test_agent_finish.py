@@ -11,7 +11,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from elastic_runner.agent.finish import BARRIER_KEY, failed_after_finishing, wait_at_exit
-from elastic_runner.worker.env import GOODPUT_FILE_VAR, say_finished
+from elastic_runner.env import GOODPUT_FILE_VAR, say_finished
 
 
 class FakeStore:

@@ -6,6 +6,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 from ..support import ROOT
 
@@ -30,7 +31,7 @@ def test_no_module_is_longer_than_500_lines() -> None:
 def test_exit_statuses_are_defined_in_one_module() -> None:
     defining = sorted(str(p.relative_to(ROOT)) for p in PACKAGE.rglob("*.py")
                       if any(line.startswith("EXIT_") and "=" in line for line in p.read_text().splitlines()))
-    assert defining == [str(Path("elastic_runner") / "worker" / "lifecycle.py")]
+    assert defining == [str(Path("elastic_runner") / "lifecycle.py")]
 
 
 def test_the_worker_prints_nothing_that_could_interleave_with_another_ranks_line() -> None:
@@ -63,14 +64,64 @@ def test_a_line_is_one_write() -> None:
     assert pipe.writes == ["elastic_runner: config error: x\n"]
 
 
-def test_no_module_imports_itself_back() -> None:
-    """No import circle between modules, however indirect (a package importing its own modules aside)."""
+def _gen_docs() -> Any:
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("gen_docs", ROOT / "scripts" / "gen_docs.py")
     assert spec is not None and spec.loader is not None
     gen_docs = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gen_docs)
+    return gen_docs
+
+
+def upward_imports(gen_docs: Any, modules: dict[str, Path]) -> list[str]:
+    """Each import (type-only ones included) of a room on its own floor's other room or a floor above."""
+    found = []
+    for module, path in sorted(modules.items()):
+        here = gen_docs.floor_of(module)
+        for target in sorted(gen_docs.imported_modules(path, runtime_only=False)):
+            there = gen_docs.floor_of(target)
+            if here is None or there is None or there[1] == here[1] or target not in modules:
+                continue
+            if there[0] <= here[0]:
+                found.append(f"{module} ({here[1]}) imports {target} ({there[1]}, "
+                             f"{'the same floor' if there[0] == here[0] else 'a floor above'})")
+    return found
+
+
+def test_every_room_imports_only_from_the_floors_below_it() -> None:
+    """The floors declared once (scripts/gen_docs.py FLOORS, drawn on the architecture page): doors, then the
+    agent, ... down to the ground floor of the process group and the process's primitives."""
+    gen_docs = _gen_docs()
+    modules = {gen_docs.module_name(path): path for path in PACKAGE.rglob("*.py")}
+    unplaced = sorted(m for m in modules if m != "elastic_runner" and gen_docs.floor_of(m) is None)
+    assert not unplaced, f"put these on a floor in scripts/gen_docs.py FLOORS: {unplaced}"
+    wrong = upward_imports(gen_docs, modules)
+    assert not wrong, "imports against the floors (move the shared thing down, or name what is needed in a " \
+        "Protocol): " + "; ".join(wrong)
+
+
+def test_the_floor_check_sees_an_import_from_above() -> None:
+    """Not a check of nothing: the training loop importing the worker's watchdog (as it once did) is caught."""
+    gen_docs = _gen_docs()
+    loop = ROOT / "elastic_runner" / "training" / "loop.py"
+    planted = {"elastic_runner.training.loop": loop, "elastic_runner.worker.watchdog": loop}
+
+    class Planted:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(gen_docs, name)
+
+        @staticmethod
+        def imported_modules(path: Path, runtime_only: bool = True) -> set[str]:
+            return {"elastic_runner.worker.watchdog"}
+
+    assert upward_imports(Planted(), planted) == [
+        "elastic_runner.training.loop (training) imports elastic_runner.worker.watchdog (worker, a floor above)"]
+
+
+def test_no_module_imports_itself_back() -> None:
+    """No import circle between modules, however indirect (a package importing its own modules aside)."""
+    gen_docs = _gen_docs()
     modules = {gen_docs.module_name(path): path for path in PACKAGE.rglob("*.py")}
     edges = {m: {t for t in gen_docs.imported_modules(p, runtime_only=False)
                  if t in modules and t != m and not m.startswith(t + ".")} for m, p in modules.items()}

@@ -13,7 +13,7 @@ from elastic_runner.config import BatchConfig, ConfigError, DataConfig, ModelCon
 from elastic_runner.config.imports import resolve
 from elastic_runner.data.datasets import build_datasets, load_digits_tensors
 from elastic_runner.data.layout import layout_for, split_even, valid_world_sizes
-from elastic_runner.worker.env import EnvError, WorkerEnv
+from elastic_runner.env import EnvError, WorkerEnv
 from elastic_runner.workload.models import build_model
 from elastic_runner.workload.optim import build_optimizer, build_schedule
 from elastic_runner.workload.tasks import per_sample_loss

@@ -6,7 +6,7 @@ import math
 
 from elastic_runner.training.gradients import NonFiniteGradient, NonFiniteRollback
 from elastic_runner.worker.ending import ending_for
-from elastic_runner.worker.lifecycle import EXIT_DIVERGED
+from elastic_runner.lifecycle import EXIT_DIVERGED
 
 
 def test_a_diverged_attempt_keeps_nothing_and_a_stop_then_saves_no_snapshot() -> None:

@@ -290,7 +290,7 @@ def test_torchrun_finds_the_backend_through_its_entry_point() -> None:
     from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
 
     from elastic_runner.rendezvous.plugin import create_handler as ours
-    from elastic_runner.rendezvous.plugin import handler_factory
+    from elastic_runner.torchrun_handlers import handler_factory
 
     (ep,) = [e for e in entry_points(group="torchrun.handlers") if e.name == "etcd-v3"]
     assert ep.load() is handler_factory and handler_factory() is ours
@@ -298,7 +298,7 @@ def test_torchrun_finds_the_backend_through_its_entry_point() -> None:
 
 
 def test_the_entry_point_module_imports_nothing_heavy() -> None:
-    code = ("import sys, elastic_runner.rendezvous.plugin; "
+    code = ("import sys, elastic_runner.torchrun_handlers; "
             "print(any(m.startswith('torch') or m == 'etcd3gw' for m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                          env=os.environ | {"PYTHONPATH": str(Path(__file__).resolve().parents[2])})

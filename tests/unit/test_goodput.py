@@ -12,7 +12,7 @@ import pytest
 
 from elastic_runner.observe.goodput import agent_goodput, publish_goodput
 from elastic_runner.training.state import TrainState
-from elastic_runner.worker.env import GOODPUT_FILE_VAR
+from elastic_runner.env import GOODPUT_FILE_VAR
 
 
 def test_a_recovery_counts_its_gap_and_the_steps_it_redoes_as_lost() -> None:

@@ -93,7 +93,7 @@ def _run_worker(rank: int, world: int, store_path: str, job: dict[str, Any]) -> 
     """``job``: what to build and which steps to run; rank 0 saves the result to ``job['out']``."""
     import gc
 
-    import torch._dynamo  # noqa: F401 - before the process group, as Dist.up does (gloo threads end with it)
+    import torch._dynamo  # noqa: F401 - before the process group, as worker.group.up does (gloo threads end with it)
     import torch.distributed as tdist
 
     tdist.init_process_group("gloo", store=tdist.FileStore(store_path, world), rank=rank, world_size=world)

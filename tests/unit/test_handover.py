@@ -17,7 +17,8 @@ from typing import Any
 import pytest
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_processes
 
-from elastic_runner.agent import kept_round, torch_patches
+from elastic_runner import torch_patches
+from elastic_runner.agent import kept_round
 from elastic_runner.agent.worker_context import as_keeping
 from elastic_runner.worker.handover import HANDOVER_DIR_VAR, Handover, HandoverError
 

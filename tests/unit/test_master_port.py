@@ -19,8 +19,8 @@ def _worker(rank: int, port: int, out: str) -> None:
     import torch
     import torch.distributed as tdist
 
-    from elastic_runner.worker.dist import job_store
-    from elastic_runner.worker.env import WorkerEnv
+    from elastic_runner.worker.group import job_store
+    from elastic_runner.env import WorkerEnv
 
     os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))

@@ -39,7 +39,8 @@ class _RefusingMembers:
 
 
 def test_a_backend_that_refuses_a_reconfigurable_group_falls_back_to_recreate_under_auto_only() -> None:
-    from elastic_runner.worker.dist import DistError, _first_reconfigurable
+    from elastic_runner.dist import DistError
+    from elastic_runner.worker.group import _first_reconfigurable
 
     members = _RefusingMembers()
     created = _first_reconfigurable(members, 0, "auto", 1.0)  # type: ignore[arg-type]

@@ -12,7 +12,7 @@ from elastic_runner.snapshot import LocalStore
 from elastic_runner.snapshot.store import SnapshotUnavailableError
 from elastic_runner.worker import run_dir
 from elastic_runner.worker.ending import RetryableSetupError
-from elastic_runner.worker.env import WorkerEnv
+from elastic_runner.env import WorkerEnv
 
 from ..support import QUICKSTART
 

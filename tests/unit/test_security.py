@@ -323,8 +323,8 @@ def test_the_effective_config_is_not_written_through_a_planted_link(tmp_path: Pa
 
 
 def test_object_collectives_carry_json_not_pickles() -> None:
-    code = ("import json, math; from elastic_runner.worker.dist import Dist; from elastic_runner.worker.env import WorkerEnv\n"
-            "d = Dist.up(WorkerEnv())\n"
+    code = ("import json, math; from elastic_runner.worker.group import up; from elastic_runner.env import WorkerEnv\n"
+            "d = up(WorkerEnv())\n"
             "print(json.dumps([d.broadcast_object(('ok', 3, {'a': [1.5, None]})), d.all_gather_object(float('nan'))],"
             " allow_nan=True)); d.down()")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -44,7 +44,7 @@ def _spawn(target: Any, world: int, tmp: Path, job: dict[str, Any]) -> None:
 
 
 def _up(rank: int, world: int, store_path: str) -> None:
-    import torch._dynamo  # noqa: F401 - before the process group, as Dist.up does
+    import torch._dynamo  # noqa: F401 - before the process group, as worker.group.up does
     import torch.distributed as tdist
 
     tdist.init_process_group("gloo", store=tdist.FileStore(store_path, world), rank=rank, world_size=world)

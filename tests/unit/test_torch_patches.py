@@ -1,4 +1,4 @@
-"""Canaries for every private torch internal we patch (elastic_runner.agent.torch_patches).
+"""Canaries for every private torch internal we patch (elastic_runner.torch_patches).
 
 Two kinds per patch: the symbols are still there in the shape we use them (a failure names the
 torch symbol), and the patch still *does* something on this torch (the behaviour it corrects is
@@ -21,8 +21,8 @@ from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
 
 from elastic_runner.agent import fast_rendezvous as fr
-from elastic_runner.agent import torch_patches
-from elastic_runner.agent.torch_patches import ALL, Need, TorchPatch
+from elastic_runner import torch_patches
+from elastic_runner.torch_patches import ALL, Need, TorchPatch
 from elastic_runner.testing.contracts import rendezvous_together
 
 

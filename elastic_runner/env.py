@@ -115,7 +115,7 @@ def say_finished(local_rank: int) -> None:
     directory = os.path.dirname(os.environ.get(GOODPUT_FILE_VAR, ""))
     if not directory or not os.path.isdir(directory):
         return  # torch's own agent, or none
-    from ..files import write_file_atomically
+    from .files import write_file_atomically
 
     try:
         write_file_atomically(Path(directory) / f"{FINISHED_PREFIX}{local_rank}", str(os.getpid()).encode())

@@ -170,7 +170,7 @@ AGENT_CORRECTIONS = TorchPatch(
 
 PROCESS_GROUP_ABORT = TorchPatch(
     name="the watchdog aborts a process group stuck on a lost peer (NCCL)",
-    where="elastic_runner.worker.dist",
+    where="elastic_runner.dist",
     without="with NCCL a collective on a lost peer ends only at the collective timeout",
     needs=(Need(C10D, "_abort_process_group"),),
 )
