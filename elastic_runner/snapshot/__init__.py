@@ -21,8 +21,10 @@ from .store import (
     AlreadyCommittedError,
     CorruptSnapshotError,
     LocalStore,
+    ShardedStore,
     SnapshotError,
     SnapshotRef,
+    SnapshotStore,
     SnapshotUnavailableError,
     StaleWriterError,
 )
@@ -30,7 +32,7 @@ from .object_store import ObjectStore, open_store
 from .writer import SaveResult, SnapshotWriter, require_ok
 
 __all__ = [
-    "AlreadyCommittedError", "CorruptSnapshotError", "SnapshotUnavailableError", "Loaded", "LocalStore", "ObjectStore", "SaveResult", "SnapshotError", "SnapshotRef",
-    "SnapshotWriter", "StaleWriterError", "find_newest", "load_exact", "load_snapshot", "open_store",
-    "read_meta", "require_ok",
+    "AlreadyCommittedError", "CorruptSnapshotError", "Loaded", "LocalStore", "ObjectStore", "SaveResult",
+    "ShardedStore", "SnapshotError", "SnapshotRef", "SnapshotStore", "SnapshotUnavailableError", "SnapshotWriter",
+    "StaleWriterError", "find_newest", "load_exact", "load_snapshot", "open_store", "read_meta", "require_ok",
 ]

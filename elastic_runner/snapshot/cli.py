@@ -18,7 +18,7 @@ from .loader import find_newest
 from .shards import check_part_sizes, verify_parts
 from ..config.locations import is_url
 from .object_store import open_store
-from .store import META, STATE, LocalStore, SnapshotError, SnapshotRef
+from .store import META, STATE, LocalStore, SnapshotError, SnapshotRef, SnapshotStore
 
 
 def snapshot_dir_of(run_dir: str) -> str:
@@ -135,7 +135,7 @@ def export(run_dir: str, out: str, name: str | None = None) -> dict[str, Any]:
     return {"snapshot": ref.name, "step": ref.step, "out": str(target), "tensors": len(state["model"])}
 
 
-def find_newest_readonly(store: LocalStore, map_location: Any = "cpu") -> tuple[SnapshotRef, dict[str, Any], dict[str, Any]] | None:
+def find_newest_readonly(store: SnapshotStore, map_location: Any = "cpu") -> tuple[SnapshotRef, dict[str, Any], dict[str, Any]] | None:
     """Like the loader, but never moves anything aside (inspection must not change a run)."""
     for ref in reversed(store.complete()):
         try:

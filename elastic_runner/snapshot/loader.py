@@ -17,7 +17,7 @@ import torch
 
 from .format import load_state_bytes, read_meta, read_verified_bytes
 from .shards import PartReader, verify_parts
-from .store import CorruptSnapshotError, LocalStore, SnapshotError, SnapshotRef
+from .store import CorruptSnapshotError, SnapshotError, SnapshotRef, SnapshotStore
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +32,7 @@ class Loaded:
     parts: PartReader | None = None
 
 
-def find_newest(store: LocalStore, *, map_location: torch.device | str = "cpu", verify: bool = True,
+def find_newest(store: SnapshotStore, *, map_location: torch.device | str = "cpu", verify: bool = True,
                 on_rejected: Callable[[SnapshotRef, str], None] | None = None, run_uid: str = "",
                 readonly: bool = False) -> Loaded | None:
     """The newest intact snapshot; None only if there never was one.
@@ -84,7 +84,7 @@ def find_newest(store: LocalStore, *, map_location: torch.device | str = "cpu", 
     return None
 
 
-def load_exact(store: LocalStore, ref: SnapshotRef, *, map_location: torch.device | str, verify: bool = True) -> Loaded:
+def load_exact(store: SnapshotStore, ref: SnapshotRef, *, map_location: torch.device | str, verify: bool = True) -> Loaded:
     """Load the snapshot rank 0 chose (every other rank)."""
     directory = store.path(ref)
     meta = read_meta(directory)

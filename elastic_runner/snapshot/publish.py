@@ -14,7 +14,7 @@ from typing import Any, Callable, NoReturn
 
 from .format import write_snapshot_files
 from .shards import PART_WAIT_MIN_S, SHARD_FORMAT, wait_for_parts, write_part
-from .store import AlreadyCommittedError, LocalStore, SnapshotRef, StaleWriterError, in_background
+from .store import AlreadyCommittedError, ShardedStore, SnapshotRef, SnapshotStore, StaleWriterError, in_background
 
 
 @dataclass
@@ -33,7 +33,7 @@ class Written:
         return (self.published_at if self.published_at is not None else time.perf_counter()) - started
 
 
-def write_and_publish(store: LocalStore, generation: int, keep_last: int, ref: SnapshotRef, state: dict[str, Any],
+def write_and_publish(store: SnapshotStore, generation: int, keep_last: int, ref: SnapshotRef, state: dict[str, Any],
                       meta: dict[str, Any]) -> Written:
     """Write ``state`` as snapshot ``ref``, publish it unless a newer generation owns the run, and delete
     snapshots beyond ``keep_last``. Runs in the writer process or the writer thread. On failure the
@@ -56,7 +56,7 @@ def write_and_publish(store: LocalStore, generation: int, keep_last: int, ref: S
             store.discard(staging)
 
 
-def write_sharded(store: LocalStore, generation: int, keep_last: int, ref: SnapshotRef, state: dict[str, Any],
+def write_sharded(store: ShardedStore, generation: int, keep_last: int, ref: SnapshotRef, state: dict[str, Any],
                   meta: dict[str, Any], *, rank: int, writers: list[int]) -> Written:
     """One rank's share of a sharded snapshot (:mod:`.shards`): its part, if it is one of ``writers``; rank 0
     then waits for every writer's part, writes ``state.pt`` and ``meta.json`` (listing each part's SHA-256) and
@@ -107,7 +107,7 @@ def write_sharded(store: LocalStore, generation: int, keep_last: int, ref: Snaps
         _raise_stale_or(store, generation, exc)
 
 
-def _publish(store: LocalStore, generation: int, keep_last: int, staging: Path, ref: SnapshotRef,
+def _publish(store: SnapshotStore, generation: int, keep_last: int, staging: Path, ref: SnapshotRef,
              written: Written) -> Written:
     """Publish ``staging`` as ``ref`` unless a newer round started meanwhile (fenced again right before the rename);
     then delete snapshots beyond ``keep_last``. Raises with ``staging`` still there (the caller discards it)."""
@@ -121,7 +121,7 @@ def _publish(store: LocalStore, generation: int, keep_last: int, staging: Path, 
     return written
 
 
-def _raise_stale_or(store: LocalStore, generation: int, exc: Exception) -> NoReturn:
+def _raise_stale_or(store: SnapshotStore, generation: int, exc: Exception) -> NoReturn:
     """Raise the stale-writer error if a newer round explains ``exc`` (:func:`_stale_instead`), else ``exc``."""
     stale = _stale_instead(store, generation, exc)
     if stale is exc:
@@ -129,7 +129,7 @@ def _raise_stale_or(store: LocalStore, generation: int, exc: Exception) -> NoRet
     raise stale from exc
 
 
-def _stale_instead(store: LocalStore, generation: int, exc: Exception) -> Exception:
+def _stale_instead(store: SnapshotStore, generation: int, exc: Exception) -> Exception:
     """A write that failed because a newer round started meanwhile (its start sweeps older
     rounds' staging directories) is the stale-writer error, not a disk problem to retry."""
     if isinstance(exc, StaleWriterError):
@@ -143,7 +143,7 @@ def _stale_instead(store: LocalStore, generation: int, exc: Exception) -> Except
     return exc
 
 
-def _prune(store: LocalStore, keep_last: int, newest: SnapshotRef, verified_step: int | None = None) -> list[str]:
+def _prune(store: SnapshotStore, keep_last: int, newest: SnapshotRef, verified_step: int | None = None) -> list[str]:
     """Delete this run's snapshots older than the ``keep_last`` newest, but the newest of ``newest``'s generation
     at or before ``verified_step`` (the last step whose replicas' fingerprints agreed: where a rollback returns,
     however many snapshots were taken since). A name later than the one publishing (the fence just checked that its

@@ -24,7 +24,7 @@ import torch
 from .format import load_state_bytes, read_meta
 from .loader import Loaded, find_newest, load_exact
 from .memory import MemoryCandidate, MemoryTier
-from .store import LocalStore, SnapshotError, SnapshotRef
+from .store import SnapshotError, SnapshotRef, SnapshotStore
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 BROADCAST_CHUNK = 64 << 20
 
 
-def select_newest(dist: Any, store: LocalStore, *, fingerprint: dict[str, str], run_uid: str, verify: bool,
+def select_newest(dist: Any, store: SnapshotStore, *, fingerprint: dict[str, str], run_uid: str, verify: bool,
                   memory: MemoryTier | None = None,
                   on_rejected: Callable[[SnapshotRef, str], None] | None = None) -> Loaded | None:
     """The newest state anywhere; every rank returns the same one (or None: start from scratch)."""

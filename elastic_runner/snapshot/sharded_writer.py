@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 from .publish import write_sharded
 from .space import state_bytes
-from .store import LocalStore, SnapshotError, SnapshotRef
+from .store import ShardedStore, SnapshotError, SnapshotRef
 from .writer import SaveResult, SnapshotObserver, SnapshotWriter
 
 
@@ -25,10 +25,11 @@ class ShardedSnapshotWriter(SnapshotWriter):
     """``rank``: this rank; ``writers``: the ranks that write parts (all of them under fsdp, the first replica's
     under hsdp). Rank 0 reports a published snapshot; the others report their part written."""
 
-    def __init__(self, store: LocalStore, *, generation: int, keep_last: int, rank: int, writers: list[int],
+    def __init__(self, store: ShardedStore, *, generation: int, keep_last: int, rank: int, writers: list[int],
                  async_write: bool = True, observer: SnapshotObserver | None = None) -> None:
         super().__init__(store, generation=generation, keep_last=keep_last, async_write=async_write,
                          observer=observer if rank == 0 else None, writer="thread")
+        self.store: ShardedStore = store
         self.rank, self.writers = rank, writers
         self.process_wanted = False
         #: Not rank 0: a line per part would repeat rank 0's line W times.

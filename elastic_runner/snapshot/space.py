@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from .format import read_meta
-from .store import LocalStore, SnapshotError
+from .store import SnapshotError, SnapshotStore
 
 
 def state_bytes(obj: Any) -> int:
@@ -47,7 +47,7 @@ def space_note(root: Path | str, needed: int) -> str:
     return f"{free / 1e6:.1f} MB free on {root}, a snapshot needs about {needed / 1e6:.1f} MB"
 
 
-def newest_size(store: LocalStore) -> int:
+def newest_size(store: SnapshotStore) -> int:
     """``size_bytes`` of the newest readable snapshot in ``store`` (0 if none)."""
     for ref in reversed(store.complete()):
         try:
@@ -57,7 +57,7 @@ def newest_size(store: LocalStore) -> int:
     return 0
 
 
-def room_warning(store: LocalStore, keep_last: int, live_bytes: int) -> tuple[str, int, int] | None:
+def room_warning(store: SnapshotStore, keep_last: int, live_bytes: int) -> tuple[str, int, int] | None:
     """(message, free, needed) when the volume cannot hold ``keep_last + 1`` snapshots (the newest is
     written before the oldest is pruned); None when it can or cannot be measured. The size is the newest
     snapshot's, or the live state's tensor bytes before the first one (optimizer moments appear at the

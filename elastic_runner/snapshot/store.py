@@ -15,8 +15,8 @@ brain, a zombie node) therefore cannot publish after a newer round started,
 and even in the race where it does, its snapshot sorts below the newer
 round's. This works on any POSIX or NFS filesystem (O_EXCL + rename).
 
-The interface is small (:class:`SnapshotStore`): :class:`~.object_store.ObjectStore`
-implements the same contract on ``s3://`` and ``gs://`` (marker uploaded last, created
+The interface is small (:class:`SnapshotStore`, and :class:`ShardedStore` for what sharded snapshots add):
+:class:`~.object_store.ObjectStore` implements the same contract on ``s3://`` and ``gs://`` (marker uploaded last, created
 without overwrite; generations claimed by conditional create). :func:`~.object_store.open_store`
 picks one by the location.
 """
@@ -35,7 +35,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Protocol
+from typing import Any, Callable, Iterator, Protocol, runtime_checkable
 
 
 from ..files import dir_mode, makedirs, open_file, sharing
@@ -87,9 +87,11 @@ class SnapshotRef:
         return cls(generation=int(m.group(2)), step=int(m.group(1))) if m else None
 
 
+@runtime_checkable
 class SnapshotStore(Protocol):
-    """What a place for snapshots provides: :class:`LocalStore` (a directory) and
-    :class:`~.object_store.ObjectStore` (a bucket)."""
+    """What every place for snapshots provides, whatever the model: :class:`LocalStore` (a directory) and
+    :class:`~.object_store.ObjectStore` (a bucket). What sharded snapshots need beyond it:
+    :class:`ShardedStore`."""
 
     location: str
     root: Path  #: where this node writes a snapshot before it is published (its free space is checked)
@@ -103,9 +105,6 @@ class SnapshotStore(Protocol):
     def describe(self, ref: SnapshotRef) -> tuple[bytes, dict[str, int]]: ...
     def corrupt_reason(self, name: str) -> str | None: ...
     def staging(self, ref: SnapshotRef) -> Path: ...
-    def shared_staging(self, ref: SnapshotRef) -> Path: ...
-    def share_part(self, staging: Path, ref: SnapshotRef, rank: int) -> None: ...
-    def part_records(self, staging: Path, ref: SnapshotRef) -> dict[str, Any]: ...
     def publish(self, staging: Path, ref: SnapshotRef, entries_synced: bool = False,
                 replace_incomplete: bool = False) -> None: ...
     def discard(self, staging: Path) -> None: ...
@@ -117,6 +116,17 @@ class SnapshotStore(Protocol):
     def claim_generation(self, info: dict[str, Any]) -> int: ...
     def newest_generation(self) -> int: ...
     def check_fence(self, generation: int) -> None: ...
+
+
+@runtime_checkable
+class ShardedStore(SnapshotStore, Protocol):
+    """What a sharded snapshot (every rank writes its own part: :mod:`.sharded_writer`) needs of its place beyond
+    :class:`SnapshotStore`: one staging place that every rank's part reaches, and rank 0 learning each part's
+    records from it."""
+
+    def shared_staging(self, ref: SnapshotRef) -> Path: ...
+    def share_part(self, staging: Path, ref: SnapshotRef, rank: int) -> None: ...
+    def part_records(self, staging: Path, ref: SnapshotRef) -> dict[str, Any]: ...
 
 
 def fsync_dir(path: Path) -> None:

@@ -33,7 +33,7 @@ from .publish import Written, write_and_publish
 from .staging import SIDE_STREAM, Copier, HostStaging, Pending
 from .space import is_disk_full, space_note, state_bytes
 from .object_store import ObjectStore
-from .store import CorruptSnapshotError, LocalStore, SnapshotError, SnapshotRef, StaleWriterError
+from .store import CorruptSnapshotError, LocalStore, SnapshotError, SnapshotRef, SnapshotStore, StaleWriterError
 from .writer_process import Outcome, WriterGone, WriterProcess
 
 log = logging.getLogger(__name__)
@@ -81,7 +81,7 @@ class SnapshotWriter:
     so for a state of at least :data:`PROCESS_BYTES`; otherwise, or once that process is
     gone, in a thread."""
 
-    def __init__(self, store: LocalStore, *, generation: int, keep_last: int, async_write: bool = True,
+    def __init__(self, store: SnapshotStore, *, generation: int, keep_last: int, async_write: bool = True,
                  observer: SnapshotObserver | None = None, durable: bool = True, writer: str = "thread") -> None:
         self.store = store
         self.generation = generation

@@ -52,7 +52,7 @@ from .sharding import localize
 if TYPE_CHECKING:
     from ..observe.events import EventLog
     from ..observe.metrics import Metrics
-    from ..snapshot import LocalStore
+    from ..snapshot import ShardedStore
     from ..dist import Dist
     from ..env import WorkerEnv
     from .parts import TrainingParts
@@ -73,7 +73,7 @@ class Checkpointer:
     """See the module docstring. Built before the model (the watchdog's handler needs it from the
     first second of an attempt); :meth:`track` hands it the training parts once they exist."""
 
-    def __init__(self, cfg: Config, env: WorkerEnv, dist: Dist, store: LocalStore, *, generation: int, run_uid: str,
+    def __init__(self, cfg: Config, env: WorkerEnv, dist: Dist, store: ShardedStore, *, generation: int, run_uid: str,
                  state: TrainState, events: EventLog, metrics: Metrics, identity: dict[str, Any] | None = None,
                  model_build: dict[str, Any] | None = None) -> None:
         self.cfg, self.env, self.dist, self.store = cfg, env, dist, store

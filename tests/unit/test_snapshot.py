@@ -344,3 +344,30 @@ def test_inspect_reports_each_snapshot_and_export_strips_nothing_it_should_keep(
     assert summary["step"] == 20
     model = torch.load(out, weights_only=True)
     assert set(model) == {"w", "module_like"} and torch.equal(model["w"], torch.full((4,), 20.0))
+
+
+@pytest.mark.parametrize("protocol_name", ["SnapshotStore", "ShardedStore"])
+def test_a_directory_and_a_bucket_each_provide_every_method_a_store_protocol_names(protocol_name: str) -> None:
+    """The two stores keep one contract: every method of each protocol, with the same parameters (a method a store
+    lacks, or names differently, would fail only on that store's path: a bucket's, which most tests do not take)."""
+    import inspect as signatures
+
+    from elastic_runner.snapshot import ObjectStore, store as stores
+
+    protocol = getattr(stores, protocol_name)
+    members = [name for name, value in vars(protocol).items() if callable(value) and not name.startswith("_")]
+    assert members, "the protocol names methods"
+    for implementation in (stores.LocalStore, ObjectStore):
+        for name in members:
+            assert hasattr(implementation, name), f"{implementation.__name__} has no {name}"
+            wanted = list(signatures.signature(getattr(protocol, name)).parameters)
+            have = list(signatures.signature(getattr(implementation, name)).parameters)
+            assert have == wanted, f"{implementation.__name__}.{name}{have} against {protocol_name}.{name}{wanted}"
+
+
+def test_what_sharded_snapshots_add_is_not_asked_of_every_store() -> None:
+    from elastic_runner.snapshot.store import ShardedStore, SnapshotStore
+
+    common = {n for n, v in vars(SnapshotStore).items() if callable(v) and not n.startswith("_")}
+    added = {n for n, v in vars(ShardedStore).items() if callable(v) and not n.startswith("_")}
+    assert added == {"shared_staging", "share_part", "part_records"} and not added & common
