@@ -13,5 +13,7 @@ workers from), never in the training loop.
 - ``worker_context``   the node's workers kept when one fails, that one replaced (in-process recovery's agent side).
 - ``metrics``          the agent's Prometheus metrics and events.
 - ``terminal``         what the agent prints, and what it keeps quiet.
-- ``torch_patches``    every private torch internal we change or rely on, with its canary.
+
+Every private torch internal it changes or relies on is listed, with its canary, in ``elastic_runner.torch_patches``
+(the ground floor: the worker's regroup and the rendezvous rely on some too).
 """

@@ -40,14 +40,36 @@ class Straggler:
     seconds: float = 0.0  #: how many of those seconds it was at or above the ratio
 
 
-@dataclass(frozen=True)
-class _Window:
-    """One logging window as the watch keeps it: its length, and per rank its ratio to the median (None: no timed
-    step) and its steps."""
+@dataclass
+class _RankWindows:
+    """One rank's logging windows that together just cover straggler_window_seconds, with running totals: each
+    window costs a constant time to add and to drop, whatever the world size and the window's length."""
 
-    seconds: float
-    ratios: tuple[float | None, ...]
-    steps: tuple[int, ...]
+    #: (seconds counted, whether it was at or above the ratio, its steps), oldest first.
+    windows: deque[tuple[float, bool, int]] = field(default_factory=deque)
+    covered_s: float = 0.0
+    slow_s: float = 0.0
+    slow_steps: int = 0
+
+    def add(self, seconds: float, slow: bool, steps: int, span_s: float) -> None:
+        self.windows.append((seconds, slow, steps))
+        self.covered_s += seconds
+        if slow:
+            self.slow_s, self.slow_steps = self.slow_s + seconds, self.slow_steps + steps
+        while len(self.windows) > 1 and self.covered_s - self.windows[0][0] >= span_s:
+            old_s, old_slow, old_steps = self.windows.popleft()
+            self.covered_s -= old_s
+            if old_slow:
+                self.slow_s, self.slow_steps = self.slow_s - old_s, self.slow_steps - old_steps
+
+    def slow_within(self, span_s: float) -> tuple[float, int]:
+        """Seconds (and steps) of the last ``span_s`` in which the rank was at or above the ratio; of the oldest
+        window kept, only its part inside the span counts."""
+        outside = max(0.0, self.covered_s - span_s)
+        old_s, old_slow, old_steps = self.windows[0]
+        if not old_slow or outside <= 0:
+            return max(0.0, self.slow_s), self.slow_steps
+        return max(0.0, self.slow_s - outside), self.slow_steps - round(old_steps * outside / old_s)
 
 
 @dataclass
@@ -57,64 +79,49 @@ class StragglerWatch:
 
     ratio: float | None  #: recovery.straggler_ratio (None: nobody is ever named)
     window_s: float  #: recovery.straggler_window_seconds
-    #: The newest logging windows, together just covering window_s.
-    _history: deque[_Window] = field(default_factory=deque)
+    #: Per rank, its windows with timed steps in the last window_s (a window in which its steps are still in flight
+    #: on a GPU is none of them: the rank keeps its standing).
+    _windows: dict[int, _RankWindows] = field(default_factory=dict)
+    #: The world size the windows are of: another world's ranks are other ranks.
+    _world: int = 0
     named: set[int] = field(default_factory=set)
     #: Per rank, its local time over the median's in the newest window with numbers (for the metric).
     ratios: dict[int, float] = field(default_factory=dict)
+    #: Per rank, its local seconds per step in the newest window with numbers (for its lines).
+    _per_step: dict[int, float] = field(default_factory=dict)
 
     def observe(self, local_s: Sequence[float], steps: Sequence[float], nodes: Sequence[float],
                 window_s: float) -> tuple[list[Straggler], list[Straggler]]:
         """One logging window of ``window_s`` seconds: each rank's local seconds, over how many steps, and its
-        node. Returns the ranks named and the ranks cleared at this window. A rank with no timed step in a window (a
-        GPU whose steps are still in flight) is neither slow nor fast in it."""
+        node. Returns the ranks named and the ranks cleared at this window.
+
+        One window counts for half of straggler_window_seconds at most, so that a single slow window (a long
+        one: a first compile, an evaluation, a stall) never names a rank by itself."""
         world = len(local_s)
+        if world != self._world:
+            self._windows, self.named, self.ratios, self._per_step, self._world = {}, set(), {}, {}, world
         per_step = {rank: local_s[rank] / steps[rank] for rank in range(world) if steps[rank] > 0}
         median = statistics.median_low(per_step.values()) if len(per_step) >= 2 else 0.0
         if median <= 0:
             return [], []
-        ratios = tuple(per_step[rank] / median if rank in per_step else None for rank in range(world))
-        self.ratios.update({rank: r for rank, r in enumerate(ratios) if r is not None})
+        self._per_step.update(per_step)
+        self.ratios.update({rank: seconds / median for rank, seconds in per_step.items()})
         if self.ratio is None:
             return [], []
-        if self._history and len(self._history[-1].ratios) != world:
-            self._history.clear()  # another world: its ranks are other ranks
-        self._history.append(_Window(window_s, ratios, tuple(int(n) for n in steps)))
-        # Twice window_s kept: a window in which a rank had no timed step does not count in its window_s.
-        while len(self._history) > 1 and sum(w.seconds for w in self._history) - self._history[0].seconds >= \
-                2 * self.window_s:
-            self._history.popleft()
+        counted = min(window_s, self.window_s / 2)
         named, cleared = [], []
-        for rank in range(world):
-            slow_s, slow_steps = self._slow_in_window(rank)
+        for rank, seconds in sorted(per_step.items()):
+            windows = self._windows.setdefault(rank, _RankWindows())
+            windows.add(counted, seconds / median >= self.ratio, int(steps[rank]), self.window_s)
+            slow_s, slow_steps = windows.slow_within(self.window_s)
             if rank not in self.named and slow_s > self.window_s / 2:
                 self.named.add(rank)
-                named.append(self._report(rank, nodes, median, per_step, slow_steps, slow_s))
+                named.append(self._report(rank, nodes, median, slow_steps, slow_s))
             elif rank in self.named and slow_s <= self.window_s / 4:
                 self.named.discard(rank)
-                cleared.append(self._report(rank, nodes, median, per_step, slow_steps, slow_s))
+                cleared.append(self._report(rank, nodes, median, slow_steps, slow_s))
         return named, cleared
 
-    def _slow_in_window(self, rank: int) -> tuple[float, int]:
-        """Seconds (and steps) of the last window_s in which ``rank`` was at or above the ratio, counting only the
-        windows in which it had timed steps; of the oldest window counted, only the part inside window_s."""
-        assert self.ratio is not None
-        left, slow_s, slow_steps = self.window_s, 0.0, 0
-        for w in reversed(self._history):
-            ratio = w.ratios[rank]
-            if ratio is None:
-                continue
-            part = min(w.seconds, left)
-            if ratio >= self.ratio:
-                slow_s += part
-                slow_steps += round(w.steps[rank] * part / w.seconds) if w.seconds > 0 else 0
-            left -= part
-            if left <= 0:
-                break
-        return slow_s, slow_steps
-
-    def _report(self, rank: int, nodes: Sequence[float], median: float, per_step: dict[int, float],
-                slow_steps: int, slow_s: float) -> Straggler:
-        seconds = per_step.get(rank, median)
-        return Straggler(rank=rank, node=int(nodes[rank]), ratio=self.ratios.get(rank, seconds / median),
-                         local_s=seconds, median_s=median, steps=slow_steps, seconds=slow_s)
+    def _report(self, rank: int, nodes: Sequence[float], median: float, slow_steps: int, slow_s: float) -> Straggler:
+        return Straggler(rank=rank, node=int(nodes[rank]), ratio=self.ratios[rank], local_s=self._per_step[rank],
+                         median_s=median, steps=slow_steps, seconds=slow_s)
