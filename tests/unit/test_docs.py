@@ -59,3 +59,17 @@ def test_the_site_builds_without_a_warning(tmp_path: Path) -> None:
                          capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert out.returncode == 0, out.stderr[-4000:]
     assert (tmp_path / "site" / "index.html").exists()
+
+
+def test_every_test_the_fault_table_names_exists() -> None:
+    """docs/development.md's fault × moment table names tests by file and name prefix: a renamed or removed test
+    must not leave its cell claiming coverage."""
+    text = (ROOT / "docs" / "development.md").read_text()
+    table = text[text.index("### Each fault at each moment"):]
+    folders = {"E": "elastic", "M": "multiprocess", "U": "unit", "I": "integration"}
+    cited = set(re.findall(r"`([EMUI])/(\w+)::(\w+)", table))
+    assert len(cited) > 20, "the table cites the tests it counts"
+    missing = [f"{d}/{module}::{name}" for d, module, name in sorted(cited)
+               if not re.search(rf"def test_{name}", (ROOT / "tests" / folders[d] / f"test_{module}.py").read_text()
+                                if (ROOT / "tests" / folders[d] / f"test_{module}.py").exists() else "")]
+    assert not missing, f"docs/development.md names tests that do not exist: {missing}"
