@@ -18,6 +18,10 @@ Modelled on torchtitan's ``CheckpointManager``. It keeps
   then step; :mod:`elastic_runner.snapshot.selection`), checks that it fits this configuration and
   loads it into the parts.
 
+One save path for every parallelism: what differs between a replicated state and a sharded one (who writes, what
+node memory holds and when, how a resume selects and cuts the state) is asked of one strategy object
+(:mod:`elastic_runner.training.save_path`), never branched on here.
+
 The loop calls :meth:`Checkpointer.maybe_save` after every step and :meth:`Checkpointer.save` at the
 end or on a stop; the watchdog's handler calls :meth:`Checkpointer.keep`.
 """
@@ -37,16 +41,13 @@ from .. import __version__
 from ..config import Config
 from ..observe.events import read_events
 from ..snapshot import Loaded, SnapshotError, SnapshotRef, SnapshotWriter, find_newest, load_exact, open_store, require_ok
-from ..snapshot.interval import AutoSchedule, SharedInterval, failures_seen
+from ..snapshot.interval import AutoSchedule
 from ..snapshot.memory import MemoryTier, memory_root, sweep_abandoned_memory
-from ..snapshot.selection import select_newest
-from ..snapshot.shards import split
-from ..snapshot.sharded_memory import Layout, ShardedMemory, exchange_group, select_sharded
-from ..snapshot.sharded_writer import ShardedSnapshotWriter
 from ..snapshot.space import room_warning, space_note, state_bytes
 from .boundary import Keeper, StateGuard, StepBoundary
 from .compatibility import Compatibility, ResumeError, check_compatible
 from .parts import scaler_numbers
+from .save_path import save_path
 from .sharding import localize
 
 if TYPE_CHECKING:
@@ -86,14 +87,9 @@ class Checkpointer:
         self._config = cfg.to_dict()
         self._model_build = model_build or {}
         self.memory: MemoryTier | None = None
-        #: fsdp/hsdp: every rank holds only its shards, and writes them (:mod:`elastic_runner.snapshot.shards`).
-        self.sharded = cfg.parallel.sharded
-        #: fsdp/hsdp: shards copied into node memory every snapshot.memory_every_steps (:mod:`...sharded_memory`).
-        self.sharded_memory: ShardedMemory | None = None
-        if self.sharded and not (cfg.snapshot.in_memory and cfg.snapshot.memory_every_steps) and dist.rank == 0:
-            log.info("parallel.strategy %s with snapshot.%s: a failure resumes from the newest disk snapshot",
-                     cfg.parallel.strategy, "in_memory off" if not cfg.snapshot.in_memory else "memory_every_steps 0")
-        if cfg.snapshot.in_memory and (not self.sharded or cfg.snapshot.memory_every_steps):
+        #: What differs by how the model is spread: replicated whole, or sharded (:mod:`.save_path`).
+        self.path = save_path(self)
+        if self.path.wants_memory(self):
             try:
                 self.memory = MemoryTier(memory_root(store.location), generation, run_uid)
             except OSError as exc:  # UnsafeDirectoryError: planted or shared by someone else
@@ -102,13 +98,7 @@ class Checkpointer:
         if self.memory is not None and env.is_local_leader:
             self.memory.sweep()
             sweep_abandoned_memory()
-        #: Who writes which part of a sharded snapshot (and holds which in node memory).
-        self.layout = Layout(rank=dist.rank, world=env.world_size, local_rank=env.local_rank,
-                             local_world=env.local_world_size, strategy=cfg.parallel.strategy,
-                             replicas=cfg.snapshot.memory_replicas)
-        if self.sharded and self.memory is not None:
-            group = exchange_group(cfg.dist.timeout_seconds) if env.world_size > 1 else None  # every rank: a collective
-            self.sharded_memory = ShardedMemory(self.memory, self.layout, group, self._memory_schedule())
+        self.path.start(self)
         self.parts: TrainingParts | None = None
         self.boundary: StepBoundary | None = None
         self.writer: SnapshotWriter | None = None
@@ -126,7 +116,7 @@ class Checkpointer:
         #: snapshot's meta: pruning keeps the newest snapshot at or before it, the one a rollback returns to.
         self.verified_step: int | None = None
         # A replicated state is kept whole when an attempt ends; shards are kept by the periodic refresh instead.
-        self._keeper = Keeper(None if self.sharded else self.memory, self.capture, self.guard, self.state, events)
+        self._keeper = Keeper(self.path.kept_at_the_end(self.memory), self.capture, self.guard, self.state, events)
         self._last_save = time.monotonic()
         self._reserved = False  #: the periodic captures' host buffers (:meth:`_reserve_buffers`)
 
@@ -160,14 +150,8 @@ class Checkpointer:
     def capture(self, replicated_from: str = "rank0") -> tuple[dict[str, Any], dict[str, Any]]:
         """(state, meta) with live tensors. Sharded: this rank's slices apart, and the rest (with a marker per slice)
         from rank 0 only, or (``replicated_from="node"``, for node memory) from every node's first rank."""
-        # Sharded: the parameters themselves, not a detached DTensor of each (~15 µs apiece through DTensor's
-        # dispatch); the split takes their local slices, which the staging copy detaches.
-        state, meta = self.state_dict(keep_vars=self.sharded), self.metadata()
-        if self.sharded:
-            replicated, tensors, offsets = split(state)
-            mine = self.dist.rank == 0 if replicated_from == "rank0" else self.env.local_rank == 0
-            state = {"replicated": replicated if mine else None, "part": {"tensors": tensors, "offsets": offsets}}
-        return state, meta
+        state, meta = self.state_dict(keep_vars=self.path.keep_vars), self.metadata()
+        return self.path.arrange(self, state, replicated_from), meta
 
     @contextlib.contextmanager
     def mutating(self) -> Iterator[None]:
@@ -175,8 +159,7 @@ class Checkpointer:
         the block normally is a step boundary."""
         if self.writer is not None:
             self.writer.wait_staged()  # a snapshot's copy of these tensors may still be under way
-        if self.sharded_memory is not None:
-            self.sharded_memory.wait_staged()  # likewise a node-memory refresh's (on a GPU: the stream waits)
+        self.path.wait_staged()  # likewise a node-memory refresh's (on a GPU: the stream waits)
         with self.guard.mutating():
             yield
             self.at_boundary()
@@ -205,12 +188,7 @@ class Checkpointer:
         def rejected(ref: SnapshotRef, why: str) -> None:
             self.events.emit("snapshot_rejected", snapshot=ref.name, reason=why)
 
-        if self.sharded:
-            loaded = select_sharded(self.dist, self.store, self.sharded_memory, fingerprint=self.fingerprint,
-                                    run_uid=self.run_uid, verify=cfg.snapshot.verify, on_rejected=rejected)
-        else:
-            loaded = select_newest(self.dist, self.store, fingerprint=self.fingerprint, run_uid=self.run_uid,
-                                   verify=cfg.snapshot.verify, memory=self.memory, on_rejected=rejected)
+        loaded = self.path.select(self, rejected)
         another_run = loaded is None and bool(cfg.snapshot.resume_from)
         if another_run:
             loaded = self._from_another_run(cfg.snapshot.resume_from, rejected)  # type: ignore[arg-type]
@@ -226,8 +204,7 @@ class Checkpointer:
         if loaded.tier == "disk":
             self.saved_steps.add(self.state.step)  # a memory copy is not durable: the final save must still happen
         self._keeper.resumed_step = self.state.step
-        if self.sharded_memory is not None:  # the first refresh counts from the step resumed (the same on every rank)
-            self.sharded_memory.schedule.last = self.state.step
+        self.path.resumed(self.state.step)
         self.events.emit("snapshot_loaded", snapshot=loaded.ref.name, step=self.state.step, skipped=skipped,
                          tier=loaded.tier)
         return loaded
@@ -257,7 +234,7 @@ class Checkpointer:
         """Apply a loaded snapshot; returns the parts that were skipped (allow_mismatch)."""
         assert self.parts is not None, "track() the training parts first"
         parts, s = self.parts, loaded.state
-        if loaded.parts is not None or self.sharded:  # each tensor in this rank's layout, whatever wrote it
+        if self.path.localizes(loaded):  # each tensor in this rank's layout, whatever wrote it
             s = localize(s, parts.model, parts.optimizer, loaded.parts)
         skipped: list[str] = []
         try:
@@ -292,34 +269,17 @@ class Checkpointer:
 
     def open_writer(self) -> None:
         """Rank 0 writes periodic and final snapshots; every node's first worker may write on a stop. Sharded:
-        every rank writes its part of each snapshot."""
+        every rank writes its part of each snapshot (:mod:`.save_path`)."""
         snap = self.cfg.snapshot
         opened = self.writer is None
-        if self.writer is None and self.sharded:
-            self.writer = ShardedSnapshotWriter(self.store, generation=self.generation, keep_last=snap.keep_last,
-                                                rank=self.dist.rank, writers=self.layout.writers,
-                                                async_write=snap.async_write, observer=self)
-        if self.writer is None and (self.dist.rank == 0 or self.env.is_local_leader):
-            self.writer = SnapshotWriter(self.store, generation=self.generation, keep_last=snap.keep_last,
-                                         async_write=snap.async_write, observer=self,
-                                         writer=snap.writer)
+        if self.writer is None:
+            self.writer = self.path.writer(self)
         if opened and self.writer is not None and self.dist.rank == 0:
             self.check_space()
             if snap.every_steps == "auto":
                 self.auto = AutoSchedule(snap.mtbf_hours, read_events(self.cfg.run.dir), self.state.step,
                                          self.metrics.snapshot_interval.set)
         self._last_save = time.monotonic()
-
-    def _memory_schedule(self) -> SharedInterval:
-        """When the node-memory copy of the shards is refreshed (``snapshot.memory_every_steps``; under ``auto`` rank
-        0 learns the failures so far from the run's events)."""
-        snap, rank0 = self.cfg.snapshot, self.dist.rank == 0
-        failures, started = failures_seen(read_events(self.cfg.run.dir)) if rank0 and snap.memory_every_steps == "auto" \
-            else (0, None)
-        return SharedInterval(snap.memory_every_steps, prior_mtbf_s=snap.memory_mtbf_hours * 3600, failures=failures,
-                              run_started=started if started is not None else time.time(), start_step=self.state.step,
-                              cap=snap.every_steps if isinstance(snap.every_steps, int) and snap.every_steps > 0 else None,
-                              report=self.metrics.memory_interval.set if rank0 else (lambda steps: None), speaks=rank0)
 
     def check_space(self) -> bool:
         """Warn once, at the start, when the snapshot volume cannot hold ``keep_last + 1`` snapshots."""
@@ -341,7 +301,7 @@ class Checkpointer:
         else:
             due_steps = bool(snap.every_steps) and step % snap.every_steps == 0
         due_time = bool(snap.every_seconds) and time.monotonic() - self._last_save >= snap.every_seconds
-        return self.sharded_memory is not None and self.sharded_memory.due(step), bool(due_steps or due_time)
+        return self.path.refresh_due(step), bool(due_steps or due_time)
 
     def maybe_save(self, step: int, last: bool, due: tuple[bool, bool] | None = None) -> None:
         """After every step: a periodic snapshot when ``snapshot.every_steps``/``every_seconds`` say so (``due``:
@@ -349,11 +309,9 @@ class Checkpointer:
         memory_due, snapshot_due = due if due is not None else self.capture_due(step, last)
         if not self._reserved:
             self._reserve_buffers()
-        if self.sharded_memory is not None:
-            self.sharded_memory.schedule.step_done()
+        self.path.step_done()
         if memory_due:
-            blocked = self.sharded_memory.refresh(step, lambda: self.capture(replicated_from="node"))  # type: ignore[union-attr]
-            self.metrics.snapshot_blocking.observe(blocked)
+            self.metrics.snapshot_blocking.observe(self.path.refresh(step, lambda: self.capture(replicated_from="node")))
         if snapshot_due:
             if self.auto is not None:
                 self.auto.saving(step)
@@ -366,10 +324,9 @@ class Checkpointer:
         self._reserved = True
         if self.dist.device.type != "cuda":
             return  # host buffers cost nothing that a step would notice: made at the first capture, as ever
-        if self.writer is not None and (self.sharded or self.dist.rank == 0) and self.cfg.snapshot.async_write:
+        if self.writer is not None and self.path.writes_periodic(self.dist.rank) and self.cfg.snapshot.async_write:
             self.writer.reserve(self.capture()[0])
-        if self.sharded_memory is not None:
-            self.sharded_memory.reserve(self.capture(replicated_from="node")[0])
+        self.path.reserve(lambda: self.capture(replicated_from="node"))
 
     def save(self, reason: str, sync: bool) -> None:
         """Durable snapshot of the current step (``reason``: periodic, final or stop). On a stop the
@@ -390,7 +347,7 @@ class Checkpointer:
                 self.keep("stop")
 
     def _save_durable(self, reason: str, sync: bool) -> None:
-        if self.writer is None or (reason in ("periodic", "final") and self.dist.rank != 0 and not self.sharded):
+        if self.writer is None or (reason in ("periodic", "final") and not self.path.writes_periodic(self.dist.rank)):
             return
         step = self.state.step
         if sync:
@@ -410,10 +367,8 @@ class Checkpointer:
         where = (f"the state is kept in node memory on {self.env.hostname} ({self.memory.root}); once {once}, "
                  f"`elastic-runner snapshot persist {self.cfg.run.dir}` on that node writes it out, and a "
                  f"restart resumes from it" if kept and self.memory is not None else
-                 "no copy of it is kept (" + ("a sharded state is copied into node memory every "
-                                              "snapshot.memory_every_steps steps, not at the end" if self.sharded else
-                                              "snapshot.in_memory is off") +
-                 "); the newest durable snapshot is the one to resume from")
+                 f"no copy of it is kept ({self.path.no_copy_reason}); the newest durable snapshot is the one to "
+                 "resume from")
         size = self.writer.last.size_estimate if self.writer is not None and self.writer.last is not None else 0
         space = space_note(self.store.root, size)
         return FinalSnapshotFailed(
@@ -482,8 +437,7 @@ class Checkpointer:
 
     def finished(self) -> None:
         """The run is complete and its final snapshot durable: node memory is no longer needed."""
-        if self.sharded_memory is not None:
-            self.sharded_memory.wait(timeout=30.0)  # a refresh still writing would only find its directory gone
+        self.path.finished()
         if self.memory is not None:
             self.memory.drop()
 
