@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from ..observe.events import read_events
 from ..snapshot import Loaded, SnapshotWriter
@@ -28,11 +28,33 @@ from ..snapshot.selection import select_newest
 from ..snapshot.shards import split
 from ..snapshot.sharded_memory import Layout, ShardedMemory, exchange_group, select_sharded
 from ..snapshot.sharded_writer import ShardedSnapshotWriter
+from ..snapshot.writer import SnapshotObserver
 
 if TYPE_CHECKING:
-    from .checkpointer import Checkpointer
+    from ..config import Config
+    from ..dist import Dist
+    from ..env import WorkerEnv
+    from ..observe.metrics import Metrics
+    from ..snapshot import ShardedStore
+    from .state import TrainState
 
 log = logging.getLogger(__name__)
+
+
+class Checkpointer(SnapshotObserver, Protocol):
+    """What the strategies read of the :class:`~elastic_runner.training.checkpointer.Checkpointer` they serve (which
+    also hears what its writer did)."""
+
+    cfg: Config
+    env: WorkerEnv
+    dist: Dist
+    store: ShardedStore
+    memory: MemoryTier | None
+    fingerprint: dict[str, str]
+    run_uid: str
+    generation: int
+    state: TrainState
+    metrics: Metrics
 
 
 class Replicated:
