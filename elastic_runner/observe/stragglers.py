@@ -45,27 +45,28 @@ class _RankWindows:
     """One rank's logging windows that together just cover straggler_window_seconds, with running totals: each
     window costs a constant time to add and to drop, whatever the world size and the window's length."""
 
+    span_s: float  #: straggler_window_seconds
     #: (seconds counted, whether it was at or above the ratio, its steps), oldest first.
     windows: deque[tuple[float, bool, int]] = field(default_factory=deque)
     covered_s: float = 0.0
     slow_s: float = 0.0
     slow_steps: int = 0
 
-    def add(self, seconds: float, slow: bool, steps: int, span_s: float) -> None:
+    def add(self, seconds: float, slow: bool, steps: int) -> None:
         self.windows.append((seconds, slow, steps))
         self.covered_s += seconds
         if slow:
             self.slow_s, self.slow_steps = self.slow_s + seconds, self.slow_steps + steps
-        while len(self.windows) > 1 and self.covered_s - self.windows[0][0] >= span_s:
+        while len(self.windows) > 1 and self.covered_s - self.windows[0][0] >= self.span_s:
             old_s, old_slow, old_steps = self.windows.popleft()
             self.covered_s -= old_s
             if old_slow:
                 self.slow_s, self.slow_steps = self.slow_s - old_s, self.slow_steps - old_steps
 
-    def slow_within(self, span_s: float) -> tuple[float, int]:
+    def slow(self) -> tuple[float, int]:
         """Seconds (and steps) of the last ``span_s`` in which the rank was at or above the ratio; of the oldest
         window kept, only its part inside the span counts."""
-        outside = max(0.0, self.covered_s - span_s)
+        outside = max(0.0, self.covered_s - self.span_s)
         old_s, old_slow, old_steps = self.windows[0]
         if not old_slow or outside <= 0:
             return max(0.0, self.slow_s), self.slow_steps
@@ -111,9 +112,9 @@ class StragglerWatch:
         counted = min(window_s, self.window_s / 2)
         named, cleared = [], []
         for rank, seconds in sorted(per_step.items()):
-            windows = self._windows.setdefault(rank, _RankWindows())
-            windows.add(counted, seconds / median >= self.ratio, int(steps[rank]), self.window_s)
-            slow_s, slow_steps = windows.slow_within(self.window_s)
+            windows = self._windows.setdefault(rank, _RankWindows(self.window_s))
+            windows.add(counted, seconds / median >= self.ratio, int(steps[rank]))
+            slow_s, slow_steps = windows.slow()
             if rank not in self.named and slow_s > self.window_s / 2:
                 self.named.add(rank)
                 named.append(self._report(rank, nodes, median, slow_steps, slow_s))

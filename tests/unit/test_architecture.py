@@ -6,7 +6,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from ..support import ROOT
 
@@ -74,13 +74,15 @@ def _gen_docs() -> Any:
     return gen_docs
 
 
-def upward_imports(gen_docs: Any, modules: dict[str, Path]) -> list[str]:
-    """Each import (type-only ones included) of a room on its own floor's other room or a floor above."""
+def upward_imports(modules: dict[str, Path], imports: Callable[[Path], set[str]]) -> list[str]:
+    """Each import (``imports(path)``: type-only ones included) of a room on its own floor's other room or a floor
+    above."""
+    floor_of = _gen_docs().floor_of
     found = []
     for module, path in sorted(modules.items()):
-        here = gen_docs.floor_of(module)
-        for target in sorted(gen_docs.imported_modules(path, runtime_only=False)):
-            there = gen_docs.floor_of(target)
+        here = floor_of(module)
+        for target in sorted(imports(path)):
+            there = floor_of(target)
             if here is None or there is None or there[1] == here[1] or target not in modules:
                 continue
             if there[0] <= here[0]:
@@ -96,26 +98,16 @@ def test_every_room_imports_only_from_the_floors_below_it() -> None:
     modules = {gen_docs.module_name(path): path for path in PACKAGE.rglob("*.py")}
     unplaced = sorted(m for m in modules if m != "elastic_runner" and gen_docs.floor_of(m) is None)
     assert not unplaced, f"put these on a floor in scripts/gen_docs.py FLOORS: {unplaced}"
-    wrong = upward_imports(gen_docs, modules)
+    wrong = upward_imports(modules, lambda path: gen_docs.imported_modules(path, runtime_only=False))
     assert not wrong, "imports against the floors (move the shared thing down, or name what is needed in a " \
         "Protocol): " + "; ".join(wrong)
 
 
 def test_the_floor_check_sees_an_import_from_above() -> None:
     """Not a check of nothing: the training loop importing the worker's watchdog (as it once did) is caught."""
-    gen_docs = _gen_docs()
     loop = ROOT / "elastic_runner" / "training" / "loop.py"
     planted = {"elastic_runner.training.loop": loop, "elastic_runner.worker.watchdog": loop}
-
-    class Planted:
-        def __getattr__(self, name: str) -> Any:
-            return getattr(gen_docs, name)
-
-        @staticmethod
-        def imported_modules(path: Path, runtime_only: bool = True) -> set[str]:
-            return {"elastic_runner.worker.watchdog"}
-
-    assert upward_imports(Planted(), planted) == [
+    assert upward_imports(planted, lambda path: {"elastic_runner.worker.watchdog"}) == [
         "elastic_runner.training.loop (training) imports elastic_runner.worker.watchdog (worker, a floor above)"]
 
 
