@@ -136,7 +136,7 @@ class Dist:
     #: The job's store, held for the process's life: a rebuilt group needs it, and on rank 0 it hosts it.
     store: Any = None
     #: In-process recovery (``recovery.in_process``): how this worker rebuilds its group with a failed peer's
-    #: replacement (:class:`~elastic_runner.worker.regroup.SameMembers`, set by :func:`~elastic_runner.worker.group.up`);
+    #: replacement (:class:`~elastic_runner.recovery.regroup.SameMembers`, set by :func:`~elastic_runner.worker.group.up`);
     #: None: a failure ends the process.
     in_process: Any = None
 

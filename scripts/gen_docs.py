@@ -27,7 +27,7 @@ ARCHITECTURE_PAGE = ROOT / "docs" / "architecture.md"
 ETCD_OPTIONS_PAGE = ROOT / "docs" / "reference" / "etcd-options.md"
 
 #: Rooms in reading order: the doors first, then the worker's data flow, then the agent side and the tools.
-ROOMS = ["worker", "training", "data", "workload", "snapshot", "observe", "config", "agent", "rendezvous", "chaos",
+ROOMS = ["worker", "recovery", "training", "data", "workload", "snapshot", "observe", "config", "agent", "rendezvous", "chaos",
          "testing"]
 
 #: The floors, top to bottom, each with its rooms (folders) and, for the doors and the ground floor, its top-level
@@ -38,6 +38,7 @@ FLOORS: list[tuple[str, list[str]]] = [
     ("the agent, chaos", ["agent", "chaos"]),
     ("test support", ["testing"]),
     ("the worker", ["worker"]),
+    ("recovery", ["recovery"]),
     ("training", ["training"]),
     ("observers, workloads", ["observe", "workload"]),
     ("data, snapshots", ["data", "snapshot"]),

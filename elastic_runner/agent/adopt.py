@@ -133,7 +133,7 @@ def adopt(launcher_api: Any, config: Any, entrypoint: Any, args: Sequence[Any],
 
     private = os.path.dirname(os.environ.get(GOODPUT_FILE_VAR, ""))  # name_agent's directory
     if private and _keeps_workers_across_rounds(worker_cfg, zygote_wanted):
-        from ..worker.handover import HANDOVER_DIR_VAR
+        from ..recovery.handover import HANDOVER_DIR_VAR
 
         # Where its workers are handed their places in a new round. Only here: elsewhere (torch's own agent, a
         # binary entrypoint) they would park for a round that nobody hands them.

@@ -28,7 +28,7 @@
   0's, whose process hosts the job's store, and not one that exited with a job-ending status or because its
   peers were lost) is started again alone, in the same context, with the same rank: no rendezvous round, the
   other agents uninvolved, the other workers kept (they rebuild their process group with it:
-  :mod:`elastic_runner.worker.regroup`). Each replacement counts as a restart against ``--max-restarts``.
+  :mod:`elastic_runner.recovery.regroup`). Each replacement counts as a restart against ``--max-restarts``.
   With ``recovery.standby`` the node keeps a standby worker (started :data:`STANDBY_DELAY_S` after the workers,
   :data:`STANDBY_AGAIN_S` after each replacement) which has built the workload ahead and takes the failed worker's
   place instead of a new process (:mod:`elastic_runner.worker.standby`); one that ends on its own is started again,
@@ -70,7 +70,9 @@ from ..lifecycle import (
     proc_state,
     process_start_time,
 )
-from ..worker.regroup import RegroupError, announce_replacement
+from ..recovery.channel import Channel
+from ..recovery.regroup import RegroupError, announce_replacement
+from ..snapshot.format import signing_key_from_environment
 from . import fast_rendezvous, kept_round, stop_signal
 from .beat import AgentBeat
 from .finish import failed_after_finishing, wait_at_exit
@@ -122,7 +124,9 @@ class ElasticRunnerAgent(LocalElasticAgent):
         self._places: list[Any] | None = None
         self._handing_over = False
         #: This agent's heartbeat in the job's store, while its workers are kept across failures (:mod:`.beat`).
-        self._beat = AgentBeat()
+        #: The job's key (``auth_key_file``), which signs what this agent tells the workers in the job's store.
+        self._job_key = signing_key_from_environment()
+        self._beat = AgentBeat(key=self._job_key)
 
     def run(self, role: str = DEFAULT_ROLE) -> RunResult:
         try:
@@ -344,8 +348,7 @@ class ElasticRunnerAgent(LocalElasticAgent):
         self._schedule_standby(STANDBY_AGAIN_S)
         return True
 
-    @staticmethod
-    def _announce_replacements(keeping: KeepingContext, result: RunResult) -> str:
+    def _announce_replacements(self, keeping: KeepingContext, result: RunResult) -> str:
         """Tell the failed workers' peers, through the job's store (rank 0's worker hosts it), that replacements
         come: they wait for that before they wait for the newcomers. Why not, or ""."""
         env = keeping.envs[next(iter(result.failures.values())).local_rank]
@@ -355,8 +358,9 @@ class ElasticRunnerAgent(LocalElasticAgent):
             socket.create_connection((env["MASTER_ADDR"], int(env["MASTER_PORT"])), timeout=ANNOUNCE_CONNECT_S).close()
             store = TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False,
                              timeout=datetime.timedelta(seconds=2), wait_for_workers=False)
+            channel = Channel(store, self._job_key)
             for rank in sorted(result.failures):
-                announce_replacement(store, rank)
+                announce_replacement(channel, rank)
         except RegroupError as exc:  # it died in the round's start: its peers wait for it there
             return str(exc)
         except SignalException:

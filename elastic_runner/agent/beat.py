@@ -1,11 +1,11 @@
 """The agent's heartbeat in the job's store: how a survivor tells a lost node from a replacement on its way.
 
 With in-process recovery a worker whose peer failed waits for that peer's agent to announce a replacement
-(:meth:`~elastic_runner.worker.regroup.SameMembers.survive`). A lost node's agent never does, and the survivors
+(:meth:`~elastic_runner.recovery.regroup.SameMembers.survive`). A lost node's agent never does, and the survivors
 used to wait the whole announcement window (2 s) before they parked for a new round — the largest part of a node
 loss's recovery. Each agent that keeps its workers across rounds therefore beats in the job's store every
-:data:`BEAT_SECONDS` (``regroup/agent/<group rank>``, a counter) from a thread of its own; a survivor that sees an
-agent's counter stand still for :data:`~elastic_runner.worker.regroup.AGENT_SILENT` knows that node is gone and parks at
+:data:`BEAT_SECONDS` (``regroup/agent/<group rank>``, a counter, signed with the job's key: :mod:`elastic_runner.recovery.channel`) from a thread of its own; a survivor that sees an
+agent's counter stand still for :data:`~elastic_runner.recovery.regroup.AGENT_SILENT` knows that node is gone and parks at
 once. An agent that does not beat (torch's own, an older one) is never judged: the survivors wait as before.
 
 The store's server is rank 0's worker: it goes whenever that worker ends (the job finished, the worker failed or
@@ -23,7 +23,8 @@ import socket
 import threading
 from typing import Any
 
-from ..worker.regroup import agent_beat, agent_stopping
+from ..recovery.channel import Channel
+from ..recovery.regroup import agent_beat, agent_stopping
 
 log = logging.getLogger(__name__)
 
@@ -36,13 +37,17 @@ RETRY_SECONDS = 0.25
 class AgentBeat:
     """Beats for this agent in the current round's job store, from a daemon thread, while told to."""
 
-    def __init__(self, interval: float = BEAT_SECONDS) -> None:
+    def __init__(self, interval: float = BEAT_SECONDS, key: bytes | None = None) -> None:
         self.interval = interval
+        self._key = key  #: the job's key: every beat is signed with it (:mod:`elastic_runner.recovery.channel`)
         self._target: tuple[str, int, int] | None = None  #: (MASTER_ADDR, MASTER_PORT, group rank)
         self._changed = threading.Condition()
         self._closed = False
         self._thread: threading.Thread | None = None
         self.beats = 0  #: beats sent in this agent's life (for tests and logs)
+        #: Messages sent in this agent's life, its last word included: each carries the count, which only grows (a
+        #: survivor takes a count that went back for a replay, not for this agent's silence).
+        self._sent = 0
 
     def follow(self, master_addr: str | None, master_port: int | None, group_rank: int) -> None:
         """Beat into this round's store from now on (None: stop beating: the workers restart every one)."""
@@ -88,13 +93,14 @@ class AgentBeat:
                 self._sleep(RETRY_SECONDS)
                 continue
             if store is None:
-                store, following = _Store.connect(target), target
+                store, following = _Store.connect(target, self._key), target
                 if store is None:
                     following = None
                     self._sleep(RETRY_SECONDS)
                     continue
             try:
-                agent_beat(store.client, target[2], self.beats)
+                agent_beat(store.channel, target[2], self._sent)
+                self._sent += 1
                 self.beats += 1
             except Exception as exc:  # noqa: BLE001 - the store gone (rank 0's worker): the next round's, later
                 log.debug("agent beat failed (%s); connecting again", exc)
@@ -104,13 +110,13 @@ class AgentBeat:
                 continue
             self._sleep(self.interval)
 
-    @staticmethod
-    def _say_stopping(store: _Store | None, following: tuple[str, int, int] | None) -> None:
+    def _say_stopping(self, store: _Store | None, following: tuple[str, int, int] | None) -> None:
         """The last beat, when this agent stops beating on purpose: survivors must not count its node out."""
         if store is None or following is None or store.server_gone():
             return
         try:
-            agent_stopping(store.client, following[2])
+            agent_stopping(store.channel, following[2], self._sent)
+            self._sent += 1
         except Exception as exc:  # noqa: BLE001 - the store gone: nobody reads beats there any more
             log.debug("agent beat: could not say it stops (%s)", exc)
 
@@ -123,11 +129,12 @@ class AgentBeat:
 class _Store:
     """A client of the job's store and a bare connection to its server beside it (see the module's docstring)."""
 
-    def __init__(self, client: Any, probe: socket.socket) -> None:
+    def __init__(self, client: Any, probe: socket.socket, key: bytes | None) -> None:
         self.client, self.probe = client, probe
+        self.channel = Channel(client, key)
 
     @classmethod
-    def connect(cls, target: tuple[str, int, int]) -> _Store | None:
+    def connect(cls, target: tuple[str, int, int], key: bytes | None) -> _Store | None:
         addr, port, _ = target
         probe: socket.socket | None = None
         try:
@@ -138,7 +145,7 @@ class _Store:
 
             client = TCPStore(addr, port, is_master=False, timeout=datetime.timedelta(seconds=2),
                               wait_for_workers=False)
-            return cls(client, probe)
+            return cls(client, probe, key)
         except Exception as exc:  # noqa: BLE001 - not up yet, or gone: tried again
             if probe is not None:
                 probe.close()
@@ -155,4 +162,4 @@ class _Store:
 
     def close(self) -> None:
         self.probe.close()
-        self.client = None  # torch's client closes its connection when collected
+        self.client = self.channel.store = None  # torch's client closes its connection when collected

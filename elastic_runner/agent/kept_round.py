@@ -7,7 +7,7 @@ torch's agent restarts every worker for each new round: ``_restart_workers`` sto
 
 1. asks each running worker that can park (in its training loop) to do so (:func:`park`): it leaves its attempt at
    the next step boundary, keeps that step in node memory, gives its process group up and waits
-   (:mod:`elastic_runner.worker.handover`);
+   (:mod:`elastic_runner.recovery.handover`);
 2. runs the round as torch does;
 3. hands each parked worker its place in the new round instead of starting a process (:func:`handing_over`):
    the environment torch would have given a new one. A local rank whose worker could not park (it was building,
@@ -26,7 +26,7 @@ import os
 import time
 from typing import Any, Iterator
 
-from ..worker.handover import HANDOVER_DIR_VAR, Handover
+from ..recovery.handover import HANDOVER_DIR_VAR, Handover
 from ..lifecycle import proc_state
 from .. import torch_patches
 from .worker_context import KeepingContext

@@ -54,7 +54,7 @@ class Watchdog(Protocol):
 
 
 class ParkChannel(Protocol):
-    """How the agent asks this worker to park (:class:`elastic_runner.worker.handover.Handover`)."""
+    """How the agent asks this worker to park (:class:`elastic_runner.recovery.handover.Handover`)."""
 
     def ready(self) -> None: ...
 
@@ -71,7 +71,7 @@ class GracefulStop(Exception):
 
 class MembershipChange(Exception):
     """Raised at a step boundary when the agent asked this worker to park for a new membership (a node joins or
-    left; :mod:`elastic_runner.worker.handover`): the step is kept in node memory, the process stays."""
+    left; :mod:`elastic_runner.recovery.handover`): the step is kept in node memory, the process stays."""
 
 
 @dataclass

@@ -6,12 +6,12 @@
 - ``ending``     how an attempt ends: its ``end`` event, what is kept, the exit status (one place).
 - ``run_dir``    rank 0 claims the generation in the run directory; every rank learns the outcome.
 - ``group``      the process group brought up (the job's store, a deadline) and rebuilt in the process.
-- ``regroup``    the process group rebuilt for a new membership in the same process (in-process recovery's core).
-- ``handover``, ``standby``  a kept worker's new place; a standby worker ready before one fails.
+- ``standby``    a standby worker, ready before one fails.
 - ``watchdog``   peer liveness: a dead or hung peer ends the attempt everywhere within seconds.
 - ``preflight``  start-up warnings for launch settings known to fail.
 
-The process group itself (``elastic_runner.dist``), the environment (``elastic_runner.env``) and the process's
+What a process does when the job breaks, and what it tells the agents then, is the recovery protocol's
+(``elastic_runner.recovery``, the floor below). The process group itself (``elastic_runner.dist``), the environment (``elastic_runner.env``) and the process's
 primitives (``elastic_runner.lifecycle``: exit statuses, stop signals, leaving at once) are on the ground floor,
 for every room.
 """

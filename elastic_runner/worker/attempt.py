@@ -65,6 +65,7 @@ from ..env import WorkerEnv
 from ..lifecycle import EXIT_FINAL, StopRequest, exit_now
 from .preflight import largest_world_size, parent_cmdline
 from .run_dir import prepare_run_dir, record_sync
+from ..snapshot.format import current_signing_key
 from .watchdog import PeerWatchdog, start_watchdog
 
 log = logging.getLogger("elastic_runner.train")
@@ -144,7 +145,8 @@ class Attempt:
         # group is up), so no rank is declared dead for being slow to build its optimizer.
         lost = PeerLost(env, dist, self.stop, events, self.checkpointer)
         self.watchdog = start_watchdog(env, generation, cfg.dist.heartbeat_seconds,
-                                       startup_grace=cfg.dist.init_timeout_seconds, on_lost=lost.on_peer_lost)
+                                       startup_grace=cfg.dist.init_timeout_seconds, on_lost=lost.on_peer_lost,
+                                       key=current_signing_key())
         metrics.serve(cfg.metrics.port, cfg.metrics.bind)
         metrics.set_restarts(env.restart_count)
         metrics.set_generation(generation)

@@ -39,11 +39,8 @@ cannot raise into the main thread: :func:`peer_lost_exit` gives its exit status.
 
 from __future__ import annotations
 
-import traceback
 from dataclasses import dataclass
 from typing import Literal
-
-import torch
 
 from ..config import ConfigError
 from ..snapshot import StaleWriterError
@@ -51,7 +48,8 @@ from ..training.checkpointer import FinalSnapshotFailed, ResumeError, StopSnapsh
 from ..training.fingerprint import ReplicasDiverged, TooManyRollbacks
 from ..training.gradients import NonFiniteGradient, NonFiniteRollback
 from ..training.loop import GracefulStop, MembershipChange
-from ..dist import Dist, DistError
+from ..dist import DistError
+from ..recovery.states import DeviceUnusable
 from ..lifecycle import EXIT_DIVERGED, EXIT_FAILED, EXIT_NOT_DURABLE, EXIT_OK, EXIT_PEER_LOST, EXIT_USAGE
 
 
@@ -61,10 +59,6 @@ class SetupError(RuntimeError):
 
 class RetryableSetupError(RuntimeError):
     """Rank 0 could not prepare the run for a reason that may pass (I/O): the attempt is retried."""
-
-
-class DeviceUnusable(RuntimeError):
-    """This process's device cannot be trusted any more: the process exits and its agent starts a new one."""
 
 
 @dataclass(frozen=True)
@@ -125,55 +119,6 @@ def ending_for(exc: BaseException | None, stop_requested: bool) -> Ending:
     return Ending("failed", None, keeps_state=True)
 
 
-#: What CUDA says when a context is unusable until its process exits (a "sticky" error: the device or its memory
-#: failed). NCCL reports one inside its own error ("unhandled cuda error ... Cuda failure 'an illegal memory access
-#: was encountered'"), which otherwise reads like a peer's failure.
-STICKY_DEVICE_ERRORS = ("illegal memory access", "device-side assert", "unspecified launch failure",
-                        "misaligned address", "illegal instruction", "uncorrectable ecc", "hardware stack error",
-                        "invalid program counter", "illegal address")
-
-
-def unusable_device(exc: BaseException | None, device: torch.device) -> str | None:
-    """Why this process's device cannot be trusted any more (one line), or None. A sticky CUDA error leaves the context
-    unusable until the process exits — NVIDIA's resiliency extension gave up its in-process restart for such faults —
-    so a process that met one is never kept through a recovery, however its error reads. ``exc``: what ended the
-    attempt (its causes are read too); on a GPU the device is asked as well (a synchronisation raises a sticky error
-    again). Costs a host synchronisation: between attempts only."""
-    seen: set[int] = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        matching = [line.strip() for line in str(exc).splitlines()
-                    if any(word in line.lower() for word in STICKY_DEVICE_ERRORS)]
-        if matching:  # the line that says what failed (NCCL's first line only says that CUDA did)
-            return matching[0][:300]
-        exc = exc.__cause__ or exc.__context__
-    if device.type == "cuda":
-        try:
-            torch.cuda.synchronize(device)
-        except RuntimeError as err:
-            return str(err).strip().splitlines()[0][:300] if str(err).strip() else type(err).__name__
-    return None
-
-
 def peer_lost_exit(stop_requested: bool) -> int:
     """The watchdog found a peer gone while this rank waits in a collective: leave at once."""
     return EXIT_OK if stop_requested else EXIT_PEER_LOST
-
-
-def peer_failure(exc: BaseException, dist: Dist, stop_requested: bool) -> bool:
-    """Whether the attempt ended because a peer failed (in-process recovery goes on), rather than on this rank's
-    own error, a stop, or a job-ending condition (those end the process as ever)."""
-    if not isinstance(exc, Exception) or dist.in_process is None or stop_requested:
-        return False
-    if unusable_device(exc, dist.device) is not None:  # this rank's own device failed: not a peer
-        return False
-    if ending_for(exc, False).exit_code is not None:
-        return False
-    if isinstance(exc, torch.distributed.DistError):
-        return True
-    # gloo and NCCL raise a plain RuntimeError from inside a collective's wait.
-    frames = traceback.extract_tb(exc.__traceback__)
-    return isinstance(exc, RuntimeError) and (
-        any("/torch/distributed/" in frame.filename for frame in frames[-3:])
-        or any(word in str(exc) for word in ("Connection closed", "Connection reset", "Broken pipe", "NCCL",
-                                             "gloo", "aborted")))

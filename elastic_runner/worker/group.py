@@ -15,7 +15,8 @@ import torch.distributed as tdist
 from ..dist import Deadline, Dist, DistError, choose_backend, choose_device
 from ..env import WorkerEnv
 from ..lifecycle import EXIT_PEER_TIMEOUT, exit_now
-from .regroup import ReconfigureRefused, RegroupError, SameMembers, chosen_regroup
+from ..snapshot.format import current_signing_key
+from ..recovery.regroup import ReconfigureRefused, RegroupError, SameMembers, chosen_regroup
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +127,7 @@ def up(env: WorkerEnv, *, backend: str = "auto", device: str = "auto",
                     raise DistError(str(exc)) from exc
                 same = SameMembers(store, env.rank, env.world_size, chosen, dev, timeout,
                                    datetime.timedelta(seconds=regroup_wait_seconds), method=method,
-                                   agents=env.group_world_size)
+                                   agents=env.group_world_size, key=current_signing_key())
             if same is not None and env.replaces is not None and env.rank != 0:
                 same.replace()  # the group the survivors rebuild for this process
                 joined = True
@@ -153,7 +154,7 @@ def up(env: WorkerEnv, *, backend: str = "auto", device: str = "auto",
 
 def rejoin(dist: Dist, deadline_seconds: float, leaving: Callable[[], bool] | None = None) -> float:
     """In-process recovery: rebuild the group with the failed peer's replacement (the survivors keep their
-    process); seconds it took. Raises :class:`~elastic_runner.worker.regroup.RegroupError` when a member does
+    process); seconds it took. Raises :class:`~elastic_runner.recovery.regroup.RegroupError` when a member does
     not come, or ``leaving()`` says this worker's agent starts a new round; a rebuild stuck past
     ``deadline_seconds`` (a second failure inside it) ends the process."""
     if dist.in_process is None:

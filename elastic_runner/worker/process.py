@@ -6,7 +6,8 @@ The attempt itself is :class:`~elastic_runner.worker.attempt.Attempt`; how it en
 status, is decided in :mod:`elastic_runner.worker.ending`. With in-process recovery
 (``recovery.in_process``) a process whose peer failed rebuilds its process group with the peer's
 replacement and runs the next attempt itself, with the model it has
-(:func:`~elastic_runner.worker.ending.peer_failure`).
+(the state machine of :mod:`elastic_runner.recovery.states` says where a process goes after each attempt; this
+module carries it out).
 """
 
 from __future__ import annotations
@@ -32,14 +33,14 @@ from . import group, standby
 from .attempt import Attempt
 from ..training import injected_faults
 from ..training.gradients import NonFiniteRollback
-from ..training.loop import MembershipChange
-from .ending import DeviceUnusable, ending_for, peer_failure, unusable_device
+from ..recovery.states import Broken, DeviceUnusable, State, after_failure
+from .ending import ending_for
 from ..env import REPLACES_VAR, WorkerEnv, say_finished
 from ..lifecycle import (EXIT_OK, EXIT_PEER_LOST, EXIT_USAGE, StopRequest, die_with_parent, name_process,
                         process_start_time)
 from .preflight import warn_known_bad_setups
-from .handover import Handover, HandoverError
-from .regroup import RegroupError
+from ..recovery.handover import Handover, HandoverError
+from ..recovery.regroup import RegroupError
 
 if TYPE_CHECKING:
     from ..workload.spec import Workload
@@ -94,35 +95,25 @@ def run(cfg: Config, env: WorkerEnv, make_workload: Callable[[], Workload] | Non
         # A standby that took this worker's place built the workload ahead: the first attempt trains it.
         kept = standby.take(cfg) if make_workload is None else None
         skips: frozenset[int] = frozenset()  #: steps rolled back from in this process (train.on_nonfinite: rollback)
-        while True:
+        while True:  # the recovery state machine (elastic_runner.recovery.states): training -> broken -> ...
             attempt = Attempt(cfg, env, dist, stop, started_at, make_workload, kept, park=handover, loaders=loaders,
                               skip_steps=skips)
-            parking, lost = False, ()
             try:
                 attempt.run()
                 say_finished(env.local_rank)  # whatever happens to this process from here on, the job is done
                 break
-            except NonFiniteRollback as exc:
-                # Every rank read the non-finite step at the same logging step: all come here, the group intact.
-                _require_usable_device(dist, env, exc)  # (a NaN can be a failing device's)
-                kept, skips = attempt.reusable(), skips | {exc.step}
-                del attempt
-                if env.rank == 0:
-                    say(f"elastic_runner: {exc}")
-                stop.between_attempts()
-                if stop.requested:
-                    return EXIT_OK
-                started_at = time.time()
-                continue
-            except MembershipChange as exc:
-                _require_usable_device(dist, env, None)
-                kept, parking, cause = attempt.reusable(), True, str(exc)
             except Exception as exc:
-                _require_usable_device(dist, env, exc)
-                if not peer_failure(exc, dist, stop.requested):
+                broken = after_failure(exc, dist, stop_requested=stop.requested,
+                                       ends_job=ending_for(exc, False).exit_code is not None)
+                if broken.device_error is not None:
+                    _device_unusable(env, broken.device_error, exc)
+                if broken.target is State.EXIT:
                     raise
                 kept = attempt.reusable()
-                cause = _first_line(exc)
+                if isinstance(exc, NonFiniteRollback):
+                    skips = skips | {exc.step}
+                    if env.rank == 0:
+                        say(f"elastic_runner: {exc}")
             # Out of the handler: the exception's traceback no longer holds the ended attempt (its gradient sync and
             # wrappers, which hold the old group), so the collector can free them before the group is rebuilt.
             del attempt
@@ -132,29 +123,13 @@ def run(cfg: Config, env: WorkerEnv, make_workload: Callable[[], Workload] | Non
                 log.info("stopped %s between two attempts (in-process recovery): nothing more to save",
                          stop.description)
                 return EXIT_OK
-            if not parking:
-                try:
-                    seconds = group.rejoin(dist, cfg.dist.init_timeout_seconds,
-                                           leaving=handover.requested if handover is not None else None)
-                    # This worker's start in the next attempt (its start-up figures, goodput's "worker start and
-                    # restore"): now, not its process's start long ago; the replacement's start is earlier.
-                    started_at = time.time()
-                    if handover is not None:
-                        handover.busy()  # until the next attempt's loop: it cannot park while it builds
-                    log.warning("rank %d: a peer failed (%s); this worker kept its process and rebuilt the process "
-                                "group with its replacement in %.3fs (in process, %s)", env.rank, cause, seconds,
-                                dist.in_process.method)
-                    continue
-                except RegroupError as regroup_failed:
-                    if handover is None:
-                        say(f"elastic_runner: rank {env.rank}: {regroup_failed}; every worker restarts")
-                        return EXIT_PEER_LOST
-                    cause = f"{cause}; {regroup_failed}"
-                    lost = regroup_failed.lost_agents
-            env, dist, started_at = _park(cfg, env, dist, handover, stop, cause, lost)  # type: ignore[arg-type]
-            if dist is None:
-                return EXIT_OK if stop.requested else EXIT_PEER_LOST
-        return ending_for(None, stop.requested).exit_code  # type: ignore[return-value]
+            following = _recover(broken, cfg, env, dist, handover, stop)
+            if isinstance(following, int):
+                return following  # (a group given up on the way is down already: down() again is nothing)
+            env, dist, started_at = following
+        finished = ending_for(None, stop.requested).exit_code
+        assert finished is not None
+        return finished
     except BaseException as exc:
         ending = ending_for(exc, stop.requested)
         if ending.exit_code is None:
@@ -175,15 +150,46 @@ def run(cfg: Config, env: WorkerEnv, make_workload: Callable[[], Workload] | Non
             dist.down()
 
 
-def _require_usable_device(dist: Dist, env: WorkerEnv, exc: BaseException | None) -> None:
-    """Before this process is kept through a recovery: a sticky device error ends it instead (:func:`unusable_device`),
-    and its agent starts a new one in its place."""
-    broken = unusable_device(exc, dist.device)
-    if broken is not None:
-        log.error("rank %d: this process's device is unusable (%s): the process is not kept through the recovery; "
-                  "its agent starts a new one", env.rank, broken)
-        raise DeviceUnusable(f"rank {env.rank}: the device is unusable ({broken}); a new process takes this one's "
-                             "place") from exc
+def _device_unusable(env: WorkerEnv, error: str, exc: BaseException) -> None:
+    """The machine's exit for a process whose device failed: never kept; its agent starts a new one."""
+    log.error("rank %d: this process's device is unusable (%s): the process is not kept through the recovery; "
+              "its agent starts a new one", env.rank, error)
+    raise DeviceUnusable(f"rank {env.rank}: the device is unusable ({error}); a new process takes this one's "
+                         "place") from exc
+
+
+def _recover(broken: Broken, cfg: Config, env: WorkerEnv, dist: Dist, handover: Handover | None,
+             stop: StopRequest) -> tuple[WorkerEnv, Dist, float] | int:
+    """The process out of ``broken`` (:mod:`elastic_runner.recovery.states`) to its next attempt: that attempt's env,
+    its group and its start; or the exit status where the machine ends in ``exit`` instead."""
+    if broken.target is State.TRAINING:  # a step rolled back: the same group, the same members
+        return env, dist, time.time()
+    cause = broken.why
+    lost: tuple[int, ...] = ()
+    if broken.target is State.REJOIN:
+        try:
+            seconds = group.rejoin(dist, cfg.dist.init_timeout_seconds,
+                                   leaving=handover.requested if handover is not None else None)
+            # This worker's start in the next attempt (its start-up figures, goodput's "worker start and
+            # restore"): now, not its process's start long ago; the replacement's start is earlier.
+            started_at = time.time()
+            if handover is not None:
+                handover.busy()  # until the next attempt's loop: it cannot park while it builds
+            log.warning("rank %d: a peer failed (%s); this worker kept its process and rebuilt the process "
+                        "group with its replacement in %.3fs (in process, %s)", env.rank, cause, seconds,
+                        dist.in_process.method if dist.in_process is not None else "?")
+            return env, dist, started_at
+        except RegroupError as regroup_failed:
+            if handover is None:
+                say(f"elastic_runner: rank {env.rank}: {regroup_failed}; every worker restarts")
+                return EXIT_PEER_LOST
+            cause, lost = f"{cause}; {regroup_failed}", regroup_failed.lost_agents
+    if handover is None:  # (a park request comes only through a hand-over)
+        return EXIT_PEER_LOST
+    new_env, new_dist, placed_at = _park(cfg, env, dist, handover, stop, cause, lost)
+    if new_dist is None:
+        return EXIT_OK if stop.requested else EXIT_PEER_LOST
+    return new_env, new_dist, placed_at
 
 
 def _up(cfg: Config, env: WorkerEnv, make_workload: Callable[[], Workload] | None) -> Dist | None:
@@ -237,12 +243,12 @@ def _park(cfg: Config, env: WorkerEnv, dist: Dist, handover: Handover, stop: Sto
     new = WorkerEnv.from_environ()
     setup_logging(cfg.logging.level, new.rank, new.world_size)
     name_process(new.rank, new.local_rank)
-    dist = _up(cfg, new, None)
-    if dist is not None:
+    rebuilt = _up(cfg, new, None)
+    if rebuilt is not None:
         log.warning("rank %d: the membership changed (%s); this worker kept its process and is rank %d of %d in the "
                     "new round after %.3fs (in process)", env.rank, cause, new.rank, new.world_size,
                     time.monotonic() - started)
-    return new, dist, placed_at
+    return new, rebuilt, placed_at
 
 
 def keeps_its_process(cfg: Config, env: WorkerEnv, make_workload: Callable[[], Workload] | None) -> bool:
@@ -255,8 +261,3 @@ def keeps_its_process(cfg: Config, env: WorkerEnv, make_workload: Callable[[], W
 def in_process_wanted(cfg: Config, env: WorkerEnv, make_workload: Callable[[], Workload] | None) -> bool:
     """Whether this worker rebuilds its group with a failed peer's replacement: it keeps its process and has peers."""
     return keeps_its_process(cfg, env, make_workload) and env.world_size > 1
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0][:200]}" if text else type(exc).__name__

@@ -18,7 +18,10 @@ counts against a neighbour: after its own thread did not run for a good part of 
 machine paused, a cgroup freezer, a starved scheduler) the neighbours' silence over that gap is not theirs to blame.
 
 The watchdog uses its own store connection with a short timeout, so a
-process group stuck in a collective cannot block it.
+process group stuck in a collective cannot block it. Its counters and the abort are messages of the recovery
+protocol (:mod:`elastic_runner.recovery.channel`), signed with the job's key where it has one: a writer on the store
+without the key can neither stop every rank with a forged abort, nor hide a hung rank behind a forged ``done``, nor
+make a live rank look hung with an old counter put back (a counter below the highest seen is evidence of nothing).
 """
 
 from __future__ import annotations
@@ -29,19 +32,20 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
+from ..recovery.channel import Abort, Channel, WatchdogBeat, abort_key, watchdog_key
+
 if TYPE_CHECKING:
     from ..env import WorkerEnv
 
 log = logging.getLogger(__name__)
 
-DONE = b"done"
-
-
 class PeerWatchdog:
     def __init__(self, store: Any, *, rank: int, world_size: int, generation: int, timeout: float,
                  on_lost: Callable[[str], None], interval: float | None = None, startup_grace: float | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, key: bytes | None = None) -> None:
         self.store = store
+        self.channel = Channel(store, key)
+        self.generation = generation
         self.rank = rank
         self.world_size = world_size
         self.timeout = timeout
@@ -53,12 +57,12 @@ class PeerWatchdog:
         #: process, not a neighbour's silence (a loaded machine delays a tick by a second or two, not half the timeout).
         self.pause_after = max(2 * self.interval, timeout / 2)
         self._clock = clock
-        self.prefix = f"er/hb/{generation}/"
-        self.abort_key = f"er/abort/{generation}"
+        self.abort_key = abort_key(generation)
         self.neighbours = sorted({(rank - 1) % world_size, (rank + 1) % world_size} - {rank})
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="elastic-runner-watchdog", daemon=True)
         self._counter = 0
+        self._replayed: set[int] = set()  #: neighbours whose counter went back (logged once each)
 
     @classmethod
     def connect(cls, master_addr: str, master_port: int, timeout: float, **kwargs: Any) -> "PeerWatchdog":
@@ -80,14 +84,14 @@ class PeerWatchdog:
         self._stop.set()
         if done:
             try:
-                self.store.set(self.prefix + str(self.rank), DONE)
+                self.channel.send(WatchdogBeat(self.generation, self.rank, self._counter + 1, done=True))
             except Exception:  # noqa: BLE001 - the store may be gone at the very end
                 pass
 
     def abort(self, reason: str) -> None:
         """Tell every rank of this generation to stop (used on local failures too)."""
         try:
-            self.store.set(self.abort_key, f"rank {self.rank}: {reason}".encode())
+            self.channel.send(Abort(self.generation, self.rank, reason[:1024]))
         except Exception:  # noqa: BLE001
             pass
 
@@ -95,11 +99,11 @@ class PeerWatchdog:
 
     def _beat(self) -> None:
         self._counter += 1
-        self.store.set(self.prefix + str(self.rank), str(self._counter).encode())
+        self.channel.send(WatchdogBeat(self.generation, self.rank, self._counter))
 
     def _run(self) -> None:
         started = asleep_from = self._clock()
-        last_value: dict[int, bytes | None] = {n: None for n in self.neighbours}
+        last_value: dict[int, int | None] = {n: None for n in self.neighbours}
         last_change: dict[int, float] = {n: started for n in self.neighbours}
         store_failed_since: float | None = None
         while not self._stop.wait(self.interval):
@@ -115,13 +119,12 @@ class PeerWatchdog:
                     store_failed_since = min(now, store_failed_since + paused)
             try:
                 self._beat()
-                if self.store.check([self.abort_key]):
-                    reason = self.store.get(self.abort_key).decode(errors="replace")
-                    self._fire(f"another rank aborted this attempt ({reason})")
+                aborted = self.channel.read(Abort, self.abort_key)
+                if aborted is not None:
+                    self._fire(f"another rank aborted this attempt (rank {aborted.rank}: {aborted.reason})")
                     return
-                keys = [self.prefix + str(n) for n in self.neighbours]
-                present = [n for n, k in zip(self.neighbours, keys) if self.store.check([k])]
-                values = dict(zip(present, self.store.multi_get([self.prefix + str(n) for n in present]))) if present else {}
+                read = self.channel.read_many(WatchdogBeat, [watchdog_key(self.generation, n) for n in self.neighbours])
+                values = {n: read[watchdog_key(self.generation, n)] for n in self.neighbours}
                 store_failed_since = None
             except Exception as exc:  # noqa: BLE001 - any store failure means rank 0's host is gone or cut off
                 if store_failed_since is None:
@@ -132,12 +135,19 @@ class PeerWatchdog:
                 asleep_from = self._clock()
                 continue
             for n in self.neighbours:
-                value = values.get(n)
-                if value == DONE:
+                beat = values.get(n)
+                if beat is not None and beat.done:
                     last_change[n] = now
                     continue
+                value = beat.count if beat is not None else None
                 limit = self.timeout if last_value[n] is not None or value is not None else self.startup_grace
-                if value != last_value[n]:
+                last = last_value[n]
+                if value is not None and last is not None and value < last:
+                    # Put back by someone else (its own counter only grows): not its silence, and not a sign of life.
+                    (log.debug if n in self._replayed else log.warning)("peer watchdog: rank %d's counter in the job's store went back from %d to %d: someone "
+                                "else put an old one there; ignored", n, last, value)
+                    self._replayed.add(n)
+                elif value != last_value[n]:
                     last_value[n], last_change[n] = value, now
                 elif now - last_change[n] > limit:
                     if value is None:
@@ -156,7 +166,7 @@ class PeerWatchdog:
 
 
 def start_watchdog(env: WorkerEnv, generation: int, timeout: float, startup_grace: float,
-                   on_lost: Callable[[str], None]) -> PeerWatchdog | None:
+                   on_lost: Callable[[str], None], key: bytes | None = None) -> PeerWatchdog | None:
     """Start right after the process group is up, before any rank's (possibly slow) set-up; None
     when there is nothing to watch (alone, off) or the job's store cannot be reached."""
     if timeout <= 0 or env.world_size < 2 or env.master_addr is None or env.master_port is None:
@@ -164,7 +174,7 @@ def start_watchdog(env: WorkerEnv, generation: int, timeout: float, startup_grac
     try:
         return PeerWatchdog.connect(env.master_addr, env.master_port, timeout, rank=env.rank,
                                     world_size=env.world_size, generation=generation, on_lost=on_lost,
-                                    startup_grace=startup_grace).start()
+                                    startup_grace=startup_grace, key=key).start()
     except Exception as exc:  # noqa: BLE001 - liveness checking is a safety net, not a requirement
         log.warning("peer watchdog not started (%s); dead peers are detected by collective errors only", exc)
         return None

@@ -3,7 +3,8 @@ round for the dead-node window. Here that window is 90 s (``keep_alive_interval=
 the lost node's lease would not form within the 45 s each test gives it:
 
 - a node lost (SIGKILL to its agent and workers): the survivor's worker sees the node's agent stop beating, and its
-  agent counts the node out of the round (its key deleted: ``agent_members_counted_out``);
+  agent counts the node out of the round (its key deleted: ``agent_members_counted_out``); this job has the job's
+  key (``auth_key_file``), so the beats it judged by are signed ones (:mod:`elastic_runner.recovery.channel`);
 - a node preempted (SIGTERM to its agent): its agent stops its workers and leaves the rendezvous (its key revoked).
 
 Either way the survivor's worker keeps its process, trains on alone, and the run's audit is clean.
@@ -54,9 +55,15 @@ def _world_after(run_dir: Path, size: int, after: float, job: Any) -> None:
 
 @pytest.mark.parametrize("how", ["lost", "preempted"])
 def test_a_node_that_is_lost_or_leaves_does_not_hold_the_next_round_for_its_lease(
-        how: str, resume_config: Path, local_job: Any, etcd: EtcdServer) -> None:
+        how: str, resume_config: Path, local_job: Any, etcd: EtcdServer, tmp_path: Path) -> None:
+    conf = WINDOW_CONF
+    if how == "lost":
+        key_file = tmp_path / "job.key"
+        key_file.write_text("a" * 64 + "\n")
+        key_file.chmod(0o600)
+        conf += f",auth_key_file={key_file}"
     job = local_job(config=str(resume_config), nnodes="1:2", rdzv_backend="etcd-v3", rdzv_endpoint=etcd.endpoint,
-                    rdzv_conf=WINDOW_CONF, overrides=["recovery.in_process=true"])
+                    rdzv_conf=conf, overrides=["recovery.in_process=true"])
     job.start_agent()
     job.start_agent()
     run_dir = Path(job.run_dir)

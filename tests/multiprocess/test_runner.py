@@ -179,7 +179,8 @@ def test_a_stop_while_a_survivor_rebuilds_its_process_group_ends_it_at_once(smal
     from elastic_runner.testing.localjob import free_port
     from elastic_runner.env import AGENT_ID_VAR
     from elastic_runner.lifecycle import EXIT_OK
-    from elastic_runner.worker.regroup import announce_replacement
+    from elastic_runner.recovery.channel import Channel
+    from elastic_runner.recovery.regroup import announce_replacement
 
     port, run_dir = free_port(), tmp_path / "run"
     workers = []
@@ -205,7 +206,7 @@ def test_a_stop_while_a_survivor_rebuilds_its_process_group_ends_it_at_once(smal
                                wait_for_workers=False)
         os.killpg(workers[1].pid, signal.SIGKILL)
         workers[1].wait()
-        generation = announce_replacement(store, 1)  # as the agent does; the replacement never comes
+        generation = announce_replacement(Channel(store, None), 1)  # as the agent does; the replacement never comes
         # Rank 0 kept its step and now waits for its peer in the new group (recreate: it said it arrived;
         # reconfigure: it posted its handle).
         arrived = [f"regroup/{generation}/arrived/0", f"regroup/{generation}/0"]
@@ -256,5 +257,8 @@ def test_a_replacement_whose_survivors_never_rebuild_the_group_ends_so_that_ever
     # The predecessor died before the round's first group was formed (the soak's case): its peers wait for it in
     # that group's start, so the replacement does not wait for them at all.
     assert "rank 1 ended before the round's first process group was formed" in replacement()
-    store.set("regroup/in/1", b"0")  # the predecessor had formed it: the replacement waits for the survivors
+    from elastic_runner.recovery.channel import Channel, InGeneration
+
+    # The predecessor had formed it: the replacement waits for the survivors.
+    Channel(store, None).send(InGeneration(1, 0))
     assert "rank 1: could not rebuild the process group for generation 1" in replacement()

@@ -1,4 +1,4 @@
-"""A kept worker's place in a new round (:mod:`elastic_runner.worker.handover` and the agent's side,
+"""A kept worker's place in a new round (:mod:`elastic_runner.recovery.handover` and the agent's side,
 :mod:`elastic_runner.agent.kept_round`): real worker processes started by torch's ``start_processes`` with the
 forkserver, as the zygote does, parked and handed their places through the agent's private directory."""
 
@@ -20,7 +20,7 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_pr
 from elastic_runner import torch_patches
 from elastic_runner.agent import kept_round
 from elastic_runner.agent.worker_context import as_keeping
-from elastic_runner.worker.handover import HANDOVER_DIR_VAR, Handover, HandoverError
+from elastic_runner.recovery.handover import HANDOVER_DIR_VAR, Handover, HandoverError
 
 from ..support import context_result
 

@@ -13,7 +13,8 @@ import torch
 import torch.distributed as tdist
 
 from elastic_runner.agent.beat import AgentBeat
-from elastic_runner.worker.regroup import RegroupError, SameMembers, agent_beat
+from elastic_runner.recovery.channel import AgentBeat as BeatMessage, Channel
+from elastic_runner.recovery.regroup import RegroupError, SameMembers, agent_beat
 
 pytestmark = [pytest.mark.timeout(60)]
 
@@ -63,7 +64,7 @@ def test_a_group_given_up_alone_gets_an_id_that_training_s_seeded_random_does_no
     # workers that drew their alone-ids from it handed in the same handle and their new group failed.
     import random
 
-    from elastic_runner.worker.regroup import Regroup
+    from elastic_runner.recovery.regroup import Regroup
 
     ids: list[int] = []
 
@@ -108,7 +109,7 @@ def test_a_survivor_stops_waiting_for_an_announcement_once_a_nodes_agent_is_sile
     store = _job_store()
     (alive,) = _beating(store, [0])
     try:
-        agent_beat(store, 1, 7)  # it beat here, then its node was gone: no beat since, no last word, no announcement
+        agent_beat(Channel(store, None), 1, 7)  # it beat here, then its node was gone: no beat since, no last word, no announcement
         started = time.monotonic()
         with pytest.raises(RegroupError, match="agent of node 1 has not beaten") as raised:
             _survivor_of(store, agents=2).survive(datetime.timedelta(seconds=30))
@@ -187,7 +188,8 @@ def test_an_agent_that_stops_beating_on_purpose_is_parked_for_but_never_counted_
         with pytest.raises(RegroupError, match="agent of node 1 has not beaten") as raised:
             _survivor_of(store, agents=2).survive(datetime.timedelta(seconds=30))
         assert raised.value.lost_agents == (), "alive: parked for, not counted out"
-        assert store.get("regroup/agent/1") == b"stopping"
+        last = Channel(store, None).read(BeatMessage, "regroup/agent/1")
+        assert last is not None and last.stopping, last
     finally:
         alive.close()
         restarting.close()

@@ -6,7 +6,19 @@ from __future__ import annotations
 import time
 from typing import Callable
 
+from elastic_runner.recovery.channel import Channel, WatchdogBeat
 from elastic_runner.worker.watchdog import PeerWatchdog
+
+
+def _beat(store: object, rank: int, count: int) -> None:
+    """Rank ``rank``'s watchdog counter in generation 1 at ``count``, as its watchdog writes it."""
+    Channel(store, None).send(WatchdogBeat(1, rank, count))
+
+
+def _count(store: object, rank: int) -> int:
+    beat = Channel(store, None).read(WatchdogBeat, f"er/hb/1/{rank}")
+    assert beat is not None
+    return beat.count
 
 
 def test_a_neighbour_gets_the_startup_grace_before_its_first_heartbeat() -> None:
@@ -48,18 +60,18 @@ def test_a_pause_of_the_whole_job_longer_than_the_heartbeat_blames_no_neighbour_
     from torch.distributed import HashStore
 
     store, clock, fired = HashStore(), _Clock(), []
-    store.set("er/hb/1/1", b"1")  # the neighbour has started
+    _beat(store, 1, 1)  # the neighbour has started
     dog = PeerWatchdog(store, rank=0, world_size=2, generation=1, timeout=5.0, interval=0.01, on_lost=fired.append,
                        clock=clock).start()
     try:
-        ticks = lambda: int(store.get("er/hb/1/0"))  # noqa: E731 - the watcher's own counter: it ran
+        ticks = lambda: _count(store, 0)  # noqa: E731 - the watcher's own counter: it ran
         seen = ticks()
         assert _until(lambda: ticks() > seen + 3)
         clock.now += 20.0  # everything paused for 20 s, four times the heartbeat
         seen = ticks()
         assert _until(lambda: ticks() > seen + 3)
         assert not fired, "a pause of the watcher itself is not the neighbour's silence"
-        store.set("er/hb/1/1", b"2")  # the neighbour runs again after the pause
+        _beat(store, 1, 2)  # the neighbour runs again after the pause
         for _ in range(8):  # 4 s of watched silence: within the heartbeat
             clock.now += 0.5
             seen = ticks()
@@ -107,7 +119,7 @@ def test_a_store_whose_host_hangs_is_still_found_though_each_call_blocks_for_the
     # A store call that blocks is time the watcher was running, not a pause of its process.
     clock, fired = _Clock(), []
     store = _HungStore(clock, timeout=5.0)
-    store.set("er/hb/1/1", b"1")
+    _beat(store, 1, 1)
     dog = PeerWatchdog(store, rank=0, world_size=2, generation=1, timeout=5.0, interval=0.01, on_lost=fired.append,
                        clock=clock).start()
     try:

@@ -177,6 +177,7 @@ def _agent_choice(keeping: FakeKeeping | None, failures: dict[int, tuple[int, in
 
     agent = ElasticRunnerAgent.__new__(ElasticRunnerAgent)  # its policy alone, without torch's agent set-up
     agent._keeping, agent._remaining_restarts, agent.observers = keeping, restarts, []
+    agent._job_key = None  # (a job without auth_key_file: its messages unsigned)
     group = SimpleNamespace(workers=[SimpleNamespace(id=100 + i, global_rank=first_rank + i) for i in range(2)])
     result = RunResult(state=WorkerState.FAILED, failures={
         rank: ProcessFailure(local_rank=local, pid=100 + local, exitcode=code, error_file="/nonexistent")
@@ -195,14 +196,17 @@ def job_store() -> Any:
 
 
 def test_a_killed_worker_is_started_again_alone_with_the_pid_it_replaces_in_its_environment(job_store: Any) -> None:
+    from elastic_runner.recovery.channel import Channel, Coming, InGeneration
+
     keeping = FakeKeeping(job_store.port)
-    job_store.set("regroup/in/3", b"4")  # the failed worker was in the group's generation 4
+    Channel(job_store, None).send(InGeneration(3, 4))  # the failed worker was in the group's generation 4
     replaced, agent, group = _agent_choice(keeping, {3: (1, -9)})
     assert replaced and [(r, env["ELASTIC_RUNNER_REPLACES"], env["RANK"]) for r, env in keeping.replaced] == \
         [(1, "101", "3")]
     assert group.workers[1].id == 9001 and group.workers[0].id == 100, "torch's agent tracks the new pid"
     assert agent._remaining_restarts == 2, "a replacement counts as a restart"
-    assert job_store.get("regroup/5/coming") == b"3", "its peers are told that rank 3's replacement joins generation 5"
+    assert Channel(job_store, None).read(Coming, "regroup/5/coming") == Coming(5, 3), \
+        "its peers are told that rank 3's replacement joins generation 5"
 
 
 def test_with_the_jobs_store_gone_every_worker_restarts() -> None:

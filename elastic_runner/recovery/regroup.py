@@ -34,17 +34,16 @@ import torch
 import torch.distributed as tdist
 
 from ..dist import destroy_default_group
+from .channel import PREFIX, AgentBeat, Arrived, Channel, Coming, Handle, InGeneration, agent_key, arrived_key, \
+    generation_key, handle_key
 
 log = logging.getLogger(__name__)
-
-#: Where the members' handles go in the job's store: ``regroup/<generation>/<member>``.
-PREFIX = "regroup"
 
 
 class RegroupError(RuntimeError):
     """The group could not be rebuilt for the new membership (a member missing, the backend refused).
     ``lost_agents``: the group ranks of the agents whose beat stood still (their nodes are lost), for this worker's
-    agent to count them out of the next round (:mod:`elastic_runner.worker.handover`)."""
+    agent to count them out of the next round (:mod:`elastic_runner.recovery.handover`)."""
 
     def __init__(self, message: str, lost_agents: tuple[int, ...] = ()) -> None:
         super().__init__(message)
@@ -100,13 +99,15 @@ class Regroup:
     """The default process group of one worker process, rebuilt for each new membership.
 
     ``store``: the job's store, reachable by every member of every generation (the agents' rendezvous store, or
-    a survivor's). ``member``: this process's name, the same for its whole life.
+    a survivor's). ``member``: this process's name, the same for its whole life. ``key``: the job's key, which signs
+    what the members tell each other there (:mod:`.channel`; None: unsigned).
     """
 
     def __init__(self, store: Any, member: str, backend: str, timeout: datetime.timedelta,
                  method: str | None = None, device: torch.device | None = None,
-                 wait: datetime.timedelta | None = None) -> None:
+                 wait: datetime.timedelta | None = None, key: bytes | None = None) -> None:
         self.store, self.member, self.backend, self.timeout = store, member, backend, timeout
+        self.channel = Channel(store, key)
         #: How long a member waits for the others to arrive (``timeout``, the group's own, by default); the
         #: rebuilt group's collectives keep ``timeout``.
         self.wait = wait if wait is not None else timeout
@@ -182,10 +183,15 @@ class Regroup:
                 raise ReconfigureRefused(f"the {self.backend} group of torch {_torch_version()} does not support "
                                          "reconfigure")
             self._alone()  # a fresh group's handle is the same in every process until then
-        keys = [f"{PREFIX}/{membership.generation}/{m}" for m in membership.members]
-        self.store.set(keys[rank], tdist._get_reconfigure_handle())
-        self.store.wait(keys, wait)
-        handles = [self.store.get(key).decode() for key in keys]
+        generation = membership.generation
+        keys = [handle_key(generation, m) for m in membership.members]
+        self.channel.send(Handle(generation, self.member, tdist._get_reconfigure_handle()))
+        self._wait_for(Handle, keys, wait)
+        read = self.channel.read_many(Handle, keys)
+        handles = [message.handle for message in read.values() if message is not None]
+        if len(handles) != len(keys):
+            raise RegroupError(f"generation {generation}'s handles in the job's store are not all signed with the "
+                               "job's key (someone else wrote them): this group is not joined")
         # The id is the generation's: every member passes the same one, and no two generations share it.
         tdist._reconfigure(uuid=membership.generation, handles=handles, timeout=self.timeout).wait()
 
@@ -199,12 +205,24 @@ class Regroup:
     def _recreate(self, membership: Membership, rank: int, wait: datetime.timedelta) -> None:
         self.leave()
         # Every member there first, within the wait: the group's own start would wait its whole timeout.
-        arrived = [f"{PREFIX}/{membership.generation}/arrived/{m}" for m in membership.members]
-        self.store.set(arrived[rank], b"1")
-        self.store.wait(arrived, wait)
+        arrived = [arrived_key(membership.generation, m) for m in membership.members]
+        self.channel.send(Arrived(membership.generation, self.member))
+        self._wait_for(Arrived, arrived, wait)
         store = tdist.PrefixStore(f"{PREFIX}/{membership.generation}", self.store)
         tdist.init_process_group(self.backend, store=store, rank=rank, world_size=len(membership.members),
                                  timeout=self.timeout)
+
+
+    def _wait_for(self, cls: type[Handle] | type[Arrived], keys: list[str], wait: datetime.timedelta) -> None:
+        """Until every key holds a valid message (a value someone else put there first is waited past: its member
+        overwrites it), or ``wait`` (the store's own timeout error, as torch's ``wait`` raises)."""
+        self.store.wait(keys, wait)
+        deadline = time.monotonic() + wait.total_seconds()
+        while not self.channel.has(cls, keys):
+            if time.monotonic() >= deadline:
+                raise RegroupError(f"the members' {cls.kind} messages in the job's store did not all verify within "
+                                   f"{wait.total_seconds():g}s (values not signed with the job's key are ignored)")
+            time.sleep(ANNOUNCE_POLL_S)
 
 
 def _torch_version() -> str:
@@ -223,81 +241,92 @@ AGENT_SILENT = datetime.timedelta(seconds=0.6)
 ANNOUNCE_POLL_S = 0.02
 
 
-def _agent_key(group_rank: int) -> str:
-    """Where the agent of ``group_rank`` beats while its workers run."""
-    return f"{PREFIX}/agent/{group_rank}"
-
-
-def agent_beat(store: Any, group_rank: int, beat: int) -> None:
+def agent_beat(channel: Channel, group_rank: int, beat: int) -> None:
     """The agent of ``group_rank`` is alive (its ``beat``-th beat)."""
-    store.set(_agent_key(group_rank), str(beat).encode())
+    channel.send(AgentBeat(group_rank, beat))
 
 
-#: An agent's last beat when it stops beating on purpose (it restarts its node's workers, or ends): alive, so its
-#: node is never counted out for the silence that follows; its workers go, so survivors park for the new round.
-AGENT_STOPPING = b"stopping"
-
-
-def agent_stopping(store: Any, group_rank: int) -> None:
-    """The agent of ``group_rank`` stops beating on purpose (see :data:`AGENT_STOPPING`)."""
-    store.set(_agent_key(group_rank), AGENT_STOPPING)
+def agent_stopping(channel: Channel, group_rank: int, beat: int) -> None:
+    """The agent of ``group_rank`` stops beating on purpose (its last beat, the ``beat``-th: see :class:`AgentBeat`):
+    its node is never counted out for the silence that follows; its workers go, so survivors park for the new round."""
+    channel.send(AgentBeat(group_rank, beat, stopping=True))
 
 
 class _AgentBeats:
     """The round's agents' beats as a survivor first saw them: which stood still since. An agent whose beat is not in
     the store at all (it was lost before it first beat into this round's store) stands still too, as long as another
-    agent's beat moved meanwhile: the round's agents do beat (torch's own never do: none is judged then)."""
+    agent's beat moved meanwhile: the round's agents do beat (torch's own never do: none is judged then). A slot that
+    holds a value not signed with the job's key, or a beat whose counter went below the highest one seen (put back by
+    someone else: :mod:`.channel`), is evidence of nothing, and that agent is never counted out on it."""
 
-    def __init__(self, store: Any, agents: int) -> None:
-        self.store, self.agents = store, agents
+    def __init__(self, channel: Channel, agents: int) -> None:
+        self.channel, self.agents = channel, agents
+        self.highest: dict[int, int] = {}
         self.seen, self.at = self._read(), time.monotonic()
 
-    def _read(self) -> dict[int, bytes | None]:
-        keys = {g: _agent_key(g) for g in range(self.agents)}
-        return {g: self.store.get(key) if self.store.check([key]) else None for g, key in keys.items()}
+    def _read(self) -> dict[int, AgentBeat | None]:
+        refused: set[str] = set()
+        read = self.channel.read_many(AgentBeat, [agent_key(g) for g in range(self.agents)], refused)
+        #: Agents whose slot held something nobody signed at the last look: evidence of nothing either way.
+        self.tampered = {g for g in range(self.agents) if agent_key(g) in refused}
+        beats = {g: read[agent_key(g)] for g in range(self.agents)}
+        for g, beat in beats.items():
+            if beat is not None:
+                self.highest[g] = max(self.highest.get(g, beat.count), beat.count)
+        return beats
 
     def silent(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """The group ranks of the agents that have not beaten for :data:`AGENT_SILENT`, looked at once that long has
         passed since the last look (empty otherwise): those seen beating in this store before, and those never seen
-        here or that said they stop on purpose (:data:`AGENT_STOPPING`). Only the first are evidence enough to count a
+        here or that said they stop on purpose (``AgentBeat.stopping``). Only the first are evidence enough to count a
         node out of the rendezvous (:meth:`SameMembers.survive`): an agent never seen may merely be late to this
         round's store, and one that stops on purpose is alive (it restarts its workers, or stops them and leaves)."""
         if time.monotonic() - self.at < AGENT_SILENT.total_seconds():
             return (), ()
+        before = self.seen
+        before_highest = dict(self.highest)
         now = self._read()
-        moved = any(beat is not None and beat != self.seen.get(g) for g, beat in now.items())
-        still = sorted(g for g, beat in now.items() if beat == self.seen.get(g)) if moved else []
+        moved, still = False, []
+        for g, beat in now.items():
+            old = before.get(g)
+            if g in self.tampered:
+                continue
+            if beat is None:
+                if old is None:
+                    still.append(g)
+                continue
+            if beat.count > before_highest.get(g, -1):
+                moved = True
+            elif beat.count < before_highest.get(g, -1):
+                log.warning("the beat of node %d's agent in the job's store went back from %d to %d: someone else "
+                            "put an old one there; it is not taken as that node's silence", g,
+                            before_highest[g], beat.count)
+            elif old is not None and beat == old:
+                still.append(g)
         self.seen, self.at = now, time.monotonic()
-        alive = (None, AGENT_STOPPING)
-        return tuple(g for g in still if now[g] not in alive), tuple(g for g in still if now[g] in alive)
+        if not moved:
+            return (), ()
+        stopped = tuple(g for g in still if now[g] is not None and not now[g].stopping)  # type: ignore[union-attr]
+        never = tuple(g for g in still if now[g] is None or now[g].stopping)  # type: ignore[union-attr]
+        return stopped, never
 
 
-def _generation_key(rank: int) -> str:
-    """Where rank ``rank`` says which generation of the group it is in: its replacement joins the next one."""
-    return f"{PREFIX}/in/{rank}"
-
-
-def _coming_key(generation: int) -> str:
-    """Set by an agent that replaces a failed worker, for the generation its replacement joins."""
-    return f"{PREFIX}/{generation}/coming"
-
-
-def _replacement_generation(store: Any, rank: int) -> int:
+def _replacement_generation(channel: Channel, rank: int) -> int:
     """The generation a replacement of ``rank`` joins: the one after its predecessor's. Raises :class:`RegroupError`
     when the predecessor ended before the round's first group was formed: its peers still wait for it in that
     group's start, where no replacement can take its place (every worker restarts)."""
-    key = _generation_key(rank)
-    if not store.check([key]):
+    said = channel.read(InGeneration, generation_key(rank))
+    if said is None:
         raise RegroupError(f"rank {rank} ended before the round's first process group was formed: its peers wait "
                            "for it there, not for a replacement")
-    return int(store.get(key)) + 1
+    return said.generation + 1
 
 
-def announce_replacement(store: Any, rank: int) -> int:
+def announce_replacement(channel: Channel, rank: int) -> int:
     """An agent replaces the failed worker of ``rank``: tell the survivors, who wait for this before they wait for
     the newcomer (:meth:`SameMembers.survive`); the generation it joins."""
-    generation = _replacement_generation(store, rank)
-    store.set(_coming_key(generation), str(rank).encode())
+    generation = _replacement_generation(channel, rank)
+    channel.send(Coming(generation, rank))
     return generation
 
 
@@ -313,11 +342,12 @@ class SameMembers:
 
     def __init__(self, store: Any, rank: int, world_size: int, backend: str, device: torch.device,
                  timeout: datetime.timedelta, wait: datetime.timedelta, method: str = "recreate",
-                 agents: int = 0) -> None:
+                 agents: int = 0, key: bytes | None = None) -> None:
         self.rank, self.world_size, self.generation = rank, world_size, 0
         #: The round's agents (nodes): a survivor watches their beats while it waits for an announcement.
         self.agents = agents
-        self.regroup = Regroup(store, str(rank), backend, timeout, method=method, device=device, wait=wait)
+        self.regroup = Regroup(store, str(rank), backend, timeout, method=method, device=device, wait=wait, key=key)
+        self.channel = self.regroup.channel
 
     @property
     def method(self) -> str:
@@ -330,7 +360,7 @@ class SameMembers:
     def formed(self) -> None:
         """The round's first group works (its first collective went through): a replacement of this rank may join
         the next generation."""
-        self.regroup.store.set(_generation_key(self.rank), b"0")
+        self.channel.send(InGeneration(self.rank, 0))
 
     def survive(self, announce_wait: datetime.timedelta = ANNOUNCE_WAIT,
                 leaving: Callable[[], bool] | None = None) -> float:
@@ -341,15 +371,15 @@ class SameMembers:
         changes (this worker's agent asks it to park: the peer left for a new round)."""
         self.regroup.abandon()
         generation = self.generation + 1
-        key, deadline = _coming_key(generation), time.monotonic() + announce_wait.total_seconds()
+        key, deadline = Coming(generation, 0).key(), time.monotonic() + announce_wait.total_seconds()
         beats: _AgentBeats | None = None
         while True:
             if leaving is not None and leaving():
                 raise RegroupError("the membership changes (this worker's agent asked it to park)")
             try:
-                if self.regroup.store.check([key]):
+                if self.channel.read(Coming, key) is not None:
                     break
-                beats = beats or _AgentBeats(self.regroup.store, self.agents)
+                beats = beats or _AgentBeats(self.channel, self.agents)
                 stopped, never = beats.silent()
             except Exception as exc:  # noqa: BLE001 - the store gone with rank 0's worker
                 raise RegroupError(f"the job's store does not answer after a peer's failure ({type(exc).__name__}): "
@@ -366,7 +396,7 @@ class SameMembers:
 
     def replace(self) -> float:
         """This process replaces a failed worker of the same rank: join the generation after its predecessor's."""
-        return self._join(_replacement_generation(self.regroup.store, self.rank))
+        return self._join(_replacement_generation(self.channel, self.rank))
 
     def _members(self) -> tuple[str, ...]:
         return tuple(str(r) for r in range(self.world_size))
@@ -374,5 +404,5 @@ class SameMembers:
     def _join(self, generation: int) -> float:
         seconds = self.regroup.join(Membership(generation, self._members()))
         self.generation = generation
-        self.regroup.store.set(_generation_key(self.rank), str(generation).encode())
+        self.channel.send(InGeneration(self.rank, generation))
         return seconds

@@ -4,7 +4,7 @@ With in-process recovery (``recovery.in_process``) a node that leaves or joins t
 nodes' workers: each agent asks its workers to leave their attempt at the next step boundary (*park*), takes part in
 the new rendezvous round, and hands each parked worker its place in the new round (rank, world size, the job's
 store) instead of starting a new process. A worker whose peer was lost and for which no replacement was announced
-(a node gone: :meth:`~elastic_runner.worker.regroup.SameMembers.survive`) parks on its own; its agent sees it and
+(a node gone: :meth:`~elastic_runner.recovery.regroup.SameMembers.survive`) parks on its own; its agent sees it and
 starts the new round.
 
 The channel is a directory private to the agent (mode 0700, :data:`HANDOVER_DIR_VAR`), one set of files per local

@@ -1,0 +1,15 @@
+"""The recovery protocol, owned in one place: what a process does when the job breaks, and what crosses between the
+agents and their workers while it does.
+
+- ``states``     the worker's state machine: after each attempt, training -> broken -> training | rejoin | park | exit
+  (its transition table is its docstring); ``worker.process`` carries it out.
+- ``channel``    the protocol's messages in the job's store (beats, announcements, generations, handles, the
+  watchdog's counters and abort): typed, and signed with the job's key.
+- ``regroup``    the process group rebuilt for a new membership in the same process (in-process recovery's core).
+- ``handover``   a kept worker's place in the agent's next round (a file the agent writes, the worker reads).
+
+The worker (``elastic_runner.worker``) and the agent (``elastic_runner.agent``) sit above this floor and both use
+it; it knows neither (a type that two floors need lives on the lower one). Still outside it, and next in line: the
+agent's side of the decisions (``agent/agent.py``, ``kept_round.py``) and the hand-over files, the zygote's pipe and
+the stop reason read from the event log, which are not messages of the channel yet.
+"""

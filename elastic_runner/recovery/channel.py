@@ -1,0 +1,248 @@
+"""The recovery protocol's messages in the job's store: typed, and signed with the job's key.
+
+Agents and workers tell each other through the job's store (rank 0's ``TCPStore``, reachable by every node) that an
+agent is alive (:class:`AgentBeat`), that it stops beating on purpose (the same slot, ``stopping``), that it replaces
+a failed worker (:class:`Coming`), which generation of the group a rank is in (:class:`InGeneration`), each member's
+part in a rebuilt group (:class:`Handle`, :class:`Arrived`), and the peer watchdog's counters and abort
+(:class:`WatchdogBeat`, :class:`Abort`). Every one of them is a frozen dataclass with the store key it lives under;
+:class:`Channel` writes and reads them and nothing else goes through it.
+
+The store has no access control: whoever reaches its port can write any key. With the job's key
+(``--rdzv_conf auth_key_file``, passed on to the workers by path) every message is signed with HMAC-SHA256 over its
+store key and its bytes (:class:`~elastic_runner.rendezvous.seal.Sealer`, as the rendezvous' own values): a value
+that is not signed with the key, or was signed for another key (moved from one agent's slot to another's), reads as
+absent, and the first one of each key is logged as a warning naming it. So a writer without the key cannot make
+survivors count a live node out (its beat stood still), wait for a replacement nobody announced, join a group at a
+handle of its choosing, or stop every rank with a forged abort. A replayed signed beat cannot either: beats carry a
+counter that only grows, a survivor takes a beat that went backwards for tampering (logged, and evidence of nothing),
+and only a counter that stood at the highest it saw counts as silence. What a writer on the store can still do is
+delete or race keys (a denial of service: recovery falls back to restarting every worker), and torch's own keys in the
+same store (the process group's start) are torch's, unauthenticated as in every torch job (docs/trust.md).
+
+Without a key the messages are the same JSON, unsigned, and are still read as their type or not at all.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import asdict, dataclass, fields
+from typing import Any, ClassVar, TypeVar
+
+from ..rendezvous.seal import AuthError, Sealer
+
+log = logging.getLogger(__name__)
+
+#: Where the recovery protocol's keys live in the job's store.
+PREFIX = "regroup"
+#: The largest message read (a handle is ~100 bytes; an abort's reason is cut to this).
+MAX_MESSAGE_BYTES = 4096
+
+
+@dataclass(frozen=True)
+class Message:
+    """A message of the protocol: its fields are its JSON; :meth:`key` is where it lives in the store."""
+
+    kind: ClassVar[str] = ""
+
+    def key(self) -> str:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class AgentBeat(Message):
+    """The agent of node ``agent`` (its group rank) is alive: its ``count``-th beat in its life. ``stopping``: its
+    last beat, when it stops beating on purpose (it restarts its node's workers, or ends): alive, so survivors never
+    count its node out for the silence that follows."""
+
+    agent: int
+    count: int
+    stopping: bool = False
+    kind: ClassVar[str] = "beat"
+
+    def key(self) -> str:
+        return agent_key(self.agent)
+
+
+@dataclass(frozen=True)
+class Coming(Message):
+    """An agent replaces the failed worker of ``rank``; the replacement joins ``generation``."""
+
+    generation: int
+    rank: int
+    kind: ClassVar[str] = "coming"
+
+    def key(self) -> str:
+        return f"{PREFIX}/{self.generation}/coming"
+
+
+@dataclass(frozen=True)
+class InGeneration(Message):
+    """Rank ``rank`` is in ``generation`` of the round's group (its replacement joins the next one)."""
+
+    rank: int
+    generation: int
+    kind: ClassVar[str] = "in"
+
+    def key(self) -> str:
+        return generation_key(self.rank)
+
+
+@dataclass(frozen=True)
+class Handle(Message):
+    """Member ``member``'s reconfigure handle for ``generation`` (what torch connects to)."""
+
+    generation: int
+    member: str
+    handle: str
+    kind: ClassVar[str] = "handle"
+
+    def key(self) -> str:
+        return handle_key(self.generation, self.member)
+
+
+@dataclass(frozen=True)
+class Arrived(Message):
+    """Member ``member`` is ready to create ``generation``'s group."""
+
+    generation: int
+    member: str
+    kind: ClassVar[str] = "arrived"
+
+    def key(self) -> str:
+        return arrived_key(self.generation, self.member)
+
+
+@dataclass(frozen=True)
+class WatchdogBeat(Message):
+    """Rank ``rank``'s peer-watchdog counter in ``generation``; ``done``: it ended on purpose (never judged dead)."""
+
+    generation: int
+    rank: int
+    count: int
+    done: bool = False
+    kind: ClassVar[str] = "hb"
+
+    def key(self) -> str:
+        return watchdog_key(self.generation, self.rank)
+
+
+@dataclass(frozen=True)
+class Abort(Message):
+    """Rank ``rank`` ends ``generation``'s attempt everywhere, for ``reason``."""
+
+    generation: int
+    rank: int
+    reason: str
+    kind: ClassVar[str] = "abort"
+
+    def key(self) -> str:
+        return abort_key(self.generation)
+
+
+def agent_key(agent: int) -> str:
+    return f"{PREFIX}/agent/{agent}"
+
+
+def generation_key(rank: int) -> str:
+    return f"{PREFIX}/in/{rank}"
+
+
+def handle_key(generation: int, member: str) -> str:
+    return f"{PREFIX}/{generation}/{member}"
+
+
+def arrived_key(generation: int, member: str) -> str:
+    return f"{PREFIX}/{generation}/arrived/{member}"
+
+
+def watchdog_key(generation: int, rank: int) -> str:
+    return f"er/hb/{generation}/{rank}"
+
+
+def abort_key(generation: int) -> str:
+    return f"er/abort/{generation}"
+
+
+M = TypeVar("M", bound=Message)
+
+_TYPES: dict[type, tuple[type, ...]] = {int: (int,), str: (str,), bool: (bool,)}
+
+
+class Channel:
+    """Writes and reads :class:`Message` s in ``store`` (a ``torch.distributed.Store``), signed with ``key`` (the
+    job's key; None: unsigned)."""
+
+    def __init__(self, store: Any, key: bytes | None) -> None:
+        self.store = store
+        self._sealer = Sealer(key)
+        self._refused: set[str] = set()  #: keys whose refusal was logged (once each)
+
+    @property
+    def signed(self) -> bool:
+        return self._sealer.enabled
+
+    def send(self, message: Message) -> None:
+        self.store.set(message.key(), self.encode(message))
+
+    def read(self, cls: type[M], key: str) -> M | None:
+        """The message of type ``cls`` at ``key``; None where there is none, or what is there is not one (refused)."""
+        if not self.store.check([key]):
+            return None
+        return self.decode(cls, key, self.store.get(key))
+
+    def read_many(self, cls: type[M], keys: list[str], refused: set[str] | None = None) -> dict[str, M | None]:
+        """:meth:`read` of each key, the present ones in one round trip (``multi_get``); the keys that held something
+        else than a valid message are added to ``refused`` (where given): a value there, but nobody's word."""
+        present = [k for k in keys if self.store.check([k])]
+        blobs = dict(zip(present, self.store.multi_get(present))) if present else {}
+        read: dict[str, M | None] = {}
+        for k in keys:
+            read[k] = self.decode(cls, k, blobs[k]) if k in blobs else None
+            if k in blobs and read[k] is None and refused is not None:
+                refused.add(k)
+        return read
+
+    def has(self, cls: type[M], keys: list[str]) -> bool:
+        """Whether every key holds a valid message of type ``cls``."""
+        return self.store.check(keys) and all(m is not None for m in self.read_many(cls, keys).values())
+
+    def encode(self, message: Message) -> bytes:
+        body = json.dumps({"kind": message.kind} | asdict(message), sort_keys=True, separators=(",", ":")).encode()
+        return self._sealer.seal(message.key().encode(), body)
+
+    def decode(self, cls: type[M], key: str, blob: bytes | str) -> M | None:
+        raw = blob.encode() if isinstance(blob, str) else bytes(blob)
+        try:
+            if len(raw) > MAX_MESSAGE_BYTES + 64:
+                raise ValueError(f"it is {len(raw)} bytes, more than any message of the protocol")
+            try:
+                body = json.loads(self._sealer.open(key.encode(), raw))
+            except AuthError:
+                raise
+            except (ValueError, UnicodeDecodeError) as exc:
+                raise ValueError(f"it is not a message of the protocol ({type(exc).__name__})") from exc
+            if not isinstance(body, dict) or body.pop("kind", None) != cls.kind:
+                raise ValueError(f"it is not a {cls.kind!r} message")
+            wanted = {f.name: f.type for f in fields(cls)}
+            if set(body) != set(wanted):
+                raise ValueError(f"its fields are {sorted(body)}, not {sorted(wanted)}")
+            for name, value in body.items():
+                kind = {"int": int, "str": str, "bool": bool}[str(wanted[name])]
+                if not isinstance(value, _TYPES[kind]) or (kind is int and isinstance(value, bool)):
+                    raise ValueError(f"its {name} is not a{'n' if kind is int else ''} {kind.__name__}")
+            message = cls(**body)
+            if message.key() != key:
+                raise ValueError(f"it names {message.key()}, another key")
+        except (AuthError, ValueError) as exc:
+            self._refuse(key, str(exc))
+            return None
+        return message
+
+    def _refuse(self, key: str, why: str) -> None:
+        if key in self._refused:
+            return
+        self._refused.add(key)
+        signed = " with the job's key" if self.signed else ""
+        log.warning("the job's store holds a value at %s that is not a message of the recovery protocol%s (%s): it is "
+                    "ignored. Whoever wrote it can reach the store's port: see docs/trust.md", key, signed, why)
