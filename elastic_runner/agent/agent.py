@@ -22,7 +22,8 @@
   it formats an exception, and torch logs one exactly when a worker fails; that record goes to our DEBUG log
   unformatted (:mod:`elastic_runner.agent.terminal`), so the import never happens there.
 
-- **A failed worker is replaced alone** (``recovery.in_process``, :mod:`elastic_runner.agent.worker_context`):
+- **A failed worker is replaced alone** (``recovery.in_process``, :mod:`elastic_runner.agent.worker_context`; who
+  is replaced and when every worker restarts instead is the recovery policy's: :mod:`elastic_runner.recovery.policy`):
   torch's process context ends every worker of the node when one fails, and torch's agent then restarts every
   worker of the job through a new rendezvous round. With in-process recovery a worker killed or crashed (not rank
   0's, whose process hosts the job's store, and not one that exited with a job-ending status or because its
@@ -62,15 +63,13 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from ..env import REPLACES_VAR
 from ..lifecycle import (
     EXIT_DIVERGED,
-    EXIT_FINAL,
     EXIT_NOT_DURABLE,
-    EXIT_PEER_LOST,
-    EXIT_PEER_TIMEOUT,
     EXIT_USAGE,
     proc_state,
     process_start_time,
 )
 from ..recovery.channel import Channel
+from ..recovery.policy import Action, Decision, after_worker_failure
 from ..recovery.regroup import RegroupError, announce_replacement
 from ..snapshot.format import signing_key_from_environment
 from . import fast_rendezvous, kept_round, stop_signal
@@ -312,23 +311,22 @@ class ElasticRunnerAgent(LocalElasticAgent):
         if pid is not None:
             self._notify("standby_started", pid=pid)
 
-    def _replace_failed(self, worker_group: WorkerGroup, result: RunResult) -> bool:
-        """Start the failed workers again alone, the others kept (in-process recovery); False: every worker
-        restarts (torch's way), and why is logged."""
+    def _decide(self, result: RunResult) -> Decision:
+        """The recovery policy's answer to the failed workers of ``result`` (:mod:`elastic_runner.recovery.policy`)."""
+        return after_worker_failure({rank: f.exitcode for rank, f in result.failures.items()},
+                                    finished=failed_after_finishing(result.failures),
+                                    keeps_workers=self._keeping is not None, restarts_left=self._remaining_restarts)
+
+    def _replace_failed(self, worker_group: WorkerGroup, result: RunResult, decision: Decision | None = None) -> bool:
+        """Start the failed workers again alone, the others kept, where the policy says so (``decision``: its answer,
+        asked here if not given); False: every worker restarts, torch's way (or the job ends), and why is logged."""
+        decision = decision if decision is not None else self._decide(result)
         keeping = self._keeping
-        if keeping is None or self._remaining_restarts < len(result.failures):
+        if decision.action is not Action.REPLACE or keeping is None:
+            if decision.action is Action.RESTART_ALL and decision.why:
+                log.info("a worker failed (%s); every worker restarts", decision.why)
             return False
-        codes = {f.exitcode for f in result.failures.values()}
-        if codes & EXIT_FINAL:
-            return False  # the job ends (the caller says why): nothing is restarted, in process or not
-        if 0 in result.failures:
-            why = "rank 0's worker hosts the job's store"
-        elif codes & {EXIT_PEER_LOST, EXIT_PEER_TIMEOUT}:
-            why = f"exit status {sorted(codes)}: its peers were lost"
-        else:
-            why = ""
-        if not why:
-            why = self._announce_replacements(keeping, result)
+        why = self._announce_replacements(keeping, result)
         if why:
             log.info("a worker failed (%s); every worker restarts", why)
             return False
@@ -395,7 +393,8 @@ class ElasticRunnerAgent(LocalElasticAgent):
         # What the next _restart_workers is for: torch restarts after a failure, or when a node waits to join.
         self._restart_reason = ("a worker failed" if result.state == WorkerState.FAILED
                                 else "a node is waiting to join")
-        if result.state == WorkerState.FAILED and failed_after_finishing(result.failures):
+        decision = self._decide(result) if result.state == WorkerState.FAILED else None
+        if decision is not None and decision.action is Action.FINISH:
             log.warning("rank(s) %s failed (exit status %s) after finishing the job, its final snapshot durable: the "
                         "job is done here; no new round", sorted(result.failures),
                         sorted({f.exitcode for f in result.failures.values()}))
@@ -406,17 +405,17 @@ class ElasticRunnerAgent(LocalElasticAgent):
             self._notify("worker_failed", exit_codes=codes, count=len(result.failures),
                          failures=[{"rank": rank, "local_rank": f.local_rank, "pid": f.pid, "exitcode": f.exitcode}
                                    for rank, f in sorted(result.failures.items())])
-            if self._replace_failed(worker_group, result):
+            assert decision is not None
+            if self._replace_failed(worker_group, result, decision):
                 self._notify("state", state=WorkerState.HEALTHY.name, remaining_restarts=self._remaining_restarts)
                 return RunResult(state=WorkerState.HEALTHY)
-            final = sorted(set(codes) & EXIT_FINAL)
-            if final and self._remaining_restarts > 0:
+            if decision.action is Action.STOP and self._remaining_restarts > 0 and decision.final_status is not None:
                 why = {EXIT_USAGE: "configuration or resume error", EXIT_DIVERGED: "the gradient became NaN or inf, or the "
                        "replicas kept differing",
                        EXIT_NOT_DURABLE: "the final snapshot could not be written"}
                 # DEBUG: the worker printed the cause in one line; the exit status says the rest.
                 log.debug("a worker exited with status %d (%s); restarting would fail the same way, "
-                          "so the job stops", final[0], why[final[0]])
+                          "so the job stops", decision.final_status, why[decision.final_status])
                 self._remaining_restarts = 0
         self._notify("state", state=result.state.name, remaining_restarts=self._remaining_restarts)
         return result

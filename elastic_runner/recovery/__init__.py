@@ -3,6 +3,8 @@ agents and their workers while it does.
 
 - ``states``     the worker's state machine: after each attempt, training -> broken -> training | rejoin | park | exit
   (its transition table is its docstring); ``worker.process`` carries it out.
+- ``policy``     the agent's side: for each failure of its workers, decided once: the job is done, stops, has the
+  failed workers replaced alone, or restarts every worker (its rule table is its docstring).
 - ``channel``    the protocol's messages in the job's store (beats, announcements, generations, handles, the
   watchdog's counters and abort): typed, and signed with the job's key.
 - ``regroup``    the process group rebuilt for a new membership in the same process (in-process recovery's core).
@@ -10,6 +12,6 @@ agents and their workers while it does.
 
 The worker (``elastic_runner.worker``) and the agent (``elastic_runner.agent``) sit above this floor and both use
 it; it knows neither (a type that two floors need lives on the lower one). Still outside it, and next in line: the
-agent's side of the decisions (``agent/agent.py``, ``kept_round.py``) and the hand-over files, the zygote's pipe and
+agent's park decisions (``agent/kept_round.py``) and the hand-over files, the zygote's pipe and
 the stop reason read from the event log, which are not messages of the channel yet.
 """
