@@ -212,8 +212,6 @@ KEEPING_WORKERS = TorchPatch(
     ),
 )
 
-LOCAL_AGENT = "torch.distributed.elastic.agent.server.local_elastic_agent"
-
 KEPT_ROUNDS = TorchPatch(
     name="a new rendezvous round that keeps the workers (in-process recovery across membership changes)",
     where="elastic_runner.agent.kept_round",

@@ -53,7 +53,7 @@ def names_our_worker(argv: list[str]) -> bool:
     """Cheap pre-parse (before torch is imported): is the program ``-m elastic_runner.train``?"""
     for i, arg in enumerate(argv):
         if arg in ("-m", "--module") and i + 1 < len(argv):
-            return argv[i + 1] == "elastic_runner.train"
+            return argv[i + 1] == WORKER_MODULE
         if not arg.startswith("-") and (i == 0 or not argv[i - 1].startswith("--") or "=" in argv[i - 1]):
             return False
     return False

@@ -30,6 +30,13 @@ device's error) and its agent starts a new process in its place, with a new cont
 node memory like any replacement; the peers rebuild their group with it as with a killed worker. What is kept in
 process is only ever a process whose device still answers (asked with a synchronisation between attempts).
 
+Why a sharded model (``parallel.strategy`` fsdp or hsdp) is not kept under ``recovery.in_process: auto``, and every
+worker restarts instead: a survivor's own shards at the step where its peer failed are no state anyone can resume —
+the lost rank's shards exist only as of the last refresh of node memory (``snapshot.memory_every_steps``) — so the
+next attempt resumes every rank from the newest refresh all of them hold, whether the process is kept or new. Keeping
+it saves the process's start (imports, the model's build and compile), not steps; the process group and device mesh
+are made anew either way (``recreate``). ``recovery.in_process: true`` keeps sharded workers all the same.
+
 Exit statuses are :mod:`elastic_runner.worker.ending`'s: 0 for a finish or a stop, 76 where no place or group came
 (every worker restarts), the error's own otherwise.
 """

@@ -149,9 +149,33 @@ class Sharded(Replicated):
         return wanted
 
     def start(self, ckpt: Checkpointer) -> None:
+        if not self._everyone_has_memory(ckpt):
+            ckpt.memory = None  # (shards in node memory on some ranks only would be no state anyone could resume)
+            return
         if ckpt.memory is not None:
             group = exchange_group(ckpt.cfg.dist.timeout_seconds) if ckpt.env.world_size > 1 else None  # a collective
             self.memory = ShardedMemory(ckpt.memory, self.layout, group, self._schedule(ckpt))
+
+    @staticmethod
+    def _everyone_has_memory(ckpt: Checkpointer) -> bool:
+        """Whether every rank opened its node memory (each rank asks its own directory, which may be refused on some
+        nodes only: planted, another user's). The exchange group and every refresh are collectives: all ranks take
+        part or none, so the ranks agree first (one all-reduce when the attempt starts)."""
+        snap = ckpt.cfg.snapshot
+        if ckpt.env.world_size == 1 or not (snap.in_memory and snap.memory_every_steps):
+            return True
+        import torch
+
+        have = torch.tensor([1 if ckpt.memory is not None else 0], dtype=torch.long, device=ckpt.dist.device)
+        ckpt.dist.all_reduce_sum(have)
+        count = int(have.item())  # (once per attempt, before training: no step waits for it)
+        if count == ckpt.env.world_size:
+            return True
+        if ckpt.dist.rank == 0:
+            log.warning("node memory is off for the shards in this attempt: %d of %d ranks could not open their "
+                        "node-memory directory (each said why); a failure resumes from the newest disk snapshot",
+                        ckpt.env.world_size - count, ckpt.env.world_size)
+        return False
 
     def kept_at_the_end(self, memory: MemoryTier | None) -> MemoryTier | None:
         return None  # the periodic refresh keeps the shards instead
