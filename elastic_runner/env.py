@@ -123,6 +123,49 @@ def say_finished(local_rank: int) -> None:
         pass  # the agent then judges the exit status alone, as torch's does
 
 
+#: A worker's request to its agent that its node leave the job and stay out (:func:`ask_to_exclude_this_node`).
+EXCLUDE_FILE = "exclude-node.json"
+
+
+def ask_to_exclude_this_node(reason: str, seconds: float) -> bool:
+    """Ask this worker's agent (elastic_runner's) to take its node out of the job, and to keep it out for ``seconds``
+    (``recovery.evict_stragglers``): the agent records the exclusion in the rendezvous and leaves as a preempted node
+    does. False where no agent of ours can hear it (torch's own, or none)."""
+    directory = os.path.dirname(os.environ.get(GOODPUT_FILE_VAR, ""))
+    if not directory or not os.path.isdir(directory):
+        return False
+    import json
+
+    from .files import write_file_atomically
+
+    try:
+        write_file_atomically(Path(directory) / EXCLUDE_FILE, json.dumps(
+            {"reason": reason, "seconds": float(seconds), "pid": os.getpid()}).encode())
+    except OSError:
+        return False
+    return True
+
+
+def exclusion_asked(directory: str) -> tuple[str, float] | None:
+    """(reason, seconds) of a worker's :func:`ask_to_exclude_this_node` in ``directory`` (the agent's private one);
+    None when none asked, or what is there is not such a request. Taken: read once."""
+    import json
+
+    path = Path(directory) / EXCLUDE_FILE if directory else None
+    if path is None or not path.is_file():
+        return None
+    try:
+        asked = json.loads(path.read_text())
+    except (OSError, ValueError):
+        asked = None
+    finally:
+        path.unlink(missing_ok=True)
+    if not isinstance(asked, dict) or not isinstance(asked.get("reason"), str) or \
+            not isinstance(asked.get("seconds"), (int, float)) or isinstance(asked.get("seconds"), bool):
+        return None
+    return asked["reason"][:500], float(asked["seconds"])
+
+
 def finished_pids(directory: str) -> set[int]:
     """The processes that said :func:`say_finished` in ``directory`` (the agent's private one)."""
     found = set()

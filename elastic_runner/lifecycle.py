@@ -38,6 +38,9 @@ EXIT_NOT_DURABLE = 4
 #: The agent's, not a worker's: this node failed its health check before its first round (a device missing or
 #: computing wrong, :mod:`elastic_runner.agent.health`) and left; the other nodes go on without it.
 EXIT_UNHEALTHY = 5
+#: An agent whose node was taken out of the job, or may not join it yet (``recovery.evict_stragglers``): not a failure
+#: to restart, and not a success (a Kubernetes Job's podFailurePolicy ignores it: k8s/README.md).
+EXIT_EXCLUDED = 6
 #: Statuses our agent does not restart: every attempt would end the same way.
 EXIT_FINAL = frozenset({EXIT_USAGE, EXIT_DIVERGED, EXIT_NOT_DURABLE})
 #: Peers did not arrive within ``dist.init_timeout_seconds`` (process group or first collective).

@@ -222,8 +222,15 @@ KEPT_ROUNDS = TorchPatch(
     ),
 )
 
+EXCLUSIONS_IN_C10D = TorchPatch(
+    name="an evicted node recorded in the c10d rendezvous (recovery.evict_stragglers)",
+    where="elastic_runner.recovery.exclusions",
+    without="under c10d an evicted node leaves but is not kept out: it may join again at once (etcd-v3 keeps it out)",
+    needs=(Need(DR, "DynamicRendezvousHandler._store", init_attr=True),),
+)
+
 ALL: tuple[TorchPatch, ...] = (FAST_RENDEZVOUS, OUTAGE_TOLERANT_HANDLER, AGENT_CORRECTIONS, PROCESS_GROUP_ABORT,
-                               KEEPING_WORKERS, KEPT_ROUNDS)
+                               KEEPING_WORKERS, KEPT_ROUNDS, EXCLUSIONS_IN_C10D)
 
 
 def usable(patch: TorchPatch, logger: logging.Logger = log) -> bool:

@@ -47,20 +47,19 @@ uses torch's agent unchanged when they no longer fit.
 
 from __future__ import annotations
 
-import datetime
 import logging
 import os
 import signal
-import socket
 import time
 from typing import Any
 
-from torch.distributed import DistNetworkError, DistStoreError, TCPStore
+from torch.distributed import DistNetworkError, DistStoreError
 from torch.distributed.elastic.agent.server.api import DEFAULT_ROLE, RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
-from ..env import REPLACES_VAR
+from ..env import GOODPUT_FILE_VAR, REPLACES_VAR, exclusion_asked
+from ..recovery.exclusions import node_name
 from ..lifecycle import (
     EXIT_DIVERGED,
     EXIT_NOT_DURABLE,
@@ -68,12 +67,12 @@ from ..lifecycle import (
     proc_state,
     process_start_time,
 )
-from ..recovery.channel import Channel
 from ..recovery.policy import Action, Decision, after_worker_failure
-from ..recovery.regroup import RegroupError, announce_replacement
+from ..recovery.regroup import announce_replacements
 from ..snapshot.format import signing_key_from_environment
 from . import fast_rendezvous, kept_round, stop_signal
 from .beat import AgentBeat
+from .exclusion import leave_excluded, refuse_if_excluded
 from .finish import failed_after_finishing, wait_at_exit
 from .round_members import MemberWatch, WatchfulStore, gone_check
 from ..torch_patches import KEEPING_WORKERS, usable
@@ -89,8 +88,6 @@ STANDBY_AGAIN_S = 0.5
 #: Standbys in a row that may end without taking a place (each is started again) before the agent stops starting them.
 STANDBYS_LOST_LIMIT = 3
 
-#: Seconds the agent tries to reach the job's store to announce a replacement (on a node's network: milliseconds).
-ANNOUNCE_CONNECT_S = 0.5
 
 #: Rounds in a row a node leaves because a member never started in them, before torch's error ends it.
 ROUND_RETRIES = 5
@@ -128,6 +125,8 @@ class ElasticRunnerAgent(LocalElasticAgent):
         self._beat = AgentBeat(key=self._job_key)
 
     def run(self, role: str = DEFAULT_ROLE) -> RunResult:
+        # An excluded node (recovery.evict_stragglers) leaves before its first round, not after it cost the others one.
+        refuse_if_excluded(self._worker_group.spec.rdzv_handler, self._job_key)
         try:
             return super().run(role)
         except Exception as exc:
@@ -347,25 +346,10 @@ class ElasticRunnerAgent(LocalElasticAgent):
         return True
 
     def _announce_replacements(self, keeping: KeepingContext, result: RunResult) -> str:
-        """Tell the failed workers' peers, through the job's store (rank 0's worker hosts it), that replacements
-        come: they wait for that before they wait for the newcomers. Why not, or ""."""
+        """Tell the failed workers' peers that replacements come (:func:`announce_replacements`). Why not, or ""."""
         env = keeping.envs[next(iter(result.failures.values())).local_rank]
-        try:
-            # A refused connection first, at once: torch's client retries one until its timeout, and rank 0's worker
-            # is often gone too (every worker killed at once).
-            socket.create_connection((env["MASTER_ADDR"], int(env["MASTER_PORT"])), timeout=ANNOUNCE_CONNECT_S).close()
-            store = TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False,
-                             timeout=datetime.timedelta(seconds=2), wait_for_workers=False)
-            channel = Channel(store, self._job_key)
-            for rank in sorted(result.failures):
-                announce_replacement(channel, rank)
-        except RegroupError as exc:  # it died in the round's start: its peers wait for it there
-            return str(exc)
-        except SignalException:
-            raise
-        except Exception as exc:  # noqa: BLE001 - unreachable or gone: nothing to rebuild with
-            return f"the job's store does not answer ({type(exc).__name__})"
-        return ""
+        return announce_replacements(env["MASTER_ADDR"], int(env["MASTER_PORT"]), sorted(result.failures),
+                                     self._job_key)
 
     # -- monitoring -----------------------------------------------------------------------------
 
@@ -376,6 +360,7 @@ class ElasticRunnerAgent(LocalElasticAgent):
         # A stop signal that some `except` swallowed since the last look (torch's loop asks the rendezvous between
         # two looks): the agent stops now, as if it had raised where it arrived.
         stop_signal.raise_if_received()
+        self._leave_if_asked(worker_group)
         self._start_standby_when_due()
         pcontext = getattr(self, "_pcontext", None)
         if pcontext is not None and self._keeping is None and \
@@ -419,6 +404,21 @@ class ElasticRunnerAgent(LocalElasticAgent):
                 self._remaining_restarts = 0
         self._notify("state", state=result.state.name, remaining_restarts=self._remaining_restarts)
         return result
+
+    def _leave_if_asked(self, worker_group: WorkerGroup) -> None:
+        """A worker of this node asked that the node leave the job (its node is a straggler, and
+        ``recovery.evict_stragglers``): record the exclusion and leave as a preempted node does (:mod:`.exclusion`)."""
+        asked = exclusion_asked(os.path.dirname(os.environ.get(GOODPUT_FILE_VAR, "")))
+        if asked is None:
+            return
+        reason, seconds = asked
+        leaving = leave_excluded(worker_group.spec.rdzv_handler, self._job_key, reason, seconds,
+                                 worker_group.group_world_size)
+        self._notify("excluded" if leaving is not None else "exclusion_declined", reason=reason, seconds=seconds,
+                     node_name=node_name())
+        if leaving is not None:
+            log.warning("%s", leaving.line)
+            raise leaving
 
     def _exit_barrier(self) -> None:
         """torch's exit barrier, except that it stops waiting when a node asks for a new round instead of arriving

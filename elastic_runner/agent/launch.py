@@ -197,6 +197,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         launcher_api.elastic_launch(config=config, entrypoint=entrypoint)(*worker_args)
     except SignalException as exc:
+        code = agent_exit_status(exc)  # (this node excluded: its status of its own)
+        if code is not None:
+            return code
         # SIGTERM/SIGINT: workers were stopped (and saved a snapshot). Never exit 0 on a
         # signal: Kubernetes' Job success rule relies on 0 meaning "training complete".
         log.warning("stopped by %s", signal.Signals(exc.sigval).name)

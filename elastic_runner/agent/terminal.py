@@ -78,6 +78,10 @@ def agent_exit_status(exc: BaseException) -> int | None:
 
     if isinstance(exc, ChildFailedError):
         return final_exit_code(exc)
+    excluded = getattr(exc, "exit_status", None)  # this node left, or may not join yet (.exclusion)
+    if isinstance(excluded, int) and isinstance(getattr(exc, "line", None), str):
+        print(exc.line, file=sys.stderr)  # type: ignore[attr-defined]
+        return excluded
     line = startup_error_line(exc)
     if line is None:
         return None

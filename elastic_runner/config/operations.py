@@ -269,6 +269,14 @@ class RecoveryConfig:
         "that slow for more than half of it (a window below the ratio now and then does not start the count again), "
         "so what slows a rank for a moment (a snapshot, a page-cache miss, a shared machine's scheduler) names "
         "nobody.", default=60.0)
+    evict_stragglers: bool = _help(
+        "For straggler_ratio: a node named a straggler leaves the job and is kept out for exclusion_seconds: its "
+        "agent records the exclusion in the rendezvous (etcd-v3 or c10d), stops its workers as a preempted node's "
+        "does, and exits with status 6 (its line and a Kubernetes termination message say why); the other nodes go "
+        "on without it (their workers kept, in process). An excluded node's agent that starts again before the time "
+        "is up leaves at once with the same status. Never takes the job below --nnodes' minimum.", default=False)
+    exclusion_seconds: float = _help(
+        "For evict_stragglers: how long an evicted node is refused (it may join again after).", default=3600.0)
     fingerprint_every_steps: int | Literal["auto"] | None = _help(
         "Silent corruption (a flipped bit, a miscomputing device) told from bitwise replicas: every this many steps "
         "(at a logging step, and at the last step) each rank sums its parameters and optimizer state as integers on "
@@ -309,6 +317,16 @@ class RecoveryConfig:
             raise ConfigError("recovery.straggler_ratio", f"got {self.straggler_ratio!r}, must be a number > 1 (a "
                               "ratio of 1 or less would name the median rank itself)",
                               "Set it to e.g. 1.3, or null to name no stragglers")
+        if not isinstance(self.evict_stragglers, bool):
+            raise ConfigError("recovery.evict_stragglers", f"got {self.evict_stragglers!r}, must be true or false",
+                              "Set it to true (a straggler's node leaves the job) or false")
+        if self.evict_stragglers and self.straggler_ratio is None:
+            raise ConfigError("recovery.evict_stragglers", "is true but recovery.straggler_ratio is null (no rank is "
+                              "ever named a straggler)", "Set recovery.straggler_ratio, e.g. 1.3")
+        if isinstance(self.exclusion_seconds, bool) or not isinstance(self.exclusion_seconds, (int, float)) or \
+                not 0 < self.exclusion_seconds < float("inf"):
+            raise ConfigError("recovery.exclusion_seconds", f"got {self.exclusion_seconds!r}, must be > 0",
+                              "Set it to e.g. 3600")
         if not 0 < self.straggler_window_seconds < float("inf"):
             raise ConfigError("recovery.straggler_window_seconds", f"got {self.straggler_window_seconds!r}, must be "
                               "> 0", "Set it to e.g. 60")

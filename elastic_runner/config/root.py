@@ -76,6 +76,13 @@ class Config:
                               f"{self.parallel.strategy} (its device mesh's groups are made anew with the model)",
                               "Use auto or recreate")
 
+        if self.recovery.evict_stragglers and not (self.parallel.strategy == "ddp"
+                                                   and self.dist.gradient_sync == "ordered"):
+            raise ConfigError("recovery.evict_stragglers", f"needs ranks that can be named stragglers, and under "
+                              f"parallel.strategy {self.parallel.strategy} with dist.gradient_sync "
+                              f"{self.dist.gradient_sync} a slow rank cannot be told from one that waits for it",
+                              "Use parallel.strategy: ddp with dist.gradient_sync: ordered, or set it to false")
+
         every = self.recovery.fingerprint_every_steps
         if isinstance(every, int) and not isinstance(every, bool) and not self.replicas_bitwise:
             why = ("under dist.gradient_sync: ddp, replicas are not bitwise identical across restarts (torch's "

@@ -4,7 +4,8 @@ Agents and workers tell each other through the job's store (rank 0's ``TCPStore`
 agent is alive (:class:`AgentBeat`), that it stops beating on purpose (the same slot, ``stopping``), that it replaces
 a failed worker (:class:`Coming`), which generation of the group a rank is in (:class:`InGeneration`), each member's
 part in a rebuilt group (:class:`Handle`, :class:`Arrived`), and the peer watchdog's counters and abort
-(:class:`WatchdogBeat`, :class:`Abort`). Every one of them is a frozen dataclass with the store key it lives under;
+(:class:`WatchdogBeat`, :class:`Abort`), and, in the rendezvous' own store, which nodes are kept out of the job
+(:class:`Excluded`). Every one of them is a frozen dataclass with the store key it lives under;
 :class:`Channel` writes and reads them and nothing else goes through it.
 
 The store has no access control: whoever reaches its port can write any key. With the job's key
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any, ClassVar, TypeVar
 
@@ -140,6 +142,22 @@ class Abort(Message):
         return abort_key(self.generation)
 
 
+@dataclass(frozen=True)
+class Excluded(Message):
+    """Node ``node`` (its name: :func:`~elastic_runner.recovery.exclusions.node_name`) is out of job ``run_id`` until
+    ``until`` (seconds since the epoch), for ``reason``. Lives in the rendezvous' own store, not the job's: it
+    outlasts rounds (:mod:`.exclusions`)."""
+
+    run_id: str
+    node: str
+    until: float
+    reason: str
+    kind: ClassVar[str] = "excluded"
+
+    def key(self) -> str:
+        return f"elastic_runner/excluded/{self.run_id}/{self.node}"
+
+
 def agent_key(agent: int) -> str:
     return f"{PREFIX}/agent/{agent}"
 
@@ -166,7 +184,7 @@ def abort_key(generation: int) -> str:
 
 M = TypeVar("M", bound=Message)
 
-_TYPES: dict[type, tuple[type, ...]] = {int: (int,), str: (str,), bool: (bool,)}
+_TYPES: dict[type, tuple[type, ...]] = {int: (int,), str: (str,), bool: (bool,), float: (int, float)}
 
 
 class Channel:
@@ -228,10 +246,11 @@ class Channel:
             if set(body) != set(wanted):
                 raise ValueError(f"its fields are {sorted(body)}, not {sorted(wanted)}")
             for name, value in body.items():
-                kind = {"int": int, "str": str, "bool": bool}[str(wanted[name])]
-                if not isinstance(value, _TYPES[kind]) or (kind is int and isinstance(value, bool)):
+                kind = {"int": int, "str": str, "bool": bool, "float": float}[str(wanted[name])]
+                if not isinstance(value, _TYPES[kind]) or (kind in (int, float) and isinstance(value, bool)) or \
+                        (kind is float and not math.isfinite(float(value))):  # type: ignore[arg-type]
                     raise ValueError(f"its {name} is not a{'n' if kind is int else ''} {kind.__name__}")
-            message = cls(**body)
+            message = cls(**{k: float(v) if str(wanted[k]) == "float" else v for k, v in body.items()})
             if message.key() != key:
                 raise ValueError(f"it names {message.key()}, another key")
         except (AuthError, ValueError) as exc:

@@ -26,6 +26,7 @@ import datetime
 import gc
 import logging
 import os
+import socket
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -328,6 +329,35 @@ def announce_replacement(channel: Channel, rank: int) -> int:
     generation = _replacement_generation(channel, rank)
     channel.send(Coming(generation, rank))
     return generation
+
+
+#: Seconds an agent tries to reach the job's store to announce a replacement (on a node's network: milliseconds).
+ANNOUNCE_CONNECT_S = 0.5
+
+
+def announce_replacements(master_addr: str, master_port: int, ranks: list[int], key: bytes | None) -> str:
+    """An agent replaces the failed workers of ``ranks``: tell their peers through the job's store (rank 0's worker
+    hosts it at ``master_addr:master_port``), signed with the job's ``key``. Why that could not be done (every worker
+    restarts then), or ""."""
+    from torch.distributed import TCPStore
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    try:
+        # A refused connection first, at once: torch's client retries one until its timeout, and rank 0's worker is
+        # often gone too (every worker killed at once).
+        socket.create_connection((master_addr, master_port), timeout=ANNOUNCE_CONNECT_S).close()
+        store = TCPStore(master_addr, master_port, is_master=False, timeout=datetime.timedelta(seconds=2),
+                         wait_for_workers=False)
+        channel = Channel(store, key)
+        for rank in ranks:
+            announce_replacement(channel, rank)
+    except RegroupError as exc:  # it died in the round's start: its peers wait for it there
+        return str(exc)
+    except SignalException:
+        raise  # the agent's stop, arrived meanwhile
+    except Exception as exc:  # noqa: BLE001 - unreachable or gone: nothing to rebuild with
+        return f"the job's store does not answer ({type(exc).__name__})"
+    return ""
 
 
 class SameMembers:

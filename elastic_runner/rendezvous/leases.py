@@ -111,6 +111,11 @@ class LeaseRendezvousHandler(SealerRole, DepartureRole, RendezvousHandler):
     def get_backend(self) -> str:
         return self._backend_name
 
+    def lasting_store(self, ttl_seconds: float | None) -> "LeasedSlots":
+        """A store for records that outlast rounds and agents (``set``, ``get``, ``check``) under this run's prefix:
+        each value written lives ``ttl_seconds`` (a lease of its own; None: as long as etcd keeps it)."""
+        return LeasedSlots(self._client, self._prefix + b"lasting/", ttl_seconds)
+
     def get_run_id(self) -> str:
         return self._settings.run_id
 
@@ -463,3 +468,29 @@ class LeaseRendezvousHandler(SealerRole, DepartureRole, RendezvousHandler):
                                                  multi_tenant=True)
             port = self._tcp_server.port
         return RendezvousStoreInfo.build(rank, store, local_addr=self._node.addr, server_port=port)
+
+
+class LeasedSlots:
+    """Values under ``prefix`` in etcd, each put under a lease of its own that lasts ``ttl_seconds`` (etcd deletes it
+    then, whoever is alive); the same ``set``/``get``/``check`` a ``torch.distributed.Store`` has. Values are stored as
+    given: their writers sign them (:mod:`elastic_runner.recovery.channel`)."""
+
+    def __init__(self, client: KVClient, prefix: bytes, ttl_seconds: float | None) -> None:
+        self._client, self._prefix, self._ttl = client, prefix, ttl_seconds
+
+    def _key(self, key: str) -> bytes:
+        return self._prefix + key.encode()
+
+    def set(self, key: str, value: bytes | str) -> None:
+        data = value.encode() if isinstance(value, str) else bytes(value)
+        lease = self._client.grant_lease(max(1, int(self._ttl + 0.999))) if self._ttl else 0
+        self._client.txn((), [Put(self._key(key), data, lease)])
+
+    def get(self, key: str) -> bytes:
+        kv, _ = self._client.get(self._key(key))
+        if kv is None:
+            raise KeyError(key)
+        return kv.value
+
+    def check(self, keys: list[str]) -> bool:
+        return all(self._client.get(self._key(k))[0] is not None for k in keys)

@@ -204,7 +204,9 @@ class LocalJob:
             cmd += ["--set", item]
         return cmd
 
-    def start_agent(self) -> Agent:
+    def start_agent(self, node_name: str | None = None) -> Agent:
+        """Start one more agent (a node); ``node_name``: the name it goes by (default ``node-<index>``, as separate
+        machines each have their own: what an exclusion is recorded under)."""
         index = len(self.agents)
         log_path = Path(self.log_dir or self.run_dir) / f"agent-{index}.log"
         # Every agent of a local job shares this machine's cores; the agent divides them among its own workers
@@ -212,6 +214,8 @@ class LocalJob:
         # agent. (A user's own command line runs with the user's environment.)
         threads = {} if self.argv is not None else {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
         env = os.environ | {"PYTHONUNBUFFERED": "1"} | threads | self.env
+        if node_name is not None or "ELASTIC_RUNNER_NODE_NAME" not in env:
+            env["ELASTIC_RUNNER_NODE_NAME"] = node_name or f"node-{index}"
         if self.separate_node_memory:
             env["ELASTIC_RUNNER_SHM_DIR"] = str(self.memory_dir(index))
         if self.disable_shared_store:

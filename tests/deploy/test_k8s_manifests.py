@@ -297,6 +297,13 @@ def test_the_workload_scales_between_min_and_max_pods(overlay: tuple[str, list[d
             config_rule = [r for r in rules if r["action"] == "FailJob"]
             assert config_rule and config_rule[0]["onExitCodes"]["containerName"] in {
                 c["name"] for c in pod.spec.get("initContainers", [])}, "FailJob must name the config check"
+            excluded = [r for r in rules if r["action"] == "Ignore" and "onExitCodes" in r]
+            assert excluded and excluded[0]["onExitCodes"]["values"] == [6] and \
+                excluded[0]["onExitCodes"]["containerName"] in {c["name"] for c in pod.spec["containers"]}, \
+                "a node taken out of the job (exit 6) is not the run's failure"
+            names = {e["name"]: e for c in pod.spec["containers"] for e in c.get("env", [])}
+            assert names["ELASTIC_RUNNER_NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName", \
+                "an excluded machine is known by its name, not by the pod's"
             assert "selector" not in spec, "a Job's selector is generated; labels must not add one"
         else:
             assert owner["kind"] == "PyTorchJob", describe(owner)

@@ -7,6 +7,8 @@ from typing import Iterator
 
 import pytest
 
+from elastic_runner.testing.etcd_server import EtcdServer
+
 from ..support import exported_model, run_uninterrupted, write_config
 
 #: Long enough to be interrupted mid-run (a few seconds at world size 2), short enough for CI.
@@ -32,3 +34,14 @@ def reference_run(resume_config: Path, tmp_path_factory: pytest.TempPathFactory)
 @pytest.fixture(scope="session")
 def reference_model(reference_run: Path, tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
     return exported_model(reference_run, tmp_path_factory.mktemp("export"))
+
+
+@pytest.fixture
+def etcd(etcd_binary: str, tmp_path: Path) -> Iterator[EtcdServer]:
+    """A real etcd on a free port of 127.0.0.1, for this test alone."""
+    server = EtcdServer(tmp_path / "etcd" / "data", binary=etcd_binary)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()

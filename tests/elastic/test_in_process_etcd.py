@@ -15,7 +15,7 @@ from __future__ import annotations
 import signal
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
@@ -31,16 +31,6 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 WINDOW_CONF = "keep_alive_interval=30,keep_alive_max_attempt=3,last_call_timeout=1"
 #: Well inside that window: a round that waited for the lease would not be formed by then.
 WITHIN_S = 45.0
-
-
-@pytest.fixture
-def etcd(etcd_binary: str, tmp_path: Path) -> Iterator[EtcdServer]:
-    server = EtcdServer(tmp_path / "etcd" / "data", binary=etcd_binary)
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 def _world_after(run_dir: Path, size: int, after: float, job: Any) -> None:
