@@ -325,3 +325,18 @@ def wait_for_world(run_dir: Path, size: int, after: float, job: Any, timeout: fl
             return
         time.sleep(0.05)
     pytest.fail(f"no attempt at world size {size} within {timeout:.0f}s\n" + job.logs_tail())
+
+
+def beating_agents(store: Any, group_ranks: Sequence[int], key: bytes | None = None) -> list[Any]:
+    """Agents' beats (:class:`elastic_runner.agent.beat.AgentBeat`, signed with ``key``) into the job's ``store`` (a
+    TCPStore), one per group rank, each beating already; close them when done."""
+    from elastic_runner.agent.beat import AgentBeat
+
+    beats = [AgentBeat(key=key) for _ in group_ranks]
+    for beat, group_rank in zip(beats, group_ranks):
+        beat.follow("127.0.0.1", store.port, group_rank)
+    deadline = time.monotonic() + 10
+    while not all(beat.beats > 1 for beat in beats):
+        assert time.monotonic() < deadline, "the agents never beat"
+        time.sleep(0.01)
+    return beats

@@ -19,6 +19,8 @@ from elastic_runner.recovery.channel import (Abort, AgentBeat, Arrived, Channel,
 from elastic_runner.recovery.regroup import RegroupError, SameMembers, announce_replacement
 from elastic_runner.worker.watchdog import PeerWatchdog
 
+from ..support import beating_agents
+
 pytestmark = [pytest.mark.timeout(60)]
 
 KEY = b"k" * 32
@@ -118,24 +120,11 @@ class _Forger:
         self.thread.join(5)
 
 
-def _beating(store: Any, key: bytes | None) -> list[Any]:
-    from elastic_runner.agent.beat import AgentBeat as Beat
-
-    beats = [Beat(key=key) for _ in range(2)]
-    for group_rank, beat in enumerate(beats):
-        beat.follow("127.0.0.1", store.port, group_rank)
-    deadline = time.monotonic() + 10
-    while not all(beat.beats > 1 for beat in beats):
-        assert time.monotonic() < deadline, "the agents never beat"
-        time.sleep(0.01)
-    return beats
-
-
 def test_a_beat_held_still_by_someone_without_the_key_does_not_count_a_live_node_out() -> None:
     """Before: writing the same bytes into a live agent's slot made its beat stand still, and survivors counted
     its node out of the next round."""
     store = _job_store()
-    beats = _beating(store, KEY)
+    beats = beating_agents(store, [0, 1], KEY)
     try:
         # A well-formed beat, held at one count: without the key it is nobody's word (and so is any other value).
         forged = b'{"agent":1,"count":7,"kind":"beat","stopping":false}'

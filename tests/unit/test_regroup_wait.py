@@ -12,9 +12,10 @@ import pytest
 import torch
 import torch.distributed as tdist
 
-from elastic_runner.agent.beat import AgentBeat
 from elastic_runner.recovery.channel import AgentBeat as BeatMessage, Channel
 from elastic_runner.recovery.regroup import RegroupError, SameMembers, agent_beat
+
+from ..support import beating_agents
 
 pytestmark = [pytest.mark.timeout(60)]
 
@@ -94,20 +95,9 @@ def _survivor_of(store: Any, agents: int) -> SameMembers:
     return SameMembers(store, 1, 2, "gloo", torch.device("cpu"), timeout, timeout, agents=agents)
 
 
-def _beating(store: Any, group_ranks: list[int]) -> list[AgentBeat]:
-    beats = [AgentBeat() for _ in group_ranks]
-    for beat, group_rank in zip(beats, group_ranks):
-        beat.follow("127.0.0.1", store.port, group_rank)
-    deadline = time.monotonic() + 10
-    while not all(beat.beats > 1 for beat in beats):
-        assert time.monotonic() < deadline, "the agents never beat"
-        time.sleep(0.01)
-    return beats
-
-
 def test_a_survivor_stops_waiting_for_an_announcement_once_a_nodes_agent_is_silent() -> None:
     store = _job_store()
-    (alive,) = _beating(store, [0])
+    (alive,) = beating_agents(store, [0])
     try:
         agent_beat(Channel(store, None), 1, 7)  # it beat here, then its node was gone: no beat since, no last word, no announcement
         started = time.monotonic()
@@ -121,7 +111,7 @@ def test_a_survivor_stops_waiting_for_an_announcement_once_a_nodes_agent_is_sile
 
 def test_an_agent_lost_before_it_first_beat_in_this_rounds_store_is_judged_once_the_others_beat() -> None:
     store = _job_store()
-    (alive,) = _beating(store, [0])  # group rank 1's agent died before it ever beat here
+    (alive,) = beating_agents(store, [0])  # group rank 1's agent died before it ever beat here
     try:
         started = time.monotonic()
         with pytest.raises(RegroupError, match="agent of node 1 has not beaten") as raised:
@@ -134,7 +124,7 @@ def test_an_agent_lost_before_it_first_beat_in_this_rounds_store_is_judged_once_
 
 def test_while_every_agent_beats_the_survivor_waits_for_the_announcement() -> None:
     store = _job_store()
-    beats = _beating(store, [0, 1])
+    beats = beating_agents(store, [0, 1])
     try:
         started = time.monotonic()
         with pytest.raises(RegroupError, match="no replacement was announced within 1.5s"):
@@ -160,7 +150,7 @@ def test_an_agent_that_restarts_its_workers_for_a_new_round_goes_on_beating_in_i
     agent = object.__new__(ElasticRunnerAgent)  # only what _shutdown touches
     agent._pcontext, agent._worker_watchdog, agent._health_check_server = None, None, None
     first, second = _job_store(), _job_store()
-    (agent._beat,) = _beating(first, [1])
+    (agent._beat,) = beating_agents(first, [1])
     try:
         agent._stopping_group = True
         agent._shutdown()  # the workers restart for a new round
@@ -182,7 +172,7 @@ def test_an_agent_that_stops_beating_on_purpose_is_parked_for_but_never_counted_
     """An agent that restarts its node's workers (or ends) stops beating with a last beat that says so: its node is
     alive, whatever its silence says after it (counting it out would seat a new round while its workers still run)."""
     store = _job_store()
-    alive, restarting = _beating(store, [0, 1])
+    alive, restarting = beating_agents(store, [0, 1])
     try:
         restarting.pause()  # its workers restart for a new round
         with pytest.raises(RegroupError, match="agent of node 1 has not beaten") as raised:
@@ -202,7 +192,7 @@ def test_an_agent_whose_store_went_away_stops_beating_there_without_torch_loggin
     terminal; the beat sees the server's end on a bare connection of its own and never writes into the void."""
     store = _job_store()
     port = store.port
-    (beat,) = _beating(store, [1])
+    (beat,) = beating_agents(store, [1])
     try:
         del store  # the server ends, as rank 0's worker does at the end of the job
         time.sleep(1.0)  # ten beats' time
