@@ -9,6 +9,7 @@ runs alone: world size 1.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 from dataclasses import dataclass
@@ -159,7 +160,8 @@ def exclusion_asked(directory: str) -> tuple[str, float] | None:
     except (OSError, ValueError):
         asked = None
     finally:
-        path.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            path.unlink(missing_ok=True)
     if not isinstance(asked, dict) or not isinstance(asked.get("reason"), str) or \
             not isinstance(asked.get("seconds"), (int, float)) or isinstance(asked.get("seconds"), bool):
         return None

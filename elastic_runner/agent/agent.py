@@ -58,8 +58,7 @@ from torch.distributed.elastic.agent.server.api import DEFAULT_ROLE, RunResult, 
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
-from ..env import GOODPUT_FILE_VAR, REPLACES_VAR, exclusion_asked
-from ..recovery.exclusions import node_name
+from ..env import REPLACES_VAR
 from ..lifecycle import (
     EXIT_DIVERGED,
     EXIT_NOT_DURABLE,
@@ -69,10 +68,11 @@ from ..lifecycle import (
 )
 from ..recovery.policy import Action, Decision, after_worker_failure
 from ..recovery.regroup import announce_replacements
+from ..snapshot import SnapshotError
 from ..snapshot.format import signing_key_from_environment
 from . import fast_rendezvous, kept_round, stop_signal
 from .beat import AgentBeat
-from .exclusion import leave_excluded, refuse_if_excluded
+from .exclusion import leave_if_asked, refuse_if_excluded
 from .finish import failed_after_finishing, wait_at_exit
 from .round_members import MemberWatch, WatchfulStore, gone_check
 from ..torch_patches import KEEPING_WORKERS, usable
@@ -121,7 +121,11 @@ class ElasticRunnerAgent(LocalElasticAgent):
         self._handing_over = False
         #: This agent's heartbeat in the job's store, while its workers are kept across failures (:mod:`.beat`).
         #: The job's key (``auth_key_file``), which signs what this agent tells the workers in the job's store.
-        self._job_key = signing_key_from_environment()
+        try:
+            self._job_key = signing_key_from_environment()
+        except SnapshotError as exc:  # the workers meet it too, and exit 2 with its line (the job stops there)
+            log.debug("the job's key cannot be read here: %s", exc)
+            self._job_key = None
         self._beat = AgentBeat(key=self._job_key)
 
     def run(self, role: str = DEFAULT_ROLE) -> RunResult:
@@ -406,19 +410,9 @@ class ElasticRunnerAgent(LocalElasticAgent):
         return result
 
     def _leave_if_asked(self, worker_group: WorkerGroup) -> None:
-        """A worker of this node asked that the node leave the job (its node is a straggler, and
-        ``recovery.evict_stragglers``): record the exclusion and leave as a preempted node does (:mod:`.exclusion`)."""
-        asked = exclusion_asked(os.path.dirname(os.environ.get(GOODPUT_FILE_VAR, "")))
-        if asked is None:
-            return
-        reason, seconds = asked
-        leaving = leave_excluded(worker_group.spec.rdzv_handler, self._job_key, reason, seconds,
-                                 worker_group.group_world_size)
-        self._notify("excluded" if leaving is not None else "exclusion_declined", reason=reason, seconds=seconds,
-                     node_name=node_name())
-        if leaving is not None:
-            log.warning("%s", leaving.line)
-            raise leaving
+        """A worker of this node asked that the node leave the job (``recovery.evict_stragglers``, :mod:`.exclusion`):
+        raises the stop that makes it leave as a preempted node does."""
+        leave_if_asked(worker_group.spec.rdzv_handler, self._job_key, worker_group.group_world_size or 1, self._notify)
 
     def _exit_barrier(self) -> None:
         """torch's exit barrier, except that it stops waiting when a node asks for a new round instead of arriving

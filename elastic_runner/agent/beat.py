@@ -129,9 +129,9 @@ class AgentBeat:
 class _Store:
     """A client of the job's store and a bare connection to its server beside it (see the module's docstring)."""
 
-    def __init__(self, client: Any, probe: socket.socket, key: bytes | None) -> None:
+    def __init__(self, client: Any, probe: socket.socket, key: bytes | None, context: str) -> None:
         self.client, self.probe = client, probe
-        self.channel = Channel(client, key)
+        self.channel = Channel(client, key, context)
 
     @classmethod
     def connect(cls, target: tuple[str, int, int], key: bytes | None) -> _Store | None:
@@ -145,7 +145,7 @@ class _Store:
 
             client = TCPStore(addr, port, is_master=False, timeout=datetime.timedelta(seconds=2),
                               wait_for_workers=False)
-            return cls(client, probe, key)
+            return cls(client, probe, key, f"{addr}:{port}")
         except Exception as exc:  # noqa: BLE001 - not up yet, or gone: tried again
             if probe is not None:
                 probe.close()

@@ -16,10 +16,11 @@ import logging
 import os
 import signal
 import time
-from typing import Any
+from typing import Any, Callable
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
+from ..env import GOODPUT_FILE_VAR, exclusion_asked
 from ..recovery.exclusions import EXIT_EXCLUDED, Exclusions, for_handler, node_name
 
 log = logging.getLogger(__name__)
@@ -99,18 +100,44 @@ def leave_excluded(handler: Any, key: bytes | None, reason: str, seconds: float,
         return None
     node = node_name()
     exclusions = exclusions_of(handler, key, seconds)
+    if exclusions is None:  # (the static rendezvous: a job that cannot go on without the node; or torch changed)
+        log.warning("this node is a straggler, but it stays: its rendezvous (%s) keeps no exclusions, and a node that "
+                    "left could not be kept out (%s)", _backend(handler), reason)
+        return None
     recorded = False
-    if exclusions is not None:
-        try:
-            exclusions.exclude(node, seconds, reason)
-            recorded = True
-        except Exception as exc:  # noqa: BLE001 - it leaves all the same; it may come back at once
-            log.warning("could not record this node's exclusion in the rendezvous (%s: %s): it leaves, and may join "
-                        "again at once", type(exc).__name__, exc)
+    try:
+        exclusions.exclude(node, seconds, reason)
+        recorded = True
+    except Exception as exc:  # noqa: BLE001 - it leaves all the same; it may come back at once
+        log.warning("could not record this node's exclusion in the rendezvous (%s: %s): it leaves, and may join "
+                    "again at once", type(exc).__name__, exc)
     line = (f"elastic_runner: node {node} leaves the job: {reason}. It is kept out for {seconds:g} s "
             f"(recovery.evict_stragglers){'' if recorded else ' (not recorded: it may join again at once)'}")
     _termination_message(f"excluded: {reason}")
     return NodeExcluded(line)
+
+
+def leave_if_asked(handler: Any, key: bytes | None, nodes_now: int, notify: Callable[..., None]) -> None:
+    """Where a worker of this node asked that the node leave (:func:`elastic_runner.env.ask_to_exclude_this_node`, in
+    the agent's private directory): raise :class:`NodeExcluded` (or say why it stays); ``notify(event, **fields)``
+    hears which (``excluded`` or ``exclusion_declined``)."""
+    asked = exclusion_asked(os.path.dirname(os.environ.get(GOODPUT_FILE_VAR, "")))
+    if asked is None:
+        return
+    reason, seconds = asked
+    leaving = leave_excluded(handler, key, reason, seconds, nodes_now)
+    notify("excluded" if leaving is not None else "exclusion_declined", reason=reason, seconds=seconds,
+           node_name=node_name())
+    if leaving is not None:
+        log.warning("%s", leaving.line)
+        raise leaving
+
+
+def _backend(handler: Any) -> str:
+    try:
+        return str(handler.get_backend())
+    except Exception:  # noqa: BLE001 - only for a log line
+        return type(handler).__name__
 
 
 def _listens_on(port: int) -> bool:

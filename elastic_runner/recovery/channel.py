@@ -14,11 +14,13 @@ store key and its bytes (:class:`~elastic_runner.rendezvous.seal.Sealer`, as the
 that is not signed with the key, or was signed for another key (moved from one agent's slot to another's), reads as
 absent, and the first one of each key is logged as a warning naming it. So a writer without the key cannot make
 survivors count a live node out (its beat stood still), wait for a replacement nobody announced, join a group at a
-handle of its choosing, or stop every rank with a forged abort. A replayed signed beat cannot either: beats carry a
-counter that only grows, a survivor takes a beat that went backwards for tampering (logged, and evidence of nothing),
-and only a counter that stood at the highest it saw counts as silence. What a writer on the store can still do is
-delete or race keys (a denial of service: recovery falls back to restarting every worker), and torch's own keys in the
-same store (the process group's start) are torch's, unauthenticated as in every torch job (docs/trust.md).
+handle of its choosing, or stop every rank with a forged abort; a message signed in an earlier round's store does not
+verify in this one's (the signature binds the store's address). Beats and counters only grow: one that went back is
+taken for a replay (logged, evidence of nothing). What a writer on the store can still do is delete or race keys, and
+hold a node's newest signed beat (or a rank's newest counter) in its slot, written back faster than its owner writes:
+survivors then count that node out of one round (it rejoins the next), or a hung rank is found only at the
+collective's timeout — a denial of service, never a wrong state. torch's own keys in the same store (the process
+group's start) are torch's, unauthenticated as in every torch job (docs/trust.md).
 
 Without a key the messages are the same JSON, unsigned, and are still read as their type or not at all.
 """
@@ -37,8 +39,8 @@ log = logging.getLogger(__name__)
 
 #: Where the recovery protocol's keys live in the job's store.
 PREFIX = "regroup"
-#: The largest message read (a handle is ~100 bytes; an abort's reason is cut to this).
-MAX_MESSAGE_BYTES = 4096
+#: The largest message read (a handle is ~100 bytes; reasons are cut to ~1,000 characters, at most 4 bytes each).
+MAX_MESSAGE_BYTES = 8192
 
 
 @dataclass(frozen=True)
@@ -189,11 +191,14 @@ _TYPES: dict[type, tuple[type, ...]] = {int: (int,), str: (str,), bool: (bool,),
 
 class Channel:
     """Writes and reads :class:`Message` s in ``store`` (a ``torch.distributed.Store``), signed with ``key`` (the
-    job's key; None: unsigned)."""
+    job's key; None: unsigned). ``context``: what else the signature binds a message to, the same for its writers and
+    readers — the job's store's ``MASTER_ADDR:MASTER_PORT`` (a new round's store has its own), so that a message
+    signed in an earlier round's store does not verify in this one's."""
 
-    def __init__(self, store: Any, key: bytes | None) -> None:
+    def __init__(self, store: Any, key: bytes | None, context: str = "") -> None:
         self.store = store
         self._sealer = Sealer(key)
+        self._context = context
         self._refused: set[str] = set()  #: keys whose refusal was logged (once each)
 
     @property
@@ -226,8 +231,12 @@ class Channel:
         return self.store.check(keys) and all(m is not None for m in self.read_many(cls, keys).values())
 
     def encode(self, message: Message) -> bytes:
-        body = json.dumps({"kind": message.kind} | asdict(message), sort_keys=True, separators=(",", ":")).encode()
-        return self._sealer.seal(message.key().encode(), body)
+        body = json.dumps({"kind": message.kind} | asdict(message), sort_keys=True, separators=(",", ":"),
+                          ensure_ascii=False).encode()
+        return self._sealer.seal(self._bound(message.key()), body)
+
+    def _bound(self, key: str) -> bytes:
+        return f"{self._context}\n{key}".encode() if self._context else key.encode()
 
     def decode(self, cls: type[M], key: str, blob: bytes | str) -> M | None:
         raw = blob.encode() if isinstance(blob, str) else bytes(blob)
@@ -235,7 +244,7 @@ class Channel:
             if len(raw) > MAX_MESSAGE_BYTES + 64:
                 raise ValueError(f"it is {len(raw)} bytes, more than any message of the protocol")
             try:
-                body = json.loads(self._sealer.open(key.encode(), raw))
+                body = json.loads(self._sealer.open(self._bound(key), raw))
             except AuthError:
                 raise
             except (ValueError, UnicodeDecodeError) as exc:

@@ -58,10 +58,19 @@ class Exclusions:
         return record if record is not None and record.until > self._clock() else None
 
 
+def _backend_of(handler: Any) -> str:
+    try:
+        return str(handler.get_backend())
+    except Exception:  # noqa: BLE001 - a handler that does not say
+        return ""
+
+
 def for_handler(handler: Any, run_id: str, key: bytes | None, seconds: float | None = None) -> Exclusions | None:
     """The exclusions of the rendezvous ``handler`` runs (our etcd-v3 handler, or torch's c10d one); None where it
     keeps none (the static rendezvous, another backend). ``seconds``: the lifetime of a record written through it
     (etcd-v3 gives it a lease that long)."""
+    if _backend_of(handler) == "static":
+        return None  # (no rounds: a node that left ends the job, whatever it records)
     lasting = getattr(handler, "lasting_store", None)
     if callable(lasting):  # etcd-v3: a lease as long as the exclusion
         return Exclusions(lasting(seconds), run_id, key)

@@ -14,7 +14,7 @@ a worker exited with a job-ending status (2: config, 3: diverged, 4)   stops
 this node's workers are not kept through failures (``in_process``)     restarts all
 fewer restarts are left than workers failed                            restarts all
 rank 0's worker failed (its process hosts the job's store)             restarts all
-a worker exited because its peers were lost (76, 77)                   restarts all
+a worker exited because its peers were lost (75, 76)                   restarts all
 otherwise (a worker killed or crashed)                                 replaces
 =====================================================================  ============
 
@@ -54,7 +54,7 @@ RULES: tuple[Rule, ...] = (
     Rule("this node's workers are not kept through failures (``in_process``)", Action.RESTART_ALL),
     Rule("fewer restarts are left than workers failed", Action.RESTART_ALL),
     Rule("rank 0's worker failed (its process hosts the job's store)", Action.RESTART_ALL),
-    Rule("a worker exited because its peers were lost (76, 77)", Action.RESTART_ALL),
+    Rule("a worker exited because its peers were lost (75, 76)", Action.RESTART_ALL),
     Rule("otherwise (a worker killed or crashed)", Action.REPLACE),
 )
 

@@ -101,14 +101,15 @@ class Regroup:
 
     ``store``: the job's store, reachable by every member of every generation (the agents' rendezvous store, or
     a survivor's). ``member``: this process's name, the same for its whole life. ``key``: the job's key, which signs
-    what the members tell each other there (:mod:`.channel`; None: unsigned).
+    what the members tell each other there (:mod:`.channel`; None: unsigned); ``context``: the store's address
+(``MASTER_ADDR:MASTER_PORT``), which the signatures bind.
     """
 
     def __init__(self, store: Any, member: str, backend: str, timeout: datetime.timedelta,
                  method: str | None = None, device: torch.device | None = None,
-                 wait: datetime.timedelta | None = None, key: bytes | None = None) -> None:
+                 wait: datetime.timedelta | None = None, key: bytes | None = None, context: str = "") -> None:
         self.store, self.member, self.backend, self.timeout = store, member, backend, timeout
-        self.channel = Channel(store, key)
+        self.channel = Channel(store, key, context)
         #: How long a member waits for the others to arrive (``timeout``, the group's own, by default); the
         #: rebuilt group's collectives keep ``timeout``.
         self.wait = wait if wait is not None else timeout
@@ -263,6 +264,7 @@ class _AgentBeats:
     def __init__(self, channel: Channel, agents: int) -> None:
         self.channel, self.agents = channel, agents
         self.highest: dict[int, int] = {}
+        self.replayed: set[int] = set()  #: agents whose beat went back (logged once each)
         self.seen, self.at = self._read(), time.monotonic()
 
     def _read(self) -> dict[int, AgentBeat | None]:
@@ -299,9 +301,10 @@ class _AgentBeats:
             if beat.count > before_highest.get(g, -1):
                 moved = True
             elif beat.count < before_highest.get(g, -1):
-                log.warning("the beat of node %d's agent in the job's store went back from %d to %d: someone else "
+                (log.debug if g in self.replayed else log.warning)("the beat of node %d's agent in the job's store went back from %d to %d: someone else "
                             "put an old one there; it is not taken as that node's silence", g,
                             before_highest[g], beat.count)
+                self.replayed.add(g)
             elif old is not None and beat == old:
                 still.append(g)
         self.seen, self.at = now, time.monotonic()
@@ -348,7 +351,7 @@ def announce_replacements(master_addr: str, master_port: int, ranks: list[int], 
         socket.create_connection((master_addr, master_port), timeout=ANNOUNCE_CONNECT_S).close()
         store = TCPStore(master_addr, master_port, is_master=False, timeout=datetime.timedelta(seconds=2),
                          wait_for_workers=False)
-        channel = Channel(store, key)
+        channel = Channel(store, key, f"{master_addr}:{master_port}")
         for rank in ranks:
             announce_replacement(channel, rank)
     except RegroupError as exc:  # it died in the round's start: its peers wait for it there
@@ -372,11 +375,12 @@ class SameMembers:
 
     def __init__(self, store: Any, rank: int, world_size: int, backend: str, device: torch.device,
                  timeout: datetime.timedelta, wait: datetime.timedelta, method: str = "recreate",
-                 agents: int = 0, key: bytes | None = None) -> None:
+                 agents: int = 0, key: bytes | None = None, context: str = "") -> None:
         self.rank, self.world_size, self.generation = rank, world_size, 0
         #: The round's agents (nodes): a survivor watches their beats while it waits for an announcement.
         self.agents = agents
-        self.regroup = Regroup(store, str(rank), backend, timeout, method=method, device=device, wait=wait, key=key)
+        self.regroup = Regroup(store, str(rank), backend, timeout, method=method, device=device, wait=wait, key=key,
+                               context=context)
         self.channel = self.regroup.channel
 
     @property

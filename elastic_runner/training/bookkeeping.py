@@ -54,7 +54,7 @@ class StepBooks:
         self._productive_mark = time.monotonic()  #: end of the time already counted as productive
         self._published_at: float | None = None  #: when local rank 0 last left the clock for its agent
         self._step_started = 0.0
-        self._evicting = False  #: this node's agent was asked to take it out (recovery.evict_stragglers)
+        self._evicting = False  #: a node was taken out in this attempt (recovery.evict_stragglers): no other one
         # Where a slow rank is told from a waiting one (the wait for the gradient sync is timed apart): ordered ddp.
         names = cfg.parallel.strategy == "ddp" and cfg.dist.gradient_sync == "ordered"
         self.stragglers = StragglerWatch(cfg.recovery.straggler_ratio if names else None,
@@ -201,17 +201,21 @@ class StepBooks:
                 self.events.emit("straggler", step=step, rank=rank, node=found.node, ratio=round(found.ratio, 3),
                                  local_s=found.local_s, median_s=found.median_s, steps=found.steps,
                                  seconds=round(found.seconds, 1), status=status)
-            if status == "named":
-                self._evict(found, len(local_s), watch.window_s)
+        if named:
+            # One node at a time, the slowest: every rank picks the same one at the same step, so two nodes named
+            # together never both leave (each agent checks --nnodes' minimum against the world it knows).
+            self._evict(max(named, key=lambda s: (s.ratio, -s.rank)), len(local_s), watch.window_s)
 
     def _evict(self, found: Straggler, world: int, window_s: float) -> None:
         """``recovery.evict_stragglers``: the first worker of the straggler's node asks its agent to take the node
-        out (every rank decides the same at the same step: the others go on, and park for the round without it)."""
+        out (every rank decides the same at the same step: the others go on, and park for the round without it).
+        Once per attempt: the next node is judged in the world without this one."""
         env = self.dist.env
-        if not self.cfg.recovery.evict_stragglers or self._evicting or found.node != env.group_rank \
-                or env.local_rank != 0:
+        if not self.cfg.recovery.evict_stragglers or self._evicting:
             return
-        self._evicting = True
+        self._evicting = True  # (on every rank: none asks for another node in this attempt)
+        if found.node != env.group_rank or env.local_rank != 0:
+            return
         line = _straggler_line(found, "named", world, window_s)
         if ask_to_exclude_this_node(line, self.cfg.recovery.exclusion_seconds):
             log.warning("rank %d: this node is a straggler; its agent is asked to take it out of the job for %gs "

@@ -127,7 +127,8 @@ def up(env: WorkerEnv, *, backend: str = "auto", device: str = "auto",
                     raise DistError(str(exc)) from exc
                 same = SameMembers(store, env.rank, env.world_size, chosen, dev, timeout,
                                    datetime.timedelta(seconds=regroup_wait_seconds), method=method,
-                                   agents=env.group_world_size, key=current_signing_key())
+                                   agents=env.group_world_size, key=current_signing_key(),
+                                   context=f"{env.master_addr}:{env.master_port}")
             if same is not None and env.replaces is not None and env.rank != 0:
                 same.replace()  # the group the survivors rebuild for this process
                 joined = True

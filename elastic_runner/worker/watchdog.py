@@ -21,7 +21,8 @@ The watchdog uses its own store connection with a short timeout, so a
 process group stuck in a collective cannot block it. Its counters and the abort are messages of the recovery
 protocol (:mod:`elastic_runner.recovery.channel`), signed with the job's key where it has one: a writer on the store
 without the key can neither stop every rank with a forged abort, nor hide a hung rank behind a forged ``done``, nor
-make a live rank look hung with an old counter put back (a counter below the highest seen is evidence of nothing).
+make a live rank look hung with an old counter put back (a counter below the highest seen is evidence of nothing,
+and does not stop the clock of a rank that hangs).
 """
 
 from __future__ import annotations
@@ -42,9 +43,9 @@ log = logging.getLogger(__name__)
 class PeerWatchdog:
     def __init__(self, store: Any, *, rank: int, world_size: int, generation: int, timeout: float,
                  on_lost: Callable[[str], None], interval: float | None = None, startup_grace: float | None = None,
-                 clock: Callable[[], float] = time.monotonic, key: bytes | None = None) -> None:
+                 clock: Callable[[], float] = time.monotonic, key: bytes | None = None, context: str = "") -> None:
         self.store = store
-        self.channel = Channel(store, key)
+        self.channel = Channel(store, key, context)  #: context: the store's address, which signatures bind
         self.generation = generation
         self.rank = rank
         self.world_size = world_size
@@ -70,7 +71,7 @@ class PeerWatchdog:
 
         store = TCPStore(master_addr, master_port, is_master=False, timeout=datetime.timedelta(seconds=timeout),
                          wait_for_workers=False)
-        return cls(store, timeout=timeout, **kwargs)
+        return cls(store, timeout=timeout, context=f"{master_addr}:{master_port}", **kwargs)
 
     def start(self) -> "PeerWatchdog":
         self._beat()
@@ -143,13 +144,16 @@ class PeerWatchdog:
                 limit = self.timeout if last_value[n] is not None or value is not None else self.startup_grace
                 last = last_value[n]
                 if value is not None and last is not None and value < last:
-                    # Put back by someone else (its own counter only grows): not its silence, and not a sign of life.
-                    (log.debug if n in self._replayed else log.warning)("peer watchdog: rank %d's counter in the job's store went back from %d to %d: someone "
-                                "else put an old one there; ignored", n, last, value)
+                    # Put back by someone else (its own counter only grows): not its silence, and not a sign of life
+                    # (its time since the last rise goes on counting: a replay cannot hide a hung rank).
+                    (log.debug if n in self._replayed else log.warning)(
+                        "peer watchdog: rank %d's counter in the job's store went back from %d to %d: someone else put "
+                        "an old one there; ignored", n, last, value)
                     self._replayed.add(n)
-                elif value != last_value[n]:
+                elif value != last:
                     last_value[n], last_change[n] = value, now
-                elif now - last_change[n] > limit:
+                    continue
+                if now - last_change[n] > limit:
                     if value is None:
                         reason = f"rank {n} never started heartbeating within {limit:g}s: it did not start or hangs"
                     else:

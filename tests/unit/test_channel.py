@@ -278,3 +278,40 @@ def test_an_old_counter_put_back_does_not_make_a_live_rank_look_hung(caplog: pyt
             dog.stop(done=False)
     assert not fired, fired
     assert any("went back" in r.getMessage() for r in caplog.records)
+
+
+def test_a_message_signed_in_an_earlier_rounds_store_does_not_verify_in_this_ones() -> None:
+    store = tdist.HashStore()
+    earlier = Channel(store, KEY, "10.0.0.1:29500")
+    earlier.send(Coming(1, 0))  # an announcement of the round whose store was at 10.0.0.1:29500
+    assert earlier.read(Coming, "regroup/1/coming") == Coming(1, 0)
+    assert Channel(store, KEY, "10.0.0.2:29511").read(Coming, "regroup/1/coming") is None
+
+
+def test_an_old_counter_put_back_does_not_hide_a_hung_rank() -> None:
+    store, fired = tdist.HashStore(), []
+    channel = Channel(store, KEY)
+    channel.send(WatchdogBeat(1, 1, 1))
+    old = store.get("er/hb/1/1")
+    channel.send(WatchdogBeat(1, 1, 9))  # rank 1's newest beat, and then it hangs
+    dog = _watchdog(store, fired)
+    stop = threading.Event()
+
+    def replaying() -> None:
+        while not stop.is_set():
+            store.set("er/hb/1/1", old)
+            time.sleep(0.01)
+
+    thread = threading.Thread(target=replaying, daemon=True)
+    dog.start()
+    time.sleep(0.1)  # (the watchdog saw the newest beat first)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not fired and time.monotonic() < deadline:
+            time.sleep(0.02)
+    finally:
+        stop.set()
+        thread.join(5)
+        dog.stop(done=False)
+    assert fired and "rank 1 stopped heartbeating" in fired[0], fired

@@ -128,6 +128,17 @@ def test_a_node_stays_where_the_job_would_fall_below_its_minimum(monkeypatch: py
     refuse_if_excluded(handler, KEY)  # nothing recorded
 
 
+def test_a_node_stays_where_its_rendezvous_keeps_no_exclusions(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The static rendezvous: a job of fixed nodes, which a node that left would end."""
+    monkeypatch.setenv(NODE_NAME_VAR, "node-b")
+
+    class Static(FakeHandler):
+        def get_backend(self) -> str:
+            return "static"
+
+    assert leave_excluded(Static(), KEY, "slow", 600, nodes_now=4) is None
+
+
 def test_no_termination_message_is_written_where_kubernetes_made_none(monkeypatch: pytest.MonkeyPatch,
                                                                       tmp_path: Path) -> None:
     monkeypatch.setenv(NODE_NAME_VAR, "node-b")
