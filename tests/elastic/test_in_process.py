@@ -32,10 +32,13 @@ from .conftest import RESUME_SECTIONS
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
 
-def _started(local_job: Any, resume_config: Path, launcher: str = "elastic-runner", *overrides: str) -> Any:
-    """Two agents of one worker each, with in-process recovery."""
+def _started(local_job: Any, resume_config: Path, launcher: str = "elastic-runner", *overrides: str,
+             key_file: Path | None = None) -> Any:
+    """Two agents of one worker each, with in-process recovery (and the job's key in ``key_file``, where given)."""
+    conf = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3"
     job = local_job(config=str(resume_config), nnodes="2:2", launcher=launcher,
-                    overrides=["recovery.in_process=true", *overrides])
+                    overrides=["recovery.in_process=true", *overrides],
+                    rdzv_conf=conf + (f",auth_key_file={key_file}" if key_file else ""))
     job.start_agent()
     job.start_agent()
     return job
@@ -84,7 +87,14 @@ def _kill(job: Any, workers: list[Any], rank: int) -> Any:
 def test_a_killed_worker_is_replaced_alone_its_peer_keeps_its_process_and_the_run_ends_bitwise_identical(
         launcher: str, resume_config: Path, reference_model: Any, local_job: Any, tmp_path: Path) -> None:
     # The job is stopped longer than its heartbeat: a watchdog that counted the pause would restart every worker.
-    job = _started(local_job, resume_config, launcher, "dist.heartbeat_seconds=2")
+    # Under plain torchrun the job has its key: the announcement, generations and handles the survivor and the
+    # replacement rebuild their group by are signed ones (elastic_runner.recovery.channel).
+    key_file = None
+    if launcher == "torchrun":
+        key_file = tmp_path / "job.key"
+        key_file.write_text("b" * 64 + "\n")
+        key_file.chmod(0o600)
+    job = _started(local_job, resume_config, launcher, "dist.heartbeat_seconds=2", key_file=key_file)
     workers, standbys = _stopped_with_standbys_ready(job, 130, at_least=3.0)
     victim = _kill(job, workers, rank=1)
     run_dir = _ends_as_the_uninterrupted_run(job, reference_model, tmp_path)
