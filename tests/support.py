@@ -340,3 +340,11 @@ def beating_agents(store: Any, group_ranks: Sequence[int], key: bytes | None = N
         assert time.monotonic() < deadline, "the agents never beat"
         time.sleep(0.01)
     return beats
+
+
+def job_key_file(directory: Path) -> Path:
+    """A job's key (``--rdzv_conf auth_key_file=...``) in ``directory``, private as the docs ask."""
+    path = directory / "job.key"
+    path.write_text("b" * 64 + "\n")
+    path.chmod(0o600)
+    return path

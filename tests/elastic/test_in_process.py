@@ -20,6 +20,7 @@ from ..support import (
     continue_workers,
     events,
     exported_model,
+    job_key_file,
     kill_worker_at_step,
     run_uninterrupted,
     start_agent_while_paused,
@@ -89,11 +90,7 @@ def test_a_killed_worker_is_replaced_alone_its_peer_keeps_its_process_and_the_ru
     # The job is stopped longer than its heartbeat: a watchdog that counted the pause would restart every worker.
     # Under plain torchrun the job has its key: the announcement, generations and handles the survivor and the
     # replacement rebuild their group by are signed ones (elastic_runner.recovery.channel).
-    key_file = None
-    if launcher == "torchrun":
-        key_file = tmp_path / "job.key"
-        key_file.write_text("b" * 64 + "\n")
-        key_file.chmod(0o600)
+    key_file = job_key_file(tmp_path) if launcher == "torchrun" else None
     job = _started(local_job, resume_config, launcher, "dist.heartbeat_seconds=2", key_file=key_file)
     workers, standbys = _stopped_with_standbys_ready(job, 130, at_least=3.0)
     victim = _kill(job, workers, rank=1)

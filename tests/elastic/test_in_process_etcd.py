@@ -23,7 +23,7 @@ from elastic_runner.observe.audit import check_audit
 from elastic_runner.observe.events import read_events
 from elastic_runner.testing.etcd_server import EtcdServer
 
-from ..support import continue_workers, events, stop_workers_at_step
+from ..support import continue_workers, events, job_key_file, stop_workers_at_step
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
@@ -48,10 +48,7 @@ def test_a_node_that_is_lost_or_leaves_does_not_hold_the_next_round_for_its_leas
         how: str, resume_config: Path, local_job: Any, etcd: EtcdServer, tmp_path: Path) -> None:
     conf = WINDOW_CONF
     if how == "lost":
-        key_file = tmp_path / "job.key"
-        key_file.write_text("a" * 64 + "\n")
-        key_file.chmod(0o600)
-        conf += f",auth_key_file={key_file}"
+        conf += f",auth_key_file={job_key_file(tmp_path)}"
     job = local_job(config=str(resume_config), nnodes="1:2", rdzv_backend="etcd-v3", rdzv_endpoint=etcd.endpoint,
                     rdzv_conf=conf, overrides=["recovery.in_process=true"])
     job.start_agent()
