@@ -111,6 +111,7 @@ FAST_RENDEZVOUS = TorchPatch(
     needs=(
         Need(DR, "_RendezvousJoinOp.__call__", params=("ctx", "deadline")),
         Need(DR, "_Action.SYNC"), Need(DR, "_Action.KEEP_ALIVE"), Need(DR, "_Action.MARK_RENDEZVOUS_COMPLETE"),
+        Need(DR, "_Action.ADD_TO_REDUNDANCY_LIST"),
         Need(DR, "_delay", params=("seconds",)),
         Need(DR, "_DistributedRendezvousOpExecutor.run", refers_to="_delay"),
         Need(DR, "DynamicRendezvousHandler.next_rendezvous"),
@@ -119,6 +120,10 @@ FAST_RENDEZVOUS = TorchPatch(
         Need(DR, "_RendezvousContext.__init__", params=("node", "state", "settings")),
         Need(DR, "_RendezvousState.participants", init_attr=True),
         Need(DR, "_RendezvousState.wait_list", init_attr=True),
+        Need(DR, "_RendezvousState.round", init_attr=True),
+        Need(DR, "_RendezvousState.redundancy_list", init_attr=True),
+        Need(DR, "_remove_participant_epilogue", params=("state", "settings")),
+        Need(DR, "DynamicRendezvousHandler._this_node", init_attr=True),
         Need(DR, "_RendezvousState.last_heartbeats", init_attr=True),
         Need(DR, "_RendezvousState.complete", init_attr=True),
         Need(DR, "DynamicRendezvousHandler._start_heartbeats"),

@@ -6,14 +6,14 @@ every waiting node re-reads the shared state once per second. After a worker
 failure every node of the previous round rejoins within milliseconds, yet the
 round still waits out the last call and the polling.
 
-Four changes, applied only inside the ``elastic-runner launch`` agent process:
+Five changes, applied only inside the ``elastic-runner launch`` agent process:
 
 - **Complete when the previous round is accounted for.** A node that
   rejoins knows the participants of the round it was part of and their last
   heartbeats. When each of them is a participant again or has sent no
   heartbeat for torch's dead-node window (``keep_alive_interval *
   keep_alive_max_attempt``, the rule by which torch itself drops it), the
-  minimum is met, and nobody is waiting to join, the round is marked
+  minimum is met, and nobody is waiting to join (nor, while a seat is free, waiting as a spare), the round is marked
   complete at once. Otherwise (this node has no previous round, or a node
   of it is neither back nor dead) torch's rule applies unchanged: wait for
   the last call. The rule never completes a round that torch's rule would
@@ -24,6 +24,16 @@ Four changes, applied only inside the ``elastic-runner launch`` agent process:
   dead — was tried and dropped: a live agent between leaving the old round
   and joining the new one looks the same, and one round completed without
   it. A live agent's heartbeat is never older than the window.)
+- **Count a lost node out on its agent's silence.** With in-process recovery each agent beats in the job's store
+  every 0.1 s (:mod:`elastic_runner.agent.beat`); a survivor's workers that saw a node's agent stand still park, and
+  their agent names that node's group rank (:func:`count_out`, the handler's ``count_out``, as etcd-v3's lease
+  protocol has it). The lost node stays a participant of the finished round until torch's sanitizer drops it after
+  the dead-node window (``keep_alive_interval * keep_alive_max_attempt``: 1.5 s and more), and the next round cannot
+  start before; once every other member has left that round, the node counted out is removed as the sanitizer would
+  remove it (:func:`drop_counted_out`) and counts as dead for the early completion. A node counted out wrongly (alive,
+  its beat late) is no longer a participant: its agent sees that (:mod:`elastic_runner.agent.round_members`), stops
+  its workers and joins the next round, or waits as a spare where the new round is full; its stale workers can
+  complete no collective with the new round's and publish nothing (snapshots are fenced by generation).
 - **See a joining node sooner.** While training, the agent asks every monitor interval whether a
   node waits to join, and torch answers from a state read up to 1 s old: ``training_cache``
   (0.2 s for jobs under 20 nodes, growing to torch's 1 s at 100).
@@ -53,25 +63,69 @@ from __future__ import annotations
 import logging
 import os
 from datetime import datetime, timedelta, timezone
-from typing import Any
+from typing import Any, Callable
 
 log = logging.getLogger(__name__)
 
 #: Participants of the last round this agent completed (set by the agent before rejoining).
 _previous: frozenset[Any] = frozenset()
+#: That round's number in the shared state.
+_previous_round: int | None = None
+#: Group ranks of that round whose agents this node's workers saw stop beating (:meth:`count_out`), and the nodes
+#: they are in it: counted dead without waiting out their heartbeats.
+_lost_ranks: set[int] = set()
+_counted_out: frozenset[Any] = frozenset()
 #: Newest heartbeat seen of each of them (UTC datetimes, as in torch's state).
 _beats: dict[Any, Any] = {}
 _installed = False
 #: True when the last round this agent joined was completed by the rule above.
 completed_early = False
+#: Called (with the round's maximum) when this node adds itself to torch's redundancy list: the running round is
+#: full and has no seat for it, so it waits as a spare and takes the next free one (the agent reports it).
+on_spare: Callable[[int], None] | None = None
 
 
-def set_previous_participants(nodes: Any, heartbeats: Any = None) -> None:
-    global _previous, completed_early
+def set_previous_participants(nodes: Any, heartbeats: Any = None, round_: int | None = None) -> None:
+    """The round that just ended: its participants (torch's ``{node: group rank}``, or any iterable of nodes), their
+    last heartbeats and its number; the group ranks counted out since (:func:`count_out`) become its nodes."""
+    global _previous, _previous_round, _counted_out, completed_early
     _previous = frozenset(nodes)
+    _previous_round = round_
+    ranks = nodes if isinstance(nodes, dict) else {}
+    _counted_out = frozenset(node for node, rank in ranks.items() if rank in _lost_ranks)
+    _lost_ranks.clear()
     _beats.clear()
     _note_beats(heartbeats or {})
     completed_early = False
+
+
+def count_out(participants: dict[Any, int], this_node: Any, group_ranks: Any) -> list[str]:
+    """Group ranks of the running round whose agents this node's workers saw stop beating in the job's store
+    (:mod:`elastic_runner.agent.beat`): the next round counts their nodes dead at once instead of waiting out torch's
+    dead-node window. The nodes' names, for the agent's event."""
+    lost = {int(r) for r in group_ranks}
+    nodes = [node for node, rank in participants.items() if rank in lost and node != this_node]
+    _lost_ranks.update(participants[node] for node in nodes)
+    return [str(node) for node in nodes]
+
+
+def drop_counted_out(node: Any, state: Any, settings: Any, epilogue: Any) -> bool:
+    """Remove the nodes counted out from the round that just ended, once every other member has left it (as torch's
+    own sanitizer removes a node whose heartbeats stopped, and with its epilogue: the round then moves on). True when
+    ``state`` changed (the caller writes it; a node that changed it first wins and this is decided again)."""
+    if not _counted_out or not state.complete or state.round != _previous_round or node in state.participants:
+        return False
+    listed = set(state.participants)
+    if not listed or not listed <= _counted_out:
+        return False
+    for dead in listed:
+        del state.participants[dead]
+        state.last_heartbeats.pop(dead, None)
+        state.wait_list.discard(dead)
+    log.info("rendezvous: %d node(s) of the previous round counted out (their agents stopped beating): the next "
+             "round starts without waiting out their heartbeats", len(listed))
+    epilogue(state, settings)
+    return True
 
 
 def _note_beats(heartbeats: Any) -> None:
@@ -86,7 +140,8 @@ def previous_round_accounted_for(participants: Any, heartbeats: Any, window: tim
     if not _previous:
         return False
     _note_beats(heartbeats)
-    return all(node in participants or (node in _beats and now - _beats[node] > window) for node in _previous)
+    return all(node in participants or node in _counted_out or (node in _beats and now - _beats[node] > window)
+               for node in _previous)
 
 
 def poll_interval() -> float:
@@ -124,8 +179,12 @@ def install() -> bool:
 
     class FastJoinOp(base_join):  # type: ignore[misc, valid-type]
         def __call__(self, ctx: Any, deadline: float) -> Any:
+            if drop_counted_out(ctx.node, ctx.state, ctx.settings, dr._remove_participant_epilogue):
+                return action.KEEP_ALIVE  # any action but SYNC has the executor write the state
             decision = super().__call__(ctx, deadline)
             state = ctx.state
+            if decision == action.ADD_TO_REDUNDANCY_LIST and on_spare is not None:
+                on_spare(ctx.settings.max_nodes)
             if (
                 decision in waiting
                 and _previous
@@ -133,6 +192,8 @@ def install() -> bool:
                 and ctx.node in state.participants
                 and len(state.participants) >= ctx.settings.min_nodes
                 and not state.wait_list
+                # A spare waits on the redundancy list for a free seat: it gets it in this round, within a poll.
+                and not (state.redundancy_list and len(state.participants) < ctx.settings.max_nodes)
                 and previous_round_accounted_for(
                     state.participants, state.last_heartbeats,
                     ctx.settings.keep_alive_interval * ctx.settings.keep_alive_max_attempt, datetime.now(timezone.utc))
@@ -160,7 +221,8 @@ def install() -> bool:
         state = getattr(holder, "state", None)
         if state is not None and getattr(state, "complete", False):
             # The round that just ended: who to wait for (or to see dead) before completing the next.
-            set_previous_participants(state.participants, getattr(state, "last_heartbeats", {}))
+            set_previous_participants(state.participants, getattr(state, "last_heartbeats", {}),
+                                      getattr(state, "round", None))
         saved = getattr(holder, "_cache_duration", None)
         if saved is not None:
             holder._cache_duration = min(saved, poll_interval())
@@ -183,7 +245,13 @@ def install() -> bool:
         if ctx is not None and getattr(ctx, "interval", 0) > 0:
             ctx.interval = ctx.interval / 2
 
+    def handler_count_out(self: Any, group_ranks: Any) -> list[str]:
+        # The agent's _count_out_lost asks the handler, as it asks etcd-v3's lease protocol.
+        state = self._state_holder.state
+        return count_out(dict(state.participants) if state.complete else {}, self._this_node, group_ranks)
+
     dr._RendezvousJoinOp = FastJoinOp
+    setattr(handler_cls, "count_out", handler_count_out)  # (torch's class has no such method: one more, not a change)
     dr._delay = fast_delay
     handler_cls.next_rendezvous = next_rendezvous
     handler_cls._start_heartbeats = start_heartbeats

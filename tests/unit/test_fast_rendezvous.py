@@ -52,3 +52,53 @@ def test_a_newer_heartbeat_seen_while_waiting_keeps_the_node_alive() -> None:
 def test_a_node_whose_heartbeat_was_never_seen_is_not_presumed_dead() -> None:
     fr.set_previous_participants(["a", "b"], {"a": NOW})
     assert not fr.previous_round_accounted_for({"a": 0}, {}, WINDOW, NOW + timedelta(hours=1))
+
+
+def _finished_round(participants: dict[str, int], round_: int = 4) -> object:
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _RendezvousState
+
+    state = _RendezvousState()
+    state.round, state.complete = round_, True
+    state.participants = dict(participants)
+    state.last_heartbeats = {node: NOW for node in participants}
+    return state
+
+
+def test_a_node_whose_agent_stopped_beating_is_counted_dead_without_waiting_its_heartbeats_out() -> None:
+    state = _finished_round({"a": 0, "b": 1, "c": 2})
+    assert fr.count_out(state.participants, "a", [0, 2]) == ["c"], "never this node itself"
+    fr.set_previous_participants(state.participants, state.last_heartbeats, state.round)
+    assert fr.previous_round_accounted_for({"a": 0, "b": 0}, {"c": NOW}, WINDOW, NOW), \
+        "c counted out although its last heartbeat is fresh"
+    assert not fr.previous_round_accounted_for({"a": 0}, {}, WINDOW, NOW), "b was not counted out: waited for"
+    fr.set_previous_participants(state.participants, state.last_heartbeats, state.round)
+    assert not fr.previous_round_accounted_for({"a": 0, "b": 0}, {"c": NOW}, WINDOW, NOW), \
+        "a count-out holds for the round after the one it was made in only"
+
+
+def test_the_finished_round_drops_a_counted_out_node_once_every_other_member_has_left_it() -> None:
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _remove_participant_epilogue
+
+    state = _finished_round({"a": 0, "b": 1, "c": 2})
+    fr.count_out(state.participants, "a", [1])
+    fr.set_previous_participants(state.participants, state.last_heartbeats, state.round)
+    settings = type("Settings", (), {"min_nodes": 1})()
+    del state.participants["a"]  # a left the round to join the next one; c has not yet
+    assert not fr.drop_counted_out("a", state, settings, _remove_participant_epilogue)
+    del state.participants["c"]
+    assert not fr.drop_counted_out("b", state, settings, _remove_participant_epilogue), "b does not drop itself"
+    assert fr.drop_counted_out("a", state, settings, _remove_participant_epilogue)
+    assert not state.participants and "b" not in state.last_heartbeats
+    assert (state.round, state.complete) == (5, False), "the round moves on, as when torch's sanitizer drops b"
+    assert not fr.drop_counted_out("a", state, settings, _remove_participant_epilogue), "only the round it ended"
+
+
+def test_a_count_out_never_drops_a_node_of_another_round() -> None:
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _remove_participant_epilogue
+
+    state = _finished_round({"a": 0, "b": 1})
+    fr.count_out(state.participants, "a", [1])
+    fr.set_previous_participants(state.participants, state.last_heartbeats, state.round)
+    newer = _finished_round({"b": 0}, round_=5)
+    assert not fr.drop_counted_out("a", newer, type("S", (), {"min_nodes": 1})(), _remove_participant_epilogue)
+    assert newer.participants == {"b": 0}
