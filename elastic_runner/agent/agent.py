@@ -75,6 +75,7 @@ from .beat import AgentBeat
 from .exclusion import leave_if_asked, refuse_if_excluded
 from .finish import failed_after_finishing, wait_at_exit
 from .round_members import MemberWatch, WatchfulStore, gone_check
+from .spare import SpareWait
 from ..torch_patches import KEEPING_WORKERS, usable
 from .worker_context import KeepingContext, as_keeping
 
@@ -166,6 +167,7 @@ class ElasticRunnerAgent(LocalElasticAgent):
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
         started = time.monotonic()
         began = time.time()
+        spare = SpareWait(worker_group.spec.rdzv_handler, self._notify)
         for attempt in range(1, ROUND_RETRIES + 2):
             stop_signal.raise_if_received()  # (a stop swallowed in a store request of the round before)
             try:
@@ -189,7 +191,7 @@ class ElasticRunnerAgent(LocalElasticAgent):
         # The etcd-v3 lease protocol says so itself; torch's handler through our patch of it.
         early = getattr(worker_group.spec.rdzv_handler, "completed_early", fast_rendezvous.completed_early)
         self._notify("rendezvous", seconds=time.monotonic() - started, world_size=worker_group.group_world_size,
-                     group_rank=worker_group.group_rank, completed_early=bool(early), **startup)
+                     group_rank=worker_group.group_rank, completed_early=bool(early), **startup, **spare.fields())
 
     def _member_gone(self, member: str) -> None:
         """A member of this round is gone while this node's workers run: torch's loop restarts them for the next

@@ -64,6 +64,8 @@ class AgentMetrics:
         self.rendezvous_duration = Histogram(PREFIX + "rendezvous_duration_seconds", "Time from joining to a complete rendezvous round.",
                                              buckets=DURATION_BUCKETS, registry=r)
         self.nodes = Gauge(PREFIX + "nodes", "Nodes (agents) in the current rendezvous round.", registry=r)
+        self.spare = Gauge(PREFIX + "spare", "1 while this node waits as a spare: the round is full (--nnodes' "
+                           "maximum) and it takes the next free seat.", registry=r)
         self.goodput = Gauge(PREFIX + "goodput_ratio", "Share of the job's wall time spent on steps that count, now: "
                              "the clock this node's workers keep, moved on while they train and while they do not "
                              "(a restart, a rendezvous). NaN until a worker has logged a step.", registry=r)
@@ -88,6 +90,9 @@ class AgentMetrics:
             self.rendezvous.inc()
             self.rendezvous_duration.observe(fields["seconds"])
             self.nodes.set(fields["world_size"])
+            self.spare.set(0)
+        elif event == "spare_waiting":
+            self.spare.set(1)
         elif event == "worker_failed":
             self.failures.inc()
         elif event == "restart":

@@ -92,6 +92,8 @@ class LeaseRendezvousHandler(SealerRole, DepartureRole, RendezvousHandler):
         #: True when the last round this agent joined was sealed without the last call, because every node of
         #: the round before was back or dead (the agent reports it)
         self.completed_early = False
+        #: Called (with the round's maximum) when this node starts to wait as a spare: the running round is full
+        self.on_spare: Callable[[int], None] | None = None
 
     # -- torch's RendezvousHandler ---------------------------------------------------------------------------
 
@@ -219,6 +221,8 @@ class LeaseRendezvousHandler(SealerRole, DepartureRole, RendezvousHandler):
                 and len(record.members) >= self._settings.max_nodes
             if was_spare and not spare:
                 deadline = self._clock() + self._settings.join_timeout  # its join starts now
+            if spare and not was_spare and self.on_spare is not None:
+                self.on_spare(self._settings.max_nodes)
             was_spare = spare
             if not spare and self._clock() >= deadline:
                 self._give_up(want)

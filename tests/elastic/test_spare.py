@@ -1,0 +1,70 @@
+"""Spares: an agent started beyond ``--nnodes``' maximum waits, warm, for a seat, and takes a lost node's place in the
+round that replaces it. The world size never changes, so the run is the uninterrupted run at that world size, bit
+for bit, with every sample seen once."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from elastic_runner.observe.audit import check_audit
+from elastic_runner.observe.events import read_events
+
+from ..support import assert_bitwise_equal, continue_workers, events, exported_model, stop_workers_at_step
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
+
+
+def _agent_events(run_dir: Path, kind: str) -> list[dict[str, Any]]:
+    return [e for e in read_events(run_dir) if e["kind"] == f"agent_{kind}"]
+
+
+def _wait_until_spare(job: Any, spare: Any, run_dir: Path, timeout: float = 90) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        waiting = [e for e in _agent_events(run_dir, "spare_waiting") if e["source"].endswith(f"-{spare.pid}")]
+        if waiting:
+            return waiting[0]
+        assert spare.running(), spare.log_text()[-3000:]
+        time.sleep(0.05)
+    pytest.fail("the third agent never said it waits as a spare\n" + job.logs_tail())
+
+
+@pytest.mark.parametrize("backend", ["c10d", "etcd-v3"])
+def test_a_spare_takes_a_lost_nodes_place_at_the_same_world_size_and_the_run_is_the_uninterrupted_one(
+        backend: str, resume_config: Path, local_job: Any, reference_model: Any, tmp_path: Path,
+        request: pytest.FixtureRequest) -> None:
+    rdzv = {"rdzv_backend": "etcd-v3", "rdzv_endpoint": request.getfixturevalue("etcd").endpoint,
+            "rdzv_conf": "last_call_timeout=1"} if backend == "etcd-v3" else {}
+    job = local_job(config=str(resume_config), nnodes="1:2", launcher="elastic-runner", **rdzv)
+    first, second = job.start_agent(), job.start_agent()
+    run_dir = Path(job.run_dir)
+    workers, _ = stop_workers_at_step(job, 90, count=2, timeout=120)
+    spare = job.start_agent()  # the round is full: no seat for it
+    waiting = _wait_until_spare(job, spare, run_dir)
+    assert waiting["max_nodes"] == 2, waiting
+    assert not job.workers(spare), "a spare starts no worker while it waits"
+
+    lost = second if backend == "c10d" else first  # (c10d: the first agent hosts the rendezvous' store)
+    lost_at = time.time()
+    job.kill_agent(lost)
+    continue_workers(job, [w for w in workers if w.agent is not lost])
+    codes = job.wait(timeout=240)
+    assert [codes[job.agents.index(a)] for a in job.agents if a is not lost] == [0, 0], job.logs_tail()
+
+    after = [e for e in events(run_dir, "start") if e["time"] > lost_at]
+    assert after and {e["world_size"] for e in after} == {2}, \
+        f"the world size stayed 2 after the loss: {[(e['rank'], e['world_size']) for e in after]}"
+    assert any(e["agent"].rsplit("-", 2)[1] == str(spare.pid) for e in after), \
+        f"the spare's worker took the lost node's place: {[e['agent'] for e in after]}"
+    taken = [e for e in _agent_events(run_dir, "rendezvous") if e["source"].endswith(f"-{spare.pid}")]
+    assert taken and taken[0]["world_size"] == 2 and taken[0]["spare_s"] > 0, taken
+    resumed = [e for e in events(run_dir, "resume") if e["time"] > lost_at]
+    assert resumed and all(e["tier"] == "memory" and e["steps_recomputed"] == 0 for e in resumed), \
+        f"the spare's worker took the state from the survivor's node memory, losing no step: {resumed}"
+    report = check_audit(run_dir)
+    assert report.ok and report.finished, report.render()
+    assert_bitwise_equal(exported_model(run_dir, tmp_path), reference_model)
