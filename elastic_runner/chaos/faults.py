@@ -39,6 +39,8 @@ class FaultContext:
     slow_seconds: float = 10.0
     #: The processes the last fault acted on, for the verdict (slow-node: the throttled workers' PIDs).
     targets: list[int] = field(default_factory=list)
+    #: When the fault struck, where a fault prepares first (spare-takeover waits for its spare): the verdict's clock.
+    struck_at: float | None = None
     #: Undo what a fault left behind (a filler file) when the run ends early; each runs once.
     cleanups: list[Callable[[], None]] = field(default_factory=list)
 
@@ -261,6 +263,54 @@ def corrupt_param(ctx: FaultContext) -> str:
     return f"asked worker rank {w.rank} (pid {w.pid}) to flip a bit of its replica's largest parameter"
 
 
+#: Seconds a spare-takeover waits for its new agent to wait as a spare (an agent's start: imports, the zygote).
+SPARE_WAIT_S = 120.0
+
+
+def spare_takeover(ctx: FaultContext) -> str:
+    """Start one agent more than the round's maximum, wait until it waits as a spare, then lose a seated node: the
+    spare must take its place in the next round, the world size unchanged (the verdict checks it)."""
+    running = ctx.job.running_agents()
+    if len(running) < ctx.max_agents:
+        raise Skip(f"{len(running)} agent(s) running, the maximum is {ctx.max_agents}: a new agent would join, not "
+                   "wait as a spare")
+    seated = [a for a in _removable_agents(ctx) if ctx.job.workers(a)]
+    if not seated:
+        raise Skip("no seated agent but the c10d store's host could be lost")
+    spare = ctx.job.start_agent()
+    events = Path(ctx.job.node_run_dir(spare.index)) / "events"
+    deadline = time.monotonic() + SPARE_WAIT_S
+    while not _waits_as_spare(events, spare.pid):
+        if not spare.running() or time.monotonic() > deadline:
+            raise Skip(f"agent {spare.index} (pid {spare.pid}) did not wait as a spare within {SPARE_WAIT_S:g} s "
+                       f"({'it exited' if not spare.running() else 'it may have found a free seat'})")
+        time.sleep(0.1)
+    victim = ctx.rng.choice([a for a in seated if a.running()] or seated)
+    ctx.struck_at = time.time()
+    killed = ctx.job.kill_agent(victim, signal.SIGKILL, with_workers=True)
+    ctx.targets = [spare.pid]
+    return (f"spare takeover: agent {spare.index} (pid {spare.pid}) waited as a spare; node loss: SIGKILL agent "
+            f"{victim.index} (pid {victim.pid}) and its {len(killed)} process(es)")
+
+
+def _waits_as_spare(events: Path, pid: int) -> bool:
+    """Whether the agent ``pid`` wrote its agent_spare_waiting event (its own event file in ``events``)."""
+    import json
+
+    for path in events.glob(f"agent-*-{pid}.jsonl"):
+        try:
+            text = path.read_text(errors="replace")
+        except OSError:
+            continue
+        for line in text.splitlines():
+            try:
+                if json.loads(line).get("kind") == "agent_spare_waiting":
+                    return True
+            except ValueError:
+                continue  # a line still being written
+    return False
+
+
 def nan_batch(ctx: FaultContext) -> str:
     """One worker's loss of its next step is made NaN (a corrupt record in a corpus; elastic_runner.training.
     injected_faults): with train.on_nonfinite: rollback the job must roll back and skip that step's batch."""
@@ -283,6 +333,7 @@ FAULTS: dict[str, Callable[[FaultContext], str]] = {
     "slow-node": slow_node,
     "corrupt-param": corrupt_param,
     "nan-batch": nan_batch,
+    "spare-takeover": spare_takeover,
 }
 # scenario.py validates names without importing the fault machinery; keep the two lists one.
 assert tuple(FAULTS) == FAULT_TYPES, "elastic_runner.chaos.scenario.FAULT_TYPES must list FAULTS"

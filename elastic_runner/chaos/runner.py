@@ -173,7 +173,7 @@ class ChaosRun:
                 time.sleep(s.settle_seconds)
             at = time.time()
             reached = self._step()
-            ctx.targets = []
+            ctx.targets, ctx.struck_at = [], None
             try:
                 description = FAULTS[spec.type](ctx)
             except Skip as why:
@@ -183,6 +183,7 @@ class ChaosRun:
                     pending.append(s.draw(redraw, last))
                 continue
             self._injected_step = reached
+            at = ctx.struck_at or at
             lasts = {"hang": s.hang_seconds, "fill-disk": s.fill_seconds, "slow-node": s.slow_seconds}.get(spec.type, 0.0)
             self.faults.append(Injected(type=spec.type, at=at, offset=round(at - self.t0, 2), description=description,
                                         lasts_s=lasts, targets=list(ctx.targets)))

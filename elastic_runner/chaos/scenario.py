@@ -10,7 +10,7 @@ from typing import Any
 import yaml
 
 FAULT_TYPES = ("kill-worker", "kill-agent", "kill-node", "join", "hang", "preempt", "restart-etcd", "corrupt-snapshot",
-               "fill-disk", "slow-node", "corrupt-param", "nan-batch")
+               "fill-disk", "slow-node", "corrupt-param", "nan-batch", "spare-takeover")
 
 
 class ScenarioError(ValueError):

@@ -277,6 +277,9 @@ def verify(*, audit: AuditReport, events: list[dict[str, Any]], faults: list[Inj
     if poisoned:
         verdict.add("NaN batches rolled back at the next logging step and skipped",
                     *_nonfinite_check(events, poisoned, audit.skipped_steps))
+    spares = [f for f in faults if f.type == "spare-takeover"]
+    if spares:
+        verdict.add("spares took lost nodes' places at the same world size", *_spare_check(events, spares))
     if audit.records_lost:  # a bucket's view only: each span must belong to a generation a lost node ended
         explained = generations_hit(events, [f for f in faults if f.type in LOSES_RECORDS])
         unexplained = [s for s in audit.records_lost if s["generation"] not in explained]
@@ -306,6 +309,27 @@ def _stragglers_check(events: list[dict[str, Any]], slowed: list[Injected], hung
                                  "never slowed" for e in wrong])
     ridden = sum(1 for f in slowed if f.outcome == "absorbed")
     return True, f"{ridden} of {len(slowed)} slow node(s) ridden out, each named a straggler ({len(named)} naming(s))"
+
+
+def _spare_check(events: list[dict[str, Any]], spares: list[Injected]) -> tuple[bool, str]:
+    """Every spare-takeover that a recovery followed: that recovery's world is the world the node was lost from, and
+    the spare's agent (the fault's target) was seated in a round after having waited as a spare."""
+    gens = generations(events)
+    seated = {int(e["source"].rsplit("-", 1)[1]) for e in events
+              if e["kind"] == "agent_rendezvous" and e.get("spare_s") is not None}
+    wrong = []
+    for f in spares:
+        if f.generation is None:
+            continue
+        before = [info for info in gens.values() if info.get("start", float("inf")) < f.at]
+        size = max(before, key=lambda info: info["start"]).get("world_size") if before else None
+        if f.world_size != size or not set(f.targets) & seated:
+            wrong.append(f"the spare takeover at {f.offset} s: world size {size} before, {f.world_size} after; the "
+                         f"spare (pid {f.targets}) {'was' if set(f.targets) & seated else 'was not'} seated")
+    if wrong:
+        return False, "; ".join(wrong)
+    taken = sum(1 for f in spares if f.generation is not None)
+    return True, f"{taken} of {len(spares)} spare takeover(s) recovered at the same world size, the spare seated"
 
 
 def _furthest_steps(events: list[dict[str, Any]]) -> dict[Any, int]:
