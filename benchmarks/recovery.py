@@ -6,6 +6,9 @@ For each variant (see common.py) one job of two agents runs; then
 - ``--repeats`` times: SIGKILL the second agent with its worker (node loss), time
   until the survivor steps at world size 1; start a new agent (node join), time
   from its start until all ranks step at world size 2.
+- ``--scenarios spare``: in a job of at most two nodes, ``--repeats`` times: a third agent waits as a spare and a
+  seated node is lost (time until all ranks step at world size 2 again); a node lost with its replacement started at
+  once (the same); a node lost with nobody coming (world size 1), then a join.
 A wait longer than ``--hang-after`` seconds is recorded as a hang (the shared
 rendezvous store of torch's defaults makes joins hang) and ends that variant.
 
@@ -22,6 +25,8 @@ rendezvous store of torch's defaults makes joins hang) and ends that variant.
         --scenarios worker_kill --in-process 0,1              # the survivor kept (recovery.in_process) vs restarted
     .venv-vision/bin/python benchmarks/recovery.py --variants elastic-runner --scenarios worker_kill \
         --in-process 0,1 --regroup reconfigure,recreate       # ... and the two ways it rebuilds its process group
+    .venv-vision/bin/python benchmarks/recovery.py --variants elastic-runner --scenarios spare \
+        --repeats 5                                           # a spare taking a lost node's place vs none waiting
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ from common import (
     write_json,
 )
 
+from elastic_runner.observe.events import read_events
 from elastic_runner.testing.s3_server import S3Server
 
 
@@ -62,10 +68,13 @@ def measure(variant: str, repeats: int, hang_after: float, workdir: Path, scenar
         ({"parallel.strategy": parallel} if parallel != "ddp" else {}) | \
         ({"snapshot.dir": f"s3://{BUCKET}/{key}/snapshots"} if s3 else {}) | \
         ({"recovery.regroup": regroup} if in_process and regroup != "auto" else {})
-    job = make_job(variant, Workload(workers=loader_workers), run_dir, **overrides)
+    # With a spare the job's maximum is two nodes, so that a third agent waits beyond it.
+    job = make_job(variant, Workload(workers=loader_workers), run_dir, nnodes="1:2" if "spare" in scenarios else "1:4",
+                   **overrides)
     if s3 is not None:
         job.env |= s3.env()  # the agents and workers reach the bucket the AWS way
-    result: dict[str, Any] = {"worker_kill": [], "node_loss": [], "node_join": [], "steps_lost": [], "hangs": []}
+    result: dict[str, Any] = {"worker_kill": [], "node_loss": [], "node_join": [], "spare_takeover": [],
+                              "replacement": [], "steps_lost": [], "hangs": []}
     try:
         job.start_agent()
         second = job.start_agent()
@@ -104,9 +113,51 @@ def measure(variant: str, repeats: int, hang_after: float, workdir: Path, scenar
                 second = job.start_agent()
                 if not timed("node_join", t, 2, count_lost=False):
                     return result
+        if "spare" in scenarios:
+            for _ in range(repeats):
+                # Interleaved in one job of at most two nodes: a node lost while a spare waits (the world stays at
+                # two); one lost with its replacement started at once, as a restarted pod would be (the world is
+                # two again once it joins); one lost with nobody coming (the world shrinks to one), then a join.
+                _wait_spare(job, job.start_agent(), run_dir)
+                t = time.time()
+                job.kill_agent(_seated_guest(job))
+                if not timed("spare_takeover", t, 2):
+                    return result
+                t = time.time()
+                job.kill_agent(_seated_guest(job))
+                job.start_agent()
+                if not timed("replacement", t, 2, count_lost=False):  # (the first round, at world 1, lost it)
+                    return result
+                t = time.time()
+                job.kill_agent(_seated_guest(job))
+                if not timed("node_loss", t, 1):
+                    return result
+                t = time.time()
+                job.start_agent()
+                if not timed("node_join", t, 2, count_lost=False):
+                    return result
         return result
     finally:
         job.close()
+
+
+def _wait_spare(job: Any, spare: Any, run_dir: Path, timeout: float = 120) -> None:
+    """Until ``spare``'s agent says it waits as a spare (the round is full)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(e["kind"] == "agent_spare_waiting" and e["source"].endswith(f"-{spare.pid}")
+               for e in read_events(run_dir)):
+            return
+        time.sleep(0.1)
+    raise RuntimeError(f"the spare never waited\n{job.logs_tail()}")
+
+
+def _seated_guest(job: Any) -> Any:
+    """A running agent with workers that does not host the c10d store (losing that loses a c10d job)."""
+    for agent in job.running_agents():
+        if not agent.hosts_store and job.workers(agent):
+            return agent
+    raise RuntimeError(f"no seated agent but the store's host is running\n{job.logs_tail()}")
 
 
 def variant_key(variant: str, loader_workers: int, compiled: bool, parallel: str = "ddp", storage: str = "dir",
@@ -122,7 +173,7 @@ def summarize(raw: dict[str, dict[str, Any]], hang_after: float) -> dict[str, An
         # A hang ends the variant: the scenarios after it are not measured (None).
         out[variant] = {
             f"{kind}_s": "hang" if kind in r["hangs"] else median(r[kind])
-            for kind in ("worker_kill", "node_loss", "node_join")
+            for kind in ("worker_kill", "node_loss", "node_join", "spare_takeover", "replacement")
         } | {
             "steps_lost_max": max(r["steps_lost"]) if r["steps_lost"] else None,
             "steps_lost_median": median([float(x) for x in r["steps_lost"]]),
@@ -158,7 +209,10 @@ def main() -> None:
     p.add_argument("--default-repeats", type=int, default=None,
                    help="repeats for torchrun-default (default: --repeats); its recoveries take 30-60 s each")
     p.add_argument("--hang-after", type=float, default=120.0, help="seconds without recovery that count as a hang")
-    p.add_argument("--scenarios", default="worker_kill,node", help="worker_kill and/or node (loss + join)")
+    p.add_argument("--scenarios", default="worker_kill,node",
+                   help="worker_kill, node (loss + join) and/or spare (in a job of at most two nodes: a node lost "
+                        "while a third agent waits as a spare, one lost with its replacement started at once, one "
+                        "lost with nobody coming, then a join; interleaved in the same job)")
     p.add_argument("--loader-workers", default="0",
                    help="data.num_workers (DataLoader processes per rank), comma-separated: each variant runs once "
                         "per value, e.g. 0,2 to compare recovery with and without loader workers in one run")
@@ -211,6 +265,13 @@ def main() -> None:
                             raw[key]["wall_s"] = round(time.monotonic() - started, 1)
                             print(f"{key}: {raw[key]}", flush=True)
         result = summarize(raw, args.hang_after)
+        # A node lost with a spare waiting against one replaced by a new agent at once (both keep the world size)
+        # and one lost with nobody coming (the world shrinks), in the same job.
+        for key, medians in result["medians"].items():
+            for base in ("replacement_s", "node_loss_s"):
+                if isinstance(medians.get("spare_takeover_s"), float) and isinstance(medians.get(base), float):
+                    result["ratios"][f"{key}:spare_takeover_vs_{base[:-2]}"] = round(
+                        medians["spare_takeover_s"] / medians[base], 3)
         # Loader processes, compiling and sharding must not slow recovery, and in-process recovery must speed it up:
         # each such variant against itself without.
         for key, medians in result["medians"].items():
