@@ -223,6 +223,8 @@ def install() -> bool:
             # The round that just ended: who to wait for (or to see dead) before completing the next.
             set_previous_participants(state.participants, getattr(state, "last_heartbeats", {}),
                                       getattr(state, "round", None))
+        else:
+            _lost_ranks.clear()  # they were that round's ranks: never another round's nodes
         saved = getattr(holder, "_cache_duration", None)
         if saved is not None:
             holder._cache_duration = min(saved, poll_interval())
