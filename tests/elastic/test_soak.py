@@ -16,8 +16,8 @@ from elastic_runner.chaos.scenario import FAULT_TYPES
 
 from ..support import run_bounded
 
-#: The soak's default draw but slow-node (seconds long) and corrupt-param.
-NINE = [t for t in FAULT_TYPES if t not in ("slow-node", "corrupt-param", "nan-batch")]
+#: The soak's default draw but corrupt-param and nan-batch (spare-takeover and slow-node are not in it either).
+NINE = [t for t in FAULT_TYPES if t not in ("slow-node", "corrupt-param", "nan-batch", "spare-takeover")]
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.timeout(420)]
 
