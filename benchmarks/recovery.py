@@ -51,7 +51,7 @@ from common import (
     write_json,
 )
 
-from elastic_runner.observe.events import read_events
+from elastic_runner.chaos.faults import wait_until_spare
 from elastic_runner.testing.s3_server import S3Server
 
 
@@ -118,7 +118,9 @@ def measure(variant: str, repeats: int, hang_after: float, workdir: Path, scenar
                 # Interleaved in one job of at most two nodes: a node lost while a spare waits (the world stays at
                 # two); one lost with its replacement started at once, as a restarted pod would be (the world is
                 # two again once it joins); one lost with nobody coming (the world shrinks to one), then a join.
-                _wait_spare(job, job.start_agent(), run_dir)
+                spare = job.start_agent()
+                if not wait_until_spare(job, spare):
+                    raise RuntimeError(f"the spare never waited\n{job.logs_tail()}")
                 t = time.time()
                 job.kill_agent(_seated_guest(job))
                 if not timed("spare_takeover", t, 2):
@@ -139,17 +141,6 @@ def measure(variant: str, repeats: int, hang_after: float, workdir: Path, scenar
         return result
     finally:
         job.close()
-
-
-def _wait_spare(job: Any, spare: Any, run_dir: Path, timeout: float = 120) -> None:
-    """Until ``spare``'s agent says it waits as a spare (the round is full)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if any(e["kind"] == "agent_spare_waiting" and e["source"].endswith(f"-{spare.pid}")
-               for e in read_events(run_dir)):
-            return
-        time.sleep(0.1)
-    raise RuntimeError(f"the spare never waited\n{job.logs_tail()}")
 
 
 def _seated_guest(job: Any) -> Any:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from ..observe.events import EVENTS_DIR, EventFollower
 from ..snapshot import LocalStore
 from ..testing.localjob import Agent, LocalJob, Worker
 from .scenario import FAULT_TYPES
@@ -278,13 +279,9 @@ def spare_takeover(ctx: FaultContext) -> str:
     if not seated:
         raise Skip("no seated agent but the c10d store's host could be lost")
     spare = ctx.job.start_agent()
-    events = Path(ctx.job.node_run_dir(spare.index)) / "events"
-    deadline = time.monotonic() + SPARE_WAIT_S
-    while not _waits_as_spare(events, spare.pid):
-        if not spare.running() or time.monotonic() > deadline:
-            raise Skip(f"agent {spare.index} (pid {spare.pid}) did not wait as a spare within {SPARE_WAIT_S:g} s "
-                       f"({'it exited' if not spare.running() else 'it may have found a free seat'})")
-        time.sleep(0.1)
+    if not wait_until_spare(ctx.job, spare):
+        raise Skip(f"agent {spare.index} (pid {spare.pid}) did not wait as a spare within {SPARE_WAIT_S:g} s "
+                   f"({'it exited' if not spare.running() else 'it may have found a free seat'})")
     victim = ctx.rng.choice([a for a in seated if a.running()] or seated)
     ctx.struck_at = time.time()
     killed = ctx.job.kill_agent(victim, signal.SIGKILL, with_workers=True)
@@ -293,21 +290,15 @@ def spare_takeover(ctx: FaultContext) -> str:
             f"{victim.index} (pid {victim.pid}) and its {len(killed)} process(es)")
 
 
-def _waits_as_spare(events: Path, pid: int) -> bool:
-    """Whether the agent ``pid`` wrote its agent_spare_waiting event (its own event file in ``events``)."""
-    import json
-
-    for path in events.glob(f"agent-*-{pid}.jsonl"):
-        try:
-            text = path.read_text(errors="replace")
-        except OSError:
-            continue
-        for line in text.splitlines():
-            try:
-                if json.loads(line).get("kind") == "agent_spare_waiting":
-                    return True
-            except ValueError:
-                continue  # a line still being written
+def wait_until_spare(job: LocalJob, spare: Agent, timeout: float = SPARE_WAIT_S) -> bool:
+    """Wait until agent ``spare`` says it waits as a spare (its ``agent_spare_waiting`` event: the round is full);
+    False when it exits first or ``timeout`` is up. Reads only that agent's event file, and only what it appended."""
+    follower = EventFollower(job.node_run_dir(spare.index), pattern=f"{EVENTS_DIR}/agent-*-{spare.pid}.jsonl")
+    deadline = time.monotonic() + timeout
+    while spare.running() and time.monotonic() < deadline:
+        if any(e["kind"] == "agent_spare_waiting" for e in follower.read_new()):
+            return True
+        time.sleep(0.1)
     return False
 
 
