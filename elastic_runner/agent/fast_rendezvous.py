@@ -13,8 +13,9 @@ Five changes, applied only inside the ``elastic-runner launch`` agent process:
   heartbeats. When each of them is a participant again or has sent no
   heartbeat for torch's dead-node window (``keep_alive_interval *
   keep_alive_max_attempt``, the rule by which torch itself drops it), the
-  minimum is met, and nobody is waiting to join (nor, while a seat is free, waiting as a spare), the round is marked
-  complete at once. Otherwise (this node has no previous round, or a node
+  minimum is met, and nobody is waiting to join (nor, while a seat is free, waiting as a spare: :func:`spare_coming`),
+  the round is marked complete at once. While such a spare is on its way, torch's own last call is held too (for at
+  most the dead-node window). Otherwise (this node has no previous round, or a node
   of it is neither back nor dead) torch's rule applies unchanged: wait for
   the last call. The rule never completes a round that torch's rule would
   not also complete with the same members; it only skips the last call,
@@ -77,6 +78,10 @@ _lost_ranks: set[int] = set()
 _counted_out: frozenset[Any] = frozenset()
 #: Newest heartbeat seen of each of them (UTC datetimes, as in torch's state).
 _beats: dict[Any, Any] = {}
+#: Spares seen on torch's redundancy list (with their newest heartbeat). A spare that sees a free seat removes itself
+#: from that list, and its heartbeat from the state, one poll before it joins the wait list or the participants: for
+#: that poll (longer on a loaded machine) the state shows it nowhere, and a round completed then would leave it out.
+_spares: dict[Any, Any] = {}
 _installed = False
 #: True when the last round this agent joined was completed by the rule above.
 completed_early = False
@@ -95,8 +100,25 @@ def set_previous_participants(nodes: Any, heartbeats: Any = None, round_: int | 
     _counted_out = frozenset(node for node, rank in ranks.items() if rank in _lost_ranks)
     _lost_ranks.clear()
     _beats.clear()
+    _spares.clear()
     _note_beats(heartbeats or {})
     completed_early = False
+
+
+def note_spares(redundancy_list: Any, heartbeats: Any) -> None:
+    """Remember the spares a state read shows waiting, with their newest heartbeat (:data:`_spares`; a spare's
+    heartbeat is followed on the wait list too, where it goes next)."""
+    for node in set(redundancy_list) | (_spares.keys() & set(heartbeats)):
+        beat = heartbeats.get(node)
+        if beat is not None and (node not in _spares or beat > _spares[node]):
+            _spares[node] = beat
+
+
+def spare_coming(participants: Any, max_nodes: int, window: timedelta, now: datetime) -> bool:
+    """A seat is free and a spare seen waiting since the last round ended is not seated yet, its newest heartbeat
+    younger than ``window`` (a spare that died is waited for no longer than torch's sanitizer would keep it)."""
+    return len(participants) < max_nodes and any(
+        node not in participants and now - beat <= window for node, beat in _spares.items())
 
 
 def count_out(participants: dict[Any, int], this_node: Any, group_ranks: Any) -> list[str]:
@@ -183,8 +205,24 @@ def install() -> bool:
                 return action.KEEP_ALIVE  # any action but SYNC has the executor write the state
             decision = super().__call__(ctx, deadline)
             state = ctx.state
+            note_spares(state.redundancy_list, state.last_heartbeats)
+            window = ctx.settings.keep_alive_interval * ctx.settings.keep_alive_max_attempt
+            now = datetime.now(timezone.utc)
             if decision == action.ADD_TO_REDUNDANCY_LIST and on_spare is not None:
                 on_spare(ctx.settings.max_nodes)
+            if (
+                decision == action.MARK_RENDEZVOUS_COMPLETE
+                and not state.complete
+                and state.deadline is not None
+                and now < state.deadline + window
+                and spare_coming(state.participants, ctx.settings.max_nodes, window, now)
+            ):
+                # torch's last call (1 s under launch) fell while a spare is on its way to the free seat, two polls
+                # of a loaded machine: completing now would leave it for one more round of every node, seconds.
+                # Waiting is bounded by its heartbeat and by the dead-node window past the last call.
+                beat = state.last_heartbeats.get(ctx.node)
+                return action.KEEP_ALIVE if beat is None or now - beat >= ctx.settings.keep_alive_interval \
+                    else action.SYNC
             if (
                 decision in waiting
                 and _previous
@@ -192,11 +230,9 @@ def install() -> bool:
                 and ctx.node in state.participants
                 and len(state.participants) >= ctx.settings.min_nodes
                 and not state.wait_list
-                # A spare waits on the redundancy list for a free seat: it gets it in this round, within a poll.
-                and not (state.redundancy_list and len(state.participants) < ctx.settings.max_nodes)
-                and previous_round_accounted_for(
-                    state.participants, state.last_heartbeats,
-                    ctx.settings.keep_alive_interval * ctx.settings.keep_alive_max_attempt, datetime.now(timezone.utc))
+                # A spare waiting for a free seat gets it in this round, within a poll or two.
+                and not spare_coming(state.participants, ctx.settings.max_nodes, window, now)
+                and previous_round_accounted_for(state.participants, state.last_heartbeats, window, now)
             ):
                 global completed_early
                 completed_early = True
@@ -223,6 +259,7 @@ def install() -> bool:
             # The round that just ended: who to wait for (or to see dead) before completing the next.
             set_previous_participants(state.participants, getattr(state, "last_heartbeats", {}),
                                       getattr(state, "round", None))
+            note_spares(getattr(state, "redundancy_list", ()), getattr(state, "last_heartbeats", {}))
         else:
             _lost_ranks.clear()  # they were that round's ranks: never another round's nodes
         saved = getattr(holder, "_cache_duration", None)

@@ -275,7 +275,8 @@ def spare_takeover(ctx: FaultContext) -> str:
     if len(running) < ctx.max_agents:
         raise Skip(f"{len(running)} agent(s) running, the maximum is {ctx.max_agents}: a new agent would join, not "
                    "wait as a spare")
-    seated = [a for a in _removable_agents(ctx) if ctx.job.workers(a)]
+    # (No minimum to keep: the spare takes the lost node's seat, so a job of --nnodes N:N can lose one too.)
+    seated = [a for a in running if not a.hosts_store and ctx.job.workers(a)]
     if not seated:
         raise Skip("no seated agent but the c10d store's host could be lost")
     spare = ctx.job.start_agent()

@@ -147,7 +147,7 @@ def test_a_spare_takes_a_lost_nodes_place_and_the_final_model_is_the_reference_b
     the spare takes its place, so the world size never changes and the run is the fault-free reference's."""
     run_dir = tmp_path / "run"
     # A spare needs its agent's start-up (~8 s here) before the node is lost: 16 paced epochs (>= 28 s) outlast it.
-    result = paced_chaos(chaos_config, run_dir, "--agents", "2", "--nnodes", "1:2", "--at", "2:spare-takeover",
+    result = paced_chaos(chaos_config, run_dir, "--agents", "2", "--nnodes", "2:2", "--at", "2:spare-takeover",
                          "--bitwise", epochs=16)
     assert result.returncode == 0, result.stdout[-4000:]
     report = json.loads((run_dir / "chaos" / "report.json").read_text())

@@ -37,9 +37,12 @@ def _wait_until_spare(job: Any, spare: Any, run_dir: Path, timeout: float = 90) 
 def test_a_spare_takes_a_lost_nodes_place_at_the_same_world_size_and_the_run_is_the_uninterrupted_one(
         backend: str, resume_config: Path, local_job: Any, reference_model: Any, tmp_path: Path,
         request: pytest.FixtureRequest) -> None:
-    rdzv = {"rdzv_backend": "etcd-v3", "rdzv_endpoint": request.getfixturevalue("etcd").endpoint,
-            "rdzv_conf": "last_call_timeout=1"} if backend == "etcd-v3" else {}
-    job = local_job(config=str(resume_config), nnodes="1:2", launcher="elastic-runner", **rdzv)
+    # The first round waits up to 10 s for the second agent (a loaded machine starts it more than launch's 1 s after
+    # the first, and 19 steps at world size 1 are not the reference's run); a round completes at once at the maximum.
+    rdzv = {"rdzv_backend": "etcd-v3", "rdzv_endpoint": request.getfixturevalue("etcd").endpoint} \
+        if backend == "etcd-v3" else {}
+    job = local_job(config=str(resume_config), nnodes="1:2", launcher="elastic-runner",
+                    rdzv_conf="last_call_timeout=10,keep_alive_interval=1,keep_alive_max_attempt=3", **rdzv)
     first, second = job.start_agent(), job.start_agent()
     run_dir = Path(job.run_dir)
     workers, _ = stop_workers_at_step(job, 90, count=2, timeout=120)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from datetime import datetime, timedelta, timezone
 from typing import Iterator
 
@@ -102,3 +103,65 @@ def test_a_count_out_never_drops_a_node_of_another_round() -> None:
     newer = _finished_round({"b": 0}, round_=5)
     assert not fr.drop_counted_out("a", newer, type("S", (), {"min_nodes": 1})(), _remove_participant_epilogue)
     assert newer.participants == {"b": 0}
+
+
+@pytest.fixture
+def join_op() -> Iterator[object]:
+    """The patched join op (fr.install() patches torch's module for the process: undone after the test)."""
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
+
+    handler = dr.DynamicRendezvousHandler
+    saved = (dr._RendezvousJoinOp, dr._delay, handler.next_rendezvous, handler._start_heartbeats, fr._installed)
+    fr._installed = False
+    assert fr.install(), "fast_rendezvous.install() refused this torch"
+    try:
+        yield dr._RendezvousJoinOp()
+    finally:
+        dr._RendezvousJoinOp, dr._delay, handler.next_rendezvous, handler._start_heartbeats, fr._installed = saved
+
+
+def _survivor_alone_in_the_next_round(spare_beat: datetime, last_call_in: float = 30) -> tuple[object, object, object]:
+    """Round 5 forms after the lost node b was counted out of round 4; the survivor a is its only participant, and the
+    spare s, which waited on the redundancy list of round 4, has just removed itself from it (torch's
+    REMOVE_FROM_REDUNDANCY_LIST deletes its heartbeat too): for one poll the state shows it nowhere."""
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
+
+    ended = _finished_round({"a": 0, "b": 1})
+    ended.redundancy_list = {"s"}
+    ended.last_heartbeats["s"] = spare_beat
+    fr.count_out(ended.participants, "a", [1])
+    fr.set_previous_participants(ended.participants, ended.last_heartbeats, ended.round)
+    fr.note_spares(ended.redundancy_list, ended.last_heartbeats)
+    forming = dr._RendezvousState()
+    forming.round, forming.participants = 5, {"a": 0}
+    forming.last_heartbeats = {"a": datetime.now(timezone.utc)}
+    forming.deadline = datetime.now(timezone.utc) + timedelta(seconds=last_call_in)  # torch's last call
+    settings = dr.RendezvousSettings("job", min_nodes=1, max_nodes=2, timeout=dr.RendezvousTimeout(),
+                                     keep_alive_interval=timedelta(seconds=1), keep_alive_max_attempt=3)
+    return dr._RendezvousContext("a", forming, settings), forming, dr._Action
+
+
+def test_a_spare_between_leaving_the_redundancy_list_and_joining_is_waited_for(join_op: object) -> None:
+    ctx, forming, action = _survivor_alone_in_the_next_round(spare_beat=datetime.now(timezone.utc))
+    assert not forming.redundancy_list and not forming.wait_list
+    decision = join_op(ctx, time.monotonic() + 60)  # type: ignore[operator]
+    assert decision != action.MARK_RENDEZVOUS_COMPLETE, \
+        "the round completed at world size 1 while the spare was on its way to the free seat"
+    forming.participants["s"] = 0  # the spare's next poll seats it: the round is no longer short of one
+    assert not fr.spare_coming(forming.participants, 2, WINDOW, datetime.now(timezone.utc))
+
+
+def test_a_spare_that_went_silent_is_not_waited_for_past_torchs_dead_node_window(join_op: object) -> None:
+    ctx, _, action = _survivor_alone_in_the_next_round(
+        spare_beat=datetime.now(timezone.utc) - timedelta(seconds=4))  # the window is 1 s x 3
+    assert join_op(ctx, time.monotonic() + 60) == action.MARK_RENDEZVOUS_COMPLETE  # type: ignore[operator]
+
+
+def test_torchs_last_call_is_held_while_a_spare_is_on_its_way_for_at_most_the_dead_node_window(join_op: object) -> None:
+    # On a loaded machine the spare's two polls (leave the redundancy list, then join) outlast launch's 1 s last call.
+    ctx, forming, action = _survivor_alone_in_the_next_round(spare_beat=datetime.now(timezone.utc), last_call_in=-0.1)
+    decision = join_op(ctx, time.monotonic() + 60)  # type: ignore[operator]
+    assert decision in (action.SYNC, action.KEEP_ALIVE), \
+        "torch's last call completed the round at world size 1 while the spare was on its way"
+    forming.deadline -= WINDOW  # the spare never came: the last call was 3.1 s ago
+    assert join_op(ctx, time.monotonic() + 60) == action.MARK_RENDEZVOUS_COMPLETE  # type: ignore[operator]
