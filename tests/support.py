@@ -10,8 +10,9 @@ import socket
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import pytest
 import torch
@@ -348,3 +349,21 @@ def job_key_file(directory: Path) -> Path:
     path.write_text("b" * 64 + "\n")
     path.chmod(0o600)
     return path
+
+
+@contextmanager
+def fast_rendezvous_installed() -> Iterator[None]:
+    """elastic_runner.agent.fast_rendezvous installed in this process (it patches torch's module), undone after."""
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
+
+    from elastic_runner.agent import fast_rendezvous as fr
+
+    handler = dr.DynamicRendezvousHandler
+    saved = (dr._RendezvousJoinOp, dr._delay, handler.next_rendezvous, handler._start_heartbeats, fr._installed)
+    fr._installed = False
+    assert fr.install(), "fast_rendezvous.install() refused this torch"
+    try:
+        yield
+    finally:
+        dr._RendezvousJoinOp, dr._delay, handler.next_rendezvous, handler._start_heartbeats, fr._installed = saved
+        fr.set_previous_participants([])

@@ -10,6 +10,8 @@ import pytest
 
 from elastic_runner.agent import fast_rendezvous as fr
 
+from ..support import fast_rendezvous_installed
+
 WINDOW = timedelta(seconds=3)  # keep_alive_interval 1 s x keep_alive_max_attempt 3
 NOW = datetime(2026, 1, 1, 12, 0, 0, tzinfo=timezone.utc)
 
@@ -110,14 +112,8 @@ def join_op() -> Iterator[object]:
     """The patched join op (fr.install() patches torch's module for the process: undone after the test)."""
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
 
-    handler = dr.DynamicRendezvousHandler
-    saved = (dr._RendezvousJoinOp, dr._delay, handler.next_rendezvous, handler._start_heartbeats, fr._installed)
-    fr._installed = False
-    assert fr.install(), "fast_rendezvous.install() refused this torch"
-    try:
+    with fast_rendezvous_installed():
         yield dr._RendezvousJoinOp()
-    finally:
-        dr._RendezvousJoinOp, dr._delay, handler.next_rendezvous, handler._start_heartbeats, fr._installed = saved
 
 
 def _survivor_alone_in_the_next_round(spare_beat: datetime, last_call_in: float = 30) -> tuple[object, object, object]:

@@ -25,6 +25,8 @@ from elastic_runner import torch_patches
 from elastic_runner.torch_patches import ALL, Need, TorchPatch
 from elastic_runner.testing.contracts import rendezvous_together
 
+from ..support import fast_rendezvous_installed as fast_rendezvous_patched
+
 
 @pytest.mark.parametrize("patch", ALL, ids=lambda p: p.where)
 def test_every_private_torch_symbol_a_patch_needs_is_still_there(patch: TorchPatch) -> None:
@@ -52,16 +54,8 @@ def test_a_patch_that_no_longer_fits_gives_one_warning_naming_the_symbol(caplog:
 
 @pytest.fixture
 def fast_rendezvous_installed() -> Iterator[None]:
-    """fr.install() patches torch's module for the process: undo it after the test."""
-    handler = dr.DynamicRendezvousHandler
-    saved = (dr._RendezvousJoinOp, dr._delay, handler.next_rendezvous, handler._start_heartbeats, fr._installed)
-    fr._installed = False
-    assert fr.install(), "fast_rendezvous.install() refused this torch"
-    try:
+    with fast_rendezvous_patched():
         yield
-    finally:
-        dr._RendezvousJoinOp, dr._delay, handler.next_rendezvous, handler._start_heartbeats, fr._installed = saved
-        fr.set_previous_participants([])
 
 
 def _torch_handlers(count: int, last_call: float) -> list[Any]:
