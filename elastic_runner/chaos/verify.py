@@ -313,16 +313,23 @@ def _stragglers_check(events: list[dict[str, Any]], slowed: list[Injected], hung
 
 def _spare_check(events: list[dict[str, Any]], spares: list[Injected]) -> tuple[bool, str]:
     """Every spare-takeover that a recovery followed: that recovery's world is the world the node was lost from, and
-    the spare's agent (the fault's target) was seated in a round after having waited as a spare."""
+    the spare's agent (the fault's target) was seated in a round after having waited as a spare.
+
+    The world the node was lost from is the full round the spare waited beside (its ``agent_spare_waiting`` event's
+    ``max_nodes``): the last attempt that trained before the loss can be smaller, when a replacement sealed the round
+    that filled it a moment before (the soak's supervisor starts one whenever an agent is lost)."""
     gens = generations(events)
     seated = {int(e["source"].rsplit("-", 1)[1]) for e in events
               if e["kind"] == "agent_rendezvous" and e.get("spare_s") is not None}
+    full = {int(e["source"].rsplit("-", 1)[1]): e.get("max_nodes") for e in events
+            if e["kind"] == "agent_spare_waiting"}
     wrong = []
     for f in spares:
         if f.generation is None:
             continue
         before = [info for info in gens.values() if info.get("start", float("inf")) < f.at]
-        size = max(before, key=lambda info: info["start"]).get("world_size") if before else None
+        size = next((full[pid] for pid in f.targets if full.get(pid) is not None), None) or \
+            (max(before, key=lambda info: info["start"]).get("world_size") if before else None)
         if f.world_size != size or not set(f.targets) & seated:
             wrong.append(f"the spare takeover at {f.offset} s: world size {size} before, {f.world_size} after; the "
                          f"spare (pid {f.targets}) {'was' if set(f.targets) & seated else 'was not'} seated")

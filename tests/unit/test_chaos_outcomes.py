@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from elastic_runner.chaos.verify import (History, Injected, _corruption_check, _nonfinite_check, attribute_recoveries,
-                                         newest_snapshot_violations)
+from elastic_runner.chaos.verify import (History, Injected, _corruption_check, _nonfinite_check, _spare_check,
+                                         attribute_recoveries, newest_snapshot_violations)
 
 
 def attempt(generation: int, start: float, world: int, steps_until: float, *, finished: bool = False) -> list[dict[str, Any]]:
@@ -318,3 +318,29 @@ def test_a_nan_batch_must_be_rolled_back_at_the_next_logging_step_of_its_attempt
     assert ok and "1 ended first by another fault" in detail, "its attempt ended before the logging step"
     ok, detail = _nonfinite_check(events, [nan_batch(5.0, 77)], [])
     assert not ok and "never made its loss NaN" in detail, "a request nobody carried out, in a running attempt"
+
+
+def _spare_seated(pid: int, at: float, world: int, waited_beside: int) -> list[dict[str, Any]]:
+    source = f"agent-vm-{pid}"
+    return [{"time": at - 3.0, "kind": "agent_spare_waiting", "source": source, "max_nodes": waited_beside},
+            {"time": at + 0.5, "kind": "agent_rendezvous", "source": source, "world_size": world, "spare_s": 3.5}]
+
+
+def _takeover(at: float, pid: int, world: int, generation: int) -> Injected:
+    return Injected(type="spare-takeover", at=at, offset=at, description="spare-takeover", generation=generation,
+                    world_size=world, targets=[pid])
+
+
+def test_a_spare_takeover_must_keep_the_world_of_the_full_round_the_spare_waited_beside() -> None:
+    history = attempt(1, 0.0, 3, 9.0) + attempt(2, 10.0, 3, 12.0, finished=True)
+    ok, detail = _spare_check(history + _spare_seated(77, 9.5, 3, 3), [_takeover(9.5, 77, 3, 2)])
+    assert ok and detail.startswith("1 of 1"), detail
+    shrunk = attempt(1, 0.0, 3, 9.0) + attempt(2, 10.0, 2, 12.0, finished=True)
+    ok, detail = _spare_check(shrunk + _spare_seated(77, 9.5, 2, 3), [_takeover(9.5, 77, 2, 2)])
+    assert not ok and "world size 3 before, 2 after" in detail, detail
+    ok, detail = _spare_check(history, [_takeover(9.5, 77, 3, 2)])
+    assert not ok and "was not seated" in detail, "a recovery at the right size that the spare took no part in"
+    # The soak: a replacement sealed a round of 3 a moment before the loss, while the attempt training was of 2; the
+    # spare then waited beside that full round, and the recovery is at 3.
+    filling = attempt(1, 0.0, 2, 9.0) + attempt(2, 10.0, 3, 12.0, finished=True)
+    assert _spare_check(filling + _spare_seated(77, 9.5, 3, 3), [_takeover(9.5, 77, 3, 2)])[0]
