@@ -123,6 +123,7 @@ FAST_RENDEZVOUS = TorchPatch(
         Need(DR, "_RendezvousState.round", init_attr=True),
         Need(DR, "_RendezvousState.redundancy_list", init_attr=True),
         Need(DR, "_remove_participant_epilogue", params=("state", "settings")),
+        Need(DR, "_should_keep_alive", params=("ctx",)),
         Need(DR, "DynamicRendezvousHandler._this_node", init_attr=True),
         Need(DR, "_RendezvousState.last_heartbeats", init_attr=True),
         Need(DR, "_RendezvousState.complete", init_attr=True),

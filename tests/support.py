@@ -360,10 +360,13 @@ def fast_rendezvous_installed() -> Iterator[None]:
 
     handler = dr.DynamicRendezvousHandler
     saved = (dr._RendezvousJoinOp, dr._delay, handler.next_rendezvous, handler._start_heartbeats, fr._installed)
+    had_count_out = hasattr(handler, "count_out")
     fr._installed = False
     assert fr.install(), "fast_rendezvous.install() refused this torch"
     try:
         yield
     finally:
         dr._RendezvousJoinOp, dr._delay, handler.next_rendezvous, handler._start_heartbeats, fr._installed = saved
+        if not had_count_out:
+            delattr(handler, "count_out")  # (install adds it: torch's class has none)
         fr.set_previous_participants([])

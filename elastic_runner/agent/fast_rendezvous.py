@@ -220,9 +220,7 @@ def install() -> bool:
                 # torch's last call (1 s under launch) fell while a spare is on its way to the free seat, two polls
                 # of a loaded machine: completing now would leave it for one more round of every node, seconds.
                 # Waiting is bounded by its heartbeat and by the dead-node window past the last call.
-                beat = state.last_heartbeats.get(ctx.node)
-                return action.KEEP_ALIVE if beat is None or now - beat >= ctx.settings.keep_alive_interval \
-                    else action.SYNC
+                return action.KEEP_ALIVE if dr._should_keep_alive(ctx) else action.SYNC
             if (
                 decision in waiting
                 and _previous
