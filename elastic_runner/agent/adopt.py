@@ -129,6 +129,9 @@ def adopt(launcher_api: Any, config: Any, entrypoint: Any, args: Sequence[Any],
 
         hold_for_our_workers()  # our worker binds MASTER_PORT with SO_REUSEPORT: the offered port stays held
     worker_cfg = worker_config(worker_args) if worker_args is not None else None
+    from ..recovery.job_config import for_this_node
+
+    config_digest = for_this_node(worker_cfg, entrypoint, args, ours=worker_args is not None)
     from ..env import GOODPUT_FILE_VAR
 
     private = os.path.dirname(os.environ.get(GOODPUT_FILE_VAR, ""))  # name_agent's directory
@@ -166,6 +169,7 @@ def adopt(launcher_api: Any, config: Any, entrypoint: Any, args: Sequence[Any],
         # The workers' choice; a script's workers (elastic_runner.fit, no --config) restart every worker.
         ElasticRunnerAgent.in_process = bool(worker_cfg is not None and worker_cfg.in_process)
         ElasticRunnerAgent.standby = bool(worker_cfg is not None and worker_cfg.recovery.standby)
+        ElasticRunnerAgent.config_digest = config_digest
         # torch's launch_agent builds a LocalElasticAgent; ours adds the corrections
         # documented in elastic_runner.agent.agent. Only this process is affected.
         launcher_api.LocalElasticAgent = ElasticRunnerAgent

@@ -72,6 +72,7 @@ from ..snapshot import SnapshotError
 from ..snapshot.format import signing_key_from_environment
 from . import fast_rendezvous, kept_round, stop_signal
 from .beat import AgentBeat
+from .config_check import ConfigRecord, refuse_if_config_differs
 from .exclusion import leave_if_asked, refuse_if_excluded
 from .finish import failed_after_finishing, wait_at_exit
 from .round_members import MemberWatch, WatchfulStore, gone_check
@@ -106,6 +107,8 @@ class ElasticRunnerAgent(LocalElasticAgent):
     #: The workers' ``recovery.standby``: with ``in_process``, the node keeps a standby worker that takes a failed
     #: worker's place (:mod:`elastic_runner.worker.standby`).
     standby: bool = False
+    #: This node's configuration as the running job's is compared with (:mod:`.config_check`; None: nothing to compare).
+    config_digest: dict[str, str] | None = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -128,10 +131,12 @@ class ElasticRunnerAgent(LocalElasticAgent):
             log.debug("the job's key cannot be read here: %s", exc)
             self._job_key = None
         self._beat = AgentBeat(key=self._job_key)
+        self._config_record = ConfigRecord(self._job_key, type(self).config_digest)
 
     def run(self, role: str = DEFAULT_ROLE) -> RunResult:
         # An excluded node (recovery.evict_stragglers) leaves before its first round, not after it cost the others one.
-        refuse_if_excluded(self._worker_group.spec.rdzv_handler, self._job_key)
+        refuse_if_excluded(self._worker_group.spec.rdzv_handler, self._job_key)  # (and one of another config: exit 2)
+        refuse_if_config_differs(self._worker_group.spec.rdzv_handler, self._job_key, type(self).config_digest)
         try:
             return super().run(role)
         except Exception as exc:
@@ -188,6 +193,7 @@ class ElasticRunnerAgent(LocalElasticAgent):
         startup = {"startup_s": round(began - _PROCESS_START, 3)} if not self._rounds else {}
         self._rounds += 1
         self._members.watch(worker_group.spec.rdzv_handler, self._member_gone)
+        self._config_record.round_done(worker_group.spec.rdzv_handler, worker_group.group_rank)
         # The etcd-v3 lease protocol says so itself; torch's handler through our patch of it.
         early = getattr(worker_group.spec.rdzv_handler, "completed_early", fast_rendezvous.completed_early)
         self._notify("rendezvous", seconds=time.monotonic() - started, world_size=worker_group.group_world_size,
@@ -252,6 +258,7 @@ class ElasticRunnerAgent(LocalElasticAgent):
             self._beat.pause()
         else:
             self._beat.close()
+            self._config_record.close()  # (the job's rendezvous id may be used again at once, with another config)
         self._kill_stopped_workers()
         if not self._stopping_group:
             self._announce_stop(f"the agent is shutting down on {death_sig.name}")
@@ -368,6 +375,7 @@ class ElasticRunnerAgent(LocalElasticAgent):
         stop_signal.raise_if_received()
         self._leave_if_asked(worker_group)
         self._start_standby_when_due()
+        self._config_record.tick()  # (the round's first node: its first record here, after its workers started)
         pcontext = getattr(self, "_pcontext", None)
         if pcontext is not None and self._keeping is None and \
                 any(proc_state(pid) in ("", "Z", "X") for pid in pcontext.pids().values()):

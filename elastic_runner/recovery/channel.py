@@ -5,8 +5,9 @@ agent is alive (:class:`AgentBeat`), that it stops beating on purpose (the same 
 a failed worker (:class:`Coming`), which generation of the group a rank is in (:class:`InGeneration`), each member's
 part in a rebuilt group (:class:`Handle`, :class:`Arrived`), and the peer watchdog's counters and abort
 (:class:`WatchdogBeat`, :class:`Abort`), and, in the rendezvous' own store, which nodes are kept out of the job
-(:class:`Excluded`). Every one of them is a frozen dataclass with the store key it lives under;
-:class:`Channel` writes and reads them and nothing else goes through it.
+(:class:`Excluded`) and the configuration the running job trains with (:class:`JobConfig`). Every one of them is a
+frozen dataclass with the store key it lives under; :class:`Channel` writes and reads them and nothing else goes
+through it.
 
 The store has no access control: whoever reaches its port can write any key. With the job's key
 (``--rdzv_conf auth_key_file``, passed on to the workers by path) every message is signed with HMAC-SHA256 over its
@@ -158,6 +159,23 @@ class Excluded(Message):
 
     def key(self) -> str:
         return f"elastic_runner/excluded/{self.run_id}/{self.node}"
+
+
+@dataclass(frozen=True)
+class JobConfig(Message):
+    """The configuration the running job ``run_id`` trains with, as node ``node`` (the round's first) has it:
+    ``digest`` is ``key=hash`` per dotted config key, ``;``-separated (:mod:`.job_config`: hashes, so no value,
+    path or name leaves the node), written at ``written`` (seconds since the epoch) and again while the job runs.
+    Lives in the rendezvous' own store: a node reads it before it joins."""
+
+    run_id: str
+    node: str
+    written: float
+    digest: str
+    kind: ClassVar[str] = "job_config"
+
+    def key(self) -> str:
+        return f"elastic_runner/config/{self.run_id}"
 
 
 def agent_key(agent: int) -> str:

@@ -28,7 +28,7 @@ from typing import Any, Callable
 from ..lifecycle import EXIT_EXCLUDED
 from .channel import Channel, Excluded
 
-__all__ = ["EXIT_EXCLUDED", "Exclusions", "for_handler", "node_name", "NODE_NAME_VAR"]
+__all__ = ["EXIT_EXCLUDED", "Exclusions", "for_handler", "lasting_store", "node_name", "NODE_NAME_VAR"]
 
 log = logging.getLogger(__name__)
 
@@ -65,16 +65,24 @@ def _backend_of(handler: Any) -> str:
         return ""
 
 
-def for_handler(handler: Any, run_id: str, key: bytes | None, seconds: float | None = None) -> Exclusions | None:
-    """The exclusions of the rendezvous ``handler`` runs (our etcd-v3 handler, or torch's c10d one); None where it
-    keeps none (the static rendezvous, another backend). ``seconds``: the lifetime of a record written through it
-    (etcd-v3 gives it a lease that long)."""
+def lasting_store(handler: Any, seconds: float | None = None) -> Any | None:
+    """The store of the rendezvous ``handler`` runs (our etcd-v3 handler, or torch's c10d one) for records that
+    outlast rounds (``set``, ``get``, ``check``); None where it keeps none (the static rendezvous, another backend).
+    ``seconds``: the lifetime of a record written through it (etcd-v3 gives it a lease that long; c10d's lives as
+    long as the rendezvous host's agent)."""
     if _backend_of(handler) == "static":
         return None  # (no rounds: a node that left ends the job, whatever it records)
     lasting = getattr(handler, "lasting_store", None)
-    if callable(lasting):  # etcd-v3: a lease as long as the exclusion
-        return Exclusions(lasting(seconds), run_id, key)
+    if callable(lasting):  # etcd-v3: a lease of its own
+        return lasting(seconds)
     store = getattr(handler, "_store", None)  # torch's DynamicRendezvousHandler (torch_patches.EXCLUSIONS)
     if store is not None and all(callable(getattr(store, name, None)) for name in ("set", "get", "check")):
-        return Exclusions(store, run_id, key)
+        return store
     return None
+
+
+def for_handler(handler: Any, run_id: str, key: bytes | None, seconds: float | None = None) -> Exclusions | None:
+    """The exclusions of the rendezvous ``handler`` runs (:func:`lasting_store`); None where it keeps none.
+    ``seconds``: the lifetime of a record written through it (etcd-v3 gives it a lease that long)."""
+    store = lasting_store(handler, seconds)
+    return None if store is None else Exclusions(store, run_id, key)

@@ -46,6 +46,15 @@ def test_a_spare_takes_a_lost_nodes_place_at_the_same_world_size_and_the_run_is_
     first, second = job.start_agent(), job.start_agent()
     run_dir = Path(job.run_dir)
     workers, _ = stop_workers_at_step(job, 90, count=2, timeout=120)
+
+    # A spare started with another configuration is refused before it waits, and costs the job nothing.
+    job.overrides = [*job.overrides, "optim.lr=0.2"]
+    wrong = job.start_agent()
+    job.overrides = job.overrides[:-1]
+    assert wrong.proc.wait(timeout=90) == 2, wrong.log_text()[-3000:]
+    assert "its configuration differs from the running job's (optim.lr;" in wrong.log_text(), wrong.log_text()[-3000:]
+    assert not [e for e in _agent_events(run_dir, "spare_waiting") if e["source"].endswith(f"-{wrong.pid}")]
+
     spare = job.start_agent()  # the round is full: no seat for it
     waiting = _wait_until_spare(job, spare, run_dir)
     assert waiting["max_nodes"] == 2, waiting
@@ -56,7 +65,7 @@ def test_a_spare_takes_a_lost_nodes_place_at_the_same_world_size_and_the_run_is_
     job.kill_agent(lost)
     continue_workers(job, [w for w in workers if w.agent is not lost])
     codes = job.wait(timeout=240)
-    assert [codes[job.agents.index(a)] for a in job.agents if a is not lost] == [0, 0], job.logs_tail()
+    assert [codes[job.agents.index(a)] for a in job.agents if a not in (lost, wrong)] == [0, 0], job.logs_tail()
 
     after = [e for e in events(run_dir, "start") if e["time"] > lost_at]
     assert after and {e["world_size"] for e in after} == {2}, \

@@ -190,6 +190,7 @@ def test_a_round_a_member_never_takes_its_part_in_is_left_for_the_next_one(
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
     from elastic_runner.agent.agent import ROUND_RETRIES, ElasticRunnerAgent
+    from elastic_runner.agent.config_check import ConfigRecord
     from elastic_runner.agent.round_members import MemberWatch
 
     rounds: list[int] = []
@@ -205,7 +206,7 @@ def test_a_round_a_member_never_takes_its_part_in_is_left_for_the_next_one(
     notified: list[str] = []
     agent = ElasticRunnerAgent.__new__(ElasticRunnerAgent)  # its torch parts are not used here
     agent.observers, agent._rounds = [lambda event, **fields: notified.append(event)], 0
-    agent._members = MemberWatch()
+    agent._members, agent._config_record = MemberWatch(), ConfigRecord(None, None)
     group = SimpleNamespace(spec=SimpleNamespace(rdzv_handler=SimpleNamespace(completed_early=False)),
                             group_world_size=3, group_rank=0)
     with caplog.at_level(logging.WARNING):

@@ -1,0 +1,200 @@
+"""A node whose configuration differs from the running job's is refused before it joins (a spare before it waits):
+what is compared, the record in the rendezvous (signed, fresh only while the job runs, removed when its node ends),
+and the agent's one line and exit status 2."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch.distributed as tdist
+
+from elastic_runner.agent.config_check import ConfigRecord, ConfigRefused, refuse_if_config_differs
+from elastic_runner.agent.terminal import agent_exit_status
+from elastic_runner.config import load_config
+from elastic_runner.lifecycle import EXIT_USAGE
+from elastic_runner.recovery.exclusions import NODE_NAME_VAR
+from elastic_runner.recovery.job_config import (
+    NODE_LOCAL,
+    REFRESH_S,
+    STALE_S,
+    JobConfigs,
+    decode,
+    differing,
+    digest,
+    encode,
+    for_this_node,
+)
+from elastic_runner.rendezvous.leases import LeasedSlots
+from elastic_runner.testing.memory_etcd import MemoryEtcd, MemoryKV
+
+KEY = b"k" * 32
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class FakeHandler:
+    """What the agent reads of a rendezvous handler: its run and a store that lasts."""
+
+    def __init__(self, run_id: str = "job1", store: Any = None) -> None:
+        self.run_id = run_id
+        self.store = store if store is not None else tdist.HashStore()
+        self.ttls: list[float | None] = []
+
+    def get_run_id(self) -> str:
+        return self.run_id
+
+    def lasting_store(self, ttl: float | None) -> Any:
+        self.ttls.append(ttl)
+        return self.store
+
+
+def _cfg(tmp_path: Path, *overrides: str) -> Any:
+    path = tmp_path / "job.yaml"
+    path.write_text("train: {max_steps: 20}\n")
+    return load_config(str(path), list(overrides))
+
+
+# -- what is compared ----------------------------------------------------------------------------------------------
+
+
+def test_every_key_that_shapes_the_computation_is_compared_and_only_a_nodes_own_keys_are_not(tmp_path: Path) -> None:
+    job = digest(_cfg(tmp_path))
+    assert differing(job, digest(_cfg(tmp_path, "optim.lr=0.2"))) == ["optim.lr"]
+    assert differing(job, digest(_cfg(tmp_path, "logging.every_steps=7", "model.compile=true"))) == \
+        ["logging.every_steps", "model.compile"]
+    assert differing(job, digest(_cfg(tmp_path, "run.dir=/elsewhere", "data.num_workers=2", "metrics.port=9100",
+                                       "logging.level=DEBUG", "recovery.standby=false"))) == []
+    assert {"torch", "elastic_runner"} <= job.keys() and not NODE_LOCAL & job.keys()
+
+
+def test_the_record_holds_keyed_hashes_not_values(tmp_path: Path) -> None:
+    secret_path = "/data/customer-42/corpus"
+    keys = digest(_cfg(tmp_path, f"data.path={secret_path}"))
+    records = JobConfigs(tdist.HashStore(), "job1", KEY)
+    found = records.running() if records.record("node-a", keys) else None
+    assert found is not None and secret_path not in found.digest and "customer" not in found.digest
+    assert decode(found.digest)["optim.lr"] != keys["optim.lr"], "keyed: optim.lr's hash cannot be guessed without KEY"
+    assert records.differing(keys, found) == [] and decode(encode(keys)) == keys
+
+
+def test_a_script_of_the_users_own_is_compared_by_its_bytes(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text("print('v1')\n")
+    first = for_this_node(None, sys.executable, ["-u", str(script), "--out", "/node-a"], ours=False)
+    same = for_this_node(None, sys.executable, ["-u", str(script), "--out", "/node-b"], ours=False)
+    assert first is not None and differing(first, same) == [], "its arguments may name the node's own paths"
+    script.write_text("print('v2')\n")
+    assert differing(first, for_this_node(None, sys.executable, ["-u", str(script)], ours=False) or {}) == ["script"]
+
+
+def test_nothing_is_compared_where_nothing_comparable_is_known() -> None:
+    worker = ["-u", "-m", "elastic_runner.train", "--config", "x"]
+    assert for_this_node(None, sys.executable, worker, ours=True) is None, \
+        "our worker whose config does not load here: its workers exit 2 with the reason"
+    assert for_this_node(None, "/usr/bin/my-trainer", ["--flag"], ours=False) is None, "a binary entrypoint"
+
+
+# -- the record -----------------------------------------------------------------------------------------------------
+
+
+def test_a_record_is_the_jobs_only_while_it_is_fresh() -> None:
+    clock = Clock()
+    records = JobConfigs(tdist.HashStore(), "job1", KEY, clock)
+    records.record("node-a", {"optim.lr": "aa"})
+    found = records.running()
+    assert found is not None and found.node == "node-a" and records.differing({"optim.lr": "aa"}, found) == []
+    assert records.differing({"optim.lr": "bb"}, found) == ["optim.lr"]
+    clock.now += STALE_S + 1
+    assert records.running() is None, "a stopped job's: its rendezvous id may be used again with another config"
+
+
+def test_a_record_nobody_signed_refuses_nobody() -> None:
+    store = tdist.HashStore()
+    store.set("elastic_runner/config/job1", json.dumps(
+        {"kind": "job_config", "run_id": "job1", "node": "x", "written": 9e12, "digest": "optim.lr=ff"}).encode())
+    assert JobConfigs(store, "job1", KEY).running() is None
+    refuse_if_config_differs(FakeHandler(store=store), KEY, {"optim.lr": "aa"})
+
+
+def test_on_etcd_a_record_lives_under_a_lease_as_long_as_it_is_fresh() -> None:
+    clock = Clock()
+    server = MemoryEtcd(clock=clock)
+    records = JobConfigs(LeasedSlots(MemoryKV(server), b"/er/job1/lasting/", STALE_S), "job1", KEY, clock)
+    records.record("node-a", {"optim.lr": "aa"})
+    clock.now += STALE_S + 1
+    assert MemoryKV(server).get(b"/er/job1/lasting/elastic_runner/config/job1")[0] is None, "etcd deleted it itself"
+
+
+# -- the agent ------------------------------------------------------------------------------------------------------
+
+
+def test_a_node_with_another_config_is_refused_before_its_first_round_with_exit_status_2(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(NODE_NAME_VAR, "node-c")
+    handler, clock = FakeHandler(), Clock()
+    job = digest(_cfg(tmp_path))
+    recorder = ConfigRecord(KEY, job, clock)
+    recorder.round_done(handler, group_rank=0)
+    recorder.tick()
+    assert handler.ttls == [STALE_S], "on etcd-v3 the record's lease is as long as it is fresh"
+    refuse_if_config_differs(handler, KEY, digest(_cfg(tmp_path, "run.dir=/node-c")), clock)  # the same job
+    with pytest.raises(ConfigRefused) as refused:
+        refuse_if_config_differs(handler, KEY, digest(_cfg(tmp_path, "optim.lr=0.2", "batch.global_size=32")), clock)
+    line = refused.value.line
+    assert "node node-c does not join job job1" in line and "(batch.global_size, optim.lr;" in line, line
+    assert agent_exit_status(refused.value) == EXIT_USAGE
+    refuse_if_config_differs(FakeHandler(run_id="job2", store=handler.store), KEY,
+                             digest(_cfg(tmp_path, "optim.lr=0.2")), clock)  # another job's: nothing recorded
+
+
+def test_only_the_rounds_first_node_records_again_while_the_job_runs_and_its_end_removes_the_record(
+        tmp_path: Path) -> None:
+    handler, clock = FakeHandler(), Clock()
+    records = JobConfigs(handler.store, "job1", KEY, clock)
+    second = ConfigRecord(KEY, digest(_cfg(tmp_path, "optim.lr=0.2")), clock)
+    second.round_done(handler, group_rank=1)
+    second.tick()
+    assert records.running() is None, "a node that is not the round's first records nothing"
+
+    first = ConfigRecord(KEY, {"optim.lr": "aa"}, clock)
+    first.round_done(handler, group_rank=0)
+    assert records.running() is None, "not on the recovery path: at the monitoring loop's next look"
+    first.tick()
+    written = records.running()
+    assert written is not None
+    clock.now += REFRESH_S - 1
+    first.tick()
+    assert records.running() == written, "one write per refresh, not one per look"
+    clock.now += 2
+    first.tick()
+    again = records.running()
+    assert again is not None and again.written > written.written
+    clock.now += STALE_S - 1
+    assert records.running() is not None
+
+    first.close()
+    assert records.running() is None, "the job ended here: its rendezvous id may be used again at once"
+
+
+def test_a_node_that_ends_leaves_another_nodes_newer_record_in_place() -> None:
+    handler, clock = FakeHandler(), Clock()
+    old = ConfigRecord(KEY, {"optim.lr": "aa"}, clock)
+    old.round_done(handler, group_rank=0)
+    old.tick()
+    clock.now += 1
+    new = ConfigRecord(KEY, {"optim.lr": "aa"}, clock)
+    new.round_done(handler, group_rank=0)
+    new.tick()
+    old.close()
+    found = JobConfigs(handler.store, "job1", KEY, clock).running()
+    assert found is not None and found.written == clock.now
