@@ -22,6 +22,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from ..lifecycle import EXIT_USAGE
 from ..recovery.exclusions import lasting_store, node_name
 from ..recovery.job_config import REFRESH_S, STALE_S, JobConfigs
+from .exclusion import termination_message
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +71,7 @@ def refuse_if_config_differs(handler: Any, key: bytes | None, ours: dict[str, st
     if not keys:
         return
     named = ", ".join(keys[:NAMED_KEYS]) + (f" and {len(keys) - NAMED_KEYS} more" if len(keys) > NAMED_KEYS else "")
+    termination_message(f"refused: its configuration differs from the running job's ({named})")  # (Kubernetes)
     raise ConfigRefused(
         f"elastic_runner: node {node_name()} does not join job {records.run_id}: its configuration differs from the "
         f"running job's ({named}; the job's as node {running.node} has it). Start it with the job's --config and "

@@ -113,7 +113,7 @@ def leave_excluded(handler: Any, key: bytes | None, reason: str, seconds: float,
                     "again at once", type(exc).__name__, exc)
     line = (f"elastic_runner: node {node} leaves the job: {reason}. It is kept out for {seconds:g} s "
             f"(recovery.evict_stragglers){'' if recorded else ' (not recorded: it may join again at once)'}")
-    _termination_message(f"excluded: {reason}")
+    termination_message(f"excluded: {reason}")
     return NodeExcluded(line)
 
 
@@ -171,7 +171,8 @@ def _listens_on(port: int) -> bool:
     return any(f"socket:[{inode}]" in opened for inode in inodes)
 
 
-def _termination_message(text: str) -> None:
+def termination_message(text: str) -> None:
+    """Say why this node's agent ends where Kubernetes shows it (``kubectl describe pod``), if it made the file."""
     path = os.environ.get(TERMINATION_LOG_VAR) or TERMINATION_LOG
     if not os.path.isfile(path):
         return

@@ -141,6 +141,8 @@ def test_on_etcd_a_record_lives_under_a_lease_as_long_as_it_is_fresh() -> None:
 def test_a_node_with_another_config_is_refused_before_its_first_round_with_exit_status_2(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(NODE_NAME_VAR, "node-c")
+    monkeypatch.setenv("ELASTIC_RUNNER_TERMINATION_LOG", str(tmp_path / "termination-log"))
+    (tmp_path / "termination-log").touch()  # Kubernetes creates it; we never do
     handler, clock = FakeHandler(), Clock()
     job = digest(_cfg(tmp_path))
     recorder = ConfigRecord(KEY, job, clock)
@@ -153,6 +155,8 @@ def test_a_node_with_another_config_is_refused_before_its_first_round_with_exit_
     line = refused.value.line
     assert "node node-c does not join job job1" in line and "(batch.global_size, optim.lr;" in line, line
     assert agent_exit_status(refused.value) == EXIT_USAGE
+    assert (tmp_path / "termination-log").read_text() == \
+        "refused: its configuration differs from the running job's (batch.global_size, optim.lr)"
     refuse_if_config_differs(FakeHandler(run_id="job2", store=handler.store), KEY,
                              digest(_cfg(tmp_path, "optim.lr=0.2")), clock)  # another job's: nothing recorded
 
