@@ -315,14 +315,15 @@ def _spare_check(events: list[dict[str, Any]], spares: list[Injected]) -> tuple[
     """Every spare-takeover that a recovery followed: that recovery's world is the world the node was lost from, and
     the spare's agent (the fault's target) was seated in a round after having waited as a spare.
 
-    The world the node was lost from is the full round the spare waited beside (its ``agent_spare_waiting`` event's
-    ``max_nodes``): the last attempt that trained before the loss can be smaller, when a replacement sealed the round
-    that filled it a moment before (the soak's supervisor starts one whenever an agent is lost)."""
+    The world the node was lost from is the full round the spare waited beside, in ranks: its ``agent_spare_waiting``
+    event's ``max_nodes`` times the ranks per node (``local_world_size``). The last attempt that trained before the
+    loss can be smaller, when a replacement sealed the round that filled it a moment before (the soak's supervisor
+    starts one whenever an agent is lost)."""
     gens = generations(events)
     seated = {int(e["source"].rsplit("-", 1)[1]) for e in events
               if e["kind"] == "agent_rendezvous" and e.get("spare_s") is not None}
-    full = {int(e["source"].rsplit("-", 1)[1]): e.get("max_nodes") for e in events
-            if e["kind"] == "agent_spare_waiting"}
+    full = {int(e["source"].rsplit("-", 1)[1]): int(e["max_nodes"]) * int(e.get("local_world_size") or 1)
+            for e in events if e["kind"] == "agent_spare_waiting" and e.get("max_nodes") is not None}
     wrong = []
     for f in spares:
         if f.generation is None:

@@ -143,16 +143,17 @@ def test_a_slow_node_is_named_a_straggler_and_the_job_rides_it_out(chaos_config:
 
 def test_a_spare_takes_a_lost_nodes_place_and_the_final_model_is_the_reference_bit_for_bit(
         chaos_config: Path, tmp_path: Path) -> None:
-    """spare-takeover: a third agent started beside a full round of two waits as a spare; a seated node is lost and
-    the spare takes its place, so the world size never changes and the run is the fault-free reference's."""
+    """spare-takeover: a third agent started beside a full round of two nodes of two processes each waits as a spare;
+    a seated node is lost and the spare's two workers take its two ranks, so the world size never changes and the run
+    is the fault-free reference's."""
     run_dir = tmp_path / "run"
     # A spare needs its agent's start-up (~8 s here) before the node is lost: 16 paced epochs (>= 28 s) outlast it.
-    result = paced_chaos(chaos_config, run_dir, "--agents", "2", "--nnodes", "2:2", "--at", "2:spare-takeover",
-                         "--bitwise", epochs=16)
+    result = paced_chaos(chaos_config, run_dir, "--agents", "2", "--nnodes", "2:2", "--nproc-per-node", "2",
+                         "--at", "2:spare-takeover", "--bitwise", epochs=16)
     assert result.returncode == 0, result.stdout[-4000:]
     report = json.loads((run_dir / "chaos" / "report.json").read_text())
     (taken,) = report["faults"]
-    assert taken["type"] == "spare-takeover" and taken["outcome"] == "recovered" and taken["world_size"] == 2, taken
+    assert taken["type"] == "spare-takeover" and taken["outcome"] == "recovered" and taken["world_size"] == 4, taken
     check = report["checks"]["spares took lost nodes' places at the same world size"]
     assert check["ok"] and check["detail"].startswith("1 of 1"), check
     assert report["checks"]["bitwise at the end"]["ok"], report["checks"]

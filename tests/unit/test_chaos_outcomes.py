@@ -320,9 +320,10 @@ def test_a_nan_batch_must_be_rolled_back_at_the_next_logging_step_of_its_attempt
     assert not ok and "never made its loss NaN" in detail, "a request nobody carried out, in a running attempt"
 
 
-def _spare_seated(pid: int, at: float, world: int, waited_beside: int) -> list[dict[str, Any]]:
+def _spare_seated(pid: int, at: float, world: int, waited_beside: int, per_node: int = 1) -> list[dict[str, Any]]:
     source = f"agent-vm-{pid}"
-    return [{"time": at - 3.0, "kind": "agent_spare_waiting", "source": source, "max_nodes": waited_beside},
+    return [{"time": at - 3.0, "kind": "agent_spare_waiting", "source": source, "max_nodes": waited_beside,
+             "local_world_size": per_node},
             {"time": at + 0.5, "kind": "agent_rendezvous", "source": source, "world_size": world, "spare_s": 3.5}]
 
 
@@ -344,3 +345,7 @@ def test_a_spare_takeover_must_keep_the_world_of_the_full_round_the_spare_waited
     # spare then waited beside that full round, and the recovery is at 3.
     filling = attempt(1, 0.0, 2, 9.0) + attempt(2, 10.0, 3, 12.0, finished=True)
     assert _spare_check(filling + _spare_seated(77, 9.5, 3, 3), [_takeover(9.5, 77, 3, 2)])[0]
+    # Two processes per node: a full round of 2 nodes is a world of 4 ranks.
+    pairs = attempt(1, 0.0, 4, 9.0) + attempt(2, 10.0, 4, 12.0, finished=True)
+    ok, detail = _spare_check(pairs + _spare_seated(77, 9.5, 4, 2, per_node=2), [_takeover(9.5, 77, 4, 2)])
+    assert ok, detail

@@ -18,12 +18,13 @@ def test_the_wait_is_reported_once_per_rendezvous_and_its_length_goes_with_the_r
     told: list[tuple[str, dict[str, Any]]] = []
     now = [100.0]
     handler = LeaseHandler()
-    wait = SpareWait(handler, lambda event, **fields: told.append((event, fields)), clock=lambda: now[0])
+    wait = SpareWait(handler, lambda event, **fields: told.append((event, fields)), clock=lambda: now[0],
+                     local_world_size=2)
     assert wait.fields() == {}, "a node that got a seat at once was no spare"
     handler.on_spare(2)
     now[0] = 103.5
     handler.on_spare(2)  # (torch's join op decides again at every poll)
-    assert told == [("spare_waiting", {"max_nodes": 2})]
+    assert told == [("spare_waiting", {"max_nodes": 2, "local_world_size": 2})], "a full world of 2 x 2 ranks"
     assert wait.fields() == {"spare_s": 3.5}
 
 
