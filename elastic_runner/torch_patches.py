@@ -168,6 +168,7 @@ AGENT_CORRECTIONS = TorchPatch(
         Need(LOCAL_AGENT, "LocalElasticAgent._assign_worker_ranks",
              params=("store", "group_rank", "group_world_size", "spec")),
         Need(LOCAL_AGENT, "LocalElasticAgent._pcontext", init_attr=True),
+        Need(AGENT_API, "SimpleElasticAgent._exit_barrier"),
         Need(AGENT_API, "SimpleElasticAgent._remaining_restarts", init_attr=True),
         Need(LAUNCHER, "LocalElasticAgent"),
         Need(LAUNCHER, "launch_agent", refers_to="LocalElasticAgent"),

@@ -66,7 +66,7 @@ from ..lifecycle import (
     proc_state,
     process_start_time,
 )
-from ..recovery.policy import Action, Decision, after_worker_failure
+from ..recovery.policy import Action, Decision, after_worker_failure, for_new_round
 from ..recovery.regroup import announce_replacements
 from ..snapshot import SnapshotError
 from ..snapshot.format import signing_key_from_environment
@@ -89,8 +89,6 @@ STANDBY_DELAY_S = 2.0
 STANDBY_AGAIN_S = 0.5
 #: Standbys in a row that may end without taking a place (each is started again) before the agent stops starting them.
 STANDBYS_LOST_LIMIT = 3
-
-
 #: Rounds in a row a node leaves because a member never started in them, before torch's error ends it.
 ROUND_RETRIES = 5
 
@@ -172,7 +170,8 @@ class ElasticRunnerAgent(LocalElasticAgent):
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
         started = time.monotonic()
         began = time.time()
-        spare = SpareWait(worker_group.spec.rdzv_handler, self._notify)
+        spare = SpareWait(worker_group.spec.rdzv_handler, self._notify,
+                          local_world_size=worker_group.spec.local_world_size)
         for attempt in range(1, ROUND_RETRIES + 2):
             stop_signal.raise_if_received()  # (a stop swallowed in a store request of the round before)
             try:
@@ -471,10 +470,11 @@ class ElasticRunnerAgent(LocalElasticAgent):
             super()._restart_workers(worker_group)
 
     def _keep_for_next_round(self, worker_group: WorkerGroup) -> bool:
-        """The next round with this node's workers kept (in-process recovery, :mod:`.kept_round`); False where they
-        cannot be (then torch restarts every worker)."""
+        """The next round with this node's workers kept, where the recovery policy says so (False: torch restarts)."""
         keeping, places = self._keeping, self._places
-        if keeping is None or not places or not kept_round.park(keeping, places, self._restart_reason):
+        decision = for_new_round(offered=keeping is not None and bool(places),
+                                 park=lambda: kept_round.park(keeping, places, self._restart_reason))
+        if decision.action is not Action.KEEP or keeping is None or not places:
             return False
         started = time.monotonic()
         self._count_out_lost(worker_group, kept_round.lost_agents(keeping, places, worker_group.group_world_size))

@@ -1,5 +1,5 @@
 """The agent's recovery policy: for each failure of its workers, decided once — the job is done, the job stops, the
-failed workers are replaced alone, or every worker restarts.
+failed workers are replaced alone, or every worker restarts —, and for each new round whether its workers are kept.
 
 :class:`~elastic_runner.agent.agent.ElasticRunnerAgent` asks :func:`after_worker_failure` when torch's monitor reports
 failed workers, and carries the answer out (torch's agent restarts every worker; a replacement is started in the
@@ -21,13 +21,27 @@ otherwise (a worker killed or crashed)                                 replaces
 A replacement also needs its peers told through the job's store (:func:`~elastic_runner.recovery.regroup.\
 announce_replacement`); where that fails (the store is gone, the worker died before the round's first group was
 formed) every worker restarts after all. A sticky device error is a crash like any (exit 1): the failed process is
-replaced by a new one, never kept (:mod:`.states`). What the agent does when no worker failed but the membership
-changes (a node joins or is lost) is the workers' park (:mod:`elastic_runner.agent.kept_round`).
+replaced by a new one, never kept (:mod:`.states`).
+
+For a new rendezvous round (a node joins or is lost, another node restarts every worker, or this node's workers
+parked on their own: their peer lost, no replacement announced) the agent asks :func:`for_new_round`; the workers'
+park and hand-over are :mod:`elastic_runner.agent.kept_round`'s (:data:`NEW_ROUND_RULES`):
+
+=====================================================================  ============
+when                                                                   the agent
+=====================================================================  ============
+this node's workers are not kept across rounds (no hand-over offered)  restarts all
+a worker asked to park did not reach a step boundary in time           restarts all
+otherwise (each parked worker is handed its place in the new round)    keeps
+=====================================================================  ============
+
+A worker that could not be asked (it was building, resuming or bringing its group up) or whose process is gone gets
+a new process in the kept round; the others keep theirs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import Enum
 
@@ -39,6 +53,7 @@ class Action(Enum):
     STOP = "stops"
     RESTART_ALL = "restarts all"
     REPLACE = "replaces"
+    KEEP = "keeps"
 
 
 @dataclass(frozen=True)
@@ -56,6 +71,13 @@ RULES: tuple[Rule, ...] = (
     Rule("rank 0's worker failed (its process hosts the job's store)", Action.RESTART_ALL),
     Rule("a worker exited because its peers were lost (75, 76)", Action.RESTART_ALL),
     Rule("otherwise (a worker killed or crashed)", Action.REPLACE),
+)
+
+#: The rules for a new rendezvous round, in the order they are tried (the module's docstring shows them).
+NEW_ROUND_RULES: tuple[Rule, ...] = (
+    Rule("this node's workers are not kept across rounds (no hand-over offered)", Action.RESTART_ALL),
+    Rule("a worker asked to park did not reach a step boundary in time", Action.RESTART_ALL),
+    Rule("otherwise (each parked worker is handed its place in the new round)", Action.KEEP),
 )
 
 
@@ -88,3 +110,14 @@ def after_worker_failure(exit_codes: Mapping[int, int], *, finished: bool, keeps
     if codes & {EXIT_PEER_LOST, EXIT_PEER_TIMEOUT}:
         return Decision(Action.RESTART_ALL, f"exit status {sorted(codes)}: its peers were lost")
     return Decision(Action.REPLACE, "")
+
+
+def for_new_round(*, offered: bool, park: Callable[[], bool]) -> Decision:
+    """What the agent does with its workers for a new round: ``offered``: they are kept across rounds (in-process
+    recovery under our agent, a hand-over for each local rank); ``park()`` asks every worker that can park to do so
+    and says whether each one asked did in time (called only where the rules before it do not decide)."""
+    if not offered:
+        return Decision(Action.RESTART_ALL, "")
+    if not park():
+        return Decision(Action.RESTART_ALL, "a worker asked to park did not reach a step boundary in time")
+    return Decision(Action.KEEP, "")

@@ -9,16 +9,17 @@ import pytest
 
 from elastic_runner.lifecycle import EXIT_DIVERGED, EXIT_FAILED, EXIT_NOT_DURABLE, EXIT_PEER_LOST, EXIT_USAGE
 from elastic_runner.recovery import policy
-from elastic_runner.recovery.policy import RULES, Action, after_worker_failure
+from elastic_runner.recovery.policy import NEW_ROUND_RULES, RULES, Action, after_worker_failure, for_new_round
 
 KILLED = -9
 
 
 def test_the_docstring_is_the_rule_table() -> None:
     doc = policy.__doc__ or ""
-    rows = [line for line in doc.splitlines() if re.match(r"^\S.*\s{2,}(finishes|stops|restarts all|replaces)$", line)]
+    rows = [line for line in doc.splitlines()
+            if re.match(r"^\S.*\s{2,}(finishes|stops|restarts all|replaces|keeps)$", line)]
     parsed = [tuple(part.strip() for part in re.split(r"\s{2,}", row)) for row in rows]
-    assert parsed == [(rule.when, rule.action.value) for rule in RULES]
+    assert parsed == [(rule.when, rule.action.value) for rule in RULES + NEW_ROUND_RULES]
 
 
 def _decide(codes: dict[int, int], *, finished: bool = False, keeps: bool = True, left: int = 10) -> Action:
@@ -48,3 +49,18 @@ def test_a_stop_names_the_status_that_ends_the_job_and_a_restart_says_why() -> N
     assert stop.final_status == EXIT_DIVERGED and "restarting would fail the same way" in stop.why
     restart = after_worker_failure({0: KILLED}, finished=False, keeps_workers=True, restarts_left=3)
     assert restart.why == "rank 0's worker hosts the job's store"
+
+
+def test_for_a_new_round_the_workers_are_kept_only_where_offered_and_every_one_asked_parked() -> None:
+    asked: list[bool] = []
+
+    def park(answer: bool) -> bool:
+        asked.append(answer)
+        return answer
+
+    assert for_new_round(offered=False, park=lambda: park(True)).action is Action.RESTART_ALL
+    assert asked == [], "no worker is asked to park where none can be handed a place"
+    late = for_new_round(offered=True, park=lambda: park(False))
+    assert late.action is Action.RESTART_ALL and "did not reach a step boundary" in late.why
+    assert for_new_round(offered=True, park=lambda: park(True)).action is Action.KEEP
+    assert asked == [False, True]

@@ -272,3 +272,19 @@ def test_a_stop_signal_inside_a_store_request_stops_the_agent_and_is_never_taken
     with pytest.raises(SignalException):
         agent._rendezvous(group)
     assert rounds == [1], "a stop is not a failed round"
+
+
+def test_every_private_method_of_torchs_agent_that_ours_overrides_is_listed_with_a_canary() -> None:
+    """A private override torch renames would silently stop being called (our correction lost without a word): each
+    one is a need of a canary, which says so at start-up and falls back to torch's agent."""
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    from elastic_runner.agent.agent import ElasticRunnerAgent
+
+    overridden = sorted(name for name in vars(ElasticRunnerAgent) if name.startswith("_") and not name.startswith("__")
+                        and callable(getattr(LocalElasticAgent, name, None)))
+    listed = {need.path.split(".")[-1] for patch in torch_patches.ALL for need in patch.needs
+              if need.path.split(".")[0] in ("LocalElasticAgent", "SimpleElasticAgent") and not need.init_attr}
+    assert overridden, "ElasticRunnerAgent overrides torch's private methods"
+    missing = [name for name in overridden if name not in listed]
+    assert not missing, f"overridden by ElasticRunnerAgent and not a need of any canary in torch_patches: {missing}"
