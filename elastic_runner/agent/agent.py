@@ -257,7 +257,7 @@ class ElasticRunnerAgent(LocalElasticAgent):
             self._beat.pause()
         else:
             self._beat.close()
-            self._config_record.close()  # (the job's rendezvous id may be used again at once, with another config)
+            self._config_record.close()  # (its record goes stale: the rendezvous id may be used again, another config)
         self._kill_stopped_workers()
         if not self._stopping_group:
             self._announce_stop(f"the agent is shutting down on {death_sig.name}")
@@ -374,7 +374,6 @@ class ElasticRunnerAgent(LocalElasticAgent):
         stop_signal.raise_if_received()
         self._leave_if_asked(worker_group)
         self._start_standby_when_due()
-        self._config_record.tick()  # (the round's first node: its first record here, after its workers started)
         pcontext = getattr(self, "_pcontext", None)
         if pcontext is not None and self._keeping is None and \
                 any(proc_state(pid) in ("", "Z", "X") for pid in pcontext.pids().values()):

@@ -3,8 +3,9 @@
 - **Refusing.** Before its first round an agent compares its node's configuration with the running job's record; where
   a key differs it leaves with exit status 2 (:data:`~elastic_runner.lifecycle.EXIT_USAGE`) and one line that names
   the keys (:class:`ConfigRefused`), and the job's nodes never wait for it. A spare is refused so before it waits.
-- **Recording.** The round's first node (group rank 0) records its configuration after each round, and again every
-  :data:`~elastic_runner.recovery.job_config.REFRESH_S` while its workers run (:class:`ConfigRecord`).
+- **Recording.** The round's first node (group rank 0) records its configuration from a thread of its own, every
+  :data:`~elastic_runner.recovery.job_config.REFRESH_S` while it is the first (:class:`ConfigRecord`); it does not
+  write over a fresh record of another node that differs from its own.
 
 Where the rendezvous keeps no records (the static one) or cannot be reached yet, nothing is compared: the workers'
 resume still refuses a snapshot of another model or data.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import threading
 import time
 from typing import Any, Callable
 
@@ -42,7 +44,8 @@ class ConfigRefused(SignalException):
         self.line = line
 
 
-def _records(handler: Any, key: bytes | None, clock: Callable[[], float] = time.time) -> JobConfigs | None:
+def job_records(handler: Any, key: bytes | None, clock: Callable[[], float] = time.time) -> JobConfigs | None:
+    """The configuration records of the job ``handler`` runs; None where its rendezvous keeps no records."""
     try:
         run_id = str(handler.get_run_id())
     except Exception:  # noqa: BLE001 - a handler without a run id keeps no records
@@ -57,7 +60,7 @@ def refuse_if_config_differs(handler: Any, key: bytes | None, ours: dict[str, st
     ``ours`` (:func:`~elastic_runner.recovery.job_config.digest`; None: nothing to compare)."""
     if ours is None:
         return
-    records = _records(handler, key, clock)
+    records = job_records(handler, key, clock)
     if records is None:
         return
     try:
@@ -80,44 +83,66 @@ def refuse_if_config_differs(handler: Any, key: bytes | None, ours: dict[str, st
 
 
 class ConfigRecord:
-    """Records this node's configuration as the running job's, while it is the round's first node."""
+    """Records this node's configuration as the running job's, every :data:`REFRESH_S` from a thread of its own (a
+    store that does not answer never holds up the agent's loop), while this node is the round's first."""
 
     def __init__(self, key: bytes | None, ours: dict[str, str] | None,
                  clock: Callable[[], float] = time.time) -> None:
         self._key, self._ours, self._clock = key, ours, clock
-        self._records: JobConfigs | None = None
-        self._due: float | None = None  #: when (``clock``) the next record is written; None: this node writes none
-        self._last: Any = None  #: the last record this node wrote
+        self._records: JobConfigs | None = None  #: where this node records, while it is the round's first
+        self._changed = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self._declined: str | None = None  #: the other node whose differing record this node does not write over
 
     def round_done(self, handler: Any, group_rank: int) -> None:
-        """A round completed with this node at ``group_rank``: the first node records, the others stop."""
-        self._due = None
-        if self._ours is None or group_rank != 0:
-            self.close()
-            return
-        self._records = _records(handler, self._key, self._clock)
-        if self._records is not None:
-            self._due = self._clock()  # written at the next look of the monitoring loop: not on the recovery path
-
-    def tick(self) -> None:
-        """Called from the agent's monitoring loop: writes the record when it is due (one store write a minute)."""
-        if self._due is None or self._records is None or self._ours is None or self._clock() < self._due:
-            return
-        self._due = self._clock() + REFRESH_S
-        try:
-            self._last = self._records.record(node_name(), self._ours)
-        except Exception as exc:  # noqa: BLE001 - a node that joins then goes uncompared, as before the check
-            log.debug("could not record the job's configuration in the rendezvous (%s: %s)", type(exc).__name__, exc)
+        """A round completed with this node at ``group_rank``: the first node records from now on, the others stop
+        (the new first node writes over their record). No store request here: not on the recovery path."""
+        records = job_records(handler, self._key, self._clock) if self._ours is not None and group_rank == 0 else None
+        with self._changed:
+            self._records = records
+            self._changed.notify_all()
+        if records is not None and self._thread is None and not self._closed:
+            self._thread = threading.Thread(target=self._run, name="elastic-runner-config-record", daemon=True)
+            self._thread.start()
 
     def close(self) -> None:
-        """This node stops recording (it ends, or is no longer the round's first): its last record is removed where
-        it is still the one there, so that the job's rendezvous id can be used again at once with another
-        configuration."""
-        self._due = None
-        last, self._last = self._last, None
-        if last is None or self._records is None:
-            return
+        """This node stops recording (its agent ends). Its last record goes stale within STALE_S."""
+        with self._changed:
+            self._closed, self._records = True, None
+            self._changed.notify_all()
+
+    def _run(self) -> None:
+        while True:
+            with self._changed:
+                while self._records is None and not self._closed:
+                    self._changed.wait()
+                if self._closed:
+                    return
+                records = self._records
+            self.write(records)
+            with self._changed:
+                if not self._closed:
+                    self._changed.wait(REFRESH_S)
+
+    def write(self, records: JobConfigs | None) -> bool:
+        """One record of this node's configuration in ``records``, unless a fresh one of another node that differs
+        is there (a node that got in unchecked does not make its configuration the job's: it is the one refused when it
+        starts again). True where written."""
+        if records is None or self._ours is None:
+            return False
         try:
-            self._records.withdraw(last)
-        except Exception:  # noqa: BLE001 - it goes stale in STALE_S all the same
-            log.debug("could not remove the job's configuration record", exc_info=True)
+            there = records.running()
+            if there is not None and there.node != node_name() and records.differing(self._ours, there):
+                if self._declined != there.node:
+                    self._declined = there.node
+                    log.warning("this node's configuration differs from the job's record (written by node %s: %s): "
+                                "it does not write over it. The job's nodes run with two configurations; start every "
+                                "node with the same --config and --set overrides", there.node,
+                                ", ".join(records.differing(self._ours, there)[:NAMED_KEYS]))
+                return False
+            records.record(node_name(), self._ours)
+            return True
+        except Exception as exc:  # noqa: BLE001 - a node that joins meanwhile goes uncompared, as before the check
+            log.debug("could not record the job's configuration in the rendezvous (%s: %s)", type(exc).__name__, exc)
+            return False

@@ -285,23 +285,23 @@ def standby_main(conn: Any, template_rank: int, wrap_args: tuple[Any, ...]) -> N
 
 
 def worker_config(worker_args: Sequence[str]) -> Any:
-    """The config the workers will load (``--config`` and ``--set`` of their command line), or None if it does not
-    load (the workers then say why)."""
-    from elastic_runner.config import ConfigError, load_config
+    """The config the workers will load (``--config`` and ``--set`` of their command line, read as the worker reads
+    them: ``--set a=1 b=2`` and ``--set=a=1`` too), or None if it does not load (the workers then say why)."""
+    import argparse
 
-    rest = list(worker_args)
-    config_path, overrides = None, []
-    for i, item in enumerate(rest):
-        if item in ("--config", "-c") and i + 1 < len(rest):
-            config_path = rest[i + 1]
-        elif item.startswith("--config="):
-            config_path = item.split("=", 1)[1]
-        elif item == "--set" and i + 1 < len(rest):
-            overrides.append(rest[i + 1])
-    if config_path is None:
+    from elastic_runner.config import ConfigError, add_overrides_option, load_config
+
+    parser = argparse.ArgumentParser(add_help=False, exit_on_error=False)
+    parser.add_argument("--config", "-c", default=None)
+    add_overrides_option(parser)
+    try:
+        parsed, _ = parser.parse_known_args(list(worker_args))
+    except (argparse.ArgumentError, SystemExit):  # (the workers' own parser says what is wrong, and exits 2)
+        return None
+    if parsed.config is None:
         return None
     try:
-        return load_config(config_path, overrides)
+        return load_config(parsed.config, list(parsed.overrides))
     except (ConfigError, OSError) as exc:
         log.debug("the workers' config does not load here: %s", exc)
         return None

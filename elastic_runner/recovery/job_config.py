@@ -9,7 +9,8 @@ and again every :data:`REFRESH_S` while the job runs, and a node that starts rea
 a key differs it leaves with exit status 2 and one line naming the keys (its agent: :mod:`elastic_runner.agent.
 config_check`).
 
-What is compared (:func:`digest`): every key of the workers' config (``--config`` with its ``--set`` overrides), but
+What is compared (:func:`digest`): every key of the workers' config (``--config`` with its ``--set`` overrides; a
+free-form value such as ``model.params`` as a whole), but
 the node's own (:data:`NODE_LOCAL`: where it writes, its ports, its log's look, its loader processes); for a script of
 the user's own (``elastic_runner.fit``), the script's bytes (not its arguments, which often name a node's own
 paths); and torch's and elastic_runner's versions. Only hashes go into the store, no value, path or name of the
@@ -17,8 +18,10 @@ config; with the job's key they are keyed hashes (HMAC), so that a reader of the
 even a value from a small set (``optim.lr: 0.1``) by hashing candidates.
 
 A record is the job's only while the job runs: one older than :data:`STALE_S` (the job stopped; its rendezvous id
-used again with another configuration) is not compared against. Nodes of the job's first round have nothing to read
-yet: they are compared by the snapshots they resume (:mod:`elastic_runner.training.compatibility`).
+used again with another configuration) is not compared against. The round's first node does not write over a fresh
+record of another node that differs from its own (a node that got in unchecked, in the job's first round, cannot
+make its configuration the job's). Nodes of the job's first round have nothing to read yet: they are compared by the
+snapshots they resume (:mod:`elastic_runner.training.compatibility`).
 """
 
 from __future__ import annotations
@@ -38,14 +41,18 @@ log = logging.getLogger(__name__)
 #: Keys that may differ from node to node: they say where a node writes, how it is watched and how its log looks,
 #: and how many loader processes it runs, not what the job computes or when its collectives run.
 NODE_LOCAL: frozenset[str] = frozenset({
-    "run.dir", "snapshot.dir", "data.num_workers", "metrics.port", "metrics.bind", "logging.level",
-    "logging.format", "logging.progress_bar", "recovery.health_check", "recovery.standby",
+    "run.dir", "snapshot.dir", "data.num_workers", "logging.level", "logging.format", "logging.progress_bar",
+    "recovery.health_check", "recovery.standby",
 })
-#: Seconds between the round's first node's records of the job's configuration while the job runs (one store write).
-REFRESH_S = 10.0
-#: A record older than this is a stopped job's (its node ends its record when it ends; one killed cannot): not
-#: compared against, so that the job's rendezvous id can be used again with another configuration at once. On
-#: etcd-v3 the record's lease is this long. (Clocks further apart than this: nothing is compared, as before.)
+#: Sections whose every key is a node's own (how it is watched).
+NODE_LOCAL_SECTIONS: frozenset[str] = frozenset({"metrics"})
+#: Seconds between the round's first node's records of the job's configuration while the job runs (one store write,
+#: from a thread of its own).
+REFRESH_S = 2.0
+#: A record older than this is a stopped job's (its writer was lost, or the job ended): not compared against, so that
+#: the job's rendezvous id can be used again with another configuration a few seconds after the job ended, however it
+#: ended. On etcd-v3 the record's lease is this long. A record dated more than this into the future (clocks apart) is
+#: not compared against either.
 STALE_S = 3 * REFRESH_S
 _HASH_CHARS = 12
 
@@ -55,12 +62,12 @@ def _hash(value: Any) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:_HASH_CHARS]
 
 
-def _flat(prefix: str, value: Any) -> Any:
-    if isinstance(value, dict) and value:
-        for k, v in value.items():
-            yield from _flat(f"{prefix}.{k}" if prefix else str(k), v)
-    else:
-        yield prefix, value
+def _keys(cfg: Any) -> Any:
+    """``(section.key, value)`` of ``cfg``: one level, so that a free-form value (``model.params``, ``data.sources``)
+    is hashed whole and its own keys, which may name paths or buckets, never reach the store."""
+    for section, body in cfg.to_dict().items():
+        for key, value in body.items():
+            yield f"{section}.{key}", value
 
 
 def _versions() -> dict[str, Any]:
@@ -78,7 +85,8 @@ def digest(cfg: Any | None = None, script: Sequence[str] | None = None) -> dict[
     and the versions of torch and elastic_runner."""
     out = {key: _hash(value) for key, value in _versions().items()}
     if cfg is not None:
-        out |= {key: _hash(value) for key, value in _flat("", cfg.to_dict()) if key not in NODE_LOCAL}
+        out |= {key: _hash(value) for key, value in _keys(cfg)
+                if key not in NODE_LOCAL and key.split(".", 1)[0] not in NODE_LOCAL_SECTIONS}
     elif script:
         try:
             with open(script[0], "rb") as source:
@@ -96,11 +104,18 @@ def keyed(keys: dict[str, str], key: bytes | None) -> dict[str, str]:
 
 
 def encode(keys: dict[str, str]) -> str:
-    return ";".join(f"{k}={v}" for k, v in sorted(keys.items()))
+    return json.dumps(keys, sort_keys=True, separators=(",", ":"))
 
 
-def decode(text: str) -> dict[str, str]:
-    return dict(item.split("=", 1) for item in text.split(";") if "=" in item)
+def decode(text: str) -> dict[str, str] | None:
+    """The keys of a record's ``digest``; None where it is not a mapping of strings (nobody's word)."""
+    try:
+        keys = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(keys, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in keys.items()):
+        return None
+    return keys
 
 
 def differing(ours: dict[str, str], theirs: dict[str, str]) -> list[str]:
@@ -120,24 +135,14 @@ class JobConfigs:
         self.channel.send(message)
         return message
 
-    def withdraw(self, message: JobConfig) -> bool:
-        """Mark ``message`` (this node's last record) as no longer the running job's, where it is still the one in
-        the store: the job stops here, or this node is no longer its first. (Written over as a stale record: the
-        stores of both rendezvous can do that, not all can delete.)"""
-        key, store = message.key(), self.channel.store
-        if not store.check([key]) or bytes(store.get(key)) != self.channel.encode(message):
-            return False
-        self.channel.send(JobConfig(self.run_id, message.node, 0.0, ""))
-        return True
-
     def differing(self, ours: dict[str, str], running: JobConfig) -> list[str]:
         """The keys of ``ours`` (a :func:`digest`) that differ from the ``running`` job's record."""
-        return differing(keyed(ours, self._key), decode(running.digest))
+        return differing(keyed(ours, self._key), decode(running.digest) or {})
 
     def running(self) -> JobConfig | None:
-        """The running job's record: None where there is none, it is not the job's word, or it is stale."""
+        """The running job's record: None where there is none, it is not the job's word, or it is not fresh."""
         found = self.channel.read(JobConfig, JobConfig(self.run_id, "", 0.0, "").key())
-        if found is None or self._clock() - found.written > STALE_S:
+        if found is None or abs(self._clock() - found.written) > STALE_S or decode(found.digest) is None:
             return None
         return found
 

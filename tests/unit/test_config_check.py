@@ -5,14 +5,16 @@ and the agent's one line and exit status 2."""
 from __future__ import annotations
 
 import json
+import logging
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch.distributed as tdist
 
-from elastic_runner.agent.config_check import ConfigRecord, ConfigRefused, refuse_if_config_differs
+from elastic_runner.agent.config_check import ConfigRecord, ConfigRefused, job_records, refuse_if_config_differs
 from elastic_runner.agent.terminal import agent_exit_status
 from elastic_runner.config import load_config
 from elastic_runner.lifecycle import EXIT_USAGE
@@ -75,6 +77,16 @@ def test_every_key_that_shapes_the_computation_is_compared_and_only_a_nodes_own_
     assert differing(job, digest(_cfg(tmp_path, "run.dir=/elsewhere", "data.num_workers=2", "metrics.port=9100",
                                        "logging.level=DEBUG", "recovery.standby=false"))) == []
     assert {"torch", "elastic_runner"} <= job.keys() and not NODE_LOCAL & job.keys()
+    assert not [k for k in job if k.startswith("metrics.")], "metrics.* is a node's own"
+
+
+def test_a_free_form_value_is_hashed_whole_so_its_own_keys_never_reach_the_store(tmp_path: Path) -> None:
+    keys = digest(_cfg(tmp_path, "model.params={'s3://bucket/customer-x': 1, 'lang=en;x': 2}"))
+    assert "model.params" in keys and not [k for k in keys if "customer" in k or "lang" in k]
+    records = JobConfigs(tdist.HashStore(), "job1", KEY)
+    records.record("node-a", keys)
+    found = records.running()
+    assert found is not None and records.differing(keys, found) == [], "keys with '=' or ';' in them compare equal"
 
 
 def test_the_record_holds_keyed_hashes_not_values(tmp_path: Path) -> None:
@@ -145,9 +157,7 @@ def test_a_node_with_another_config_is_refused_before_its_first_round_with_exit_
     (tmp_path / "termination-log").touch()  # Kubernetes creates it; we never do
     handler, clock = FakeHandler(), Clock()
     job = digest(_cfg(tmp_path))
-    recorder = ConfigRecord(KEY, job, clock)
-    recorder.round_done(handler, group_rank=0)
-    recorder.tick()
+    assert ConfigRecord(KEY, job, clock).write(job_records(handler, KEY, clock))
     assert handler.ttls == [STALE_S], "on etcd-v3 the record's lease is as long as it is fresh"
     refuse_if_config_differs(handler, KEY, digest(_cfg(tmp_path, "run.dir=/node-c")), clock)  # the same job
     with pytest.raises(ConfigRefused) as refused:
@@ -159,46 +169,79 @@ def test_a_node_with_another_config_is_refused_before_its_first_round_with_exit_
         "refused: its configuration differs from the running job's (batch.global_size, optim.lr)"
     refuse_if_config_differs(FakeHandler(run_id="job2", store=handler.store), KEY,
                              digest(_cfg(tmp_path, "optim.lr=0.2")), clock)  # another job's: nothing recorded
+    clock.now += STALE_S + 1
+    refuse_if_config_differs(handler, KEY, digest(_cfg(tmp_path, "optim.lr=0.2")), clock)  # the job ended
 
 
-def test_only_the_rounds_first_node_records_again_while_the_job_runs_and_its_end_removes_the_record(
-        tmp_path: Path) -> None:
-    handler, clock = FakeHandler(), Clock()
-    records = JobConfigs(handler.store, "job1", KEY, clock)
-    second = ConfigRecord(KEY, digest(_cfg(tmp_path, "optim.lr=0.2")), clock)
+def test_the_rounds_first_node_records_from_a_thread_and_the_others_do_not(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(NODE_NAME_VAR, "node-a")
+    handler = FakeHandler()
+    records = JobConfigs(handler.store, "job1", KEY)
+    second = ConfigRecord(KEY, {"optim.lr": "bb"})
     second.round_done(handler, group_rank=1)
-    second.tick()
-    assert records.running() is None, "a node that is not the round's first records nothing"
-
-    first = ConfigRecord(KEY, {"optim.lr": "aa"}, clock)
-    first.round_done(handler, group_rank=0)
-    assert records.running() is None, "not on the recovery path: at the monitoring loop's next look"
-    first.tick()
-    written = records.running()
-    assert written is not None
-    clock.now += REFRESH_S - 1
-    first.tick()
-    assert records.running() == written, "one write per refresh, not one per look"
-    clock.now += 2
-    first.tick()
-    again = records.running()
-    assert again is not None and again.written > written.written
-    clock.now += STALE_S - 1
-    assert records.running() is not None
-
-    first.close()
-    assert records.running() is None, "the job ended here: its rendezvous id may be used again at once"
+    first = ConfigRecord(KEY, {"optim.lr": "aa"})
+    try:
+        first.round_done(handler, group_rank=0)
+        deadline = time.monotonic() + 10
+        while records.running() is None:
+            assert time.monotonic() < deadline, "the round's first node records its configuration"
+            time.sleep(0.01)
+        written = records.running()
+        assert written is not None and records.differing({"optim.lr": "aa"}, written) == []
+        deadline = time.monotonic() + 10
+        while (again := records.running()) is None or again.written == written.written:
+            assert time.monotonic() < deadline, f"and again every {REFRESH_S} s while it is the first"
+            time.sleep(0.05)
+    finally:
+        first.close()
+        second.close()
+    assert second._thread is None, "a node that is not the round's first never records"
 
 
-def test_a_node_that_ends_leaves_another_nodes_newer_record_in_place() -> None:
+def test_a_fresh_record_of_another_node_that_differs_is_not_written_over(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A node that got in unchecked (the job's first round) and became the round's first does not make its
+    configuration the job's: the others, not it, would then be refused when they start again."""
     handler, clock = FakeHandler(), Clock()
-    old = ConfigRecord(KEY, {"optim.lr": "aa"}, clock)
-    old.round_done(handler, group_rank=0)
-    old.tick()
-    clock.now += 1
-    new = ConfigRecord(KEY, {"optim.lr": "aa"}, clock)
-    new.round_done(handler, group_rank=0)
-    new.tick()
-    old.close()
-    found = JobConfigs(handler.store, "job1", KEY, clock).running()
-    assert found is not None and found.written == clock.now
+    records = job_records(handler, KEY, clock)
+    monkeypatch.setenv(NODE_NAME_VAR, "node-a")
+    assert ConfigRecord(KEY, {"optim.lr": "aa"}, clock).write(records)
+    monkeypatch.setenv(NODE_NAME_VAR, "node-b")
+    odd = ConfigRecord(KEY, {"optim.lr": "bb"}, clock)
+    with caplog.at_level(logging.WARNING):
+        assert not odd.write(records)
+    assert "differs from the job's record (written by node node-a: optim.lr)" in caplog.text
+    found = records.running() if records is not None else None
+    assert found is not None and found.node == "node-a"
+    clock.now += STALE_S + 1
+    assert odd.write(records), "once node-a's record went stale (node-a is gone) this node's is the job's"
+    assert ConfigRecord(KEY, {"optim.lr": "aa"}, clock).write(records), "the same configuration: written over"
+
+
+def test_a_record_dated_in_the_future_or_not_a_mapping_is_nobodys_word() -> None:
+    clock = Clock()
+    store = tdist.HashStore()
+    records = JobConfigs(store, "job1", KEY, clock)
+    records.record("node-a", {"optim.lr": "aa"})
+    clock.now -= STALE_S + 1  # this reader's clock far behind the writer's
+    assert records.running() is None
+    assert decode("optim.lr=aa") is None and decode('{"optim.lr": 3}') is None and decode("[]") is None
+
+
+@pytest.mark.parametrize("spelling", [["--set", "optim.lr=0.05", "train.max_steps=3"],
+                                      ["--set=optim.lr=0.05", "--set", "train.max_steps=3"],
+                                      ["--set", "optim.lr=0.05", "--set", "train.max_steps=3"]],
+                         ids=["two-values-one-flag", "flag=value", "repeated"])
+def test_the_agent_reads_its_workers_overrides_as_they_do(tmp_path: Path, spelling: list[str]) -> None:
+    """What the agent compares (and checks the health of, and preloads for) is the config its workers load."""
+    from elastic_runner.agent.zygote import worker_config
+    from elastic_runner.worker.main import parse_args
+
+    path = tmp_path / "job.yaml"
+    path.write_text("train: {max_steps: 20}\n")
+    argv = ["--config", str(path), *spelling]
+    theirs = load_config(str(path), parse_args(argv).overrides)
+    ours = worker_config(argv)
+    assert ours is not None and (ours.optim.lr, ours.train.max_steps) == (theirs.optim.lr, theirs.train.max_steps) \
+        == (0.05, 3)
+    assert differing(digest(ours), digest(theirs)) == []

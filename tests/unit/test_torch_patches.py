@@ -207,7 +207,8 @@ def test_a_round_a_member_never_takes_its_part_in_is_left_for_the_next_one(
     agent = ElasticRunnerAgent.__new__(ElasticRunnerAgent)  # its torch parts are not used here
     agent.observers, agent._rounds = [lambda event, **fields: notified.append(event)], 0
     agent._members, agent._config_record = MemberWatch(), ConfigRecord(None, None)
-    group = SimpleNamespace(spec=SimpleNamespace(rdzv_handler=SimpleNamespace(completed_early=False)),
+    group = SimpleNamespace(spec=SimpleNamespace(rdzv_handler=SimpleNamespace(completed_early=False),
+                                                 local_world_size=1),
                             group_world_size=3, group_rank=0)
     with caplog.at_level(logging.WARNING):
         agent._rendezvous(group)
@@ -267,7 +268,8 @@ def test_a_stop_signal_inside_a_store_request_stops_the_agent_and_is_never_taken
     monkeypatch.setattr(LocalElasticAgent, "_rendezvous", torchs_rendezvous)
     agent = ElasticRunnerAgent.__new__(ElasticRunnerAgent)
     agent.observers, agent._rounds = [], 0
-    group = SimpleNamespace(spec=SimpleNamespace(rdzv_handler=SimpleNamespace(completed_early=False)),
+    group = SimpleNamespace(spec=SimpleNamespace(rdzv_handler=SimpleNamespace(completed_early=False),
+                                                 local_world_size=1),
                             group_world_size=1, group_rank=0)
     with pytest.raises(SignalException):
         agent._rendezvous(group)
