@@ -26,6 +26,15 @@ ROOT = Path(__file__).resolve().parent.parent
 QUICKSTART = ROOT / "configs" / "quickstart.yaml"
 
 
+class Clock:
+    """A wall clock that moves only when a test moves it (``clock.now += 601``)."""
+
+    def __init__(self) -> None:
+        self.now = 1_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
 
 def mount_small_volume(path: Path, size: str) -> None:
     """A small tmpfs at ``path`` (a real ENOSPC when it is full); skips the test where mounting needs root."""

@@ -33,15 +33,9 @@ from elastic_runner.recovery.job_config import (
 from elastic_runner.rendezvous.leases import LeasedSlots
 from elastic_runner.testing.memory_etcd import MemoryEtcd, MemoryKV
 
+from ..support import Clock
+
 KEY = b"k" * 32
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1_000_000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class FakeHandler:

@@ -20,15 +20,9 @@ from elastic_runner.recovery.exclusions import EXIT_EXCLUDED, NODE_NAME_VAR, Exc
 from elastic_runner.rendezvous.leases import LeasedSlots
 from elastic_runner.testing.memory_etcd import MemoryEtcd, MemoryKV
 
+from ..support import Clock
+
 KEY = b"k" * 32
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1_000_000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def test_an_exclusion_holds_until_its_time_is_up_and_only_for_its_node() -> None:
