@@ -23,7 +23,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 
 from ..lifecycle import EXIT_USAGE
 from ..recovery.exclusions import lasting_store, node_name
-from ..recovery.job_config import REFRESH_S, STALE_S, JobConfigs
+from ..recovery.job_config import REFRESH_S, STALE_S, JobConfigs, node_local_keys
 from .exclusion import termination_message
 
 log = logging.getLogger(__name__)
@@ -78,8 +78,7 @@ def refuse_if_config_differs(handler: Any, key: bytes | None, ours: dict[str, st
     raise ConfigRefused(
         f"elastic_runner: node {node_name()} does not join job {records.run_id}: its configuration differs from the "
         f"running job's ({named}; the job's as node {running.node} has it). Start it with the job's --config and "
-        "--set overrides, script and versions (only run.dir, snapshot.dir, data.num_workers, metrics.*, logging.level/"
-        "format/progress_bar, recovery.health_check/standby may differ by node)")
+        f"--set overrides, script and versions (only {node_local_keys()} may differ by node)")
 
 
 class ConfigRecord:
@@ -133,13 +132,14 @@ class ConfigRecord:
             return False
         try:
             there = records.running()
-            if there is not None and there.node != node_name() and records.differing(self._ours, there):
+            differ = records.differing(self._ours, there) if there is not None and there.node != node_name() else []
+            if there is not None and differ:
                 if self._declined != there.node:
                     self._declined = there.node
                     log.warning("this node's configuration differs from the job's record (written by node %s: %s): "
                                 "it does not write over it. The job's nodes run with two configurations; start every "
                                 "node with the same --config and --set overrides", there.node,
-                                ", ".join(records.differing(self._ours, there)[:NAMED_KEYS]))
+                                ", ".join(differ[:NAMED_KEYS]))
                 return False
             records.record(node_name(), self._ours)
             return True

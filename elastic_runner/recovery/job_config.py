@@ -13,9 +13,9 @@ What is compared (:func:`digest`): every key of the workers' config (``--config`
 free-form value such as ``model.params`` as a whole), but
 the node's own (:data:`NODE_LOCAL`: where it writes, its ports, its log's look, its loader processes); for a script of
 the user's own (``elastic_runner.fit``), the script's bytes (not its arguments, which often name a node's own
-paths); and torch's and elastic_runner's versions. Only hashes go into the store, no value, path or name of the
-config; with the job's key they are keyed hashes (HMAC), so that a reader of the store without the key cannot guess
-even a value from a small set (``optim.lr: 0.1``) by hashing candidates.
+paths); and torch's and elastic_runner's versions. Only the config's section.key names and hashes go into the
+store, never a value or a path; with the job's key the hashes are keyed (HMAC), so that a reader of the store
+without the key cannot guess even a value from a small set (``optim.lr: 0.1``) by hashing candidates.
 
 A record is the job's only while the job runs: one older than :data:`STALE_S` (the job stopped; its rendezvous id
 used again with another configuration) is not compared against. The round's first node does not write over a fresh
@@ -55,6 +55,11 @@ REFRESH_S = 2.0
 #: not compared against either.
 STALE_S = 3 * REFRESH_S
 _HASH_CHARS = 12
+
+
+def node_local_keys() -> str:
+    """:data:`NODE_LOCAL` and :data:`NODE_LOCAL_SECTIONS`, for a line that says what may differ by node."""
+    return ", ".join(sorted(NODE_LOCAL) + [f"{section}.*" for section in sorted(NODE_LOCAL_SECTIONS)])
 
 
 def _hash(value: Any) -> str:
