@@ -24,6 +24,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from ..lifecycle import EXIT_USAGE
 from ..recovery.exclusions import lasting_store, node_name
 from ..recovery.job_config import REFRESH_S, STALE_S, JobConfigs, node_local_keys
+from ..rendezvous.options import run_scope
 from .exclusion import termination_message
 
 log = logging.getLogger(__name__)
@@ -51,7 +52,7 @@ def job_records(handler: Any, key: bytes | None, clock: Callable[[], float] = ti
     except Exception:  # noqa: BLE001 - a handler without a run id keeps no records
         return None
     store = lasting_store(handler, STALE_S)
-    return None if store is None else JobConfigs(store, run_id, key, clock)
+    return None if store is None else JobConfigs(store, run_id, key, clock, scope=run_scope())
 
 
 def refuse_if_config_differs(handler: Any, key: bytes | None, ours: dict[str, str] | None,

@@ -22,6 +22,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 
 from ..env import GOODPUT_FILE_VAR, exclusion_asked
 from ..recovery.exclusions import EXIT_EXCLUDED, Exclusions, for_handler, node_name
+from ..rendezvous.options import run_scope
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +59,7 @@ def exclusions_of(handler: Any, key: bytes | None, seconds: float | None = None)
         run_id = handler.get_run_id()
     except Exception:  # noqa: BLE001 - a handler without a run id keeps no exclusions
         return None
-    return for_handler(handler, str(run_id), key, seconds)
+    return for_handler(handler, str(run_id), key, seconds, scope=run_scope())
 
 
 def refuse_if_excluded(handler: Any, key: bytes | None) -> None:

@@ -28,7 +28,7 @@ from typing import Any, Callable
 from ..lifecycle import EXIT_EXCLUDED
 from .channel import Channel, Excluded
 
-__all__ = ["EXIT_EXCLUDED", "Exclusions", "for_handler", "lasting_store", "node_name", "NODE_NAME_VAR"]
+__all__ = ["EXIT_EXCLUDED", "Exclusions", "for_handler", "lasting_store", "node_name", "NODE_NAME_VAR", "scope_context"]
 
 log = logging.getLogger(__name__)
 
@@ -42,10 +42,12 @@ def node_name() -> str:
 
 
 class Exclusions:
-    """The exclusions of job ``run_id`` in ``store`` (set/get/check, the rendezvous' own), signed with ``key``."""
+    """The exclusions of job ``run_id`` in ``store`` (set/get/check, the rendezvous' own), signed with ``key`` and
+    bound to the run's ``scope`` (:func:`scope_context`)."""
 
-    def __init__(self, store: Any, run_id: str, key: bytes | None, clock: Callable[[], float] = time.time) -> None:
-        self.channel, self.run_id, self._clock = Channel(store, key), run_id, clock
+    def __init__(self, store: Any, run_id: str, key: bytes | None, clock: Callable[[], float] = time.time,
+                 scope: str = "") -> None:
+        self.channel, self.run_id, self._clock = Channel(store, key, scope_context(scope)), run_id, clock
 
     def exclude(self, node: str, seconds: float, reason: str) -> Excluded:
         record = Excluded(self.run_id, node, self._clock() + seconds, reason[:1000])
@@ -56,6 +58,14 @@ class Exclusions:
         """The exclusion of ``node`` that is not over yet, or None."""
         record = self.channel.read(Excluded, Excluded(self.run_id, node, 0.0, "").key())
         return record if record is not None and record.until > self._clock() else None
+
+
+def scope_context(scope: str) -> str:
+    """What a lasting record's signature binds besides its key: the run's scope
+    (:data:`~elastic_runner.rendezvous.options.SCOPE_VAR`, the Job's UID on Kubernetes). The store's keys are under
+    the scope already (etcd-v3); bound in the signature too, a record copied from another run's keys (the same
+    ``--rdzv_id``, the same job key) into this run's does not verify: nobody's word."""
+    return f"scope {scope}" if scope else ""
 
 
 def _backend_of(handler: Any) -> str:
@@ -81,8 +91,10 @@ def lasting_store(handler: Any, seconds: float | None = None) -> Any | None:
     return None
 
 
-def for_handler(handler: Any, run_id: str, key: bytes | None, seconds: float | None = None) -> Exclusions | None:
+def for_handler(handler: Any, run_id: str, key: bytes | None, seconds: float | None = None,
+                scope: str = "") -> Exclusions | None:
     """The exclusions of the rendezvous ``handler`` runs (:func:`lasting_store`); None where it keeps none.
-    ``seconds``: the lifetime of a record written through it (etcd-v3 gives it a lease that long)."""
+    ``seconds``: the lifetime of a record written through it (etcd-v3 gives it a lease that long); ``scope``: the
+    run's (:func:`scope_context`)."""
     store = lasting_store(handler, seconds)
-    return None if store is None else Exclusions(store, run_id, key)
+    return None if store is None else Exclusions(store, run_id, key, scope=scope)

@@ -35,6 +35,7 @@ import time
 from typing import Any, Callable, Sequence
 
 from .channel import Channel, JobConfig
+from .exclusions import scope_context
 
 log = logging.getLogger(__name__)
 
@@ -131,8 +132,10 @@ def differing(ours: dict[str, str], theirs: dict[str, str]) -> list[str]:
 class JobConfigs:
     """The record of job ``run_id``'s configuration in ``store`` (the rendezvous' own), signed with ``key``."""
 
-    def __init__(self, store: Any, run_id: str, key: bytes | None, clock: Callable[[], float] = time.time) -> None:
-        self.channel, self.run_id, self._clock, self._key = Channel(store, key), run_id, clock, key
+    def __init__(self, store: Any, run_id: str, key: bytes | None, clock: Callable[[], float] = time.time,
+                 scope: str = "") -> None:
+        self.channel = Channel(store, key, scope_context(scope))  # (bound to the run's scope, as exclusions are)
+        self.run_id, self._clock, self._key = run_id, clock, key
 
     def record(self, node: str, keys: dict[str, str]) -> JobConfig:
         """Record ``keys`` (a :func:`digest`) as the running job's, written by ``node``."""

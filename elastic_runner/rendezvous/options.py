@@ -240,6 +240,11 @@ def parse_options(params: "RendezvousParameters") -> EtcdOptions:
 #: Kubernetes manifests set it to the Job's UID (downward API); elsewhere a new ``--rdzv_id`` per run does the same.
 SCOPE_VAR = "ELASTIC_RUNNER_RDZV_SCOPE"
 
+
+def run_scope() -> str:
+    """This run's scope (:data:`SCOPE_VAR`; "" where unset), which the run's lasting records are bound to as well."""
+    return os.environ.get(SCOPE_VAR, "")
+
 #: Hosts that are this machine: a rendezvous there needs no key to keep other machines out.
 LOOPBACK_HOSTS = ("127.0.0.1", "::1", "localhost")
 

@@ -83,6 +83,15 @@ def test_a_free_form_value_is_hashed_whole_so_its_own_keys_never_reach_the_store
     assert found is not None and records.differing(keys, found) == [], "keys with '=' or ';' in them compare equal"
 
 
+def test_a_record_of_another_runs_scope_is_not_the_running_jobs(tmp_path: Path) -> None:
+    keys = digest(_cfg(tmp_path))
+    store = tdist.HashStore()
+    JobConfigs(store, "job1", KEY, scope="uid-old").record("node-a", keys)
+    assert JobConfigs(store, "job1", KEY, scope="uid-old").running() is not None
+    assert JobConfigs(store, "job1", KEY, scope="uid-new").running() is None, \
+        "an earlier run's record (same id, same key) does not verify in this run's scope"
+
+
 def test_the_record_holds_keyed_hashes_not_values(tmp_path: Path) -> None:
     secret_path = "/data/customer-42/corpus"
     keys = digest(_cfg(tmp_path, f"data.path={secret_path}"))

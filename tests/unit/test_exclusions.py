@@ -18,6 +18,7 @@ from elastic_runner.config import ConfigError, load_config
 from elastic_runner.env import EXCLUDE_FILE, GOODPUT_FILE_VAR, ask_to_exclude_this_node, exclusion_asked
 from elastic_runner.recovery.exclusions import EXIT_EXCLUDED, NODE_NAME_VAR, Exclusions
 from elastic_runner.rendezvous.leases import LeasedSlots
+from elastic_runner.rendezvous.options import SCOPE_VAR
 from elastic_runner.testing.memory_etcd import MemoryEtcd, MemoryKV
 
 from ..support import Clock
@@ -60,6 +61,20 @@ def test_on_etcd_a_record_lives_under_a_lease_as_long_as_the_exclusion() -> None
     assert exclusions.find("node-b") is None
     assert MemoryKV(server).get(b"/er/job1/lasting/elastic_runner/excluded/job1/node-b")[0] is None, \
         "etcd deleted the key itself"
+
+
+def test_a_record_copied_from_another_run_under_the_same_id_keeps_nobody_out() -> None:
+    """The run's scope (the Job's UID on Kubernetes) is in the etcd key and in the signature: a record of an earlier run
+    with the same ``--rdzv_id`` and job key, copied into this run's keys by whoever can write etcd, is nobody's word."""
+    server = MemoryEtcd(clock=Clock())
+    old = LeasedSlots(MemoryKV(server), b"/er/job1/scope/uid-old/lasting/", None)
+    new = LeasedSlots(MemoryKV(server), b"/er/job1/scope/uid-new/lasting/", None)
+    Exclusions(old, "job1", KEY, scope="uid-old").exclude("node-b", 600, "slow")
+    assert Exclusions(old, "job1", KEY, scope="uid-old").find("node-b") is not None
+    key = "elastic_runner/excluded/job1/node-b"
+    new.set(key, old.get(key))
+    assert Exclusions(new, "job1", KEY, scope="uid-new").find("node-b") is None
+    assert Exclusions(new, "job1", KEY).find("node-b") is None, "nor in a run that has no scope"
 
 
 # -- the worker asks, its agent reads once -------------------------------------------------------------------
@@ -113,6 +128,17 @@ def test_an_evicted_node_is_recorded_and_then_refused_with_its_own_exit_status(
         refuse_if_excluded(handler, KEY)
     assert agent_exit_status(refused.value) == EXIT_EXCLUDED
     refuse_if_excluded(FakeHandler(), KEY)  # another job's rendezvous: nothing recorded, nobody refused
+
+
+def test_the_agent_binds_its_records_to_the_runs_scope(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(NODE_NAME_VAR, "node-b")
+    handler = FakeHandler()
+    monkeypatch.setenv(SCOPE_VAR, "uid-old")
+    assert leave_excluded(handler, KEY, "slow", 600, nodes_now=3) is not None
+    with pytest.raises(NodeRefused):
+        refuse_if_excluded(handler, KEY)
+    monkeypatch.setenv(SCOPE_VAR, "uid-new")  # the same store and id, another run: the old record is not its word
+    refuse_if_excluded(handler, KEY)
 
 
 def test_a_node_stays_where_the_job_would_fall_below_its_minimum(monkeypatch: pytest.MonkeyPatch) -> None:
