@@ -827,10 +827,18 @@ class _Warnings(logging.Handler):
     def __init__(self) -> None:
         super().__init__(logging.WARNING)
         self.by_file: dict[str, int] = {}
+        self.unsafe: list[str] = []  #: warnings a planted line could forge or break: a newline, no UTF-8 encoding
 
     def emit(self, record: logging.LogRecord) -> None:
         name = str(record.args[0]) if isinstance(record.args, tuple) and record.args else "?"
         self.by_file[name] = self.by_file.get(name, 0) + 1
+        message = record.getMessage()
+        try:
+            message.encode("utf-8")
+        except UnicodeEncodeError:
+            self.unsafe.append(ascii(message))
+        if "\n" in message or "\r" in message:
+            self.unsafe.append(ascii(message))
 
 
 def _drive_intervals(events: list[dict[str, Any]]) -> tuple[str, list[float]]:
@@ -917,6 +925,7 @@ def test_a_malformed_event_line_is_skipped_and_no_consumer_of_events_raises(even
     finally:
         logger.removeHandler(warnings)
     findings.check()
+    assert not warnings.unsafe, f"a planted line reached the log unescaped: {warnings.unsafe[:3]}"
 
 
 def plant_lines(rng: random.Random, files: dict[str, list[bytes]], originals: dict[str, list[bytes]],
