@@ -111,6 +111,18 @@ def fails_on_its_device_once(num_classes: int, channels: int = 16, hidden: int =
     return _FailsOnItsDevice(num_classes, channels, hidden, rank, at_forward, once_file)
 
 
+def built_while_no_gate(num_classes: int, channels: int = 16, hidden: int = 64, gate_file: str = "",
+                        most_s: float = 60.0) -> torch.nn.Module:
+    """``model.name: tests.broken_components:built_while_no_gate``: configs/quickstart.yaml's cnn (the same parameters,
+    initialised alike), whose construction waits while ``gate_file`` exists (at most ``most_s``): a process building
+    the workload (a worker's start, a standby's warm-up) stays in that moment for as long as the test holds the
+    gate."""
+    deadline = time.monotonic() + most_s
+    while gate_file and os.path.exists(gate_file) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return SmallCNN((1, 8, 8), num_classes, channels=channels, hidden=hidden)
+
+
 def digits_with_poisoned_samples(poisoned: list[int] | None = None) -> tuple[torch.utils.data.Dataset,
                                                                                torch.utils.data.Dataset]:
     """``data.name: tests.broken_components:digits_with_poisoned_samples``: the shipped digits (train / test split as

@@ -214,6 +214,53 @@ def test_a_standby_that_died_leaves_the_place_to_a_new_process(
 
 
 @pytest.mark.slow
+def test_a_worker_killed_while_its_nodes_standby_still_builds_gets_that_standby_once_built_and_ends_bitwise(
+        reference_model: Any, local_job: Any, tmp_path: Path) -> None:
+    """The standby warm-up cell: rank 1's worker is killed, its node's standby takes the place and the agent starts
+    another, whose build the test holds (its model waits on a gate file); rank 1's worker is killed again while that
+    one still builds. The agent hands it the place anyway, the survivor waits, and once it is built it trains as
+    rank 1: no new process, no restart of the others, the run the uninterrupted one."""
+    gate = tmp_path / "gate"
+    model = {"name": "tests.broken_components:built_while_no_gate",
+             "params": {"channels": 16, "hidden": 64, "gate_file": str(gate)}}
+    config = write_config(tmp_path / "gated.yaml", **RESUME_SECTIONS, model=model)
+    job = _started(local_job, config, "elastic-runner", "dist.heartbeat_seconds=2")
+    run_dir = Path(job.run_dir)
+    try:
+        workers, standbys = _stopped_with_standbys_ready(job, 130)
+        node = next(w for w in workers if w.rank == 1).agent
+        gate.touch()  # every build from now on waits: the next standby's
+        first = _kill(job, workers, rank=1)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            started = [e["pid"] for e in _agent_events(run_dir, "standby_started")
+                       if e["source"].endswith(f"-{node.pid}") and e["pid"] != standbys[node.pid]]
+            if started:
+                break
+            time.sleep(0.05)
+        else:
+            pytest.fail("the node started no second standby within 60 s\n" + job.logs_tail())
+        building = started[0]
+        workers, _ = stop_workers_at_step(job, 200, count=2, replacing=[])
+        assert not [e for e in _agent_events(run_dir, "standby_ready") if e["pid"] == building], \
+            "the second standby is still building (held at the gate)"
+        second = _kill(job, workers, rank=1)
+        time.sleep(1.0)  # the survivor waits for the place's new holder, which still builds
+    finally:
+        gate.unlink(missing_ok=True)
+    _ends_as_the_uninterrupted_run(job, reference_model, tmp_path)
+
+    replaced = _agent_events(run_dir, "worker_replaced")
+    assert [(e["pid"], e["new_pid"], e["standby"]) for e in replaced] == [
+        (first.pid, standbys[node.pid], True), (second.pid, building, True)], replaced
+    assert not [e for e in _agent_events(run_dir, "standby_ready") if e["pid"] == building], \
+        "it was given the place before it was built"
+    starts = events(run_dir, "start")
+    assert len({e["pid"] for e in starts if e["rank"] == 0}) == 1, "rank 0 kept its process\n" + job.logs_tail()
+    assert building in [e["pid"] for e in starts if e["rank"] == 1], "the held standby trained as rank 1"
+    assert sum(agent.log_text().count("→ recovered in process in ") for agent in job.agents) == 2, job.logs_tail()
+
+
 def test_a_compiled_model_recovers_in_process_through_the_standby_bitwise(
         local_job: Any, tmp_path: Path) -> None:
     # The standby traced the compiled model ahead; whatever it ran then must not reach the training.
