@@ -22,6 +22,7 @@ from typing import Any, Callable
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
 from ..lifecycle import EXIT_USAGE
+from ..printable import printable
 from ..recovery.exclusions import lasting_store, node_name
 from ..recovery.job_config import REFRESH_S, STALE_S, JobConfigs, node_local_keys
 from ..rendezvous.options import run_scope
@@ -74,12 +75,14 @@ def refuse_if_config_differs(handler: Any, key: bytes | None, ours: dict[str, st
     keys = records.differing(ours, running)
     if not keys:
         return
-    named = ", ".join(keys[:NAMED_KEYS]) + (f" and {len(keys) - NAMED_KEYS} more" if len(keys) > NAMED_KEYS else "")
+    # (the record's keys and node are whoever wrote it: printable() keeps them to one line that encodes)
+    more = f" and {len(keys) - NAMED_KEYS} more" if len(keys) > NAMED_KEYS else ""
+    named = ", ".join(printable(k, 80) for k in keys[:NAMED_KEYS]) + more
     termination_message(f"refused: its configuration differs from the running job's ({named})")  # (Kubernetes)
     raise ConfigRefused(
         f"elastic_runner: node {node_name()} does not join job {records.run_id}: its configuration differs from the "
-        f"running job's ({named}; the job's as node {running.node} has it). Start it with the job's --config and "
-        f"--set overrides, script and versions (only {node_local_keys()} may differ by node)")
+        f"running job's ({named}; the job's as node {printable(running.node, 80)} has it). Start it with the job's "
+        f"--config and --set overrides, script and versions (only {node_local_keys()} may differ by node)")
 
 
 class ConfigRecord:

@@ -21,6 +21,7 @@ from typing import Any, Callable
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
 from ..env import GOODPUT_FILE_VAR, exclusion_asked
+from ..printable import printable
 from ..recovery.exclusions import EXIT_EXCLUDED, Exclusions, for_handler, node_name
 from ..rendezvous.options import run_scope
 
@@ -75,8 +76,8 @@ def refuse_if_excluded(handler: Any, key: bytes | None) -> None:
     if found is not None:
         left = found.until - time.time()
         raise NodeRefused(f"elastic_runner: node {found.node} is excluded from job {found.run_id} for another "
-                          f"{left:.0f} s ({found.reason}); it may join again after (recovery.exclusion_seconds), or "
-                          "once the record is removed from the rendezvous")
+                          f"{left:.0f} s ({printable(found.reason)}); it may join again after "
+                          "(recovery.exclusion_seconds), or once the record is removed from the rendezvous")
 
 
 def minimum_nodes(handler: Any) -> int:
@@ -178,7 +179,7 @@ def termination_message(text: str) -> None:
     if not os.path.isfile(path):
         return
     try:
-        with open(path, "w", encoding="utf-8") as out:
+        with open(path, "w", encoding="utf-8", errors="backslashreplace") as out:
             out.write(text[:4000])  # Kubernetes keeps 4096 bytes of it
     except OSError:
         log.debug("could not write the termination message to %s", path, exc_info=True)

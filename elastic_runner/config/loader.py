@@ -20,6 +20,7 @@ from typing import Any, Literal, Union
 
 import yaml
 
+from ..printable import printable
 from .root import SECTIONS, Config, ConfigError
 
 #: YAML 1.2's float (core schema). PyYAML implements YAML 1.1, where a float needs a dot: 3e-4 and
@@ -319,5 +320,5 @@ def diff_configs(a: dict[str, Any], b: dict[str, Any], prefix: str = "") -> list
         if isinstance(va, dict) and isinstance(vb, dict) and prefix.count(".") < 1:
             keys.extend(diff_configs(va, vb, dotted + "."))
         elif va != vb:
-            keys.append(dotted)
+            keys.append(printable(dotted, 80))  # (a key of a saved config: the snapshot's, others may write it)
     return keys

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any, Iterable, Iterator
 
 from ..data.order import EpochOrder, epoch_order
+from ..printable import printable
 
 
 def resumed_at(header: dict[str, Any], key: str = "resumed_at") -> dict[str, int] | None:
@@ -24,7 +25,7 @@ def started_from(headers: list[dict[str, Any]]) -> dict[str, Any] | None:
     for h in sorted(headers, key=lambda h: h["generation"], reverse=True):
         if (at := resumed_at(h, "started_from")) is not None:
             f, taken = h["started_from"], h["started_from"].get("taken")
-            return at | {"snapshot": str(f.get("snapshot"))[:80],
+            return at | {"snapshot": printable(f.get("snapshot"), 80),
                          "taken": taken if isinstance(taken, list) and all(type(t) is int for t in taken) else None}
     return None
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from ..files import makedirs, open_file
+from ..printable import printable
 
 EVENTS_DIR = "events"
 
@@ -195,7 +196,7 @@ def agent_stop_reason(run_dir: str | os.PathLike[str], pid: int, since: float, t
             if not isinstance(event, dict) or malformed(event) is not None or not isinstance(event.get("pids"), list):
                 continue  # no line of an agent's: it runs in a signal handler, nothing may raise here
             if event["time"] >= since and pid in event["pids"]:
-                reason = str(event.get("reason") or "a new rendezvous round")
+                reason = printable(event.get("reason") or "a new rendezvous round", 500)
                 break
     return reason
 

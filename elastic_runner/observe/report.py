@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..printable import printable
 from .events import read_events, starts_a_session
 from .goodput import Goodput
 from .goodput import measure as measure_goodput
@@ -116,7 +117,7 @@ class RunSummary:
         lines.append(f"samples lost: {self.samples_lost}")
         if self.stragglers:
             lines.append("stragglers: " + "; ".join(
-                f"rank {e['rank']} (node {e['node']}, host {e.get('host') or '?'}) named at step {e.get('step')}, "
+                f"rank {e['rank']} (node {e['node']}, host {printable(e.get('host') or '?', 80)}) named at step {e.get('step')}, "
                 f"{e['ratio']:.2f}x the median rank's own time per step" for e in self.stragglers))
         if self.sources:
             lines.append("mixture: " + ", ".join(

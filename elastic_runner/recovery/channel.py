@@ -34,6 +34,7 @@ import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any, ClassVar, TypeVar
 
+from ..printable import printable
 from ..rendezvous.seal import AuthError, Sealer
 
 log = logging.getLogger(__name__)
@@ -279,7 +280,7 @@ class Channel:
                     raise ValueError(f"its {name} is not a{'n' if kind is int else ''} {kind.__name__}")
             message = cls(**{k: float(v) if str(wanted[k]) == "float" else v for k, v in body.items()})
             if message.key() != key:
-                raise ValueError(f"it names {message.key()}, another key")
+                raise ValueError(f"it names {printable(message.key())}, another key")
         except (AuthError, ValueError) as exc:
             self._refuse(key, str(exc))
             return None

@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 import torch
 
+from ..printable import printable
 from .format import load_state_bytes, read_meta, read_verified_bytes
 from .shards import PartReader, verify_parts
 from .store import CorruptSnapshotError, SnapshotError, SnapshotRef, SnapshotStore
@@ -59,7 +60,7 @@ def find_newest(store: SnapshotStore, *, map_location: torch.device | str = "cpu
             meta = read_meta(directory)
             theirs = meta.get("run_uid")
             if run_uid and theirs and theirs != run_uid:
-                raise CorruptSnapshotError(f"{ref.name}: written by another run (run id {theirs}; this run's is "
+                raise CorruptSnapshotError(f"{ref.name}: written by another run (run id {printable(theirs, 80)}; this run's is "
                                            f"{run_uid}): copied in, not this run's state")
             data = read_verified_bytes(directory, meta, verify)
             state = load_state_bytes(data, ref.name, map_location)

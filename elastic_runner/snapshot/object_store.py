@@ -464,9 +464,9 @@ class ObjectStore:
         return candidate
 
     def generation_info(self, generation: int) -> dict[str, Any]:
-        try:
-            return json.loads(self.fs.cat_file(f"{self.prefix}/generations/{generation:06d}"))
-        except Exception:  # noqa: BLE001 - only for a message
+        try:  # only for a message; a claim in the bucket that is no JSON object says nothing
+            return info if isinstance(info := json.loads(self.fs.cat_file(f"{self.prefix}/generations/{generation:06d}")), dict) else {}
+        except Exception:  # noqa: BLE001
             return {}
 
     def check_fence(self, generation: int) -> None:

@@ -39,6 +39,7 @@ from typing import Any, Callable, Iterator, Protocol, runtime_checkable
 
 
 from ..files import dir_mode, makedirs, open_file, sharing
+from ..printable import printable
 
 NAME_RE = re.compile(r"step-([0-9]{9})-gen-([0-9]{6})", re.ASCII)
 META = "meta.json"
@@ -438,6 +439,6 @@ def fence_error(generation: int, newest: int, info: dict[str, Any], location: st
         when = "?"  # a claim's file is the run directory's: what it says is only a hint
     return StaleWriterError(
         f"generation {generation} is stale: generation {newest} was started at {when} by "
-        f"{str(info.get('host', '?'))[:80]} (pid {str(info.get('pid', '?'))[:20]}). Another rendezvous round owns {location}; this worker "
+        f"{printable(info.get('host', '?'), 80)} (pid {printable(info.get('pid', '?'), 20)}). Another rendezvous round owns {location}; this worker "
         "stops instead of overwriting its snapshots (split brain)"
     )

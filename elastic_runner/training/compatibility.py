@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..config import Config, diff_configs, resume_free_keys
+from ..printable import printable
 from ..snapshot import Loaded
 
 log = logging.getLogger(__name__)
@@ -46,7 +47,7 @@ def compatibility(meta: dict[str, Any], cfg: Config, identity: dict[str, Any] | 
                  if k not in free]
     if saved_cfg.get("run", {}).get("seed") != cfg.run.seed:
         differing.append("run.seed")
-    differing += [f"the script's {part} ({meta.get('script', {}).get(part)} -> {value})"
+    differing += [f"the script's {part} ({printable(meta.get('script', {}).get(part), 80)} -> {value})"
                   for part, value in (identity or {}).items() if meta.get("script", {}).get(part) != value]
     return Compatibility(differing=differing, model_ok=theirs.get("model") == ours["model"],
                          data_ok=theirs.get("data") == ours["data"], optim_ok=theirs.get("optim") == ours["optim"])

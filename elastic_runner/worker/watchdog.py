@@ -33,6 +33,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
+from ..printable import printable
 from ..recovery.channel import Abort, Channel, WatchdogBeat, abort_key, watchdog_key
 
 if TYPE_CHECKING:
@@ -122,7 +123,7 @@ class PeerWatchdog:
                 self._beat()
                 aborted = self.channel.read(Abort, self.abort_key)
                 if aborted is not None:
-                    self._fire(f"another rank aborted this attempt (rank {aborted.rank}: {aborted.reason})")
+                    self._fire(f"another rank aborted this attempt (rank {aborted.rank}: {printable(aborted.reason, 500)})")
                     return
                 read = self.channel.read_many(WatchdogBeat, [watchdog_key(self.generation, n) for n in self.neighbours])
                 values = {n: read[watchdog_key(self.generation, n)] for n in self.neighbours}

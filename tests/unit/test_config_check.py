@@ -176,6 +176,24 @@ def test_a_node_with_another_config_is_refused_before_its_first_round_with_exit_
     refuse_if_config_differs(handler, KEY, digest(_cfg(tmp_path, "optim.lr=0.2")), clock)  # the job ended
 
 
+def test_a_planted_record_without_the_jobs_key_is_refused_in_one_line_that_encodes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without the job's key whoever reaches the store writes the record (docs/trust.md). What it plants may keep
+    a node out, but the line that says so stays one line, and the termination message is written, whatever the
+    record's keys and node hold (a newline, a lone surrogate, a terminal's escape)."""
+    monkeypatch.setenv(NODE_NAME_VAR, "node-c")
+    monkeypatch.setenv("ELASTIC_RUNNER_TERMINATION_LOG", str(tmp_path / "termination-log"))
+    (tmp_path / "termination-log").touch()
+    handler = FakeHandler()
+    JobConfigs(handler.store, "job1", None).record("node-x\nERROR forged", {"a\n\udfff\x1b[2J": "0"})  # (sorts first)
+    with pytest.raises(ConfigRefused) as refused:
+        refuse_if_config_differs(handler, None, digest(_cfg(tmp_path)))
+    line = refused.value.line
+    assert "\n" not in line and line.encode("utf-8"), ascii(line)
+    assert "(a\\n\\udfff\\x1b[2J, " in line and "node node-x\\nERROR forged has it" in line, line
+    assert "\\udfff" in (tmp_path / "termination-log").read_text()
+
+
 def test_the_rounds_first_node_records_from_a_thread_and_the_others_do_not(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(NODE_NAME_VAR, "node-a")
     handler = FakeHandler()
