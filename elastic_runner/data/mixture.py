@@ -37,6 +37,7 @@ import numpy as np
 
 from ..config import ConfigError
 from .order import FeistelOrder, round_keys
+from ..printable import printable
 from .sampler import StepPlan
 from .sources import BadItem
 
@@ -227,7 +228,7 @@ class MixtureSampler:
                 raise ValueError(f"source {self.labels[s]!r}: {_first_difference(recorded, self._identity_records[s])}")
         if list(state["sizes"]) != self.sizes or len(state["taken"]) != len(self.sizes):
             changed = next((i for i, (a, b) in enumerate(zip(state["sizes"], self.sizes)) if a != b), None)
-            raise ValueError(f"source {self.labels[changed]!r} had {state['sizes'][changed]} samples, it has "
+            raise ValueError(f"source {self.labels[changed]!r} had {printable(state['sizes'][changed], 40)} samples, it has "
                              f"{self.sizes[changed]} now" if changed is not None else
                              f"the run had {len(state['sizes'])} sources, the config gives {len(self.sizes)}")
         self.taken = [int(n) for n in state["taken"]]
@@ -243,13 +244,13 @@ def _first_difference(before: list[dict[str, Any]], now: list[dict[str, Any]]) -
     new = {s["name"]: s for s in now}
     for name in sorted(set(old) | set(new)):
         if name not in new:
-            return f"its shard {name} is gone"
+            return f"its shard {printable(name)} is gone"  # (the start's names are the snapshot's: anyone's)
         if name not in old:
-            return f"{name} is a shard it did not have"
+            return f"{printable(name)} is a shard it did not have"
         if old[name] != new[name]:
-            diff = [f"{k} {old[name].get(k)} → {new[name].get(k)}" for k in ("size", "tokens", "check")
+            diff = [f"{k} {printable(old[name].get(k), 80)} → {new[name].get(k)}" for k in ("size", "tokens", "check")
                     if old[name].get(k) != new[name].get(k)]
-            return f"its shard {name} changed since the run started ({', '.join(diff)})"
+            return f"its shard {printable(name)} changed since the run started ({', '.join(diff)})"
     return "its shards changed since the run started"
 
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterator
 
+from ..printable import printable
 from .order import DEFAULT_ORDER, LEGACY_ORDER, EpochOrder, check_order_kind, epoch_order
 from .order import epoch_permutation as epoch_permutation  # the legacy order's array, re-exported
 
@@ -151,7 +152,7 @@ class ElasticSampler:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state["num_samples"] != self.num_samples:
             raise ValueError(
-                f"the snapshot's dataset had {state['num_samples']} samples, this one has {self.num_samples}"
+                f"the snapshot's dataset had {printable(state['num_samples'], 40)} samples, this one has {self.num_samples}"
             )
         # A state without an order kind predates them: its run used the randperm order, and continues in it.
         kind = check_order_kind(state.get("order", LEGACY_ORDER), "the snapshot's sampler order")

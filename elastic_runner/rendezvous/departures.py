@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
+from ..printable import printable
 from .kv import Compare, Delete, EtcdError, Get, KVClient
 from .rounds import NodeId, Round, Settings
 
@@ -59,7 +60,7 @@ class DepartureRole:
             found = self._client.txn((), [Get(self._node_prefix + name.encode()) for name in others]).results
         except EtcdError as exc:
             raise self._connection_error("read the round's members", exc) from exc
-        return next((f"'{name}'" for name, kv in zip(others, found) if kv is None), None)
+        return next((f"'{printable(name, 80)}'" for name, kv in zip(others, found) if kv is None), None)
 
     def count_out(self, group_ranks: Iterable[int]) -> list[str]:
         """Count members of the round this agent trains in as dead now: those whose agents its workers saw stop

@@ -29,6 +29,8 @@ import zlib
 from pathlib import Path
 from typing import Any
 
+from ..printable import printable
+
 #: The largest rendezvous state accepted, decompressed.
 MAX_STATE_BYTES = 16 << 20
 #: The shortest key accepted: 32 bytes, e.g. ``openssl rand -hex 32`` (64 hex characters).
@@ -129,7 +131,8 @@ _STATE_CLASSES = {
 class _StateUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) not in _STATE_CLASSES:
-            raise StateContentError(f"it would build {module}.{name}, which no rendezvous state holds")
+            raise StateContentError(f"it would build {printable(module, 80)}.{printable(name, 80)}, which no rendezvous "
+                                    "state holds")
         return super().find_class(module, name)
 
 

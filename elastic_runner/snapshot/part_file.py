@@ -26,6 +26,7 @@ from typing import Any, BinaryIO
 
 import torch
 
+from ..printable import printable
 from .store import in_background
 
 MAGIC = b"ERPART02"
@@ -148,7 +149,7 @@ def _entry(entry: Any, view: memoryview, base: int, name: str) -> tuple[torch.Te
     itemsize = torch.empty((), dtype=dtype).element_size()
     start, nbytes = base + entry["start"], entry["nbytes"]
     if nbytes != numel * itemsize or start + nbytes > view.nbytes or start % itemsize:
-        raise PartFormatError(f"{name}: tensor {entry['key']} does not fit the file (shape {entry['shape']}, "
+        raise PartFormatError(f"{name}: tensor {printable(entry['key'], 80)} does not fit the file (shape {entry['shape']}, "
                               f"bytes {start}..{start + nbytes} of {view.nbytes})")
     if not numel:
         return torch.empty(entry["shape"], dtype=dtype), entry["offset"]

@@ -36,6 +36,7 @@ from typing import Any, Callable
 import torch
 
 from ..files import open_file
+from ..printable import printable
 from . import part_file
 from .store import STATE, CorruptSnapshotError, SnapshotError, SnapshotUnavailableError
 
@@ -345,7 +346,8 @@ class PartReader:
         key = marker[MARKER]
         dtype = getattr(torch, str(marker.get("dtype")), None)
         if not isinstance(dtype, torch.dtype):
-            raise CorruptSnapshotError(f"{self.directory.name}: shard {key} has an unknown dtype {marker.get('dtype')!r}")
+            raise CorruptSnapshotError(f"{self.directory.name}: shard {printable(key, 80)} has an unknown dtype "
+                                       f"{marker.get('dtype')!r}")
         numel = 1
         for n in shape:
             numel *= n
@@ -398,10 +400,10 @@ def place(value: Any, like: Any, reader: PartReader | None) -> Any:
     for a sharded ``like`` becomes this rank's slice of it (a replicated snapshot loading into a sharded model)."""
     if is_marker(value):
         if reader is None:
-            raise CorruptSnapshotError(f"shard {value[MARKER]} in a snapshot that lists no parts")
+            raise CorruptSnapshotError(f"shard {printable(value[MARKER], 80)} in a snapshot that lists no parts")
         shape = value.get("shape", [])
         if not isinstance(shape, list) or not all(type(n) is int and 0 <= n < 1 << 48 for n in shape):
-            raise CorruptSnapshotError(f"shard {str(value[MARKER])[:80]} has a malformed shape {str(shape)[:80]}")
+            raise CorruptSnapshotError(f"shard {printable(value[MARKER], 80)} has a malformed shape {printable(shape, 80)}")
         if is_dtensor(like) and list(like.shape) == shape:
             offset, local = target_box(like, shape)
             return _as_dtensor(reader.box(value, offset, local), like, shape)
