@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from ..files import makedirs, open_file, private_dir
+from ..printable import printable
 from .records import (APPEND_ONLY, FROM_BUCKET, MAX_CHUNK, WHOLE_FILES, filesystem_of, records_url, split_chunk,
                       write_private)
 
@@ -59,7 +60,7 @@ def fetch_records(url: str, into: str | os.PathLike[str], fs: Any = None, max_by
         relative = key[len(prefix) + 1:]
         if relative in WHOLE_FILES:
             if size > MAX_WHOLE_FILE:
-                refused.append(f"{relative} ({size} bytes)")
+                refused.append(f"{printable(relative, 120)} ({size} bytes)")
                 continue
             fetch(key, size, target / relative)
             produced.add(relative)
@@ -69,7 +70,7 @@ def fetch_records(url: str, into: str | os.PathLike[str], fs: Any = None, max_by
             continue  # not ours (and nothing planted may name a path outside ``into``: checked there)
         relative, incarnation, lo, hi = chunk
         if size != hi - lo or size > MAX_CHUNK:  # damaged or planted: the range is a gap, its bytes never read
-            refused.append(f"{key[len(prefix) + 1:]} ({size} bytes)")
+            refused.append(f"{printable(key[len(prefix) + 1:], 120)} ({size} bytes)")
             ranges.setdefault(relative, {}).setdefault(incarnation, [])
             gaps.add(relative)
             continue
