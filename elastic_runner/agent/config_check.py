@@ -142,8 +142,8 @@ class ConfigRecord:
                     self._declined = there.node
                     log.warning("this node's configuration differs from the job's record (written by node %s: %s): "
                                 "it does not write over it. The job's nodes run with two configurations; start every "
-                                "node with the same --config and --set overrides", there.node,
-                                ", ".join(differ[:NAMED_KEYS]))
+                                "node with the same --config and --set overrides", printable(there.node, 80),
+                                ", ".join(printable(k, 80) for k in differ[:NAMED_KEYS]))
                 return False
             records.record(node_name(), self._ours)
             return True

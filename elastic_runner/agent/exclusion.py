@@ -76,7 +76,7 @@ def refuse_if_excluded(handler: Any, key: bytes | None) -> None:
     if found is not None:
         left = found.until - time.time()
         raise NodeRefused(f"elastic_runner: node {found.node} is excluded from job {found.run_id} for another "
-                          f"{left:.0f} s ({printable(found.reason)}); it may join again after "
+                          f"{left:.0f} s ({printable(found.reason, 1000)}); it may join again after "
                           "(recovery.exclusion_seconds), or once the record is removed from the rendezvous")
 
 

@@ -73,10 +73,10 @@ def check_mixture(header: dict[str, Any], final_step: int, owner: dict[int, int]
     try:
         sampler = MixtureSampler([int(s["samples"]) for s in sources], [str(s["weight"]) for s in sources],
                                  int(header["global_batch"]), seed=int(header["seed"]), shuffle=bool(header["shuffle"]),
-                                 labels=[printable(s["label"], 80) for s in sources])
+                                 labels=[printable(s["label"], 500) for s in sources])
     except (KeyError, TypeError, ValueError, ZeroDivisionError) as exc:
         return [], [f"the audit trail's mixture cannot be read back ({type(exc).__name__}: {exc})"]
-    reports = [SourceReport(printable(s["label"], 80), str(s["weight"]), int(s["samples"])) for s in sources]
+    reports = [SourceReport(printable(s["label"], 500), str(s["weight"]), int(s["samples"])) for s in sources]
     weights = [w / sampler.denominator for w in sampler.weights]
     taken = list(taken_at_start) if taken_at_start and len(taken_at_start) == len(sources) else [0] * len(sources)
     taken_before: dict[int, tuple[int, ...]] = {}

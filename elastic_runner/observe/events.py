@@ -164,7 +164,7 @@ class EventFollower:
                 elif path not in self._warned:
                     self._warned.add(path)
                     log.warning("%s: a line that is no event is skipped (%s); a writer of the run directory, or a "
-                                "process killed mid-line, left it (warned once per file)", path, problem)
+                                "process killed mid-line, left it (warned once per file)", printable(path, 500), problem)
         if new:
             new.sort(key=lambda e: e.get("time", 0))
             in_order = not self._events or new[0].get("time", 0) >= self._events[-1].get("time", 0)

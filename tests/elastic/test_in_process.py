@@ -21,6 +21,7 @@ from ..support import (
     events,
     exported_model,
     job_key_file,
+    job_step,
     kill_worker_at_step,
     run_uninterrupted,
     start_agent_while_paused,
@@ -231,6 +232,9 @@ def test_a_worker_killed_while_its_nodes_standby_still_builds_gets_that_standby_
         node = next(w for w in workers if w.rank == 1).agent
         gate.touch()  # every build from now on waits: the next standby's
         first = _kill(job, workers, rank=1)
+        # Held a few steps after the recovery while the agent starts the next standby (0.5 s after the place was
+        # taken): free-running, a fast machine could finish the run first.
+        workers, _ = stop_workers_at_step(job, job_step(job) + 3, count=2, replacing=[first])
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             started = [e["pid"] for e in _agent_events(run_dir, "standby_started")
@@ -241,7 +245,6 @@ def test_a_worker_killed_while_its_nodes_standby_still_builds_gets_that_standby_
         else:
             pytest.fail("the node started no second standby within 60 s\n" + job.logs_tail())
         building = started[0]
-        workers, _ = stop_workers_at_step(job, 200, count=2, replacing=[])
         assert not [e for e in _agent_events(run_dir, "standby_ready") if e["pid"] == building], \
             "the second standby is still building (held at the gate)"
         second = _kill(job, workers, rank=1)

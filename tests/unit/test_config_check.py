@@ -19,6 +19,7 @@ from elastic_runner.agent.terminal import agent_exit_status
 from elastic_runner.config import load_config
 from elastic_runner.lifecycle import EXIT_USAGE
 from elastic_runner.recovery.exclusions import NODE_NAME_VAR
+from elastic_runner.rendezvous.options import SCOPE_VAR
 from elastic_runner.recovery.job_config import (
     NODE_LOCAL,
     REFRESH_S,
@@ -196,6 +197,7 @@ def test_a_planted_record_without_the_jobs_key_is_refused_in_one_line_that_encod
 
 def test_the_rounds_first_node_records_from_a_thread_and_the_others_do_not(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(NODE_NAME_VAR, "node-a")
+    monkeypatch.delenv(SCOPE_VAR, raising=False)  # (read back below with no scope, as the agent writes it then)
     handler = FakeHandler()
     records = JobConfigs(handler.store, "job1", KEY)
     second = ConfigRecord(KEY, {"optim.lr": "bb"})
