@@ -98,8 +98,7 @@ def malformed(event: dict[str, Any]) -> str | None:
         if value is None and kind is str:
             continue  # an optional text left empty
         if not isinstance(value, kind) or isinstance(value, bool) or _bad_number(field, value):
-            # ascii(): a planted value (a newline, a lone surrogate) can neither forge a log line nor break its encoding
-            return f"'{field}' is {type(value).__name__} {ascii(str(value)[:20])}"
+            return f"'{field}' is {type(value).__name__} {printable(value, 20)}"  # (a planted value: printable())
     if "time" not in event or "kind" not in event:
         return "no 'time' or no 'kind'"
     missing = [f for f in REQUIRED.get(event["kind"], ()) if f not in event]
