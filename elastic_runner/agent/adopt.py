@@ -141,6 +141,7 @@ def adopt(launcher_api: Any, config: Any, entrypoint: Any, args: Sequence[Any],
         # Where its workers are handed their places in a new round. Only here: elsewhere (torch's own agent, a
         # binary entrypoint) they would park for a round that nobody hands them.
         os.environ[HANDOVER_DIR_VAR] = private
+        _serve_liveness()
     if zygote_wanted and worker_args is not None:
         # forked from this agent, which has imported torch by now
         from ..config.locations import is_url
@@ -158,6 +159,8 @@ def adopt(launcher_api: Any, config: Any, entrypoint: Any, args: Sequence[Any],
                         zygote.WARM_WAIT_S)
     else:
         _end_if_unhealthy(_start_health_check(worker_cfg, config))  # before this agent takes part in any round
+    if _liveness is not None:
+        _liveness.start()  # (its thread only now: the zygote forks only from an agent without other threads)
     fast_rendezvous.install()
     quiet_handled_failures()
     agent_metrics = AgentMetrics(agent_events(worker_cfg) if worker_cfg is not None else None)
@@ -175,6 +178,33 @@ def adopt(launcher_api: Any, config: Any, entrypoint: Any, args: Sequence[Any],
         launcher_api.LocalElasticAgent = ElasticRunnerAgent
     usable(PROCESS_GROUP_ABORT, log)
     return entrypoint, list(args), finish
+
+
+def _serve_liveness() -> None:
+    """This agent's liveness port (:mod:`elastic_runner.recovery.liveness`), bound and in the environment its workers
+    inherit before the zygote forks, answered once :func:`adopt` starts it after the fork: what survivors ask when
+    rank 0's worker's store is gone with its node."""
+    from ..env import AGENT_ID_VAR
+    from ..recovery.liveness import ALIVE_PORT_VAR, LivenessServer
+    from ..snapshot import SnapshotError
+    from ..snapshot.format import signing_key_from_environment
+
+    global _liveness
+    try:
+        key = signing_key_from_environment()
+    except SnapshotError as exc:  # the workers meet it too, and exit 2 with its line
+        log.debug("the job's key cannot be read here: %s", exc)
+        return
+    try:
+        _liveness = LivenessServer(os.environ.get(AGENT_ID_VAR, ""), key)
+    except Exception as exc:  # noqa: BLE001 - without it a lost rank 0 node costs the dead-node window, as before
+        log.warning("this agent's liveness port could not be bound (%s): if this node hosts the job's store and "
+                    "is lost, the next round waits for its lease to expire", exc)
+        return
+    os.environ[ALIVE_PORT_VAR] = str(_liveness.port)
+
+
+_liveness: Any = None  #: this agent's liveness port, for the agent's whole life
 
 
 def _nothing() -> None:

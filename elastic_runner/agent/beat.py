@@ -8,7 +8,8 @@ loss's recovery. Each agent that keeps its workers across rounds therefore beats
 agent's counter stand still for :data:`~elastic_runner.recovery.regroup.AGENT_SILENT` knows that node is gone and parks at
 once. An agent that does not beat (torch's own, an older one) is never judged: the survivors wait as before.
 
-The store's server is rank 0's worker: it goes whenever that worker ends (the job finished, the worker failed or
+The store's server is rank 0's worker, so the beats go with rank 0's node: whether that node's agent is alive is
+then asked of the agent itself (:mod:`elastic_runner.recovery.liveness`). It goes whenever that worker ends (the job finished, the worker failed or
 parked). torch logs every failed store operation as a C++ warning with a stack trace on the agent's terminal, so the
 beat keeps a bare connection to the same server beside its client and stops using a store whose server closed that
 connection, before it would write to it.

@@ -8,6 +8,8 @@ agents and their workers while it does.
 - ``channel``    the protocol's messages in the job's store (beats, announcements, generations, handles, the
   watchdog's counters and abort): typed, and signed with the job's key.
 - ``regroup``    the process group rebuilt for a new membership in the same process (in-process recovery's core).
+- ``liveness``   whether group rank 0's agent is alive once the job's store is gone with its worker (a signed
+  challenge on the agent's own port): its node's loss counted out at once.
 - ``handover``   a kept worker's place in the agent's next round (a file the agent writes, the worker reads).
 
 The worker (``elastic_runner.worker``) and the agent (``elastic_runner.agent``) sit above this floor and both use

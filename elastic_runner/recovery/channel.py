@@ -1,7 +1,8 @@
 """The recovery protocol's messages in the job's store: typed, and signed with the job's key.
 
 Agents and workers tell each other through the job's store (rank 0's ``TCPStore``, reachable by every node) that an
-agent is alive (:class:`AgentBeat`), that it stops beating on purpose (the same slot, ``stopping``), that it replaces
+agent is alive (:class:`AgentBeat`), that it stops beating on purpose (the same slot, ``stopping``), where rank 0's
+agent answers whether it is alive once that store is gone (:class:`AliveAt`: :mod:`.liveness`), that it replaces
 a failed worker (:class:`Coming`), which generation of the group a rank is in (:class:`InGeneration`), each member's
 part in a rebuilt group (:class:`Handle`, :class:`Arrived`), and the peer watchdog's counters and abort
 (:class:`WatchdogBeat`, :class:`Abort`), and, in the rendezvous' own store, which nodes are kept out of the job
@@ -68,6 +69,18 @@ class AgentBeat(Message):
 
     def key(self) -> str:
         return agent_key(self.agent)
+
+
+@dataclass(frozen=True)
+class AliveAt(Message):
+    """Rank 0's agent (named ``agent``: host, pid, start) answers whether it is alive at ``port`` on MASTER_ADDR."""
+
+    port: int
+    agent: str
+    kind: ClassVar[str] = "alive_at"
+
+    def key(self) -> str:
+        return f"{PREFIX}/alive_at"
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,8 @@ import torch
 import torch.distributed as tdist
 
 from ..dist import destroy_default_group
-from .channel import PREFIX, AgentBeat, Arrived, Channel, Coming, Handle, InGeneration, agent_key, arrived_key, \
+from . import liveness
+from .channel import PREFIX, AgentBeat, AliveAt, Arrived, Channel, Coming, Handle, InGeneration, agent_key, arrived_key, \
     generation_key, handle_key
 
 log = logging.getLogger(__name__)
@@ -375,13 +376,19 @@ class SameMembers:
 
     def __init__(self, store: Any, rank: int, world_size: int, backend: str, device: torch.device,
                  timeout: datetime.timedelta, wait: datetime.timedelta, method: str = "recreate",
-                 agents: int = 0, key: bytes | None = None, context: str = "") -> None:
+                 agents: int = 0, key: bytes | None = None, context: str = "", master_addr: str = "",
+                 alive_port: int | None = None, agent_id: str = "") -> None:
         self.rank, self.world_size, self.generation = rank, world_size, 0
         #: The round's agents (nodes): a survivor watches their beats while it waits for an announcement.
         self.agents = agents
         self.regroup = Regroup(store, str(rank), backend, timeout, method=method, device=device, wait=wait, key=key,
                                context=context)
         self.channel = self.regroup.channel
+        self._key, self._master_addr = key, master_addr
+        #: Where rank 0's agent answers whether it is alive once the job's store is gone (:mod:`.liveness`).
+        self.rank0_agent: AliveAt | None = None
+        if rank == 0 and alive_port is not None and master_addr:
+            liveness.publish(self.channel, alive_port, agent_id)  # before any peer can have formed a group with it
 
     @property
     def method(self) -> str:
@@ -395,6 +402,13 @@ class SameMembers:
         """The round's first group works (its first collective went through): a replacement of this rank may join
         the next generation."""
         self.channel.send(InGeneration(self.rank, 0))
+        self._learn_rank0_agent()
+
+    def _learn_rank0_agent(self) -> None:
+        """Read where rank 0's agent answers (rank 0's worker wrote it before its first group): after the round's
+        first group, or a replacement's first, while the job's store surely still serves."""
+        if self.rank != 0 and self.rank0_agent is None and self._master_addr:
+            self.rank0_agent = liveness.published(self.channel)
 
     def survive(self, announce_wait: datetime.timedelta = ANNOUNCE_WAIT,
                 leaving: Callable[[], bool] | None = None) -> float:
@@ -416,8 +430,7 @@ class SameMembers:
                 beats = beats or _AgentBeats(self.channel, self.agents)
                 stopped, never = beats.silent()
             except Exception as exc:  # noqa: BLE001 - the store gone with rank 0's worker
-                raise RegroupError(f"the job's store does not answer after a peer's failure ({type(exc).__name__}): "
-                                   "rank 0's node was lost") from exc
+                raise self._store_gone(exc) from exc
             if stopped or never:
                 raise RegroupError(f"the agent of node {', '.join(map(str, sorted(stopped + never)))} has not beaten "
                                    f"for {AGENT_SILENT.total_seconds():g}s since a peer's failure: that node was lost",
@@ -428,9 +441,21 @@ class SameMembers:
             time.sleep(ANNOUNCE_POLL_S)
         return self._join(generation)
 
+    def _store_gone(self, exc: Exception) -> RegroupError:
+        """The job's store stopped answering while this survivor waited: rank 0's worker ended. Whether its node went
+        with it is rank 0's agent's to answer (:mod:`.liveness`); a lost one is counted out of the next round."""
+        said = f"the job's store does not answer after a peer's failure ({type(exc).__name__})"
+        if self.rank0_agent is None:
+            return RegroupError(f"{said}: rank 0's worker ended, or its node was lost")
+        if liveness.agent_lost(self._master_addr, self.rank0_agent, self._key):
+            return RegroupError(f"{said}, nor does node 0's agent: that node was lost", lost_agents=(0,))
+        return RegroupError(f"{said}: rank 0's worker ended (node 0's agent is alive)")
+
     def replace(self) -> float:
         """This process replaces a failed worker of the same rank: join the generation after its predecessor's."""
-        return self._join(_replacement_generation(self.channel, self.rank))
+        seconds = self._join(_replacement_generation(self.channel, self.rank))
+        self._learn_rank0_agent()
+        return seconds
 
     def _members(self) -> tuple[str, ...]:
         return tuple(str(r) for r in range(self.world_size))

@@ -16,6 +16,7 @@ from ..dist import Deadline, Dist, DistError, choose_backend, choose_device
 from ..env import WorkerEnv
 from ..lifecycle import EXIT_PEER_TIMEOUT, exit_now
 from ..snapshot.format import current_signing_key
+from ..recovery import liveness
 from ..recovery.regroup import ReconfigureRefused, RegroupError, SameMembers, chosen_regroup
 
 log = logging.getLogger(__name__)
@@ -128,7 +129,8 @@ def up(env: WorkerEnv, *, backend: str = "auto", device: str = "auto",
                 same = SameMembers(store, env.rank, env.world_size, chosen, dev, timeout,
                                    datetime.timedelta(seconds=regroup_wait_seconds), method=method,
                                    agents=env.group_world_size, key=current_signing_key(),
-                                   context=f"{env.master_addr}:{env.master_port}")
+                                   context=f"{env.master_addr}:{env.master_port}", master_addr=env.master_addr,
+                                   alive_port=liveness.port_from_environment(), agent_id=env.agent_id or "")
             if same is not None and env.replaces is not None and env.rank != 0:
                 same.replace()  # the group the survivors rebuild for this process
                 joined = True

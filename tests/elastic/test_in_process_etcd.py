@@ -5,6 +5,9 @@ the lost node's lease would not form within the 45 s each test gives it:
 - a node lost (SIGKILL to its agent and workers): the survivor's worker sees the node's agent stop beating, and its
   agent counts the node out of the round (its key deleted: ``agent_members_counted_out``); this job has the job's
   key (``auth_key_file``), so the beats it judged by are signed ones (:mod:`elastic_runner.recovery.channel`);
+- group rank 0's node lost: the job's store goes with its worker, so there is no beat to read; the survivor's worker
+  challenges that node's agent on its liveness port (:mod:`elastic_runner.recovery.liveness`), finds it gone, and its
+  agent counts the node out the same way;
 - a node preempted (SIGTERM to its agent): its agent stops its workers and leaves the rendezvous (its key revoked).
 
 Either way the survivor's worker keeps its process, trains on alone, and the run's audit is clean.
@@ -43,11 +46,11 @@ def _world_after(run_dir: Path, size: int, after: float, job: Any) -> None:
                 + job.logs_tail())
 
 
-@pytest.mark.parametrize("how", ["lost", "preempted"])
+@pytest.mark.parametrize("how", ["lost", "rank 0 lost", "preempted"])
 def test_a_node_that_is_lost_or_leaves_does_not_hold_the_next_round_for_its_lease(
         how: str, resume_config: Path, local_job: Any, etcd: EtcdServer, tmp_path: Path) -> None:
     conf = WINDOW_CONF
-    if how == "lost":
+    if how != "preempted":
         conf += f",auth_key_file={job_key_file(tmp_path)}"
     job = local_job(config=str(resume_config), nnodes="1:2", rdzv_backend="etcd-v3", rdzv_endpoint=etcd.endpoint,
                     rdzv_conf=conf, overrides=["recovery.in_process=true"])
@@ -55,13 +58,13 @@ def test_a_node_that_is_lost_or_leaves_does_not_hold_the_next_round_for_its_leas
     job.start_agent()
     run_dir = Path(job.run_dir)
     workers, _ = stop_workers_at_step(job, 60, count=2, timeout=120)
-    # The node that goes is the one whose worker does not host the job's store (rank 1): rank 0's going would take
-    # the agents' beats with it, and only the lease would tell.
-    gone = next(w for w in workers if w.rank == 1)
+    # Rank 1's node: the survivor reads its agent's beat in the job's store. Rank 0's: the store and its beats go with
+    # that node's worker; only its agent's liveness port (or the lease, 90 s here) tells.
+    gone = next(w for w in workers if w.rank == (0 if how == "rank 0 lost" else 1))
     survivor = next(w for w in workers if w is not gone)
     gone_node = gone.agent
     left_at = time.time()
-    job.kill_agent(gone_node, signal.SIGKILL if how == "lost" else signal.SIGTERM)
+    job.kill_agent(gone_node, signal.SIGTERM if how == "preempted" else signal.SIGKILL)
     continue_workers(job, [w for w in workers if how == "preempted" or w is survivor])
     _world_after(run_dir, 1, left_at, job)
     codes = job.wait(timeout=240)
@@ -72,7 +75,7 @@ def test_a_node_that_is_lost_or_leaves_does_not_hold_the_next_round_for_its_leas
         "the survivor's worker kept its process\n" + job.logs_tail()
     agent_events = [e for e in read_events(run_dir) if e.get("role") == "agent"]
     counted_out = [e for e in agent_events if e["kind"] == "agent_members_counted_out"]
-    if how == "lost":
+    if how != "preempted":
         assert counted_out and counted_out[0]["source"].endswith(f"-{survivor.agent.pid}"), agent_events[-10:]
     else:  # (its survivor may count it out first, if its beat stopped before its workers did)
         assert "has left the rendezvous" in gone_node.log_text(), gone_node.log_text()[-3000:]

@@ -1,0 +1,171 @@
+"""Whether group rank 0's agent is alive once the job's store is gone: how survivors tell its node's loss apart.
+
+The job's store is served by rank 0's worker, and the agents' beats (:mod:`elastic_runner.agent.beat`) live in it.
+When rank 0's node is lost the store goes with it, so a survivor reads no beat: it cannot tell "rank 0's node is
+lost" (count it out of the next round now) from "only rank 0's worker ended" (its agent, alive, asks for the next
+round itself; counting it out would cost it that round). Without the difference the next round waited for the lost
+node's rendezvous lease or heartbeats: the dead-node window, ~3 s here, most of such a loss's recovery.
+
+So each agent that keeps its workers across rounds answers on a port of its own (:class:`LivenessServer`, from the
+agent's process: it lives exactly as long as the agent), its workers learn the port from :data:`ALIVE_PORT_VAR`,
+and rank 0's worker puts it in the job's store as soon as it serves the store (:class:`~.channel.AliveAt`); every
+other worker reads it once the round's first group works. A survivor that then finds the job's store gone asks
+:func:`agent_lost`: it sends a fresh random challenge, and the agent answers it signed with the job's key and bound
+to the agent's name (host, pid, start). The port refuses, or no answer comes within :data:`ANSWER_S`: lost, counted
+out at once. A valid answer: alive. An answer that does not verify (another process on the port, or a forger) is
+evidence of nothing and reads as alive: that only costs the wait it always cost.
+
+A challenge cannot be answered by replaying an earlier answer, and nobody without the job's key can make a lost
+agent look alive for longer than the dead-node window it always had; whoever can reach the port can hold it busy or
+cut connections and make a live agent look lost for one round (it rejoins the next: a denial of service, never a
+wrong state, as with the beats). Without a key the answer is the challenge itself, unsigned. A port that accepts and
+never answers (a machine gone mid-connection, a process stopped) reads as no answer, as a lost node's does.
+
+The port is bound before the agent forks its zygote, so that the workers inherit :data:`ALIVE_PORT_VAR`, and answered
+from a thread started after the fork (:meth:`LivenessServer.start`): the zygote is forked only from an agent that runs
+no other thread (:func:`elastic_runner.agent.zygote.fork_zygote`), and it closes every descriptor but its own.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import socket
+import threading
+import time
+from typing import Any
+
+from ..rendezvous.seal import AuthError, Sealer
+from .channel import AliveAt, Channel
+
+log = logging.getLogger(__name__)
+
+#: Set by the agent for its workers: the port it answers on (on every address of its node).
+ALIVE_PORT_VAR = "ELASTIC_RUNNER_AGENT_ALIVE_PORT"
+#: Seconds a survivor waits for the port to accept and the agent to answer (a node's network: milliseconds).
+ANSWER_S = 0.5
+CHALLENGE_BYTES = 16
+_MAX_ANSWER = 256
+
+
+def _bound(agent: str) -> bytes:
+    """What an answer's signature binds besides the challenge: the agent's name, so another agent's answer (or one
+    for another job's key) is nobody's word here."""
+    return f"elastic_runner/alive {agent}".encode()
+
+
+class LivenessServer:
+    """The agent's port that answers challenges, for the agent's whole life: bound at once, answered from daemon
+    threads once :meth:`start` ed."""
+
+    def __init__(self, agent: str, key: bytes | None) -> None:
+        self.agent = agent
+        self._sealer = Sealer(key)
+        try:
+            sock = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+            sock.bind(("::", 0))
+        except OSError:  # no IPv6 here
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.bind(("0.0.0.0", 0))
+        sock.listen(64)
+        self._sock = sock
+        self.port = int(sock.getsockname()[1])
+        self.answered = 0  #: challenges answered (for tests and logs)
+        self._closed = False
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Answer from now on (connections that came before wait in the listening queue until then)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._serve, name="elastic-runner-agent-alive", daemon=True)
+            self._thread.start()
+
+    def _serve(self) -> None:
+        while not self._closed:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:  # closed
+                return
+            threading.Thread(target=self._answer, args=(conn,), daemon=True).start()
+
+    def _answer(self, conn: socket.socket) -> None:
+        with conn:
+            try:
+                conn.settimeout(ANSWER_S)
+                challenge = _read(conn, CHALLENGE_BYTES)
+                if len(challenge) == CHALLENGE_BYTES:
+                    conn.sendall(self._sealer.seal(_bound(self.agent), challenge))
+                    self.answered += 1
+            except OSError as exc:  # the asker went away, or held the connection
+                log.debug("agent liveness: a challenge was not answered (%s)", exc)
+
+    def close(self) -> None:
+        """Stop answering (tests; the agent's port goes with its process)."""
+        self._closed = True
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)  # (wakes the blocked accept: a close alone leaves it listening)
+        except OSError:
+            pass
+        self._sock.close()
+
+
+def _read(conn: socket.socket, most: int) -> bytes:
+    data = b""
+    while len(data) < most:
+        chunk = conn.recv(most - len(data))
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
+def port_from_environment(environ: Any = None) -> int | None:
+    """This worker's agent's liveness port (:data:`ALIVE_PORT_VAR`), or None where it has none (torch's own agent, a
+    script's workers, a malformed value)."""
+    raw = (os.environ if environ is None else environ).get(ALIVE_PORT_VAR, "")
+    return int(raw) if raw.isascii() and raw.isdigit() and 0 < int(raw) < 65536 else None
+
+
+def publish(channel: Channel, port: int, agent: str) -> None:
+    """Rank 0's worker: where its agent answers (the job's store's ``channel``)."""
+    channel.send(AliveAt(port, agent))
+
+
+def published(channel: Channel) -> AliveAt | None:
+    """Where rank 0's agent answers, as rank 0's worker put it in the job's store; None where it did not."""
+    return channel.read(AliveAt, AliveAt(0, "").key())
+
+
+def agent_lost(address: str, where: AliveAt, key: bytes | None) -> bool:
+    """Whether rank 0's agent, answering at ``address`` (MASTER_ADDR) as ``where`` says, is gone: its port refuses,
+    or no answer comes within :data:`ANSWER_S`. False (alive, or no evidence) otherwise."""
+    challenge = secrets.token_bytes(CHALLENGE_BYTES)
+    deadline = time.monotonic() + ANSWER_S
+    try:
+        with socket.create_connection((address, where.port), timeout=ANSWER_S) as conn:
+            conn.sendall(challenge)
+            conn.shutdown(socket.SHUT_WR)
+            answer = b""
+            while len(answer) <= _MAX_ANSWER:
+                conn.settimeout(max(0.001, deadline - time.monotonic()))
+                chunk = conn.recv(_MAX_ANSWER + 1 - len(answer))
+                if not chunk:
+                    break
+                answer += chunk
+    except OSError as exc:  # refused, reset, or no answer in time: its process is gone
+        log.debug("rank 0's agent does not answer at %s:%d (%s)", address, where.port, exc)
+        return True
+    if not answer:
+        return True  # accepted, then closed unanswered: nobody serves the port any more
+    try:
+        if Sealer(key).open(_bound(where.agent), answer) == challenge:
+            return False
+        why = "it is not the challenge's"
+    except AuthError as exc:
+        why = str(exc)
+    log.warning("the answer at %s:%d where rank 0's agent says it answers is not its word (%s): taken as no evidence "
+                "either way. Whoever answered can reach this node's network: see docs/trust.md", address, where.port,
+                why)
+    return False

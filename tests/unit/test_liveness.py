@@ -1,0 +1,229 @@
+"""Whether group rank 0's agent is alive once the job's store is gone with rank 0's worker
+(:mod:`elastic_runner.recovery.liveness`): a survivor counts rank 0's node out of the next round only when its agent
+is gone too, and at once when its port refuses, instead of the next round waiting for that node's lease."""
+
+from __future__ import annotations
+
+import datetime
+import socket
+import threading
+import time
+from typing import Any, Iterator
+
+import pytest
+import torch
+import torch.distributed as tdist
+
+from elastic_runner.recovery import liveness
+from elastic_runner.recovery.channel import AliveAt, Channel
+from elastic_runner.recovery.regroup import RegroupError, SameMembers
+
+pytestmark = [pytest.mark.timeout(60)]
+
+KEY = b"k" * 32
+
+
+@pytest.fixture
+def server() -> Iterator[liveness.LivenessServer]:
+    alive = liveness.LivenessServer("host-1-2", KEY)
+    alive.start()
+    yield alive
+    alive.close()
+
+
+def test_a_live_agent_answers_its_challenge_at_once(server: liveness.LivenessServer) -> None:
+    started = time.monotonic()
+    assert not liveness.agent_lost("127.0.0.1", AliveAt(server.port, server.agent), KEY)
+    assert server.answered == 1
+    assert time.monotonic() - started < liveness.ANSWER_S
+
+
+def test_an_agent_whose_port_is_closed_is_lost_at_once(server: liveness.LivenessServer) -> None:
+    server.close()
+    started = time.monotonic()
+    assert liveness.agent_lost("127.0.0.1", AliveAt(server.port, server.agent), KEY)
+    assert time.monotonic() - started < liveness.ANSWER_S
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def test_a_port_that_accepts_but_never_answers_is_a_lost_agent_within_the_answer_wait() -> None:
+    # A stopped process's port (SIGSTOP, or swapped out for good): the kernel accepts, nobody answers.
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen(8)
+        started = time.monotonic()
+        assert liveness.agent_lost("127.0.0.1", AliveAt(held.getsockname()[1], "host-1-2"), KEY)
+        assert time.monotonic() - started < liveness.ANSWER_S + 0.5
+
+
+class Answering:
+    """A port that answers every challenge with ``answer(challenge)``: another process, or a forger."""
+
+    def __init__(self, answer: Any) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(8)
+        self.port, self.answer = self.sock.getsockname()[1], answer
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with conn:
+                conn.sendall(self.answer(conn.recv(64)))
+
+
+def test_an_answer_signed_for_another_agent_or_key_or_a_replayed_one_is_evidence_of_nothing(
+        caplog: pytest.LogCaptureFixture) -> None:
+    from elastic_runner.rendezvous.seal import Sealer
+
+    # A forger cannot make a lost agent look alive: it can only say nothing that counts, which leaves the next
+    # round waiting for the lease as before; and its words are logged.
+    other_agent = Answering(lambda c: Sealer(KEY).seal(b"elastic_runner/alive another", c))
+    other_key = Answering(lambda c: Sealer(b"x" * 32).seal(b"elastic_runner/alive host-1-2", c))
+    replayed = Answering(lambda c: Sealer(KEY).seal(b"elastic_runner/alive host-1-2", b"0" * 16))
+    for forger in (other_agent, other_key, replayed):
+        assert not liveness.agent_lost("127.0.0.1", AliveAt(forger.port, "host-1-2"), KEY)
+        forger.sock.close()
+    assert sum("is not its word" in r.getMessage() for r in caplog.records) == 3
+
+
+def test_without_the_job_s_key_the_answer_is_the_challenge_itself() -> None:
+    alive = liveness.LivenessServer("host-1-2", None)
+    alive.start()
+    try:
+        assert not liveness.agent_lost("127.0.0.1", AliveAt(alive.port, "host-1-2"), None)
+    finally:
+        alive.close()
+
+
+def test_the_port_is_read_from_the_environment_only_when_it_is_one() -> None:
+    assert liveness.port_from_environment({liveness.ALIVE_PORT_VAR: "29511"}) == 29511
+    for bad in ("", "0", "70000", "-3", "29511; rm", "２９５"):
+        assert liveness.port_from_environment({liveness.ALIVE_PORT_VAR: bad}) is None
+    assert liveness.port_from_environment({}) is None
+
+
+class Vanishing:
+    """The job's store of rank 0's worker, until :meth:`vanish`: then every operation fails as a reset does."""
+
+    def __init__(self) -> None:
+        self.inner, self.gone = tdist.HashStore(), False
+
+    def vanish(self) -> None:
+        self.gone = True
+
+    def __getattr__(self, name: str) -> Any:
+        if self.gone:
+            def reset(*_: Any) -> Any:
+                raise tdist.DistNetworkError("Connection reset by peer")
+            return reset
+        return getattr(self.inner, name)
+
+
+def _members(store: Any, rank: int, alive_port: int | None, agent: str = "host-1-2") -> SameMembers:
+    timeout = datetime.timedelta(seconds=5)
+    return SameMembers(store, rank, 2, "gloo", torch.device("cpu"), timeout, timeout, agents=2, key=KEY,
+                       context="127.0.0.1:1", master_addr="127.0.0.1", alive_port=alive_port, agent_id=agent)
+
+
+def test_rank_0_says_where_its_agent_answers_and_a_survivor_learns_it_once_the_first_group_works(
+        server: liveness.LivenessServer) -> None:
+    store = Vanishing()
+    _members(store, 0, server.port, server.agent)
+    survivor = _members(store, 1, None)
+    assert survivor.rank0_agent is None
+    survivor.formed()
+    assert survivor.rank0_agent == AliveAt(server.port, server.agent)
+
+
+def test_a_store_gone_while_rank_0s_agent_lives_parks_the_survivor_without_counting_that_node_out(
+        server: liveness.LivenessServer) -> None:
+    store = Vanishing()
+    _members(store, 0, server.port, server.agent)
+    survivor = _members(store, 1, None)
+    survivor.formed()
+    store.vanish()
+    with pytest.raises(RegroupError, match="rank 0's worker ended .node 0's agent is alive") as raised:
+        survivor.survive(datetime.timedelta(seconds=30))
+    assert raised.value.lost_agents == ()
+
+
+def test_a_store_gone_with_rank_0s_agent_counts_that_node_out_at_once() -> None:
+    port = _free_port()  # (rank 0's agent served there; its node is gone)
+    store = Vanishing()
+    _members(store, 0, port)
+    survivor = _members(store, 1, None)
+    survivor.formed()
+    store.vanish()
+    started = time.monotonic()
+    with pytest.raises(RegroupError, match="nor does node 0's agent: that node was lost") as raised:
+        survivor.survive(datetime.timedelta(seconds=30))
+    assert raised.value.lost_agents == (0,)
+    assert time.monotonic() - started < 2.0
+
+
+def test_without_a_word_from_rank_0_a_gone_store_counts_nobody_out() -> None:
+    # torch's own agent, or a script's workers: nothing says where rank 0's agent answers.
+    store = Vanishing()
+    _members(store, 0, None)
+    survivor = _members(store, 1, None)
+    survivor.formed()
+    store.vanish()
+    with pytest.raises(RegroupError, match="rank 0's worker ended, or its node was lost") as raised:
+        survivor.survive(datetime.timedelta(seconds=30))
+    assert raised.value.lost_agents == ()
+
+
+def test_a_forged_word_from_rank_0_is_not_taken(server: liveness.LivenessServer) -> None:
+    store = Vanishing()
+    Channel(store, b"x" * 32, "127.0.0.1:1").send(AliveAt(_free_port(), "forged"))
+    survivor = _members(store, 1, None)
+    survivor.formed()
+    assert survivor.rank0_agent is None
+
+
+def test_the_agent_serves_its_port_for_its_workers_with_the_job_s_key(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    from elastic_runner.agent import adopt
+    from elastic_runner.env import AGENT_ID_VAR
+    from elastic_runner.snapshot.format import KEY_FILE_VAR, signing_key_from_environment
+
+    key_file = tmp_path / "job.key"
+    key_file.write_bytes(b"s" * 32)
+    key_file.chmod(0o600)
+    monkeypatch.setenv(KEY_FILE_VAR, str(key_file))
+    monkeypatch.setenv(AGENT_ID_VAR, "host-7-8")
+    monkeypatch.setenv(liveness.ALIVE_PORT_VAR, "")  # (recorded: what the agent sets is undone after the test)
+    monkeypatch.setattr(adopt, "_liveness", None)
+    adopt._serve_liveness()
+    try:
+        port = liveness.port_from_environment()
+        assert adopt._liveness.answered == 0 and adopt._liveness._thread is None, \
+            "no thread before the zygote forks (it forks only from an agent without other threads)"
+        adopt._liveness.start()
+        assert port is not None
+        key = signing_key_from_environment()
+        assert not liveness.agent_lost("127.0.0.1", AliveAt(port, "host-7-8"), key)
+        assert adopt._liveness.answered == 1
+    finally:
+        adopt._liveness.close()
+
+
+def test_an_agent_whose_job_key_cannot_be_read_serves_no_port(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    from elastic_runner.agent import adopt
+    from elastic_runner.snapshot.format import KEY_FILE_VAR
+
+    monkeypatch.setenv(KEY_FILE_VAR, str(tmp_path / "missing.key"))
+    monkeypatch.setenv(liveness.ALIVE_PORT_VAR, "")  # (recorded: what the agent sets is undone after the test)
+    monkeypatch.setattr(adopt, "_liveness", None)
+    adopt._serve_liveness()  # (its workers meet the same file and exit 2 naming it)
+    assert liveness.port_from_environment() is None and adopt._liveness is None
