@@ -116,6 +116,7 @@ def adopt(launcher_api: Any, config: Any, entrypoint: Any, args: Sequence[Any],
     from .terminal import quiet_handled_failures
     from ..torch_patches import AGENT_CORRECTIONS, PROCESS_GROUP_ABORT, usable
 
+    _end_if_no_scope()
     key_file = (getattr(config, "rdzv_configs", None) or {}).get("auth_key_file")
     if key_file:
         from ..snapshot.format import KEY_FILE_VAR
@@ -228,6 +229,20 @@ def _start_health_check(worker_cfg: Any, config: Any) -> Callable[[], str | None
     if doubt:
         log.warning("%s", doubt)
     return start_check(worker_cfg.dist.device, int(getattr(config, "nproc_per_node", 1) or 1))
+
+
+def _end_if_no_scope() -> None:
+    """A malformed run scope ends the agent with one line naming the variable, before it joins a round: on etcd-v3 the
+    rendezvous would refuse it anyway, and on c10d the lasting records (exclusions, the job's configuration) are
+    bound to it."""
+    from ..lifecycle import EXIT_USAGE
+    from ..rendezvous.options import run_scope
+
+    try:
+        run_scope()
+    except ValueError as exc:
+        log.error("%s", exc)
+        raise SystemExit(EXIT_USAGE) from None
 
 
 def _end_if_unhealthy(finding: Callable[[], str | None]) -> None:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
+from ..printable import printable
 from .seal import loose_permissions, read_key
 
 if TYPE_CHECKING:
@@ -187,11 +188,8 @@ def parse_options(params: "RendezvousParameters") -> EtcdOptions:
     if not prefix.startswith("/") or "\0" in prefix:
         raise ValueError(f"The rendezvous option 'key_prefix' must start with '/' (got '{prefix}'), e.g. "
                          f"key_prefix={DEFAULT_KEY_PREFIX}.")
-    scope = os.environ.get(SCOPE_VAR, "")
+    scope = run_scope()
     if scope:
-        if not re.fullmatch(r"[A-Za-z0-9._-]{1,128}", scope):
-            raise ValueError(f"{SCOPE_VAR} is '{scope[:40]}'; it must be 1 to 128 letters, digits, '.', '_' or '-' "
-                             "(on Kubernetes it is the Job's UID, from the pod's labels).")
         prefix = f"{prefix}/scope/{scope}"  # this run's keys apart from every other run that uses the same --rdzv_id
     user = params.get("user")
     password = None
@@ -242,8 +240,13 @@ SCOPE_VAR = "ELASTIC_RUNNER_RDZV_SCOPE"
 
 
 def run_scope() -> str:
-    """This run's scope (:data:`SCOPE_VAR`; "" where unset), which the run's lasting records are bound to as well."""
-    return os.environ.get(SCOPE_VAR, "")
+    """This run's scope (:data:`SCOPE_VAR`; "" where unset), which the run's lasting records are bound to on every
+    backend and etcd-v3's keys are put under. ``ValueError`` naming the variable where it is not a scope."""
+    scope = os.environ.get(SCOPE_VAR, "")
+    if scope and not re.fullmatch(r"[A-Za-z0-9._-]{1,128}", scope):
+        raise ValueError(f"{SCOPE_VAR} is '{printable(scope, 40)}'; it must be 1 to 128 letters, digits, '.', '_' or "
+                         "'-' (on Kubernetes it is the Job's UID, from the pod's labels): fix or unset it")
+    return scope
 
 #: Hosts that are this machine: a rendezvous there needs no key to keep other machines out.
 LOOPBACK_HOSTS = ("127.0.0.1", "::1", "localhost")

@@ -247,3 +247,25 @@ def test_the_zygote_preloads_the_compilers_code_generator_only_for_compiled_mode
     assert result.returncode == 0, result.stdout[-3000:]
     expected = "code generator preloaded" if workers == "compiled" else "not preloaded (3)"
     assert expected in result.stdout, result.stdout[-3000:]
+
+
+@pytest.mark.parametrize("launcher", ["launch", "torchrun"])
+def test_a_malformed_run_scope_ends_the_agent_with_one_line_naming_it_on_c10d_too(
+        launcher: str, quickstart: Path, tmp_path: Path) -> None:
+    """etcd-v3 puts a run's keys under its scope and refused a malformed one; on c10d it only binds the run's lasting
+    records (exclusions, the job's configuration), and a malformed one went unnoticed. Now the agent says so before
+    it joins a round, on both."""
+    from elastic_runner.rendezvous.options import SCOPE_VAR
+
+    args = ("--standalone", "--nproc_per_node=1", "-m", "elastic_runner.train", "--config", str(quickstart),
+            "--set", f"run.dir={tmp_path}")
+    env = {"PYTHONUNBUFFERED": "1", SCOPE_VAR: "uid/../other\nforged"}
+    if launcher == "launch":
+        result = launch(*args, env=env)
+    else:
+        result = run_bounded([sys.executable, "-m", "torch.distributed.run", *args], 180, env=os.environ | env)
+    assert result.returncode == 2, result.stdout[-3000:]
+    said = [line for line in result.stdout.splitlines() if f"{SCOPE_VAR} is 'uid/../other\\nforged'" in line]
+    assert len(said) == 1 and "fix or unset it" in said[0], result.stdout[-3000:]
+    assert "forged" not in result.stdout.replace(said[0], ""), "the planted newline forged no line of its own"
+    assert not list(tmp_path.glob("events/*")), "no worker started"
