@@ -28,6 +28,8 @@ no other thread (:func:`elastic_runner.agent.zygote.fork_zygote`), and it closes
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import os
 import secrets
@@ -46,6 +48,8 @@ ALIVE_PORT_VAR = "ELASTIC_RUNNER_AGENT_ALIVE_PORT"
 #: Seconds a survivor waits for the port to accept and the agent to answer (a node's network: milliseconds).
 ANSWER_S = 0.5
 CHALLENGE_BYTES = 16
+#: Connections the port holds before it answers them (the kernel caps it at ``net.core.somaxconn``, 4096 by default).
+BACKLOG = 4096
 _MAX_ANSWER = 256
 
 
@@ -56,8 +60,10 @@ def _bound(agent: str) -> bytes:
 
 
 class LivenessServer:
-    """The agent's port that answers challenges, for the agent's whole life: bound at once, answered from daemon
-    threads once :meth:`start` ed."""
+    """The agent's port that answers challenges, for the agent's whole life: bound at once, answered once
+    :meth:`start` ed, from one daemon thread's event loop. Every survivor of a large job may ask at the same moment
+    (one connection per worker), so the connections are served together, not one thread each, and the listening queue
+    holds :data:`BACKLOG` of them: one that waited out the asker's :data:`ANSWER_S` would count a live agent out."""
 
     def __init__(self, agent: str, key: bytes | None) -> None:
         self.agent = agent
@@ -69,56 +75,60 @@ class LivenessServer:
         except OSError:  # no IPv6 here
             sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             sock.bind(("0.0.0.0", 0))
-        sock.listen(64)
+        sock.listen(BACKLOG)
         self._sock = sock
         self.port = int(sock.getsockname()[1])
         self.answered = 0  #: challenges answered (for tests and logs)
-        self._closed = False
         self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._serving = threading.Event()
 
     def start(self) -> None:
         """Answer from now on (connections that came before wait in the listening queue until then)."""
         if self._thread is None:
-            self._thread = threading.Thread(target=self._serve, name="elastic-runner-agent-alive", daemon=True)
+            self._thread = threading.Thread(target=self._run, name="elastic-runner-agent-alive", daemon=True)
             self._thread.start()
+            self._serving.wait(5)
 
-    def _serve(self) -> None:
-        while not self._closed:
-            try:
-                conn, _ = self._sock.accept()
-            except OSError:  # closed
-                return
-            threading.Thread(target=self._answer, args=(conn,), daemon=True).start()
+    def _run(self) -> None:
+        loop = asyncio.new_event_loop()
+        try:
+            loop.run_until_complete(self._serve(loop))
+        except Exception as exc:  # noqa: BLE001 - its port closed: a lost agent to survivors, never a crash here
+            log.warning("this agent's liveness port stopped answering (%s)", exc)
+        finally:
+            loop.close()
 
-    def _answer(self, conn: socket.socket) -> None:
-        with conn:
-            try:
-                conn.settimeout(ANSWER_S)
-                challenge = _read(conn, CHALLENGE_BYTES)
-                if len(challenge) == CHALLENGE_BYTES:
-                    conn.sendall(self._sealer.seal(_bound(self.agent), challenge))
-                    self.answered += 1
-            except OSError as exc:  # the asker went away, or held the connection
-                log.debug("agent liveness: a challenge was not answered (%s)", exc)
+    async def _serve(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop, self._stop = loop, asyncio.Event()
+        server = await asyncio.start_server(self._answer, sock=self._sock, backlog=BACKLOG)
+        self._serving.set()
+        async with server:
+            await self._stop.wait()
+        answering = [t for t in asyncio.all_tasks(loop) if t is not asyncio.current_task()]
+        for task in answering:  # (an asker still connected: ended with the port, not left to a closed loop)
+            task.cancel()
+        await asyncio.gather(*answering, return_exceptions=True)
+
+    async def _answer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            challenge = await asyncio.wait_for(reader.readexactly(CHALLENGE_BYTES), ANSWER_S)
+            writer.write(self._sealer.seal(_bound(self.agent), challenge))
+            await asyncio.wait_for(writer.drain(), ANSWER_S)
+            self.answered += 1
+        except (asyncio.IncompleteReadError, asyncio.TimeoutError, OSError) as exc:  # went away, or held it
+            log.debug("agent liveness: a challenge was not answered (%s)", type(exc).__name__)
+        finally:
+            writer.close()
 
     def close(self) -> None:
-        """Stop answering (tests; the agent's port goes with its process)."""
-        self._closed = True
-        try:
-            self._sock.shutdown(socket.SHUT_RDWR)  # (wakes the blocked accept: a close alone leaves it listening)
-        except OSError:
-            pass
+        """Stop answering and close the port (tests; the agent's port goes with its process)."""
+        if self._loop is not None and self._stop is not None and self._thread is not None:
+            with contextlib.suppress(RuntimeError):  # (its loop ended already)
+                self._loop.call_soon_threadsafe(self._stop.set)
+            self._thread.join(5)
         self._sock.close()
-
-
-def _read(conn: socket.socket, most: int) -> bytes:
-    data = b""
-    while len(data) < most:
-        chunk = conn.recv(most - len(data))
-        if not chunk:
-            break
-        data += chunk
-    return data
 
 
 def port_from_environment(environ: Any = None) -> int | None:

@@ -38,6 +38,25 @@ def test_a_live_agent_answers_its_challenge_at_once(server: liveness.LivenessSer
     assert time.monotonic() - started < liveness.ANSWER_S
 
 
+def test_every_survivor_of_a_large_job_asking_at_once_finds_a_live_agent_alive(
+        server: liveness.LivenessServer) -> None:
+    # One connection per worker, all at the failure's moment: none may wait out its answer in the listening queue.
+    from concurrent.futures import ThreadPoolExecutor
+
+    where = AliveAt(server.port, server.agent)
+    with ThreadPoolExecutor(max_workers=256) as pool:
+        lost = list(pool.map(lambda _: liveness.agent_lost("127.0.0.1", where, KEY), range(512)))
+    assert not any(lost) and server.answered == 512
+
+
+def test_an_asker_that_holds_its_connection_delays_nobody_else(server: liveness.LivenessServer) -> None:
+    with socket.create_connection(("127.0.0.1", server.port)) as holder:
+        holder.sendall(b"12")  # (and never the rest of its challenge)
+        started = time.monotonic()
+        assert not liveness.agent_lost("127.0.0.1", AliveAt(server.port, server.agent), KEY)
+        assert time.monotonic() - started < liveness.ANSWER_S
+
+
 def test_an_agent_whose_port_is_closed_is_lost_at_once(server: liveness.LivenessServer) -> None:
     server.close()
     started = time.monotonic()
