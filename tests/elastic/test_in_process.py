@@ -302,6 +302,10 @@ def test_with_rank_0s_worker_killed_a_new_round_keeps_the_other_nodes_worker_and
     assert len(_agent_events(run_dir, "rendezvous")) == 4, "a second round"
     kept = _agent_events(run_dir, "workers_kept")
     assert [e["source"].rsplit("-", 1)[1] for e in kept] == [str(other)], kept
+    # The survivor found the job's store gone and asked rank 0's agent on its liveness port: alive, so its node was
+    # not counted out of the round it asks for (recovery/liveness.py).
+    assert not _agent_events(run_dir, "members_counted_out"), _agent_events(run_dir, "members_counted_out")
+    assert any("node 0's agent is alive" in a.log_text() for a in job.agents), job.logs_tail()
 
 
 def test_at_four_ranks_on_two_nodes_rank_0s_worker_killed_every_other_worker_is_kept_through_a_new_round_bitwise(
