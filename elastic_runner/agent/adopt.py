@@ -117,6 +117,11 @@ def adopt(launcher_api: Any, config: Any, entrypoint: Any, args: Sequence[Any],
     from ..torch_patches import AGENT_CORRECTIONS, PROCESS_GROUP_ABORT, usable
 
     _end_if_no_scope()
+    from ..recovery.liveness import ALIVE_PORT_VAR
+
+    # Only this agent's own port (below) reaches its workers: one inherited from a process that started this agent
+    # names a port nobody here serves, and survivors would count this live node out.
+    os.environ.pop(ALIVE_PORT_VAR, None)
     key_file = (getattr(config, "rdzv_configs", None) or {}).get("auth_key_file")
     if key_file:
         from ..snapshot.format import KEY_FILE_VAR

@@ -11,8 +11,10 @@ agent's process: it lives exactly as long as the agent), its workers learn the p
 and rank 0's worker puts it in the job's store as soon as it serves the store (:class:`~.channel.AliveAt`); every
 other worker reads it once the round's first group works. A survivor that then finds the job's store gone asks
 :func:`agent_lost`: it sends a fresh random challenge, and the agent answers it signed with the job's key and bound
-to the agent's name (host, pid, start). The port refuses, or no answer comes within :data:`ANSWER_S`: lost, counted
-out at once. A valid answer: alive. An answer that does not verify (another process on the port, or a forger) is
+to the agent's name (host, pid, start). The port refuses, does not accept within :data:`CONNECT_S`, or no answer
+comes within :data:`ANSWER_S` after: lost, counted out at once. Only each node's first worker (local rank 0) asks,
+for its node's agent counts out what any of its workers found: a job of many nodes asks once per node. A valid
+answer: alive. An answer that does not verify (another process on the port, or a forger) is
 evidence of nothing and reads as alive: that only costs the wait it always cost.
 
 A challenge cannot be answered by replaying an earlier answer, and nobody without the job's key can make a lost
@@ -45,8 +47,25 @@ log = logging.getLogger(__name__)
 
 #: Set by the agent for its workers: the port it answers on (on every address of its node).
 ALIVE_PORT_VAR = "ELASTIC_RUNNER_AGENT_ALIVE_PORT"
-#: Seconds a survivor waits for the port to accept and the agent to answer (a node's network: milliseconds).
-ANSWER_S = 0.5
+#: Seconds a survivor waits for the port to accept, and then for the agent to answer (a node's network:
+#: milliseconds; the margin is for a loaded agent, whose answering thread shares its interpreter).
+CONNECT_S = 1.0
+ANSWER_S = 1.0
+
+
+def _max_open() -> int:
+    """Connections answered at once: half this process's descriptor limit, 64 to 4,096 (1,024, the usual soft limit:
+    512); more are closed unanswered, for a flood must not take the descriptors the agent's own work needs."""
+    import resource
+
+    try:
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (OSError, ValueError):
+        soft = 1024
+    return max(64, min(4096, (soft if soft != resource.RLIM_INFINITY else 8192) // 2))
+
+
+MAX_OPEN = _max_open()
 CHALLENGE_BYTES = 16
 #: Connections the port holds before it answers them (the kernel caps it at ``net.core.somaxconn``, 4096 by default).
 BACKLOG = 4096
@@ -68,11 +87,14 @@ class LivenessServer:
     def __init__(self, agent: str, key: bytes | None) -> None:
         self.agent = agent
         self._sealer = Sealer(key)
+        sock: socket.socket | None = None
         try:
             sock = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
             sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
             sock.bind(("::", 0))
         except OSError:  # no IPv6 here
+            if sock is not None:
+                sock.close()
             sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             sock.bind(("0.0.0.0", 0))
         sock.listen(BACKLOG)
@@ -83,6 +105,7 @@ class LivenessServer:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
         self._serving = threading.Event()
+        self._open = 0  #: connections being answered now
 
     def start(self) -> None:
         """Answer from now on (connections that came before wait in the listening queue until then)."""
@@ -96,8 +119,11 @@ class LivenessServer:
         try:
             loop.run_until_complete(self._serve(loop))
         except Exception as exc:  # noqa: BLE001 - its port closed: a lost agent to survivors, never a crash here
-            log.warning("this agent's liveness port stopped answering (%s)", exc)
+            log.warning("this agent's liveness port stopped answering (%s): if this node hosts the job's store, "
+                        "survivors count it out of the next round when its worker ends", exc)
         finally:
+            self._serving.set()
+            self._sock.close()  # (refused from now on, never accepted and left unanswered)
             loop.close()
 
     async def _serve(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -112,6 +138,10 @@ class LivenessServer:
         await asyncio.gather(*answering, return_exceptions=True)
 
     async def _answer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self._open >= MAX_OPEN:
+            writer.close()
+            return
+        self._open += 1
         try:
             challenge = await asyncio.wait_for(reader.readexactly(CHALLENGE_BYTES), ANSWER_S)
             writer.write(self._sealer.seal(_bound(self.agent), challenge))
@@ -120,6 +150,7 @@ class LivenessServer:
         except (asyncio.IncompleteReadError, asyncio.TimeoutError, OSError) as exc:  # went away, or held it
             log.debug("agent liveness: a challenge was not answered (%s)", type(exc).__name__)
         finally:
+            self._open -= 1
             writer.close()
 
     def close(self) -> None:
@@ -148,13 +179,23 @@ def published(channel: Channel) -> AliveAt | None:
     return channel.read(AliveAt, AliveAt(0, "").key())
 
 
-def agent_lost(address: str, where: AliveAt, key: bytes | None) -> bool:
-    """Whether rank 0's agent, answering at ``address`` (MASTER_ADDR) as ``where`` says, is gone: its port refuses,
-    or no answer comes within :data:`ANSWER_S`. False (alive, or no evidence) otherwise."""
-    challenge = secrets.token_bytes(CHALLENGE_BYTES)
-    deadline = time.monotonic() + ANSWER_S
+def numeric_address(host: str, port: int) -> str:
+    """``host`` (MASTER_ADDR: often a name) as the address to connect to, looked up now, while the job's store still
+    serves: once it is gone a survivor must not wait on a name lookup. ``host`` itself where the lookup fails."""
     try:
-        with socket.create_connection((address, where.port), timeout=ANSWER_S) as conn:
+        return str(socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][4][0])
+    except (OSError, UnicodeError, IndexError):
+        return host
+
+
+def agent_lost(address: str, where: AliveAt, key: bytes | None) -> bool:
+    """Whether rank 0's agent, answering at ``address`` (MASTER_ADDR's numeric address: :func:`numeric_address`) as
+    ``where`` says, is gone: its port refuses, does not accept within :data:`CONNECT_S`, or no answer comes within
+    :data:`ANSWER_S` after. False (alive, or no evidence) otherwise."""
+    challenge = secrets.token_bytes(CHALLENGE_BYTES)
+    try:
+        with socket.create_connection((address, where.port), timeout=CONNECT_S) as conn:
+            deadline = time.monotonic() + ANSWER_S
             conn.sendall(challenge)
             conn.shutdown(socket.SHUT_WR)
             answer = b""

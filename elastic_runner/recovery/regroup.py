@@ -377,7 +377,7 @@ class SameMembers:
     def __init__(self, store: Any, rank: int, world_size: int, backend: str, device: torch.device,
                  timeout: datetime.timedelta, wait: datetime.timedelta, method: str = "recreate",
                  agents: int = 0, key: bytes | None = None, context: str = "", master_addr: str = "",
-                 alive_port: int | None = None, agent_id: str = "") -> None:
+                 alive_port: int | None = None, agent_id: str = "", asks_rank0_agent: bool = True) -> None:
         self.rank, self.world_size, self.generation = rank, world_size, 0
         #: The round's agents (nodes): a survivor watches their beats while it waits for an announcement.
         self.agents = agents
@@ -385,8 +385,11 @@ class SameMembers:
                                context=context)
         self.channel = self.regroup.channel
         self._key, self._master_addr = key, master_addr
-        #: Where rank 0's agent answers whether it is alive once the job's store is gone (:mod:`.liveness`).
+        #: Where rank 0's agent answers whether it is alive once the job's store is gone (:mod:`.liveness`), and
+        #: MASTER_ADDR's numeric address (looked up while the store serves); only where this worker is the one of its
+        #: node that asks (``asks_rank0_agent``: local rank 0; its agent counts out what any of its workers found).
         self.rank0_agent: AliveAt | None = None
+        self._rank0_address, self._asks = "", asks_rank0_agent
         if rank == 0 and alive_port is not None and master_addr:
             liveness.publish(self.channel, alive_port, agent_id)  # before any peer can have formed a group with it
 
@@ -407,8 +410,10 @@ class SameMembers:
     def _learn_rank0_agent(self) -> None:
         """Read where rank 0's agent answers (rank 0's worker wrote it before its first group): after the round's
         first group, or a replacement's first, while the job's store surely still serves."""
-        if self.rank != 0 and self.rank0_agent is None and self._master_addr:
+        if self.rank != 0 and self._asks and self.rank0_agent is None and self._master_addr:
             self.rank0_agent = liveness.published(self.channel)
+            if self.rank0_agent is not None:
+                self._rank0_address = liveness.numeric_address(self._master_addr, self.rank0_agent.port)
 
     def survive(self, announce_wait: datetime.timedelta = ANNOUNCE_WAIT,
                 leaving: Callable[[], bool] | None = None) -> float:
@@ -447,7 +452,7 @@ class SameMembers:
         said = f"the job's store does not answer after a peer's failure ({type(exc).__name__})"
         if self.rank0_agent is None:
             return RegroupError(f"{said}: rank 0's worker ended, or its node was lost")
-        if liveness.agent_lost(self._master_addr, self.rank0_agent, self._key):
+        if liveness.agent_lost(self._rank0_address, self.rank0_agent, self._key):
             return RegroupError(f"{said}, nor does node 0's agent: that node was lost", lost_agents=(0,))
         return RegroupError(f"{said}: rank 0's worker ended (node 0's agent is alive)")
 

@@ -130,7 +130,8 @@ def up(env: WorkerEnv, *, backend: str = "auto", device: str = "auto",
                                    datetime.timedelta(seconds=regroup_wait_seconds), method=method,
                                    agents=env.group_world_size, key=current_signing_key(),
                                    context=f"{env.master_addr}:{env.master_port}", master_addr=env.master_addr,
-                                   alive_port=liveness.port_from_environment(), agent_id=env.agent_id or "")
+                                   alive_port=liveness.port_from_environment(), agent_id=env.agent_id or "",
+                                   asks_rank0_agent=env.local_rank == 0)
             if same is not None and env.replaces is not None and env.rank != 0:
                 same.replace()  # the group the survivors rebuild for this process
                 joined = True

@@ -77,7 +77,7 @@ def test_a_port_that_accepts_but_never_answers_is_a_lost_agent_within_the_answer
         held.listen(8)
         started = time.monotonic()
         assert liveness.agent_lost("127.0.0.1", AliveAt(held.getsockname()[1], "host-1-2"), KEY)
-        assert time.monotonic() - started < liveness.ANSWER_S + 0.5
+        assert time.monotonic() - started < liveness.ANSWER_S + 1.0
 
 
 class Answering:
@@ -148,10 +148,12 @@ class Vanishing:
         return getattr(self.inner, name)
 
 
-def _members(store: Any, rank: int, alive_port: int | None, agent: str = "host-1-2") -> SameMembers:
+def _members(store: Any, rank: int, alive_port: int | None, agent: str = "host-1-2", asks: bool = True,
+             master_addr: str = "127.0.0.1") -> SameMembers:
     timeout = datetime.timedelta(seconds=5)
     return SameMembers(store, rank, 2, "gloo", torch.device("cpu"), timeout, timeout, agents=2, key=KEY,
-                       context="127.0.0.1:1", master_addr="127.0.0.1", alive_port=alive_port, agent_id=agent)
+                       context="127.0.0.1:1", master_addr=master_addr, alive_port=alive_port, agent_id=agent,
+                       asks_rank0_agent=asks)
 
 
 def test_rank_0_says_where_its_agent_answers_and_a_survivor_learns_it_once_the_first_group_works(
@@ -246,3 +248,53 @@ def test_an_agent_whose_job_key_cannot_be_read_serves_no_port(monkeypatch: pytes
     monkeypatch.setattr(adopt, "_liveness", None)
     adopt._serve_liveness()  # (its workers meet the same file and exit 2 naming it)
     assert liveness.port_from_environment() is None and adopt._liveness is None
+
+
+def test_only_a_nodes_first_worker_asks_its_node_s_agent_counts_out_what_it_found() -> None:
+    # A job of many nodes asks rank 0's agent once per node, not once per worker.
+    store = Vanishing()
+    _members(store, 0, _free_port())
+    second = _members(store, 1, None, asks=False)
+    second.formed()
+    assert second.rank0_agent is None
+    store.vanish()
+    with pytest.raises(RegroupError, match="rank 0's worker ended, or its node was lost") as raised:
+        second.survive(datetime.timedelta(seconds=30))
+    assert raised.value.lost_agents == ()
+
+
+def test_master_addr_as_a_name_is_looked_up_while_the_store_serves(
+        server: liveness.LivenessServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = Vanishing()
+    _members(store, 0, server.port, server.agent, master_addr="localhost")
+    survivor = _members(store, 1, None, master_addr="localhost")
+    survivor.formed()
+    store.vanish()
+
+    real = socket.getaddrinfo
+
+    def no_lookup(host: Any, *args: Any, **kwargs: Any) -> Any:
+        if host == "localhost":
+            raise AssertionError("a name looked up after the store was gone")
+        return real(host, *args, **kwargs)  # (a numeric address: no lookup)
+
+    monkeypatch.setattr(socket, "getaddrinfo", no_lookup)
+    with pytest.raises(RegroupError, match="node 0's agent is alive"):
+        survivor.survive(datetime.timedelta(seconds=30))
+
+
+def test_more_askers_at_once_than_it_answers_are_closed_unanswered_not_queued(
+        server: liveness.LivenessServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A flood must not take the agent's descriptors: beyond MAX_OPEN held connections, new ones are closed at once.
+    monkeypatch.setattr(liveness, "MAX_OPEN", 3)
+    holders = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(3)]
+    try:
+        time.sleep(0.2)  # (accepted and waiting for their challenges)
+        assert liveness.agent_lost("127.0.0.1", AliveAt(server.port, server.agent), KEY)
+        for holder in holders:
+            holder.close()
+        time.sleep(0.2)
+        assert not liveness.agent_lost("127.0.0.1", AliveAt(server.port, server.agent), KEY)
+    finally:
+        for holder in holders:
+            holder.close()
