@@ -156,6 +156,18 @@ def _members(store: Any, rank: int, alive_port: int | None, agent: str = "host-1
                        asks_rank0_agent=asks)
 
 
+def _survivor_of_a_gone_store(rank0_port: int | None, agent: str = "host-1-2", asks: bool = True,
+                              master_addr: str = "127.0.0.1") -> SameMembers:
+    """Rank 1, after the round's first group formed with a rank 0 whose agent answers at ``rank0_port``; then the
+    job's store goes with rank 0's worker."""
+    store = Vanishing()
+    _members(store, 0, rank0_port, agent, master_addr=master_addr)
+    survivor = _members(store, 1, None, asks=asks, master_addr=master_addr)
+    survivor.formed()
+    store.vanish()
+    return survivor
+
+
 def test_rank_0_says_where_its_agent_answers_and_a_survivor_learns_it_once_the_first_group_works(
         server: liveness.LivenessServer) -> None:
     store = Vanishing()
@@ -168,23 +180,14 @@ def test_rank_0_says_where_its_agent_answers_and_a_survivor_learns_it_once_the_f
 
 def test_a_store_gone_while_rank_0s_agent_lives_parks_the_survivor_without_counting_that_node_out(
         server: liveness.LivenessServer) -> None:
-    store = Vanishing()
-    _members(store, 0, server.port, server.agent)
-    survivor = _members(store, 1, None)
-    survivor.formed()
-    store.vanish()
+    survivor = _survivor_of_a_gone_store(server.port, server.agent)
     with pytest.raises(RegroupError, match="rank 0's worker ended .node 0's agent is alive") as raised:
         survivor.survive(datetime.timedelta(seconds=30))
     assert raised.value.lost_agents == ()
 
 
 def test_a_store_gone_with_rank_0s_agent_counts_that_node_out_at_once() -> None:
-    port = _free_port()  # (rank 0's agent served there; its node is gone)
-    store = Vanishing()
-    _members(store, 0, port)
-    survivor = _members(store, 1, None)
-    survivor.formed()
-    store.vanish()
+    survivor = _survivor_of_a_gone_store(_free_port())  # (rank 0's agent served there; its node is gone)
     started = time.monotonic()
     with pytest.raises(RegroupError, match="nor does node 0's agent: that node was lost") as raised:
         survivor.survive(datetime.timedelta(seconds=30))
@@ -194,11 +197,7 @@ def test_a_store_gone_with_rank_0s_agent_counts_that_node_out_at_once() -> None:
 
 def test_without_a_word_from_rank_0_a_gone_store_counts_nobody_out() -> None:
     # torch's own agent, or a script's workers: nothing says where rank 0's agent answers.
-    store = Vanishing()
-    _members(store, 0, None)
-    survivor = _members(store, 1, None)
-    survivor.formed()
-    store.vanish()
+    survivor = _survivor_of_a_gone_store(None)
     with pytest.raises(RegroupError, match="rank 0's worker ended, or its node was lost") as raised:
         survivor.survive(datetime.timedelta(seconds=30))
     assert raised.value.lost_agents == ()
@@ -252,12 +251,8 @@ def test_an_agent_whose_job_key_cannot_be_read_serves_no_port(monkeypatch: pytes
 
 def test_only_a_nodes_first_worker_asks_its_node_s_agent_counts_out_what_it_found() -> None:
     # A job of many nodes asks rank 0's agent once per node, not once per worker.
-    store = Vanishing()
-    _members(store, 0, _free_port())
-    second = _members(store, 1, None, asks=False)
-    second.formed()
+    second = _survivor_of_a_gone_store(_free_port(), asks=False)
     assert second.rank0_agent is None
-    store.vanish()
     with pytest.raises(RegroupError, match="rank 0's worker ended, or its node was lost") as raised:
         second.survive(datetime.timedelta(seconds=30))
     assert raised.value.lost_agents == ()
@@ -265,12 +260,7 @@ def test_only_a_nodes_first_worker_asks_its_node_s_agent_counts_out_what_it_foun
 
 def test_master_addr_as_a_name_is_looked_up_while_the_store_serves(
         server: liveness.LivenessServer, monkeypatch: pytest.MonkeyPatch) -> None:
-    store = Vanishing()
-    _members(store, 0, server.port, server.agent, master_addr="localhost")
-    survivor = _members(store, 1, None, master_addr="localhost")
-    survivor.formed()
-    store.vanish()
-
+    survivor = _survivor_of_a_gone_store(server.port, server.agent, master_addr="localhost")
     real = socket.getaddrinfo
 
     def no_lookup(host: Any, *args: Any, **kwargs: Any) -> Any:
