@@ -40,6 +40,7 @@ import threading
 import time
 from typing import Any
 
+from ..rendezvous.ports import every_address_socket
 from ..rendezvous.seal import AuthError, Sealer
 from .channel import AliveAt, Channel
 
@@ -87,16 +88,7 @@ class LivenessServer:
     def __init__(self, agent: str, key: bytes | None) -> None:
         self.agent = agent
         self._sealer = Sealer(key)
-        sock: socket.socket | None = None
-        try:
-            sock = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
-            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-            sock.bind(("::", 0))
-        except OSError:  # no IPv6 here
-            if sock is not None:
-                sock.close()
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            sock.bind(("0.0.0.0", 0))
+        sock = every_address_socket()  # (as the job's store binds: reachable at MASTER_ADDR, whatever it names)
         sock.listen(BACKLOG)
         self._sock = sock
         self.port = int(sock.getsockname()[1])

@@ -26,6 +26,13 @@ def reuseport_socket(port: int = 0) -> socket.socket:
     reuse_port = getattr(socket, "SO_REUSEPORT", None)
     if reuse_port is None:  # pragma: no cover - not Linux
         raise OSError("SO_REUSEPORT is not available")
+    return every_address_socket(port, reuse_port=True)
+
+
+def every_address_socket(port: int = 0, reuse_port: bool = False) -> socket.socket:
+    """A TCP socket bound to ``port`` (0: any free one) on every address of this host, not inherited by a new program:
+    dual-stack IPv6 where the host has IPv6, else IPv4; with ``SO_REUSEPORT`` where asked. ``OSError`` where that is
+    not possible."""
     try:
         sock = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
         sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
@@ -34,7 +41,8 @@ def reuseport_socket(port: int = 0) -> socket.socket:
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         address = ("0.0.0.0", port)
     try:
-        sock.setsockopt(socket.SOL_SOCKET, reuse_port, 1)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.set_inheritable(False)
         sock.bind(address)
     except OSError:
