@@ -229,6 +229,23 @@ KEPT_ROUNDS = TorchPatch(
     ),
 )
 
+SEATED_SPARES = TorchPatch(
+    name="a spare's workers built while it waits, handed their places when it is seated",
+    where="elastic_runner.agent.spare",
+    without="a spare starts its workers when it is seated, and they build their workload then",
+    needs=(
+        Need(LOCAL_AGENT, "start_processes", params=("envs",)),
+        Need(LOCAL_AGENT, "LocalElasticAgent._start_workers", refers_to="start_processes"),
+        Need(ELASTIC_MP, "MultiprocessContext", params=("name", "entrypoint", "args", "envs", "start_method",
+                                                        "logs_specs")),
+        Need(ELASTIC_MP, "PContext.start", refers_to="_start"),
+        Need(ELASTIC_MP, "MultiprocessContext._start"),
+        Need(ELASTIC_MP, "PContext.stdouts", init_attr=True),
+        Need(ELASTIC_MP, "PContext.stderrs", init_attr=True),
+        Need(SPAWN, "ProcessContext", params=("processes", "error_files")),
+    ),
+)
+
 EXCLUSIONS_IN_C10D = TorchPatch(
     name="an evicted node recorded in the c10d rendezvous (recovery.evict_stragglers)",
     where="elastic_runner.recovery.exclusions",
@@ -237,7 +254,7 @@ EXCLUSIONS_IN_C10D = TorchPatch(
 )
 
 ALL: tuple[TorchPatch, ...] = (FAST_RENDEZVOUS, OUTAGE_TOLERANT_HANDLER, AGENT_CORRECTIONS, PROCESS_GROUP_ABORT,
-                               KEEPING_WORKERS, KEPT_ROUNDS, EXCLUSIONS_IN_C10D)
+                               KEEPING_WORKERS, KEPT_ROUNDS, SEATED_SPARES, EXCLUSIONS_IN_C10D)
 
 
 def usable(patch: TorchPatch, logger: logging.Logger = log) -> bool:

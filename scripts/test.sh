@@ -23,7 +23,7 @@ echo "==> the short run on torch 2.13.0"
   tests/unit/test_snapshot_writer_process.py \
   tests/unit/test_security.py tests/unit/test_components.py tests/unit/test_image_data.py tests/unit/test_sampler.py \
   tests/unit/test_preflight.py tests/unit/test_master_port.py tests/multiprocess/test_launch.py tests/unit/test_compile.py \
-  tests/multiprocess/test_regroup.py tests/unit/test_worker_context.py tests/unit/test_handover.py \
+  tests/multiprocess/test_regroup.py tests/unit/test_worker_context.py tests/unit/test_warm_spare.py tests/unit/test_handover.py \
   "tests/elastic/test_in_process.py::test_a_killed_worker_is_replaced_alone_its_peer_keeps_its_process_and_the_run_ends_bitwise_identical[torchrun]" \
   "tests/elastic/test_in_process.py::test_at_four_ranks_on_two_nodes_a_killed_worker_leaves_its_node_sibling_and_the_other_node_running_bitwise[new-process]" \
   "tests/elastic/test_in_process.py::test_a_node_lost_and_a_node_joining_leave_the_survivors_worker_in_its_process[elastic-runner]" \

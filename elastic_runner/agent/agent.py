@@ -76,7 +76,7 @@ from .config_check import ConfigRecord, refuse_if_config_differs
 from .exclusion import leave_if_asked, refuse_if_excluded
 from .finish import failed_after_finishing, wait_at_exit
 from .round_members import MemberWatch, WatchfulStore, gone_check
-from .spare import SpareWait
+from .spare import SpareWait, WarmSeat
 from ..torch_patches import KEEPING_WORKERS, usable
 from .worker_context import KeepingContext, as_keeping
 
@@ -121,14 +121,14 @@ class ElasticRunnerAgent(LocalElasticAgent):
         #: The hand-over to each local worker (in-process recovery across rounds: :mod:`.kept_round`), where offered.
         self._places: list[Any] | None = None
         self._handing_over = False
-        #: This agent's heartbeat in the job's store, while its workers are kept across failures (:mod:`.beat`).
         #: The job's key (``auth_key_file``), which signs what this agent tells the workers in the job's store.
         try:
             self._job_key = signing_key_from_environment()
         except SnapshotError as exc:  # the workers meet it too, and exit 2 with its line (the job stops there)
             log.debug("the job's key cannot be read here: %s", exc)
             self._job_key = None
-        self._beat = AgentBeat(key=self._job_key)
+        self._beat = AgentBeat(key=self._job_key)  #: its heartbeat, while its workers are kept across failures
+        self._warm_seat = WarmSeat(wanted=type(self).in_process and type(self).standby)  #: a spare's workers, ahead
         self._config_record = ConfigRecord(self._job_key, type(self).config_digest)
 
     def run(self, role: str = DEFAULT_ROLE) -> RunResult:
@@ -171,7 +171,9 @@ class ElasticRunnerAgent(LocalElasticAgent):
         started = time.monotonic()
         began = time.time()
         spare = SpareWait(worker_group.spec.rdzv_handler, self._notify,
-                          local_world_size=worker_group.spec.local_world_size)
+                          local_world_size=worker_group.spec.local_world_size,
+                          on_wait=lambda nodes: self._warm_seat.waits(worker_group.spec, nodes, self._start_method,
+                                                                      workers_running=bool(self._live_worker_pids())))
         for attempt in range(1, ROUND_RETRIES + 2):
             stop_signal.raise_if_received()  # (a stop swallowed in a store request of the round before)
             try:
@@ -187,8 +189,7 @@ class ElasticRunnerAgent(LocalElasticAgent):
                 log.warning("A member of the new round did not take its part (%s): most likely it died right after the "
                             "round was sealed. This node joins the next round (%d of %d).", first_line, attempt,
                             ROUND_RETRIES)
-        # The first round's start, from the agent process's start: the agent's own start-up, which a
-        # node that joins a running job pays in full.
+        # The first round's start from the agent process's start: its own start-up (a joining node pays it all).
         startup = {"startup_s": round(began - _PROCESS_START, 3)} if not self._rounds else {}
         self._rounds += 1
         self._members.watch(worker_group.spec.rdzv_handler, self._member_gone)
@@ -258,6 +259,7 @@ class ElasticRunnerAgent(LocalElasticAgent):
         else:
             self._beat.close()
             self._config_record.close()  # (its record goes stale: the rendezvous id may be used again, another config)
+            self._warm_seat.close()
         self._kill_stopped_workers()
         if not self._stopping_group:
             self._announce_stop(f"the agent is shutting down on {death_sig.name}")
@@ -270,7 +272,8 @@ class ElasticRunnerAgent(LocalElasticAgent):
             self._places = kept_round.handovers(worker_group.spec.local_world_size) if self.in_process else None
             for place in self._places or ():
                 place.clear()  # nothing asked of, nor left by, the workers of an earlier round
-        ids = super()._start_workers(worker_group)
+        with self._warm_seat.seating(self._notify):  # a spare seated: its standbys are its workers
+            ids = super()._start_workers(worker_group)
         stop_signal.latch()  # torch's process context has just installed its stop handler (again)
         self._keeping = None
         if self.in_process and usable(KEEPING_WORKERS, log):
@@ -366,11 +369,9 @@ class ElasticRunnerAgent(LocalElasticAgent):
     # -- monitoring -----------------------------------------------------------------------------
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
-        # When a worker has exited, torch's process context SIGTERMs the others and
-        # waits up to 30 s for them, before _stop_workers ever runs: a stopped
-        # sibling must be gone before that wait starts. (A keeping context leaves them.)
-        # A stop signal that some `except` swallowed since the last look (torch's loop asks the rendezvous between
-        # two looks): the agent stops now, as if it had raised where it arrived.
+        # A stop signal some `except` swallowed since the last look (torch's loop asks the rendezvous between looks)
+        # stops the agent now. When a worker has exited, torch's process context SIGTERMs the others and waits up to
+        # 30 s before _stop_workers runs: a stopped sibling must be gone first. (A keeping context leaves them.)
         stop_signal.raise_if_received()
         self._leave_if_asked(worker_group)
         self._start_standby_when_due()

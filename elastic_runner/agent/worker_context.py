@@ -8,9 +8,13 @@ touching its siblings, and :meth:`KeepingContext.replace` starts a new process f
 or a changed environment) inside the same context, so that torch's agent goes on monitoring, stopping and
 shutting down every worker as before.
 
+A node that waits as a spare starts its workers ahead too (:class:`SeatStandbys`): one standby per local rank,
+which builds the workload while the node has no seat; the context of the round that seats it hands them their
+places (:meth:`KeepingContext.seat`) instead of starting processes.
+
 Only for function entrypoints (the zygote's; both ``elastic-runner launch`` and plain ``torchrun -m
 elastic_runner.train`` use one). The private torch names it relies on are checked by
-:data:`elastic_runner.torch_patches.KEEPING_WORKERS`.
+:data:`elastic_runner.torch_patches.KEEPING_WORKERS` and :data:`~elastic_runner.torch_patches.SEATED_SPARES`.
 """
 
 from __future__ import annotations
@@ -42,6 +46,8 @@ class KeepingContext(MultiprocessContext):
     keep_survivors = True
     #: The node's standby worker (:mod:`elastic_runner.worker.standby`) and the agent's end of its pipe, if started.
     _standby: tuple[Any, Any] | None = None
+    #: A spare's standbys, handed the places when this context starts (:meth:`seat`), instead of new processes.
+    _seated: SeatStandbys | None = None
 
     def _poll(self) -> RunProcsResult | None:
         if self.keep_survivors and self._pc is not None:
@@ -68,17 +74,8 @@ class KeepingContext(MultiprocessContext):
         None where one runs already or the context has no worker to take the command line from."""
         if self._pc is None or not self.args or (self._standby is not None and self._standby[0].is_alive()):
             return None
-        from .zygote import standby_main
-
-        context = multiprocessing.get_context(self.start_method)
-        theirs, ours = context.Pipe(duplex=True)
-        process = context.Process(target=standby_main, args=(theirs, min(self.args), self._wrap_args()),
-                                  daemon=False, name="elastic-runner-standby")
-        process.start()
-        theirs.close()
-        self._standby = (process, ours)
-        log.debug("standby worker started (pid %s)", process.pid)
-        return int(process.pid)
+        self._standby = _start_standby(self.start_method, min(self.args), self._wrap_args())
+        return int(self._standby[0].pid)
 
     def standby_ready(self) -> tuple[int, bool, float] | None:
         """Once the standby has finished building (asked without waiting): its pid, whether it built the workload
@@ -104,17 +101,17 @@ class KeepingContext(MultiprocessContext):
         process.join(1)
         return process.exitcode if process.exitcode is not None else -1
 
-    def _take_standby(self, local_rank: int, error_file: str) -> Any | None:
-        """The standby, given ``local_rank``'s place (its environment as the context has it now); None where there
-        is none, or it is gone (a new process takes the place)."""
-        standby, self._standby = self._standby, None
+    def _give_place(self, standby: tuple[Any, Any] | None, local_rank: int, error_file: str) -> Any | None:
+        """``standby``, given ``local_rank``'s place (its environment and output as the context has them now); None
+        where there is none, or it is gone (a new process takes the place)."""
         if standby is None:
             return None
         process, send = standby
         try:
             if not process.is_alive():
                 raise BrokenPipeError("the standby has exited")
-            send.send((local_rank, self.envs[local_rank], error_file))
+            send.send((local_rank, self.envs[local_rank], error_file, self.stdouts[local_rank],
+                       self.stderrs[local_rank]))
         except (OSError, ValueError) as exc:
             log.info("the standby worker (pid %s) cannot take local rank %d's place (%s): a new process does",
                      process.pid, local_rank, exc)
@@ -123,6 +120,45 @@ class KeepingContext(MultiprocessContext):
         finally:
             send.close()
         return process
+
+    def _new_process(self, local_rank: int, error_file: str) -> Any:
+        """A new process for ``local_rank``, started as ``MultiprocessContext._start`` starts each: torch's two
+        wrappers, the outer one writing a traceback for the parent, the inner one setting the environment,
+        redirecting the output and handing back the result."""
+        process = multiprocessing.get_context(self.start_method).Process(
+            target=sys.modules[SPAWN]._wrap,
+            args=(sys.modules[ELASTIC_MP]._wrap, local_rank, self._wrap_args(), error_file), daemon=False)
+        process.start()
+        return process
+
+    def seat(self, standbys: SeatStandbys) -> bool:
+        """Before :meth:`start`: the workers are ``standbys`` (started while this node had no seat, with this
+        context's command line), not new processes; their result queues and "finished" event become this
+        context's. False (``standbys`` ended, nothing changed) where they were started for other workers."""
+        if self._pc is not None or standbys.args != self.args or standbys.entrypoint is not self.entrypoint:
+            log.info("the spare's standbys were started for other workers than this round's: new processes start")
+            standbys.close()
+            return False
+        self._ret_vals, self._worker_finished_event = standbys.ret_vals, standbys.finished
+        self._seated = standbys
+        return True
+
+    def _start(self) -> None:
+        seated, self._seated = self._seated, None
+        if seated is None:
+            super()._start()
+            return
+        processes, error_files = [], []
+        try:
+            for local_rank in range(self.nprocs):
+                error_file = _new_error_file()
+                process = self._give_place(seated.take(local_rank), local_rank, error_file)
+                processes.append(process if process is not None else self._new_process(local_rank, error_file))
+                error_files.append(error_file)
+        finally:
+            seated.close()  # (nothing left to close once each took its place)
+        self._pc = sys.modules[SPAWN].ProcessContext(processes, error_files)
+        log.debug("the spare's standbys took their places: pids %s", [p.pid for p in processes])
 
     def replace(self, local_rank: int, env: dict[str, str] | None = None) -> tuple[int, bool]:
         """Start ``local_rank`` again (its process has exited): the standby takes its place if one runs, else a new
@@ -139,15 +175,11 @@ class KeepingContext(MultiprocessContext):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.error_files[local_rank])
         error_file = _new_error_file()
-        process = self._take_standby(local_rank, error_file)
+        standby, self._standby = self._standby, None
+        process = self._give_place(standby, local_rank, error_file)
         from_standby = process is not None
         if process is None:
-            # torch's two wrappers, as MultiprocessContext._start nests them: the outer one writes a traceback for
-            # the parent, the inner one sets the environment, redirects the output and hands back the result.
-            process = multiprocessing.get_context(self.start_method).Process(
-                target=sys.modules[SPAWN]._wrap,
-                args=(sys.modules[ELASTIC_MP]._wrap, local_rank, self._wrap_args(), error_file), daemon=False)
-            process.start()
+            process = self._new_process(local_rank, error_file)
         self._pc.sentinels.pop(old.sentinel, None)
         self._pc.processes[local_rank] = process
         self._pc.error_files[local_rank] = error_file
@@ -161,7 +193,83 @@ class KeepingContext(MultiprocessContext):
         if standby is not None:  # it holds nothing: no signal to handle, no state to keep
             standby[1].close()
             _end(standby[0])
+        seated, self._seated = self._seated, None
+        if seated is not None:
+            seated.close()
         super()._close(death_sig, timeout)
+
+
+class SeatStandbys:
+    """The standbys of a node that has no seat yet (a spare: :class:`elastic_runner.agent.spare.WarmSeat`), one per
+    local rank, started with the workers' command line (``args``, ``entrypoint``) and ``envs`` (what the node's
+    workers will have of their environment: their local rank, the world they will join). Each builds the workload
+    while the node waits; the context of the round that seats the node hands them its workers' places
+    (:meth:`KeepingContext.seat`). They are started with result queues and a "finished" event of their own, which
+    that context takes over: torch's process context reads each worker's result from the queue it started it with.
+    """
+
+    def __init__(self, entrypoint: Any, args: dict[int, tuple[Any, ...]], envs: dict[int, dict[str, str]],
+                 start_method: str, numa_options: Any = None) -> None:
+        context = multiprocessing.get_context(start_method)
+        self.entrypoint, self.args = entrypoint, args
+        self.ret_vals = {local_rank: context.SimpleQueue() for local_rank in args}
+        self.finished = context.Event()
+        no_redirect = {local_rank: "" for local_rank in args}  # each is given its own at its place
+        wrap_args = (entrypoint, args, envs, no_redirect, dict(no_redirect), self.ret_vals, self.finished,
+                     numa_options)
+        self._standbys: dict[int, tuple[Any, Any]] = {}
+        self._answers: dict[int, tuple[bool, float]] = {}  #: each one's (built, seconds), once it said
+        try:
+            for local_rank in sorted(args):
+                self._standbys[local_rank] = _start_standby(start_method, local_rank, wrap_args)
+        except BaseException:
+            self.close()
+            raise
+
+    def pids(self) -> list[int]:
+        return [int(process.pid) for process, _ in self._standbys.values()]
+
+    def alive(self) -> bool:
+        """Every standby still runs (one that ended — killed, out of memory — makes the spare start them again)."""
+        return bool(self._standbys) and all(process.is_alive() for process, _ in self._standbys.values())
+
+    def built(self) -> tuple[int, float]:
+        """How many have finished building the workload (asked without waiting), and the longest build's seconds;
+        each one's answer is read once."""
+        for local_rank, (_, conn) in self._standbys.items():
+            if local_rank in self._answers:
+                continue
+            with contextlib.suppress(OSError, EOFError, ValueError):
+                if conn.poll():
+                    self._answers[local_rank] = conn.recv()
+        built = [seconds for done, seconds in self._answers.values() if done]
+        return len(built), max(built, default=0.0)
+
+    def take(self, local_rank: int) -> tuple[Any, Any] | None:
+        """``local_rank``'s standby and the agent's end of its pipe, now the caller's; None where there is none."""
+        return self._standbys.pop(local_rank, None)
+
+    def close(self) -> None:
+        """End every standby that took no place."""
+        standbys, self._standbys = self._standbys, {}
+        for process, conn in standbys.values():
+            conn.close()
+            _end(process)
+
+
+def _start_standby(start_method: str, template_rank: int, wrap_args: tuple[Any, ...]) -> tuple[Any, Any]:
+    """A standby worker (:func:`elastic_runner.agent.zygote.standby_main`) that builds with local rank
+    ``template_rank``'s environment, and the agent's end of its pipe."""
+    from .zygote import standby_main
+
+    context = multiprocessing.get_context(start_method)
+    theirs, ours = context.Pipe(duplex=True)
+    process = context.Process(target=standby_main, args=(theirs, template_rank, wrap_args), daemon=False,
+                              name="elastic-runner-standby")
+    process.start()
+    theirs.close()
+    log.debug("standby worker started (pid %s)", process.pid)
+    return process, ours
 
 
 def _end(process: Any) -> None:

@@ -255,10 +255,10 @@ def _as_worker() -> None:
 def standby_main(conn: Any, template_rank: int, wrap_args: tuple[Any, ...]) -> None:
     """A standby worker (:mod:`elastic_runner.worker.standby`): builds the workers' workload ahead, with the
     environment of local rank ``template_rank``, says on ``conn`` whether it did and in how many seconds, then waits
-    there for a place: ``(local_rank, env, error_file)``. Given one, it runs as torch's process context runs that
-    local rank's worker (``wrap_args``: the context's arguments to torch's inner ``_wrap``, after the local rank), so
-    that its result, output and failure are that worker's; the agent's end of ``conn`` closed without a place, it
-    exits."""
+    there for a place: ``(local_rank, env, error_file, stdout, stderr)`` (the last two: where the context redirects
+    that rank's output, "" for nowhere). Given one, it runs as torch's process context runs that local rank's worker
+    (``wrap_args``: the context's arguments to torch's inner ``_wrap``, after the local rank), so that its result,
+    output and failure are that worker's; the agent's end of ``conn`` closed without a place, it exits."""
     from elastic_runner.torch_patches import ELASTIC_MP, SPAWN
     from elastic_runner import lifecycle
     from elastic_runner.worker import standby
@@ -275,12 +275,13 @@ def standby_main(conn: Any, template_rank: int, wrap_args: tuple[Any, ...]) -> N
     with contextlib.suppress(OSError):  # the agent may have given it a place, and closed its end, already
         conn.send((built, time.monotonic() - began))
     try:
-        local_rank, env, error_file = conn.recv()
+        local_rank, env, error_file, stdout, stderr = conn.recv()
     except (EOFError, OSError):
         lifecycle.exit_now(0)
     standby.placed()
     conn.close()
     envs[local_rank] = env
+    wrap_args[3][local_rank], wrap_args[4][local_rank] = stdout, stderr
     sys.modules[SPAWN]._wrap(sys.modules[ELASTIC_MP]._wrap, local_rank, wrap_args, error_file)
 
 

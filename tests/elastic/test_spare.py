@@ -12,6 +12,7 @@ import pytest
 
 from elastic_runner.observe.audit import check_audit
 from elastic_runner.observe.events import read_events
+from elastic_runner.testing.localjob import descendants
 
 from ..support import assert_bitwise_equal, continue_workers, events, exported_model, stop_workers_at_step
 
@@ -31,6 +32,18 @@ def _wait_until_spare(job: Any, spare: Any, run_dir: Path, timeout: float = 90) 
         assert spare.running(), spare.log_text()[-3000:]
         time.sleep(0.05)
     pytest.fail("the third agent never said it waits as a spare\n" + job.logs_tail())
+
+
+def _standby_pids(agent: Any) -> list[int]:
+    """The standbys under ``agent``'s zygote: processes named as a standby names itself."""
+    return [pid for pid in descendants(agent.pid) if _comm(pid) == "er-standby"]
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
 
 
 @pytest.mark.parametrize("backend", ["c10d", "etcd-v3"])
@@ -59,6 +72,10 @@ def test_a_spare_takes_a_lost_nodes_place_at_the_same_world_size_and_the_run_is_
     waiting = _wait_until_spare(job, spare, run_dir)
     assert waiting["max_nodes"] == 2, waiting
     assert not job.workers(spare), "a spare starts no worker while it waits"
+    deadline = time.monotonic() + 60  # ... but its standby builds the workload the worker will train meanwhile
+    while not (standbys := _standby_pids(spare)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(standbys) == 1, f"one standby for the spare's one worker: {standbys}\n{spare.log_text()[-3000:]}"
 
     lost = second if backend == "c10d" else first  # (c10d: the first agent hosts the rendezvous' store)
     lost_at = time.time()
@@ -72,6 +89,10 @@ def test_a_spare_takes_a_lost_nodes_place_at_the_same_world_size_and_the_run_is_
         f"the world size stayed 2 after the loss: {[(e['rank'], e['world_size']) for e in after]}"
     assert any(e["agent"].rsplit("-", 2)[1] == str(spare.pid) for e in after), \
         f"the spare's worker took the lost node's place: {[e['agent'] for e in after]}"
+    seated = [e for e in _agent_events(run_dir, "spare_seated") if e["source"].endswith(f"-{spare.pid}")]
+    assert seated and seated[0]["workers"] == 1 and seated[0]["built"] == 1, \
+        f"the spare's worker had its workload built by the seat: {seated}\n{spare.log_text()[-3000:]}"
+    assert any(e["pid"] in standbys for e in after), "the standby itself became the spare's worker"
     taken = [e for e in _agent_events(run_dir, "rendezvous") if e["source"].endswith(f"-{spare.pid}")]
     assert taken and taken[0]["world_size"] == 2 and taken[0]["spare_s"] > 0, taken
     resumed = [e for e in events(run_dir, "resume") if e["time"] > lost_at]
