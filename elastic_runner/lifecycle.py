@@ -287,6 +287,16 @@ def name_standby() -> None:
     _prctl(PR_SET_NAME, ctypes.c_char_p(b"er-standby"))
 
 
+def gpu_driver() -> bool:
+    """Whether a GPU driver is installed, told without a CUDA call (which would fix this process's devices, and
+    spoil its forks, before ``CUDA_VISIBLE_DEVICES`` is set): NVIDIA's (its /proc entry or device files) or ROCm's
+    (/dev/kfd). Without one no CUDA device can be there."""
+    import glob
+
+    return (os.path.exists("/proc/driver/nvidia/version") or bool(glob.glob("/dev/nvidia[0-9]*"))
+            or os.path.exists("/dev/kfd"))
+
+
 def proc_state(pid: int) -> str:
     """The one-letter state of a process in /proc (R, S, T, Z, ...); "" if it is gone."""
     try:

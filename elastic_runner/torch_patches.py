@@ -197,6 +197,7 @@ PROCESS_GROUP_RECONFIGURE = TorchPatch(
 )
 
 ELASTIC_MP = "torch.distributed.elastic.multiprocessing.api"
+ELASTIC_MP_PACKAGE = "torch.distributed.elastic.multiprocessing"  #: where torch's own ``start_processes`` lives
 SPAWN = "torch.multiprocessing.spawn"
 
 KEEPING_WORKERS = TorchPatch(

@@ -59,13 +59,7 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
 from ..env import REPLACES_VAR
-from ..lifecycle import (
-    EXIT_DIVERGED,
-    EXIT_NOT_DURABLE,
-    EXIT_USAGE,
-    proc_state,
-    process_start_time,
-)
+from ..lifecycle import EXIT_DIVERGED, EXIT_NOT_DURABLE, EXIT_USAGE, proc_state, process_start_time
 from ..recovery.policy import Action, Decision, after_worker_failure, for_new_round
 from ..recovery.regroup import announce_replacements
 from ..snapshot import SnapshotError
@@ -172,8 +166,9 @@ class ElasticRunnerAgent(LocalElasticAgent):
         began = time.time()
         spare = SpareWait(worker_group.spec.rdzv_handler, self._notify,
                           local_world_size=worker_group.spec.local_world_size,
-                          on_wait=lambda nodes: self._warm_seat.waits(worker_group.spec, nodes, self._start_method,
-                                                                      workers_running=bool(self._live_worker_pids())))
+                          on_wait=lambda nodes: self._warm_seat.waits(
+                              worker_group.spec, nodes, self._start_method,
+                              busy=lambda: self._handing_over or bool(self._live_worker_pids())))
         for attempt in range(1, ROUND_RETRIES + 2):
             stop_signal.raise_if_received()  # (a stop swallowed in a store request of the round before)
             try:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import glob
 import ipaddress
 import json
 import logging
@@ -28,10 +27,11 @@ import os
 import socket
 import subprocess
 import sys
-from pathlib import Path
 from typing import Callable
 
 import torch
+
+from ..lifecycle import gpu_driver
 
 log = logging.getLogger(__name__)
 
@@ -41,12 +41,6 @@ SIZE = 256
 CPU_SIZE = 64
 TIMEOUT_S = 120.0
 
-
-def gpu_driver() -> bool:
-    """Whether a GPU driver is installed, told without a CUDA call: NVIDIA's (its /proc entry or device files) or
-    ROCm's (/dev/kfd). Without one no CUDA device can be there."""
-    return (Path("/proc/driver/nvidia/version").exists() or bool(glob.glob("/dev/nvidia[0-9]*"))
-            or Path("/dev/kfd").exists())
 
 Matmul = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 

@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterator
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
 from .. import torch_patches
-from ..torch_patches import SEATED_SPARES, usable
+from ..torch_patches import KEEPING_WORKERS, SEATED_SPARES, usable
 from . import fast_rendezvous
 from .worker_context import KeepingContext, SeatStandbys
 
@@ -78,12 +78,15 @@ class WarmSeat:
         self.wanted = wanted  #: the workers' ``recovery.in_process`` and ``recovery.standby``
         self._standbys: SeatStandbys | None = None
 
-    def waits(self, spec: Any, max_nodes: int, start_method: str, workers_running: bool = False) -> None:
+    def waits(self, spec: Any, max_nodes: int, start_method: str, busy: Callable[[], bool] = lambda: False) -> None:
         """This node starts to wait as a spare: start its workers' standbys, where wanted and possible (not for a
-        binary's workers, nor beside workers of this node that still run); a failure costs only the head start."""
-        if not self.wanted or workers_running or not callable(spec.entrypoint) or not usable(SEATED_SPARES, log):
+        binary's workers, nor while ``busy()``: this node's own workers still run or are being handed over); a
+        failure costs only the head start."""
+        if not self.wanted or not callable(spec.entrypoint):
             return
         try:
+            if busy() or not (usable(KEEPING_WORKERS, log) and usable(SEATED_SPARES, log)):
+                return
             self.start(spec, max_nodes, start_method)
         except SignalException:
             raise
@@ -120,6 +123,11 @@ class WarmSeat:
             return
         module = importlib.import_module(torch_patches.LOCAL_AGENT)
         original = module.start_processes
+        if getattr(original, "__module__", "") != torch_patches.ELASTIC_MP_PACKAGE:
+            # Another hand-over holds the name (kept_round's: this node's own workers take the places).
+            standbys.close()
+            yield
+            return
 
         def seated(**kwargs: Any) -> Any:
             if isinstance(kwargs.get("entrypoint"), str):  # a binary's workers: torch's context, new processes

@@ -148,13 +148,19 @@ class KeepingContext(MultiprocessContext):
         if seated is None:
             super()._start()
             return
-        processes, error_files = [], []
+        processes: list[Any] = []
+        error_files: list[str] = []
         try:
             for local_rank in range(self.nprocs):
                 error_file = _new_error_file()
                 process = self._give_place(seated.take(local_rank), local_rank, error_file)
                 processes.append(process if process is not None else self._new_process(local_rank, error_file))
                 error_files.append(error_file)
+        except BaseException:
+            # (a stop signal, a fork that failed) torch's close knows no process yet: those placed or started end here
+            for process in processes:
+                _end(process)
+            raise
         finally:
             seated.close()  # (nothing left to close once each took its place)
         self._pc = sys.modules[SPAWN].ProcessContext(processes, error_files)

@@ -63,11 +63,13 @@ def _trace_compiled(cfg: Config, workload: Workload) -> None:
     import torch
 
     from ..data.layout import layout_for
+    from ..lifecycle import gpu_driver
     from ..data.sources import collate_items
     from ..training.compiling import compiled_forward, use_private_cache
     from ..training.step import AUTOCAST
 
-    if cfg.parallel.sharded or (cfg.dist.device != "cpu" and torch.cuda.is_available()):
+    # (Asked without a CUDA call: one would fix this process's devices before its place sets CUDA_VISIBLE_DEVICES.)
+    if cfg.parallel.sharded or (cfg.dist.device != "cpu" and torch.cuda._is_compiled() and gpu_driver()):
         return
     if cfg.run.deterministic:
         torch.use_deterministic_algorithms(True)  # as the worker sets it: torch's graphs are guarded on it
