@@ -43,7 +43,8 @@ FLOORS: list[tuple[str, list[str]]] = [
     ("observers, workloads", ["observe", "workload"]),
     ("data, snapshots", ["data", "snapshot"]),
     ("rendezvous, config", ["rendezvous", "config"]),
-    ("ground", ["dist.py", "env.py", "lifecycle.py", "torch_patches.py", "files.py", "object_client.py", "printable.py"]),
+    ("ground", ["dist.py", "env.py", "lifecycle.py", "torch_patches.py", "files.py", "object_client.py", "printable.py",
+                "bounded_store.py"]),
 ]
 
 

@@ -13,7 +13,7 @@ cd "$(dirname "$0")/.."
 # fails with "No space left on device" needs more than this.
 echo "==> free disk space here: $(df -h --output=avail . | tail -1 | tr -d ' ')"
 scripts/setup.sh vision-test || exit 1
-.venv-vision/bin/python -m pytest -ra --durations=25 "$@"
+.venv-vision/bin/python -m pytest -ra --durations=50 "$@"
 full=$?
 scripts/setup.sh test || exit 1
 echo "==> the short run on torch 2.13.0"

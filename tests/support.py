@@ -379,3 +379,32 @@ def fast_rendezvous_installed() -> Iterator[None]:
         if not had_count_out:
             delattr(handler, "count_out")  # (install adds it: torch's class has none)
         fr.set_previous_participants([])
+
+
+@contextmanager
+def store_server() -> Iterator[subprocess.Popen[bytes]]:
+    """A job's store (a TCPStore server) in a process of its own on a free port of 127.0.0.1 (``.port``), holding
+    ``"k"`` = ``b"v"``: a test can SIGSTOP it, as a machine that vanished without resetting its connections. Ended
+    (continued, then killed) on the way out."""
+    import signal
+
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-c", (
+        "import datetime, sys, time\n"
+        "from torch.distributed import TCPStore\n"
+        f"store = TCPStore('127.0.0.1', {port}, is_master=True, timeout=datetime.timedelta(seconds=30), "
+        "wait_for_workers=False)\n"
+        "store.set('k', 'v')\n"
+        "print('ready', flush=True)\n"
+        "time.sleep(600)\n")], stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
+    try:
+        assert server.stdout is not None and server.stdout.readline().strip() == b"ready", "the store did not start"
+        server.port = port  # type: ignore[attr-defined]
+        yield server
+    finally:
+        for sig in (signal.SIGCONT, signal.SIGKILL):
+            try:
+                os.kill(server.pid, sig)
+            except ProcessLookupError:
+                pass
+        server.wait(10)

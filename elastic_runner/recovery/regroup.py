@@ -34,6 +34,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as tdist
 
+from ..bounded_store import BoundedStore
 from ..dist import destroy_default_group
 from . import liveness
 from .channel import PREFIX, AgentBeat, AliveAt, Arrived, Channel, Coming, Handle, InGeneration, agent_key, arrived_key, \
@@ -239,6 +240,9 @@ ANNOUNCE_WAIT = datetime.timedelta(seconds=2)
 #: before a survivor concludes that its node is lost: it parks then, without waiting for the announcement any longer.
 AGENT_SILENT = datetime.timedelta(seconds=0.6)
 
+#: Seconds a survivor waits for one answer of the job's store while it waits for an announcement: a store that takes
+#: longer is gone for this recovery (its machine vanished, or froze), whatever torch's client would do.
+STORE_ANSWER_S = 2.0
 #: How often a survivor looks for that announcement (a store ``check``: a blocking ``wait`` cut short logs a warning
 #: each time), and whether its agent asks it to park instead.
 ANNOUNCE_POLL_S = 0.02
@@ -384,6 +388,9 @@ class SameMembers:
         self.regroup = Regroup(store, str(rank), backend, timeout, method=method, device=device, wait=wait, key=key,
                                context=context)
         self.channel = self.regroup.channel
+        #: What a survivor reads while it waits for an announcement: bounded, since a store whose machine vanished
+        #: without resetting its connections never answers torch's client (:mod:`elastic_runner.bounded_store`).
+        self._watching = Channel(BoundedStore(store, STORE_ANSWER_S), key, context)
         self._key, self._master_addr = key, master_addr
         #: Where rank 0's agent answers whether it is alive once the job's store is gone (:mod:`.liveness`), and
         #: MASTER_ADDR's numeric address (looked up while the store serves); only where this worker is the one of its
@@ -430,9 +437,9 @@ class SameMembers:
             if leaving is not None and leaving():
                 raise RegroupError("the membership changes (this worker's agent asked it to park)")
             try:
-                if self.channel.read(Coming, key) is not None:
+                if self._watching.read(Coming, key) is not None:
                     break
-                beats = beats or _AgentBeats(self.channel, self.agents)
+                beats = beats or _AgentBeats(self._watching, self.agents)
                 stopped, never = beats.silent()
             except Exception as exc:  # noqa: BLE001 - the store gone with rank 0's worker
                 raise self._store_gone(exc) from exc

@@ -18,7 +18,9 @@ counts against a neighbour: after its own thread did not run for a good part of 
 machine paused, a cgroup freezer, a starved scheduler) the neighbours' silence over that gap is not theirs to blame.
 
 The watchdog uses its own store connection with a short timeout, so a
-process group stuck in a collective cannot block it. Its counters and the abort are messages of the recovery
+process group stuck in a collective cannot block it, and calls it through
+:class:`~elastic_runner.bounded_store.BoundedStore`: torch's client waits without end on a server that does not
+answer (rank 0's machine gone without resetting its connections, or frozen), and the watchdog must then fire. Its counters and the abort are messages of the recovery
 protocol (:mod:`elastic_runner.recovery.channel`), signed with the job's key where it has one: a writer on the store
 without the key can neither stop every rank with a forged abort, nor hide a hung rank behind a forged ``done``, nor
 make a live rank look hung with an old counter put back (a counter below the highest seen is evidence of nothing,
@@ -33,6 +35,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
+from ..bounded_store import BoundedStore
 from ..printable import printable
 from ..recovery.channel import Abort, Channel, WatchdogBeat, abort_key, watchdog_key
 
@@ -72,7 +75,7 @@ class PeerWatchdog:
 
         store = TCPStore(master_addr, master_port, is_master=False, timeout=datetime.timedelta(seconds=timeout),
                          wait_for_workers=False)
-        return cls(store, timeout=timeout, context=f"{master_addr}:{master_port}", **kwargs)
+        return cls(BoundedStore(store, timeout), timeout=timeout, context=f"{master_addr}:{master_port}", **kwargs)
 
     def start(self) -> "PeerWatchdog":
         self._beat()

@@ -81,3 +81,42 @@ def test_a_node_that_is_lost_or_leaves_does_not_hold_the_next_round_for_its_leas
         assert "has left the rendezvous" in gone_node.log_text(), gone_node.log_text()[-3000:]
     report = check_audit(run_dir)
     assert report.ok and report.finished, report.render()
+
+
+def test_group_rank_0s_machine_gone_without_closing_its_connections_is_left_behind_within_seconds(
+        resume_config: Path, local_job: Any, etcd: EtcdServer) -> None:
+    """Rank 0's machine frozen (every process of its node SIGSTOPped: nothing closes its connections, as with a
+    machine powered off or cut off). torch's store client waits without end on a server that does not answer, so
+    the survivor's watchdog bounds its calls (:mod:`elastic_runner.bounded_store`): it fires, the survivor keeps its
+    step in node memory and its agent forms the next round without the frozen node once its lease lapses (3 s under
+    launch). It took 49 s before (the watchdog blocked, the worker never parked, and its agent waited 15 s for it to
+    park and 30 s for it to end on SIGTERM)."""
+    import os
+
+    from elastic_runner.testing.localjob import descendants
+
+    job = local_job(config=str(resume_config), nnodes="1:2", rdzv_backend="etcd-v3", rdzv_endpoint=etcd.endpoint,
+                    launcher="elastic-runner", overrides=["recovery.in_process=true"])
+    job.start_agent()
+    job.start_agent()
+    run_dir = Path(job.run_dir)
+    workers, _ = stop_workers_at_step(job, 60, count=2, timeout=120)
+    frozen = next(w for w in workers if w.rank == 0).agent
+    survivor = next(w for w in workers if w.rank != 0)
+    continue_workers(job, [survivor])  # (rank 0's stays stopped, with the rest of its node)
+    frozen_at = time.time()
+    for pid in [frozen.pid, *descendants(frozen.pid)]:
+        os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 20
+    while not any(e["world_size"] == 1 and e["time"] > frozen_at for e in events(run_dir, "start")):
+        assert time.monotonic() < deadline, "the survivor did not train alone within 20 s\n" + job.logs_tail()
+        time.sleep(0.05)
+    story = [e for e in events(run_dir, "failure") if e["time"] > frozen_at]
+    assert story and "the job's store at rank 0 stopped answering" in story[0]["error"], story
+    job.kill_agent(frozen)
+    codes = job.wait(timeout=240)
+    assert codes[job.agents.index(survivor.agent)] == 0, job.logs_tail()
+    resumed = [e for e in events(run_dir, "resume") if e["time"] > frozen_at]
+    assert resumed and resumed[0]["tier"] == "memory", resumed
+    report = check_audit(run_dir)
+    assert report.ok and report.finished, report.render()

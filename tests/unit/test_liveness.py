@@ -16,6 +16,7 @@ import torch.distributed as tdist
 
 from elastic_runner.recovery import liveness
 from elastic_runner.recovery.channel import AliveAt, Channel
+from elastic_runner.recovery import regroup
 from elastic_runner.recovery.regroup import RegroupError, SameMembers
 
 pytestmark = [pytest.mark.timeout(60)]
@@ -148,6 +149,23 @@ class Vanishing:
         return getattr(self.inner, name)
 
 
+class Freezing(Vanishing):
+    """The job's store of rank 0's worker, until :meth:`vanish`: then every operation waits without end, as torch's
+    client does on a machine gone without resetting its connections (released at the test's end)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.released = threading.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        if self.gone:
+            def frozen(*_: Any) -> Any:
+                self.released.wait(60)
+                raise tdist.DistNetworkError("released")
+            return frozen
+        return getattr(self.inner, name)
+
+
 def _members(store: Any, rank: int, alive_port: int | None, agent: str = "host-1-2", asks: bool = True,
              master_addr: str = "127.0.0.1") -> SameMembers:
     timeout = datetime.timedelta(seconds=5)
@@ -193,6 +211,22 @@ def test_a_store_gone_with_rank_0s_agent_counts_that_node_out_at_once() -> None:
         survivor.survive(datetime.timedelta(seconds=30))
     assert raised.value.lost_agents == (0,)
     assert time.monotonic() - started < 2.0
+
+
+def test_a_store_that_stops_answering_without_closing_counts_a_gone_agents_node_out_within_seconds() -> None:
+    store = Freezing()
+    _members(store, 0, _free_port())  # (rank 0's agent served there; its machine vanished with the store)
+    survivor = _members(store, 1, None)
+    survivor.formed()
+    store.vanish()
+    started = time.monotonic()
+    try:
+        with pytest.raises(RegroupError, match="nor does node 0's agent: that node was lost") as raised:
+            survivor.survive(datetime.timedelta(seconds=30))
+        assert raised.value.lost_agents == (0,)
+        assert time.monotonic() - started < regroup.STORE_ANSWER_S + 2.0, "the store's answer waited for at most its bound"
+    finally:
+        store.released.set()
 
 
 def test_without_a_word_from_rank_0_a_gone_store_counts_nobody_out() -> None:

@@ -147,10 +147,11 @@ def test_an_agent_that_restarts_its_workers_for_a_new_round_goes_on_beating_in_i
     used to close it, so an agent never beat again after its first restart, and its node's loss went unseen)."""
     from elastic_runner.agent.agent import ElasticRunnerAgent
     from elastic_runner.agent.config_check import ConfigRecord
+    from elastic_runner.agent.spare import WarmSeat
 
     agent = object.__new__(ElasticRunnerAgent)  # only what _shutdown touches
     agent._pcontext, agent._worker_watchdog, agent._health_check_server = None, None, None
-    agent._config_record = ConfigRecord(None, None)
+    agent._config_record, agent._warm_seat = ConfigRecord(None, None), WarmSeat()
     first, second = _job_store(), _job_store()
     (agent._beat,) = beating_agents(first, [1])
     try:

@@ -131,3 +131,32 @@ def test_a_store_whose_host_hangs_is_still_found_though_each_call_blocks_for_the
         assert clock.now - hung_at <= 3 * 5.0, f"reported after {clock.now - hung_at:.0f} s of blocked calls"
     finally:
         dog.stop(done=False)
+
+
+def test_a_job_store_whose_server_stops_answering_without_closing_is_found_within_the_heartbeat() -> None:
+    """Rank 0's machine gone without resetting its connections (here its store's process SIGSTOPped): torch's client
+    then waits without end on every call, so the watchdog's calls are bounded; it fires, and the worker with it, in
+    about the heartbeat's time instead of never (a frozen rank 0 machine cost 49 s in an etcd-v3 job before)."""
+    import os
+    import signal
+
+    from ..support import store_server
+
+    fired: list[str] = []
+    with store_server() as server:
+        dog = PeerWatchdog.connect("127.0.0.1", server.port, 1.0, rank=1, world_size=2, generation=1,
+                                   on_lost=fired.append)
+        _beat(dog.store, 0, 1)
+        dog.start()
+        try:
+            for count in range(2, 6):  # rank 0 beats on: no neighbour is silent
+                time.sleep(0.2)
+                _beat(dog.store, 0, count)
+            assert not fired, fired
+            frozen = time.monotonic()
+            os.kill(server.pid, signal.SIGSTOP)
+            assert _until(lambda: bool(fired), seconds=15), "the watchdog never fired: its store call blocked"
+            assert "the job's store at rank 0 stopped answering" in fired[0] and "StoreUnresponsive" in fired[0]
+            assert time.monotonic() - frozen < 4.0, f"fired {time.monotonic() - frozen:.1f}s after the freeze"
+        finally:
+            dog.stop(done=False)
