@@ -59,7 +59,9 @@ def once(node: int, work: Path, etcd: EtcdServer) -> float | None:
                                                                                          job.logs_tail()))
             time.sleep(0.1)
         ranks = {int(e["source"].rsplit("-", 1)[1]): e for e in read_events(run_dir) if e["kind"] == "agent_rendezvous"}
-        target = next((a for a in job.agents if ranks.get(a.pid, {}).get("group_rank") == node), job.agents[node])
+        target = next((a for a in job.agents if ranks.get(a.pid, {}).get("group_rank") == node), None)
+        if target is None:
+            raise SystemExit(f"no agent says it is group rank {node}: {sorted(ranks)}\n{job.logs_tail()}")
         pids = [target.pid, *descendants(target.pid)]
         frozen_at = time.time()
         for pid in pids:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+import weakref
 from typing import Any, Callable
 
 
@@ -37,16 +38,20 @@ class BoundedStore:
         if deadline <= 0:
             raise ValueError(f"deadline must be positive, not {deadline!r}")
         self.store, self.deadline, self._clock = store, deadline, clock
-        self._calls: queue.SimpleQueue[tuple[Callable[[], Any], dict[str, Any], threading.Event]] = queue.SimpleQueue()
+        self._calls: queue.SimpleQueue[_Call | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         #: The call that did not return within its deadline: its name, when it began, and its "returned" event.
         self._stuck: tuple[str, float, threading.Event] | None = None
+        # The helper holds the queue only, not this object nor the store (rank 0's store must close when its last
+        # owner lets it go); it ends once this object is collected (a blocked one, with the process).
+        weakref.finalize(self, self._calls.put, None)
 
     @property
     def unresponsive(self) -> bool:
         """A call has not returned within its deadline, and has not returned since."""
-        return self._stuck is not None and not self._stuck[2].is_set()
+        stuck = self._stuck
+        return stuck is not None and not stuck[2].is_set()
 
     def __getattr__(self, name: str) -> Any:
         method = getattr(self.store, name)
@@ -55,7 +60,12 @@ class BoundedStore:
         return lambda *args, **kwargs: self._call(name, lambda: method(*args, **kwargs))
 
     def _call(self, name: str, call: Callable[[], Any]) -> Any:
-        with self._lock:  # one call at a time, as on the client itself (callers on other threads take turns)
+        began = self._clock()
+        # One call at a time, as on the client itself; a caller behind another waits for the same deadline in all.
+        if not self._lock.acquire(timeout=self.deadline):
+            raise StoreUnresponsive(f"the store did not answer {name}() within {self.deadline:g}s (another call was "
+                                    "still waiting for it)", began)
+        try:
             if self._stuck is not None:
                 what, since, returned = self._stuck
                 if not returned.is_set():
@@ -63,23 +73,43 @@ class BoundedStore:
                                             "ago", since)
                 self._stuck = None  # it answered at last: the helper thread is free again
             if self._thread is None:
-                self._thread = threading.Thread(target=self._serve, name="elastic-runner-bounded-store", daemon=True)
+                self._thread = threading.Thread(target=_serve, args=(self._calls,), name="elastic-runner-bounded-store",
+                                                daemon=True)
                 self._thread.start()
-            began, done = self._clock(), threading.Event()
-            box: dict[str, Any] = {}
-            self._calls.put((call, box, done))
-            if not done.wait(self.deadline):
-                self._stuck = (f"{name}()", began, done)
-                raise StoreUnresponsive(f"the store did not answer {name}() within {self.deadline:g}s", began)
-        if "error" in box:
-            raise box["error"]
-        return box.get("value")
-
-    def _serve(self) -> None:
-        while True:
-            call, box, done = self._calls.get()
+            job = _Call(call)
+            self._calls.put(job)
             try:
-                box["value"] = call()
-            except BaseException as exc:  # noqa: BLE001 - handed to the caller, raised in its thread
-                box["error"] = exc
-            done.set()
+                answered = job.done.wait(max(0.0, self.deadline - (self._clock() - began)))
+            except BaseException:  # (a stop signal's exception, raised while waiting: the call is still out there)
+                self._stuck = (f"{name}()", began, job.done)
+                raise
+            if not answered:
+                self._stuck = (f"{name}()", began, job.done)
+                raise StoreUnresponsive(f"the store did not answer {name}() within {self.deadline:g}s", began)
+        finally:
+            self._lock.release()
+        if job.error is not None:
+            raise job.error
+        return job.value
+
+
+class _Call:
+    """One call handed to the helper thread, and what came of it."""
+
+    def __init__(self, call: Callable[[], Any]) -> None:
+        self.call: Callable[[], Any] | None = call
+        self.value: Any = None
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+
+
+def _serve(calls: queue.SimpleQueue[_Call | None]) -> None:
+    """The helper thread: runs the calls in turn until it is handed None (its BoundedStore collected)."""
+    while (job := calls.get()) is not None:
+        call, job.call = job.call, None  # (held no longer than it runs: the store it is bound to may have to close)
+        try:
+            job.value = call() if call is not None else None
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller, raised in its thread
+            job.error = exc
+        job.done.set()
+        del call, job

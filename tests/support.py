@@ -388,6 +388,8 @@ def store_server() -> Iterator[subprocess.Popen[bytes]]:
     (continued, then killed) on the way out."""
     import signal
 
+    from elastic_runner.lifecycle import child_dies_with_starter
+
     port = free_port()
     server = subprocess.Popen([sys.executable, "-c", (
         "import datetime, sys, time\n"
@@ -396,7 +398,7 @@ def store_server() -> Iterator[subprocess.Popen[bytes]]:
         "wait_for_workers=False)\n"
         "store.set('k', 'v')\n"
         "print('ready', flush=True)\n"
-        "time.sleep(600)\n")], stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
+        "time.sleep(600)\n")], stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, preexec_fn=child_dies_with_starter)
     try:
         assert server.stdout is not None and server.stdout.readline().strip() == b"ready", "the store did not start"
         server.port = port  # type: ignore[attr-defined]

@@ -241,8 +241,9 @@ ANNOUNCE_WAIT = datetime.timedelta(seconds=2)
 AGENT_SILENT = datetime.timedelta(seconds=0.6)
 
 #: Seconds a survivor waits for one answer of the job's store while it waits for an announcement: a store that takes
-#: longer is gone for this recovery (its machine vanished, or froze), whatever torch's client would do.
-STORE_ANSWER_S = 2.0
+#: longer is gone for this recovery (its machine vanished, or froze), whatever torch's client would do. Generous: on a
+#: loaded machine a store that stalls is slow, not gone, and a survivor's count-out of node 0 follows from it.
+STORE_ANSWER_S = 5.0
 #: How often a survivor looks for that announcement (a store ``check``: a blocking ``wait`` cut short logs a warning
 #: each time), and whether its agent asks it to park instead.
 ANNOUNCE_POLL_S = 0.02

@@ -44,6 +44,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+#: The least the watchdog waits for one answer of the job's store (its heartbeat's timeout, if longer): a store that
+#: stalls for less on a loaded machine is slow, not gone (torch's client raised after the timeout before the bound).
+STORE_ANSWER_S = 2.0
+
 class PeerWatchdog:
     def __init__(self, store: Any, *, rank: int, world_size: int, generation: int, timeout: float,
                  on_lost: Callable[[str], None], interval: float | None = None, startup_grace: float | None = None,
@@ -75,7 +79,7 @@ class PeerWatchdog:
 
         store = TCPStore(master_addr, master_port, is_master=False, timeout=datetime.timedelta(seconds=timeout),
                          wait_for_workers=False)
-        return cls(BoundedStore(store, timeout), timeout=timeout, context=f"{master_addr}:{master_port}", **kwargs)
+        return cls(BoundedStore(store, max(timeout, STORE_ANSWER_S)), timeout=timeout, context=f"{master_addr}:{master_port}", **kwargs)
 
     def start(self) -> "PeerWatchdog":
         self._beat()

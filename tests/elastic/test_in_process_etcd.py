@@ -86,8 +86,8 @@ def test_a_node_that_is_lost_or_leaves_does_not_hold_the_next_round_for_its_leas
 def test_group_rank_0s_machine_gone_without_closing_its_connections_is_left_behind_within_seconds(
         resume_config: Path, local_job: Any, etcd: EtcdServer) -> None:
     """Rank 0's machine frozen (every process of its node SIGSTOPped: nothing closes its connections, as with a
-    machine powered off or cut off). torch's store client waits without end on a server that does not answer, so
-    the survivor's watchdog bounds its calls (:mod:`elastic_runner.bounded_store`): it fires, the survivor keeps its
+    machine powered off or cut off; the job's store, in rank 0's worker, stops answering). torch's store client waits
+    without end on a server that does not answer, so the survivor's watchdog bounds its calls (:mod:`elastic_runner.bounded_store`): it fires, the survivor keeps its
     step in node memory and its agent forms the next round without the frozen node once its lease lapses (3 s under
     launch). It took 49 s before (the watchdog blocked, the worker never parked, and its agent waited 15 s for it to
     park and 30 s for it to end on SIGTERM)."""
