@@ -220,14 +220,17 @@ KEEPING_WORKERS = TorchPatch(
     ),
 )
 
+#: What swapping torch's agent's ``start_processes`` for a round relies on (kept_round's and the spare's hand-overs).
+_START_PROCESSES_SWAPPED = (
+    Need(LOCAL_AGENT, "start_processes", params=("envs",)),
+    Need(LOCAL_AGENT, "LocalElasticAgent._start_workers", refers_to="start_processes"),
+)
+
 KEPT_ROUNDS = TorchPatch(
     name="a new rendezvous round that keeps the workers (in-process recovery across membership changes)",
     where="elastic_runner.agent.kept_round",
     without="a node that joins or is lost restarts every worker, as torch does",
-    needs=(
-        Need(LOCAL_AGENT, "start_processes", params=("envs",)),
-        Need(LOCAL_AGENT, "LocalElasticAgent._start_workers", refers_to="start_processes"),
-    ),
+    needs=_START_PROCESSES_SWAPPED,
 )
 
 SEATED_SPARES = TorchPatch(
@@ -235,8 +238,7 @@ SEATED_SPARES = TorchPatch(
     where="elastic_runner.agent.spare",
     without="a spare starts its workers when it is seated, and they build their workload then",
     needs=(
-        Need(LOCAL_AGENT, "start_processes", params=("envs",)),
-        Need(LOCAL_AGENT, "LocalElasticAgent._start_workers", refers_to="start_processes"),
+        *_START_PROCESSES_SWAPPED,
         Need(ELASTIC_MP, "MultiprocessContext", params=("name", "entrypoint", "args", "envs", "start_method",
                                                         "logs_specs")),
         Need(ELASTIC_MP, "PContext.start", refers_to="_start"),
