@@ -128,6 +128,10 @@ def after_failure(exc: BaseException, dist: Dist, *, stop_requested: bool, ends_
 def _peer_failure(exc: BaseException, dist: Dist) -> bool:
     if not isinstance(exc, Exception) or dist.in_process is None:
         return False
+    if isinstance(exc, RuntimeError) and "DataLoader worker" in str(exc):
+        # torch's words for a dead loader process of this rank, raised by its SIGCHLD handler wherever the main thread
+        # is, inside a collective too: this process's own failure, however its traceback reads.
+        return False
     if isinstance(exc, torch.distributed.DistError):
         return True
     # gloo and NCCL raise a plain RuntimeError from inside a collective's wait.

@@ -66,6 +66,19 @@ def test_where_a_broken_process_goes(exc: BaseException, in_process: bool, stop:
     assert _after(exc, in_process, stop).target is target
 
 
+def test_a_dead_loader_process_is_the_ranks_own_failure_also_when_it_is_reported_inside_a_collective() -> None:
+    """torch reports a DataLoader worker's death from its SIGCHLD handler, wherever the main thread is: inside a gloo
+    collective the traceback ends in torch.distributed, which read as a peer's failure (the rank was kept, seen in CI)."""
+    namespace: dict[str, object] = {}
+    exec(compile("def all_reduce():\n    raise RuntimeError('DataLoader worker (pid 30093) is killed by signal: Killed. ')\n",
+                 "/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py", "exec"), namespace)
+    try:
+        namespace["all_reduce"]()  # type: ignore[operator]
+    except RuntimeError as exc:
+        assert _after(exc).target is State.EXIT
+        assert _after(RuntimeError("gloo: Connection closed by peer")).target is State.REJOIN, "a peer's still is"
+
+
 @pytest.mark.parametrize("exc", [
     STICKY, NonFiniteRollback(3, [0], "CUDA error: an illegal memory access was encountered"),
     MembershipChange("a node joins; CUDA error: device-side assert triggered"),
