@@ -83,13 +83,8 @@ class KeepingContext(MultiprocessContext):
         if self._standby is None:
             return None
         process, conn = self._standby
-        try:
-            if not conn.poll():
-                return None
-            built, seconds = conn.recv()
-        except (OSError, EOFError, ValueError):
-            return None
-        return int(process.pid), bool(built), float(seconds)
+        answer = _built_answer(conn)
+        return None if answer is None else (int(process.pid), *answer)
 
     def standby_lost(self) -> int | None:
         """The exit status of a standby that ended without taking a place (killed, out of memory), once; None while
@@ -243,11 +238,8 @@ class SeatStandbys:
         """How many have finished building the workload (asked without waiting), and the longest build's seconds;
         each one's answer is read once."""
         for local_rank, (_, conn) in self._standbys.items():
-            if local_rank in self._answers:
-                continue
-            with contextlib.suppress(OSError, EOFError, ValueError):
-                if conn.poll():
-                    self._answers[local_rank] = conn.recv()
+            if local_rank not in self._answers and (answer := _built_answer(conn)) is not None:
+                self._answers[local_rank] = answer
         built = [seconds for done, seconds in self._answers.values() if done]
         return len(built), max(built, default=0.0)
 
@@ -261,6 +253,18 @@ class SeatStandbys:
         for process, conn in standbys.values():
             conn.close()
             _end(process)
+
+
+def _built_answer(conn: Any) -> tuple[bool, float] | None:
+    """What a standby said on ``conn`` once it finished building (:func:`~elastic_runner.agent.zygote.standby_main`):
+    whether it built the workload, and in how many seconds; None before (asked without waiting), or if it is gone."""
+    try:
+        if not conn.poll():
+            return None
+        built, seconds = conn.recv()
+    except (OSError, EOFError, ValueError):
+        return None
+    return bool(built), float(seconds)
 
 
 def _start_standby(start_method: str, template_rank: int, wrap_args: tuple[Any, ...]) -> tuple[Any, Any]:

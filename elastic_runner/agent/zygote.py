@@ -115,12 +115,12 @@ def _fork_poisoned() -> bool:
     return _child_in_bad_fork(torch)
 
 
-def _gpu_device_nodes() -> list[str]:
-    """The GPUs' device files (NVIDIA's, or ROCm's ``/dev/kfd``): asking the driver itself would be the very call
-    that spoils a fork."""
-    import glob
+def _gpu_device_nodes() -> bool:
+    """Whether this machine has a GPU driver, told from its files (:func:`elastic_runner.lifecycle.gpu_driver`):
+    asking the driver itself would be the very call that spoils a fork."""
+    from elastic_runner.lifecycle import gpu_driver
 
-    return glob.glob("/dev/nvidia[0-9]*") + glob.glob("/dev/kfd")
+    return gpu_driver()
 
 
 def _child_in_bad_fork(torch: Any) -> bool:
