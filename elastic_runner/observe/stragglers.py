@@ -11,7 +11,8 @@ with the median rank's — the lower median, so that of two ranks the faster one
 A rank is *named* once it was at or above ``recovery.straggler_ratio`` for more than half of the last
 ``recovery.straggler_window_seconds`` (a window in seconds, not steps: steps last from a millisecond to seconds, and
 what makes a rank slow for a moment — a snapshot, a page-cache miss, the scheduler of a shared machine — lasts about
-as long whatever the step), and *cleared* once it was for a quarter of that window or less. Most of the window, not
+as long whatever the step; seconds spent stepping, so that a restart's restore or an evaluation between two logging
+steps is no time in which a rank was slow), and *cleared* once it was for a quarter of that window or less. Most of the window, not
 every logging window in it: a throttled node's slowness comes and goes from one logging window to the next (a
 noisy neighbour, a throttle's duty cycle land in the step's own work or in its wait by chance), and a first rule that
 started the count again at every window below the ratio never named a node throttled to a quarter of its time on a
@@ -93,8 +94,9 @@ class StragglerWatch:
 
     def observe(self, local_s: Sequence[float], steps: Sequence[float], nodes: Sequence[float],
                 window_s: float) -> tuple[list[Straggler], list[Straggler]]:
-        """One logging window of ``window_s`` seconds: each rank's local seconds, over how many steps, and its
-        node. Returns the ranks named and the ranks cleared at this window.
+        """One logging window whose steps took ``window_s`` seconds (the slowest rank's, the wait included; not
+        what came between steps, such as a restart's restore): each rank's local seconds, over how many steps, and
+        its node. Returns the ranks named and the ranks cleared at this window.
 
         One window counts for half of straggler_window_seconds at most, so that a single slow window (a long
         one: a first compile, an evaluation, a stall) never names a rank by itself."""

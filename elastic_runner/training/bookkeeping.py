@@ -20,6 +20,7 @@ from ..observe.goodput import publish_goodput
 from ..observe.logs import Progress
 from ..env import ask_to_exclude_this_node
 from ..observe.stragglers import Straggler, StragglerWatch
+from .step_clock import Timed
 
 if TYPE_CHECKING:
     from ..config import Config
@@ -120,10 +121,10 @@ class StepBooks:
         steps = step - self._window_first_step
         return (time.monotonic() - self._window_started) / steps if steps > 0 else 0.0
 
-    def report_progress(self, step: int, epoch: int, lr: float, local: tuple[float, int] = (0.0, 0),
+    def report_progress(self, step: int, epoch: int, lr: float, local: Timed = Timed(0.0, 0, 0.0),
                         mine: torch.Tensor | None = None) -> list[float]:
         """The loss over the window since the last report (a collective), the rate, goodput: a progress line;
-        ``local``: this rank's local seconds and steps timed in the window (:class:`~.step_clock.StepClock`);
+        ``local``: this rank's steps timed in the window (:class:`~.step_clock.StepClock`);
         ``mine``: floats of this rank's (on its device; every rank passes as many at the same step) that every rank
         learns — returned: every rank's, rank by rank (empty without ``mine``)."""
         m, state = self.metrics, self.state
@@ -135,8 +136,8 @@ class StepBooks:
         window_s = max(1e-9, now - self._window_started)
         timing = torch.zeros(4 * world if timed else 0, dtype=torch.float64)
         if timed:
-            timing[4 * rank:4 * rank + 4] = torch.tensor([local[0], local[1], self.dist.env.group_rank, window_s],
-                                                         dtype=torch.float64)
+            timing[4 * rank:4 * rank + 4] = torch.tensor(
+                [local.local_s, local.steps, self.dist.env.group_rank, local.stepped_s], dtype=torch.float64)
         parts = [self._window_loss, timing.to(self._window_loss.device)]
         if mine is not None:
             blocks = torch.zeros(mine.numel() * world, dtype=torch.float64, device=self._window_loss.device)
@@ -146,7 +147,11 @@ class StepBooks:
         theirs = summed[2 + timing.numel():]
         loss_sum, count = summed[:2]
         self._window_loss.zero_()
-        if timed:  # the window's length: the longest rank's (the same on every rank, as every decision must be)
+        # The window's length for the stragglers: the longest rank's time in steps (the same on every rank, as
+        # every decision must be). Not the window's wall time: a restart's first window holds the restore and the
+        # rendezvous, and counted as seconds of a fresh process's slow first steps it named ranks that were slow for
+        # a fraction of a second (seen in a soak with a 3 s window).
+        if timed:
             times = summed[2:2 + timing.numel()]
             self._note_stragglers(step, times[0::4], times[1::4], times[2::4], max(times[3::4]))
         window_steps = step - self._window_first_step

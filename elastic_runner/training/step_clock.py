@@ -11,12 +11,22 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 #: Steps whose events are kept unread at most (a logging interval longer than this times fewer steps).
 MAX_PENDING = 4096
+
+
+class Timed(NamedTuple):
+    """What a :meth:`StepClock.take` returns: the steps completed since the last take and their times."""
+
+    local_s: float  #: their local seconds (all but the wait for the gradient sync)
+    steps: int
+    #: Their whole seconds, from each one's start to its end (the wait included): the time the window spent stepping,
+    #: without what came between steps (a restore, an evaluation, a snapshot's capture, a rendezvous).
+    stepped_s: float
 
 
 class StepClock:
@@ -28,6 +38,7 @@ class StepClock:
         self._cuda = device.type == "cuda"
         self._seconds = 0.0
         self._steps = 0
+        self._stepped = 0.0
         self._marks: list[Any] = []  # this step's (host times or events)
         self._pending: deque[list[Any]] = deque()  # completed steps' events, not yet read
         self._spare: list[Any] = []  # events to record again
@@ -67,20 +78,22 @@ class StepClock:
         if not self._cuda:
             begin, waiting, updating, end = marks
             self._seconds += (waiting - begin) + (end - updating)
+            self._stepped += end - begin
             self._steps += 1
             return
         self._pending.append(marks)
         if len(self._pending) > MAX_PENDING:  # never read: drop the oldest rather than hold events without end
             self._spare.extend(self._pending.popleft())
 
-    def take(self) -> tuple[float, int]:
-        """Local seconds and steps since the last take; on a GPU of the steps whose events completed (the rest
+    def take(self) -> Timed:
+        """The steps since the last take and their seconds; on a GPU of the steps whose events completed (the rest
         count at the next take)."""
         while self._pending and self._pending[0][-1].query():
             begin, waiting, updating, end = marks = self._pending.popleft()
             self._seconds += (begin.elapsed_time(waiting) + updating.elapsed_time(end)) / 1000.0
+            self._stepped += begin.elapsed_time(end) / 1000.0
             self._steps += 1
             self._spare.extend(marks)
-        taken = (self._seconds, self._steps)
-        self._seconds, self._steps = 0.0, 0
+        taken = Timed(self._seconds, self._steps, self._stepped)
+        self._seconds, self._steps, self._stepped = 0.0, 0, 0.0
         return taken

@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from elastic_runner.config import ConfigError, config_from_dict
+from elastic_runner.observe.events import EventLog
+from elastic_runner.observe.metrics import Metrics
 from elastic_runner.observe.stragglers import StragglerWatch
-from elastic_runner.training.step_clock import StepClock
+from elastic_runner.training.bookkeeping import StepBooks
+from elastic_runner.training.state import TrainState
+from elastic_runner.training.step_clock import StepClock, Timed
 
 NODES = [0, 0, 1, 1]
 
@@ -141,9 +147,10 @@ def test_the_clock_counts_the_steps_work_and_not_the_wait_for_the_sync() -> None
         clock.updating()
         time.sleep(0.005)  # the update
         clock.end()
-    seconds, steps = clock.take()
+    seconds, steps, stepped = clock.take()
     assert steps == 3 and 3 * 0.015 <= seconds < 3 * 0.015 + 0.1, seconds
-    assert clock.take() == (0.0, 0), "each take returns what came since the last"
+    assert 3 * 0.065 <= stepped < 3 * 0.065 + 0.1, "the steps' whole time, the wait included"
+    assert clock.take() == (0.0, 0, 0.0), "each take returns what came since the last"
 
 
 def test_a_step_left_half_way_is_not_timed() -> None:
@@ -158,6 +165,42 @@ def test_a_step_left_half_way_is_not_timed() -> None:
     clock.updating()  # an update with no step before it (a test's, a tool's)
     clock.end()
     assert clock.take()[1] == 0
+
+
+class RankZeroOfTwo:
+    """Rank 0 of a two-rank job: its all-reduce adds what rank 1 (on node 1) sends, which the test sets."""
+
+    rank, world_size, device = 0, 2, torch.device("cpu")
+    env = SimpleNamespace(group_rank=0, local_rank=0)
+
+    def __init__(self) -> None:
+        self.peer = Timed(0.0, 0, 0.0)
+
+    def all_reduce_sum(self, summed: torch.Tensor) -> torch.Tensor:
+        theirs = torch.zeros_like(summed)
+        theirs[2 + 4:2 + 8] = torch.tensor([self.peer.local_s, self.peer.steps, 1, self.peer.stepped_s])
+        return summed + theirs
+
+
+def test_what_comes_between_steps_is_no_time_a_rank_was_slow(tmp_path: Path) -> None:
+    """A restart's first logging window holds the restore: a fresh process slower in its first hundred steps (a
+    fraction of a second) is not named for the seconds before them; a rank slow for most of the window's seconds
+    of steps is."""
+    cfg = config_from_dict({"recovery": {"straggler_ratio": 1.3, "straggler_window_seconds": 2.0},
+                            "train": {"max_steps": 1000}, "logging": {"progress_bar": "off"}})
+    cfg.validate()
+    dist = RankZeroOfTwo()
+    books = StepBooks(cfg, dist, TrainState(), None, 1000, events=EventLog(tmp_path, "worker-0"),  # type: ignore[arg-type]
+                      metrics=Metrics(0, 0), audit=None)
+    time.sleep(1.2)  # the restore and the rendezvous, before the first step
+    mine, slow = Timed(50 * 0.0037, 50, 50 * 0.0062), Timed(50 * 0.006, 50, 50 * 0.0062)  # 1.6x rank 0's
+    for step in (50, 100):
+        dist.peer = slow
+        books.report_progress(step, 0, 0.1, local=mine)
+    assert books.stragglers.named == set(), "0.6 s of slow steps is not most of 2 s"
+    for step in (150, 200):
+        books.report_progress(step, 0, 0.1, local=mine)
+    assert books.stragglers.named == {1}, "1.2 s of its 2 s of steps slow: named"
 
 
 @pytest.mark.parametrize("recovery, key", [
@@ -195,9 +238,10 @@ def test_on_a_gpu_the_clock_times_the_device_and_never_waits_for_it() -> None:
         clock.waiting()
         clock.updating()
         clock.end()
-    early_seconds, early_steps = clock.take()  # never blocks: the first steps' kernels may still be running
+    early_seconds, early_steps, _ = clock.take()  # never blocks: the first steps' kernels may still be running
     assert early_steps < 5 or early_seconds > 0
     torch.cuda.synchronize()
-    seconds, steps = clock.take()
+    seconds, steps, stepped = clock.take()
     assert early_steps + steps == 5 and seconds > 0
     assert (early_seconds + seconds) / 5 > 1e-3, "the device's time per step, not the host's queueing"
+    assert stepped >= seconds, "a step's whole time holds its local time"
