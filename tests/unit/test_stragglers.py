@@ -15,7 +15,7 @@ from elastic_runner.observe.metrics import Metrics
 from elastic_runner.observe.stragglers import StragglerWatch
 from elastic_runner.training.bookkeeping import StepBooks
 from elastic_runner.training.state import TrainState
-from elastic_runner.training.step_clock import StepClock, Timed
+from elastic_runner.training.step_clock import StepClock, Timed, WarmUp
 
 NODES = [0, 0, 1, 1]
 
@@ -138,7 +138,7 @@ def test_one_rank_alone_has_nobody_to_be_compared_with() -> None:
 
 
 def test_the_clock_counts_the_steps_work_and_not_the_wait_for_the_sync() -> None:
-    clock = StepClock(torch.device("cpu"))
+    clock = StepClock(torch.device("cpu"), warm_up=WarmUp(0))
     for _ in range(3):
         clock.begin()
         time.sleep(0.01)  # batches, forward, backward
@@ -153,8 +153,26 @@ def test_the_clock_counts_the_steps_work_and_not_the_wait_for_the_sync() -> None
     assert clock.take() == (0.0, 0, 0.0), "each take returns what came since the last"
 
 
+def test_a_processs_first_seconds_of_steps_are_its_warm_up_and_not_timed() -> None:
+    """A new process steps slower while it warms up (allocator, copy-on-write pages, cuDNN, NCCL): a straggler
+    check that timed those steps named a node that had just joined."""
+    warm = WarmUp(0.1)
+    clock = StepClock(torch.device("cpu"), warm_up=warm)
+    for _ in range(5):
+        clock.begin()
+        time.sleep(0.03)
+        clock.waiting()
+        clock.updating()
+        clock.end()
+    seconds, steps, stepped = clock.take()
+    assert steps in (1, 2) and stepped < 0.1, "the steps of the first 0.1 s are not timed, the ones after are"
+    again = StepClock(torch.device("cpu"), warm_up=warm)  # the next attempt of the same process
+    again.begin(), again.waiting(), again.updating(), again.end()
+    assert again.take().steps == 1, "a process kept through a recovery is warm"
+
+
 def test_a_step_left_half_way_is_not_timed() -> None:
-    clock = StepClock(torch.device("cpu"))
+    clock = StepClock(torch.device("cpu"), warm_up=WarmUp(0))
     clock.begin()
     clock.waiting()  # the sync failed here: no update, no end
     clock.begin()
@@ -229,7 +247,7 @@ def test_on_a_gpu_the_clock_times_the_device_and_never_waits_for_it() -> None:
     the steps whose events completed, and after them the device's time, not the host's queueing."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device (the production path); none here")
-    clock = StepClock(torch.device("cuda"))
+    clock = StepClock(torch.device("cuda"), warm_up=WarmUp(0))
     x = torch.randn(4096, 4096, device="cuda")
     for _ in range(5):
         clock.begin()
