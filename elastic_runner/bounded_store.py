@@ -93,6 +93,25 @@ class BoundedStore:
         return job.value
 
 
+def connect_within(connect: Callable[[], Any], deadline: float, what: str) -> Any:
+    """``connect()`` (a store client's construction), returned or raised within ``deadline`` seconds: a new client of
+    a server that does not answer blocks as its calls do. Past the deadline :class:`StoreUnresponsive`; the thread
+    left waiting is a daemon, and what it makes, if ever, is dropped."""
+    if deadline <= 0:
+        raise ValueError(f"deadline must be positive, not {deadline!r}")
+    began = time.monotonic()
+    job = _Call(connect)
+    queue_: queue.SimpleQueue[_Call | None] = queue.SimpleQueue()
+    queue_.put(job)
+    queue_.put(None)
+    threading.Thread(target=_serve, args=(queue_,), name="elastic-runner-store-connect", daemon=True).start()
+    if not job.done.wait(deadline):
+        raise StoreUnresponsive(f"{what} did not answer a new connection within {deadline:g}s", began)
+    if job.error is not None:
+        raise job.error
+    return job.value
+
+
 class _Call:
     """One call handed to the helper thread, and what came of it."""
 

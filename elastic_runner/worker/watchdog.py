@@ -20,7 +20,8 @@ machine paused, a cgroup freezer, a starved scheduler) the neighbours' silence o
 The watchdog uses its own store connection with a short timeout, so a
 process group stuck in a collective cannot block it, and calls it through
 :class:`~elastic_runner.bounded_store.BoundedStore`: torch's client waits without end on a server that does not
-answer (rank 0's machine gone without resetting its connections, or frozen), and the watchdog must then fire. Its counters and the abort are messages of the recovery
+answer (rank 0's machine gone without resetting its connections, or frozen), and the watchdog must then fire; so
+does its connection, made within the same deadline, and a store that does not answer it is a lost rank 0. Its counters and the abort are messages of the recovery
 protocol (:mod:`elastic_runner.recovery.channel`), signed with the job's key where it has one: a writer on the store
 without the key can neither stop every rank with a forged abort, nor hide a hung rank behind a forged ``done``, nor
 make a live rank look hung with an old counter put back (a counter below the highest seen is evidence of nothing,
@@ -35,7 +36,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
-from ..bounded_store import BoundedStore
+from ..bounded_store import BoundedStore, StoreUnresponsive, connect_within
 from ..printable import printable
 from ..recovery.channel import Abort, Channel, WatchdogBeat, abort_key, watchdog_key
 
@@ -77,9 +78,11 @@ class PeerWatchdog:
     def connect(cls, master_addr: str, master_port: int, timeout: float, **kwargs: Any) -> "PeerWatchdog":
         from torch.distributed import TCPStore
 
-        store = TCPStore(master_addr, master_port, is_master=False, timeout=datetime.timedelta(seconds=timeout),
-                         wait_for_workers=False)
-        return cls(BoundedStore(store, max(timeout, STORE_ANSWER_S)), timeout=timeout, context=f"{master_addr}:{master_port}", **kwargs)
+        deadline = max(timeout, STORE_ANSWER_S)
+        store = connect_within(lambda: TCPStore(master_addr, master_port, is_master=False, wait_for_workers=False,
+                                                timeout=datetime.timedelta(seconds=timeout)),
+                               deadline, f"the job's store at rank 0 ({master_addr}:{master_port})")
+        return cls(BoundedStore(store, deadline), timeout=timeout, context=f"{master_addr}:{master_port}", **kwargs)
 
     def start(self) -> "PeerWatchdog":
         self._beat()
@@ -187,6 +190,14 @@ def start_watchdog(env: WorkerEnv, generation: int, timeout: float, startup_grac
         return PeerWatchdog.connect(env.master_addr, env.master_port, timeout, rank=env.rank,
                                     world_size=env.world_size, generation=generation, on_lost=on_lost,
                                     startup_grace=startup_grace, key=key).start()
+    except StoreUnresponsive as exc:
+        # The store is there and does not answer: rank 0's machine gone without resetting its connections (a refused
+        # or reset connection raises otherwise). Its first collective would wait for it as long; the watchdog's
+        # verdict, given now.
+        reason = f"the job's store at rank 0 stopped answering ({type(exc).__name__}: {exc})"
+        log.error("peer watchdog: %s; ending this attempt", reason)
+        on_lost(reason)
+        return None
     except Exception as exc:  # noqa: BLE001 - liveness checking is a safety net, not a requirement
         log.warning("peer watchdog not started (%s); dead peers are detected by collective errors only", exc)
         return None

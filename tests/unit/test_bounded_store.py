@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from elastic_runner.bounded_store import BoundedStore, StoreUnresponsive
+from elastic_runner.bounded_store import BoundedStore, StoreUnresponsive, connect_within
 
 from ..support import store_server
 
@@ -99,4 +99,30 @@ def test_a_stopped_tcpstore_server_which_torchs_client_waits_on_without_end_answ
         began = time.monotonic()
         with pytest.raises(StoreUnresponsive):
             store.get("k")
+        assert time.monotonic() - began < 3.0
+
+
+def test_a_connection_is_made_within_the_deadline_or_refused_with_the_stores_own_error() -> None:
+    made = object()
+    assert connect_within(lambda: made, 1.0, "the store") is made
+
+    def refused() -> None:
+        raise ConnectionRefusedError("nobody listens")
+
+    with pytest.raises(ConnectionRefusedError, match="nobody listens"):
+        connect_within(refused, 1.0, "the store")
+    with pytest.raises(ValueError, match="deadline must be positive"):
+        connect_within(lambda: made, 0, "the store")
+
+
+def test_a_new_client_of_a_stopped_tcpstore_server_is_refused_at_the_deadline_not_waited_for() -> None:
+    """torch's client construction waits on a server that accepts and does not answer, as its calls do."""
+    from torch.distributed import TCPStore
+
+    with store_server() as server:
+        os.kill(server.pid, signal.SIGSTOP)
+        began = time.monotonic()
+        with pytest.raises(StoreUnresponsive, match="rank 0's store did not answer a new connection within 1s"):
+            connect_within(lambda: TCPStore("127.0.0.1", server.port, is_master=False, wait_for_workers=False,
+                                            timeout=datetime.timedelta(seconds=1)), 1.0, "rank 0's store")
         assert time.monotonic() - began < 3.0

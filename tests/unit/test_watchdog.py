@@ -160,3 +160,25 @@ def test_a_job_store_whose_server_stops_answering_without_closing_is_found_withi
             assert time.monotonic() - frozen < 4.0, f"fired {time.monotonic() - frozen:.1f}s after the freeze"
         finally:
             dog.stop(done=False)
+
+
+def test_a_job_store_that_does_not_answer_the_watchdogs_connection_is_a_lost_rank_0() -> None:
+    """Rank 0's machine frozen between the process group's start and the watchdog's: the connection is not waited
+    for without end (the attempt's first collective would wait as long); the attempt ends as for a lost peer."""
+    import os
+    import signal
+    from types import SimpleNamespace
+
+    from elastic_runner.worker.watchdog import start_watchdog
+
+    from ..support import store_server
+
+    fired: list[str] = []
+    with store_server() as server:
+        os.kill(server.pid, signal.SIGSTOP)
+        env = SimpleNamespace(world_size=2, rank=1, master_addr="127.0.0.1", master_port=server.port)
+        began = time.monotonic()
+        dog = start_watchdog(env, generation=1, timeout=1.0, startup_grace=30.0, on_lost=fired.append)  # type: ignore[arg-type]
+        assert dog is None and len(fired) == 1, fired
+        assert fired[0].startswith("the job's store at rank 0 stopped answering (StoreUnresponsive: "), fired[0]
+        assert time.monotonic() - began < 5.0
