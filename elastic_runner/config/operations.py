@@ -267,8 +267,8 @@ class RecoveryConfig:
     straggler_window_seconds: float = _help(
         "For straggler_ratio: the span over which a rank is judged, in seconds spent stepping (a restore or an "
         "evaluation between steps does not count): named once it was that slow for more than half of it (a window "
-        "below the ratio now and then does not start the count again), so what slows a rank for a moment (a snapshot, a page-cache miss, a shared machine's scheduler) names "
-        "nobody.", default=60.0)
+        "below the ratio now and then does not start the count again), so what slows a rank for a moment (a "
+        "snapshot, a page-cache miss, a shared machine's scheduler) names nobody.", default=60.0)
     evict_stragglers: bool = _help(
         "For straggler_ratio: a node named a straggler leaves the job and is kept out for exclusion_seconds: its "
         "agent records the exclusion in the rendezvous (etcd-v3 or c10d), stops its workers as a preempted node's "

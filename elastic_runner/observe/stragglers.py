@@ -12,12 +12,12 @@ A rank is *named* once it was at or above ``recovery.straggler_ratio`` for more 
 ``recovery.straggler_window_seconds`` (a window in seconds, not steps: steps last from a millisecond to seconds, and
 what makes a rank slow for a moment — a snapshot, a page-cache miss, the scheduler of a shared machine — lasts about
 as long whatever the step; seconds spent stepping, so that a restart's restore or an evaluation between two logging
-steps is no time in which a rank was slow), and *cleared* once it was for a quarter of that window or less. Most of the window, not
-every logging window in it: a throttled node's slowness comes and goes from one logging window to the next (a
-noisy neighbour, a throttle's duty cycle land in the step's own work or in its wait by chance), and a first rule that
-started the count again at every window below the ratio never named a node throttled to a quarter of its time on a
-loaded machine. The gap between the two thresholds keeps a rank near the line from being named and cleared at every
-other window.
+steps is no time in which a rank was slow), and *cleared* once it was for a quarter of that window or less. Most of
+the window, not every logging window in it: a throttled node's slowness comes and goes from one logging window to the
+next (a noisy neighbour, a throttle's duty cycle land in the step's own work or in its wait by chance), and a first
+rule that started the count again at every window below the ratio never named a node throttled to a quarter of its
+time on a loaded machine. The gap between the two thresholds keeps a rank near the line from being named and cleared
+at every other window.
 """
 
 from __future__ import annotations

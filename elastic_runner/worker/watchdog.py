@@ -17,15 +17,14 @@ A rank that finished marks itself ``done`` and is never declared dead. Only the 
 counts against a neighbour: after its own thread did not run for a good part of ``timeout`` (the whole job or
 machine paused, a cgroup freezer, a starved scheduler) the neighbours' silence over that gap is not theirs to blame.
 
-The watchdog uses its own store connection with a short timeout, so a
-process group stuck in a collective cannot block it, and calls it through
-:class:`~elastic_runner.bounded_store.BoundedStore`: torch's client waits without end on a server that does not
-answer (rank 0's machine gone without resetting its connections, or frozen), and the watchdog must then fire; so
-does its connection, made within the same deadline, and a store that does not answer it is a lost rank 0. Its counters and the abort are messages of the recovery
-protocol (:mod:`elastic_runner.recovery.channel`), signed with the job's key where it has one: a writer on the store
-without the key can neither stop every rank with a forged abort, nor hide a hung rank behind a forged ``done``, nor
-make a live rank look hung with an old counter put back (a counter below the highest seen is evidence of nothing,
-and does not stop the clock of a rank that hangs).
+The watchdog uses its own store connection with a short timeout, so a process group stuck in a collective cannot block
+it, and calls it through :class:`~elastic_runner.bounded_store.BoundedStore`: torch's client waits without end on a
+server that does not answer (rank 0's machine gone without resetting its connections, or frozen), and the watchdog
+must then fire; so does its connection, made within the same deadline, and a store that does not answer it is a lost
+rank 0. Its counters and the abort are messages of the recovery protocol (:mod:`elastic_runner.recovery.channel`),
+signed with the job's key where it has one: a writer on the store without the key can neither stop every rank with a
+forged abort, nor hide a hung rank behind a forged ``done``, nor make a live rank look hung with an old counter put
+back (a counter below the highest seen is evidence of nothing, and does not stop the clock of a rank that hangs).
 """
 
 from __future__ import annotations
@@ -176,8 +175,12 @@ class PeerWatchdog:
             asleep_from = self._clock()
 
     def _fire(self, reason: str) -> None:
-        log.error("peer watchdog: %s; ending this attempt", reason)
-        self.on_lost(reason)
+        _lost(self.on_lost, reason)
+
+
+def _lost(on_lost: Callable[[str], None], reason: str) -> None:
+    log.error("peer watchdog: %s; ending this attempt", reason)
+    on_lost(reason)
 
 
 def start_watchdog(env: WorkerEnv, generation: int, timeout: float, startup_grace: float,
@@ -194,9 +197,7 @@ def start_watchdog(env: WorkerEnv, generation: int, timeout: float, startup_grac
         # The store is there and does not answer: rank 0's machine gone without resetting its connections (a refused
         # or reset connection raises otherwise). Its first collective would wait for it as long; the watchdog's
         # verdict, given now.
-        reason = f"the job's store at rank 0 stopped answering ({type(exc).__name__}: {exc})"
-        log.error("peer watchdog: %s; ending this attempt", reason)
-        on_lost(reason)
+        _lost(on_lost, f"the job's store at rank 0 stopped answering ({type(exc).__name__}: {exc})")
         return None
     except Exception as exc:  # noqa: BLE001 - liveness checking is a safety net, not a requirement
         log.warning("peer watchdog not started (%s); dead peers are detected by collective errors only", exc)
