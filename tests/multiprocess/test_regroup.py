@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import datetime
 import io
-import multiprocessing
 import os
 import signal
 from pathlib import Path
@@ -24,6 +23,7 @@ from elastic_runner.data.layout import split_even
 from elastic_runner.data.sampler import StepPlan
 from elastic_runner.recovery.regroup import Membership, Regroup, RegroupError, regroup_method
 
+from ..support import rank_context
 from ..unit.test_gradients import _cnn, _cross_entropy, _image_rows, _images, _step
 
 pytestmark = [pytest.mark.timeout(180)]
@@ -111,7 +111,7 @@ def _run(tmp: Path, method: str, victim: str | None) -> dict[str, dict[str, Any]
     import torch.distributed as tdist
 
     store = tdist.TCPStore("127.0.0.1", 0, None, True, timeout=TIMEOUT)
-    ctx = multiprocessing.get_context("spawn")
+    ctx = rank_context()
     outs = {name: str(tmp / f"{method}-{victim}-{name}.pt") for name in "abcd"}
     procs = {name: ctx.Process(target=_member, args=(name, store.port, method, victim, outs[name]))
              for name in "abcd"}
@@ -220,7 +220,7 @@ def test_a_member_blocked_on_a_survivor_rather_than_on_the_dead_peer_is_released
     import torch.distributed as tdist
 
     store = tdist.TCPStore("127.0.0.1", 0, None, True, timeout=TIMEOUT)
-    ctx = multiprocessing.get_context("spawn")
+    ctx = rank_context()
     outs = {name: str(tmp_path / f"{name}.pt") for name in "abc"}
     procs = [ctx.Process(target=_ring_member, args=(name, store.port, method, outs.get(name, ""))) for name in "abcd"]
     try:

@@ -2,7 +2,7 @@
 micro-batching, and — with the ordered gradient sync — exactly the same arithmetic in a process that
 resumed as in one that never stopped, at every world size.
 
-Each case runs the real step (:class:`~elastic_runner.training.step.TrainStep`) in W spawned processes
+Each case runs the real step (:class:`~elastic_runner.training.step.TrainStep`) in W new processes
 on a gloo process group.
 """
 
@@ -14,7 +14,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from torch import nn
 
 from elastic_runner.config import EvalConfig, ModelConfig
@@ -26,6 +25,8 @@ from elastic_runner.training.parts import TrainingParts
 from elastic_runner.training.state import TrainState
 from elastic_runner.training.step import TrainStep
 from elastic_runner.workload.tasks import build_task
+
+from ..support import start_ranks
 
 GLOBAL = 8
 
@@ -126,11 +127,11 @@ def _run_worker(rank: int, world: int, store_path: str, job: dict[str, Any]) -> 
 def _run(world: int, tmp: Path, **job: Any) -> Any:
     job.setdefault("out", str(tmp / f"out-{world}-{len(list(tmp.iterdir()))}.pt"))
     store = tempfile.mktemp(dir=tmp)
-    mp.start_processes(_run_worker, args=(world, store, job), nprocs=world, start_method="spawn")
+    start_ranks(_run_worker, (world, store, job), world)
     return torch.load(job["out"])
 
 
-# -- the workloads (module level: spawned processes import them) --------------------------------------------
+# -- the workloads (module level: the rank processes import them) --------------------------------------------
 
 
 def _token_model() -> nn.Module:

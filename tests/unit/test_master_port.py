@@ -10,9 +10,10 @@ import tempfile
 from pathlib import Path
 
 import pytest
-import torch.multiprocessing as mp
 
 from elastic_runner.rendezvous.ports import PortHold
+
+from ..support import start_ranks
 
 
 def _worker(rank: int, port: int, out: str) -> None:
@@ -59,7 +60,7 @@ def test_the_offered_port_is_ours_until_our_worker_binds_it(tmp_path: Path) -> N
             _, status = os.waitpid(child, 0)
             assert os.waitstatus_to_exitcode(status) == 1, "another user took the held port"
         out = tempfile.mktemp(dir=tmp_path)
-        mp.start_processes(_worker, args=(port, out), nprocs=2, start_method="spawn")
+        start_ranks(_worker, (port, out), 2)
         assert Path(out).read_text() == "3.0", "the job's store and process group came up on the held port"
     finally:
         hold.release()

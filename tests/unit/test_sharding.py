@@ -2,7 +2,7 @@
 any world size (a SUM of FSDP2's reduce-scatter, never gloo's AVG), and a sharded snapshot — every rank its own
 part — loads into any world size and strategy with every tensor exact; a torn or tampered one is never taken.
 
-Each multi-rank case runs in W spawned processes on a gloo process group.
+Each multi-rank case runs in W new processes on a gloo process group (forked from a server that imported torch).
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from torch import nn
 
 from elastic_runner.config import ConfigError, EvalConfig, ModelConfig, ParallelConfig, config_from_dict
@@ -33,6 +32,7 @@ from elastic_runner.training.state import TrainState
 from elastic_runner.training.step import TrainStep
 from elastic_runner.workload.tasks import build_task
 
+from ..support import start_ranks
 from .test_gradients import GLOBAL, _Dist, _padded_batch, _token_loss, _token_model, _token_rows, _tokens
 
 CPU = torch.device("cpu")
@@ -40,7 +40,7 @@ CPU = torch.device("cpu")
 
 def _spawn(target: Any, world: int, tmp: Path, job: dict[str, Any]) -> None:
     store = tempfile.mktemp(dir=tmp)
-    mp.start_processes(target, args=(world, store, job), nprocs=world, start_method="spawn")
+    start_ranks(target, (world, store, job), world)
 
 
 def _up(rank: int, world: int, store_path: str) -> None:

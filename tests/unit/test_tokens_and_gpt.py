@@ -14,7 +14,7 @@ from elastic_runner.data.datasets import build_datasets
 from elastic_runner.data.tokens import prepare_once, prepare_text, read_meta, token_datasets
 from elastic_runner.workload.gpt import GPT
 
-from ..support import ROOT
+from ..support import ROOT, rank_context
 
 
 def test_prepare_text_writes_token_files_that_read_back_as_windows(tmp_path: Path) -> None:
@@ -78,7 +78,7 @@ def test_a_missing_token_directory_names_the_command_that_builds_it(tmp_path: Pa
 def test_the_shipped_corpus_is_prepared_on_first_use_once_whatever_the_number_of_workers(tmp_path: Path) -> None:
     text = ROOT / "examples" / "data" / "shakespeare.txt"
     out = tmp_path / "data" / "shakespeare-char"
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     results: mp.Queue[bool] = ctx.Queue()
     workers = [ctx.Process(target=_prepare_in_a_process, args=(str(text), str(out), results)) for _ in range(4)]
     for w in workers:
