@@ -55,6 +55,8 @@ class History:
     #: Per generation, the time of its last sign of training (a step, a snapshot, an evaluation, the end).
     stepped: dict[int, float] = field(default_factory=dict)
     finished: list[float] = field(default_factory=list)  #: times of "finished" end events
+    #: Per generation, the time it rolled back (a non-finite loss, replicas that disagreed): its attempt ends there.
+    rolled_back: dict[int, float] = field(default_factory=dict)
 
     def add(self, events: list[dict[str, Any]]) -> History:
         for e in events:
@@ -76,6 +78,8 @@ class History:
                 info["resume"] = e
             elif kind == "world":
                 info["world_size"] = e["world_size"]
+            elif kind in ("nonfinite_rollback", "replica_mismatch"):
+                self.rolled_back[g] = max(self.rolled_back.get(g, e["time"]), e["time"])
         return self
 
 
@@ -86,6 +90,9 @@ def generations(events: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
 
 #: Faults the job is built to ride out without a new attempt: a new attempt that follows one is usually another's.
 RIDDEN_OUT = ("restart-etcd", "fill-disk", "slow-node")
+#: Faults found only at the job's next check (a logging step, a fingerprint check), which its attempt steps on until:
+#: one that attempt then rolled back for was not absorbed, however long it stepped first.
+FOUND_AT_A_CHECK = ("nan-batch", "corrupt-param")
 
 #: Seconds after a slow node's end within which its workers must have been named stragglers (the logging window
 #: under way when the throttle ends can still complete the count).
@@ -111,8 +118,11 @@ def attribute_recoveries(faults: list[Injected], events: list[dict[str, Any]] | 
         size_before = gens[before[-1]].get("world_size") if before else None
         settle = fault.at + ABSORB_AFTER_S + max(fault.lasts_s, hang_seconds if fault.type == "hang" else 0.0)
         # The attempt it hit stepped on well after it: not interrupted, whatever a later attempt
-        # (started for the next fault) looks like. A join always starts a new attempt.
-        if fault.type != "join" and before and stepped.get(before[-1], -1.0) > settle:
+        # (started for the next fault) looks like. A join always starts a new attempt, and so does a rollback for a
+        # fault found at a check (seen: a NaN requested as a join's attempt began struck its first step, and the
+        # logging step that found it came 2.2 s after the request).
+        found = fault.type in FOUND_AT_A_CHECK and before and history.rolled_back.get(before[-1], -1.0) >= fault.at
+        if fault.type != "join" and not found and before and stepped.get(before[-1], -1.0) > settle:
             fault.interrupted, fault.recovery_s, fault.outcome = False, 0.0, "absorbed"
             fault.generation = None
             continue
