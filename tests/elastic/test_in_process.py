@@ -348,6 +348,57 @@ def test_a_replacement_killed_while_it_joins_ends_in_a_recovered_job(
     _ends_as_the_uninterrupted_run(job, reference_model, tmp_path)
 
 
+def _listens(pid: int) -> bool:
+    """Whether process ``pid`` holds a listening TCP socket (rank 0's worker hosts the job's store)."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        target = os.readlink(fd) if fd.is_symlink() else ""
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:["):-1])
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                return True
+    return False
+
+
+@pytest.mark.parametrize("victim", [0, 1])
+def test_a_worker_killed_while_the_first_process_group_comes_up_ends_in_a_recovered_job(
+        victim: int, resume_config: Path, reference_model: Any, local_job: Any, tmp_path: Path) -> None:
+    """The start-up cell: one worker is stopped (SIGSTOP) as soon as it exists, so its peer waits inside the first
+    process group's creation (rank 0's worker hosting the job's store, listening); the waiting one is killed there
+    (``victim`` 0: the store goes with it) or the stopped one is (1), and the other is let go. No step was taken, so
+    restarting every worker loses nothing: its agent does (~10 s here), the first attempt runs in new processes from
+    the first step, and the run is the uninterrupted one."""
+    job = _started(local_job, resume_config, "elastic-runner", "dist.heartbeat_seconds=2")
+    run_dir = Path(job.run_dir)
+    deadline = time.monotonic() + 90
+    held = None
+    while held is None:
+        held = next((w for w in job.workers() if w.rank == 1), None)
+        assert time.monotonic() < deadline, "no worker of rank 1 within 90 s\n" + job.logs_tail()
+        time.sleep(0.005)
+    job.signal_worker(held, signal.SIGSTOP)
+    waiting = next(w for w in job.wait_for_workers(2, timeout=60) if w.rank == 0)
+    while not _listens(waiting.pid):
+        assert time.monotonic() < deadline, "rank 0's worker never hosted the job's store\n" + job.logs_tail()
+        time.sleep(0.02)
+    time.sleep(1.0)  # inside init_process_group: it waits for rank 1, which is stopped
+    assert not events(run_dir, "start"), "the first process group came up before the kill"
+    if victim == 0:
+        job.signal_worker(waiting, signal.SIGKILL)
+        job.signal_worker(held, signal.SIGCONT)
+    else:
+        job.signal_worker(held, signal.SIGKILL)
+        job.signal_worker(held, signal.SIGCONT)  # (a stopped process dies of SIGKILL as it is)
+    _ends_as_the_uninterrupted_run(job, reference_model, tmp_path)
+    starts = events(run_dir, "start")
+    assert len(starts) == 2 and not {e["pid"] for e in starts} & {waiting.pid, held.pid}, \
+        f"every worker restarted (no step was taken: nothing is lost), the first attempt in new processes: {starts}"
+    assert not events(run_dir, "resume"), "nothing to resume from: the run began at its first step"
+
+
 def test_a_peer_stopped_inside_a_collective_ends_in_a_recovered_job(
         resume_config: Path, reference_model: Any, local_job: Any, tmp_path: Path) -> None:
     # SIGSTOP: alive, so its agent replaces nothing; the survivor's watchdog finds it lost after
