@@ -1,6 +1,6 @@
 """Test-only components, injected through config (``--set data.sampler=tests.broken_components:NAME``):
 deliberately broken ones prove the checkers can fail; a paced one makes a job last long enough for a
-fault, however fast the machine trains; a slow one makes one rank a straggler."""
+fault, however fast the machine trains (a chaos run's reference unpaced); a slow one makes one rank a straggler."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import time
 import torch
 
 from elastic_runner.data.sampler import ElasticSampler, StepPlan
+from elastic_runner.training import injected_faults
 from elastic_runner.workload.models import SmallCNN
 
 
@@ -30,6 +31,17 @@ class PacedSampler(ElasticSampler):
 
     def advance(self, plan: StepPlan) -> None:
         time.sleep(0.04)
+        super().advance(plan)
+
+
+class FaultPacedSampler(ElasticSampler):
+    """Paced as :class:`PacedSampler` in a run the chaos tool injects faults into (its hooks are on), and not in the
+    fault-free reference run it compares that run with: a reference needs no time for a fault to land in, and the
+    pace changes nothing the comparison sees (which samples, in which steps)."""
+
+    def advance(self, plan: StepPlan) -> None:
+        if os.environ.get(injected_faults.ENV) == "1":
+            time.sleep(0.04)
         super().advance(plan)
 
 

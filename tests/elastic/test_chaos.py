@@ -32,9 +32,10 @@ def chaos(*args: str, timeout: float = 400) -> subprocess.CompletedProcess[str]:
 
 
 def paced_chaos(config: Path, run_dir: Path, *args: str, epochs: int = 5) -> subprocess.CompletedProcess[str]:
-    """A chaos run of a job paced to >= 40 ms a step: a fault at 2-3 s always lands in a running job."""
+    """A chaos run of a job paced to >= 40 ms a step: a fault at 2-3 s always lands in a running job (its fault-free
+    reference run is not paced)."""
     return chaos("--config", str(config), "--run-dir", str(run_dir), *args, "--set", f"train.epochs={epochs}",
-                 "--set", "data.sampler=tests.broken_components:PacedSampler")
+                 "--set", "data.sampler=tests.broken_components:FaultPacedSampler")
 
 
 # On c10d, the faults that change who is in the job (the agent hosting the store stays). Every fault type,
@@ -55,7 +56,7 @@ def test_each_fault_type_leaves_the_job_whole(fault: str, chaos_config: Path, tm
     # start-up (~8 s here, slower on a loaded machine) before the job can grow: 16 epochs (>= 28 s) outlast it
     # several times over; any other fault lands 2-3 s in, and 5 epochs (>= 9 s) outlast it.
     longer = ["--set", f"train.epochs={16 if fault == 'join' else 5}", "--set",
-              "data.sampler=tests.broken_components:PacedSampler"]
+              "data.sampler=tests.broken_components:FaultPacedSampler"]
     # Hung well past the watchdog's 2 s heartbeat timeout, so detection never races the wake-up.
     result = chaos("--config", str(chaos_config), "--run-dir", str(run_dir), "--agents", agents, "--nnodes", "1:2",
                    "--at", FAULT_RUNS[fault], "--hang-seconds", "5", *longer)
