@@ -45,7 +45,8 @@ RANK_PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "torch.distribute
 def rank_context() -> Any:
     """A multiprocessing context whose processes start in a fraction of a second instead of importing torch again:
     multiprocessing's forkserver, whose server imported :data:`RANK_PRELOAD` once. The server has run nothing (no
-    thread, no process group), so each process starts as clean as a spawned one. It starts at the first use and
+    step, no process group), so each process starts as a worker forked from the launcher's zygote does (which also
+    imported torch and nothing more). It starts at the first use and
     keeps the environment and working directory of that moment: a test that changes either for its processes passes
     what they need in their arguments."""
     import multiprocessing

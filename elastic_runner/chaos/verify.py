@@ -120,7 +120,7 @@ def attribute_recoveries(faults: list[Injected], events: list[dict[str, Any]] | 
         # The attempt it hit stepped on well after it: not interrupted, whatever a later attempt
         # (started for the next fault) looks like. A join always starts a new attempt, and so does a rollback for a
         # fault found at a check (seen: a NaN requested as a join's attempt began struck its first step, and the
-        # logging step that found it came 2.2 s after the request).
+        # logging step that found it came more than 2 s after the request).
         found = fault.type in FOUND_AT_A_CHECK and before and history.rolled_back.get(before[-1], -1.0) >= fault.at
         if fault.type != "join" and not found and before and stepped.get(before[-1], -1.0) > settle:
             fault.interrupted, fault.recovery_s, fault.outcome = False, 0.0, "absorbed"
