@@ -177,3 +177,58 @@ def finished_pids(directory: str) -> set[int]:
         except (OSError, ValueError):
             continue
     return found
+
+
+#: The agent's word to its workers that it is stopping them and why (:func:`announce_stopping`), in its private
+#: directory: one file, replaced at each announcement.
+STOPPING_FILE = "stopping.json"
+#: The longest reason told (a worker's last line says it).
+STOP_REASON_CHARS = 500
+#: How long an announcement accounts for a SIGTERM: torch sends it at once, but a worker the agent kept through a new
+#: round (in-process recovery) stays named in the file, and a person's SIGTERM to it later is not the agent's.
+STOP_ANNOUNCED_WITHIN_S = 30.0
+
+
+def announce_stopping(pids: list[int], reason: str) -> None:
+    """Tell this agent's workers ``pids``, before it sends them SIGTERM, that it stops them and why (a new round, a
+    failed sibling, its own shutdown), so that none reports a person's SIGTERM. Written atomically in the agent's
+    private directory (mode 0700, this user's alone); a no-op where there is none (an agent that is not ours)."""
+    directory = os.path.dirname(os.environ.get(GOODPUT_FILE_VAR, ""))
+    if not directory or not os.path.isdir(directory):
+        return
+    import json
+    import time
+
+    from .files import write_file_atomically
+
+    with contextlib.suppress(OSError):  # the worker then tells a SIGTERM without the reason: one line's wording
+        write_file_atomically(Path(directory) / STOPPING_FILE, json.dumps(
+            {"pids": [int(pid) for pid in pids], "reason": reason[:STOP_REASON_CHARS], "time": time.time()}).encode())
+
+
+def stop_announced(pid: int, since: float, now: float | None = None) -> str | None:
+    """Why this worker's agent stops process ``pid``, if it said so (:func:`announce_stopping`) at or after ``since``
+    (the process's start: a pid can be used again) and in the last :data:`STOP_ANNOUNCED_WITHIN_S`; None when nobody
+    announced it (a person, Kubernetes, torch's own agent). One small local file: it runs in a signal handler, so nothing here may raise or wait on a network disk."""
+    import json
+
+    from .printable import printable
+
+    directory = os.path.dirname(os.environ.get(GOODPUT_FILE_VAR, ""))
+    if not directory:
+        return None
+    try:
+        with open(Path(directory) / STOPPING_FILE, "rb") as fh:
+            said = json.loads(fh.read(8192))
+    except (OSError, ValueError, RecursionError):
+        return None
+    if not isinstance(said, dict) or not isinstance(said.get("pids"), list) or pid not in said["pids"]:
+        return None
+    when, reason = said.get("time"), said.get("reason")
+    if isinstance(when, bool) or not isinstance(when, (int, float)) or not since <= when:
+        return None
+    import time
+
+    if (time.time() if now is None else now) - when > STOP_ANNOUNCED_WITHIN_S:
+        return None
+    return printable(reason if isinstance(reason, str) and reason else "a new rendezvous round", STOP_REASON_CHARS)

@@ -58,7 +58,7 @@ from torch.distributed.elastic.agent.server.api import DEFAULT_ROLE, RunResult, 
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
-from ..env import REPLACES_VAR
+from ..env import REPLACES_VAR, announce_stopping
 from ..lifecycle import EXIT_DIVERGED, EXIT_NOT_DURABLE, EXIT_USAGE, proc_state, process_start_time
 from ..recovery.policy import Action, Decision, after_worker_failure, for_new_round
 from ..recovery.regroup import announce_replacements
@@ -219,10 +219,12 @@ class ElasticRunnerAgent(LocalElasticAgent):
         return [pid for pid in pcontext.pids().values() if proc_state(pid) not in ("", "Z", "X")]
 
     def _announce_stop(self, reason: str) -> None:
-        """Say, before torch SIGTERMs them, which workers this agent stops and why: a worker reads it
-        (:func:`elastic_runner.lifecycle.StopRequest`) so that it does not report a person's SIGTERM."""
+        """Say, before torch SIGTERMs them, which workers this agent stops and why: a worker reads it in its private
+        directory (:func:`elastic_runner.env.stop_announced`) so that it does not report a person's SIGTERM; the
+        event is the run's record of it."""
         pids = self._live_worker_pids()
         if pids:
+            announce_stopping(pids, reason)
             self._notify("stopping_workers", pids=pids, reason=reason)
 
     def _kill_stopped_workers(self) -> None:

@@ -173,33 +173,6 @@ class EventFollower:
         return new
 
 
-def agent_stop_reason(run_dir: str | os.PathLike[str], pid: int, since: float, tail_bytes: int = 65536) -> str | None:
-    """Why this worker's agent is stopping it, if the agent said so (an ``agent_stopping_workers`` event
-    naming ``pid``, written just before torch sends the SIGTERM); None when nobody announced it (a person,
-    Kubernetes, a plain torch agent). Reads only the end of each agent's log: it runs in a signal handler."""
-    reason = None
-    for path in (Path(run_dir) / EVENTS_DIR).glob("agent-*.jsonl"):
-        try:
-            with open(path, "rb") as fh:
-                fh.seek(max(0, fh.seek(0, os.SEEK_END) - tail_bytes))
-                lines = fh.read().splitlines()
-        except OSError:
-            continue
-        for line in reversed(lines):
-            if b"agent_stopping_workers" not in line:
-                continue
-            try:
-                event = json.loads(line)
-            except (ValueError, RecursionError):
-                continue
-            if not isinstance(event, dict) or malformed(event) is not None or not isinstance(event.get("pids"), list):
-                continue  # no line of an agent's: it runs in a signal handler, nothing may raise here
-            if event["time"] >= since and pid in event["pids"]:
-                reason = printable(event.get("reason") or "a new rendezvous round", 500)
-                break
-    return reason
-
-
 def furthest_step_reached(run_dir: str | os.PathLike[str], before_generation: int) -> int:
     """The highest step any attempt before ``before_generation`` reported: the bound for steps recomputed."""
     furthest = 0

@@ -24,7 +24,6 @@ from ..config import Config
 from ..config.locations import is_url
 from ..data.sources import KeptLoaders
 from ..dist import Dist, destroy_default_group
-from ..observe.events import agent_stop_reason
 from ..observe.logs import say, setup_logging
 from ..snapshot import SnapshotError
 from ..snapshot.format import set_signing_key, signing_key_from_environment
@@ -35,7 +34,7 @@ from ..training import injected_faults
 from ..training.gradients import NonFiniteRollback
 from ..recovery.states import Broken, DeviceUnusable, State, after_failure
 from .ending import ending_for
-from ..env import REPLACES_VAR, WorkerEnv, say_finished
+from ..env import REPLACES_VAR, WorkerEnv, say_finished, stop_announced
 from ..lifecycle import (EXIT_OK, EXIT_PEER_LOST, EXIT_USAGE, StopRequest, die_with_parent, name_process,
                         process_start_time)
 from .preflight import warn_known_bad_setups
@@ -73,7 +72,7 @@ def run(cfg: Config, env: WorkerEnv, make_workload: Callable[[], Workload] | Non
         # A worker forked from the zygote imported torch before the launcher chose this.
         torch.set_num_threads(int(threads))
     started = time.time()
-    stop = StopRequest(lambda: agent_stop_reason(cfg.run.dir, os.getpid(), started)).install()
+    stop = StopRequest(lambda: stop_announced(os.getpid(), started)).install()
     injected_faults.install()  # only in a job the chaos tool started
     if cfg.run.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")

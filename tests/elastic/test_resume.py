@@ -168,6 +168,8 @@ def test_sigterm_saves_within_the_grace_period_exits_zero_and_resumes_without_lo
     assert not job.leftover_processes()
     stops = [e for e in events(run_dir, "stop")]
     assert sorted(e["rank"] for e in stops) == [0, 1]
+    # Each worker knew the SIGTERM was its agent's, and why (in the agent's private directory, env.stop_announced).
+    assert [e["by_agent"] for e in stops] == ["the agent is shutting down on SIGTERM"] * 2, stops
     ends = [e for e in events(run_dir, "end") if e.get("status") == "stopped"]
     assert sorted(e["rank"] for e in ends) == [0, 1], "both workers exited through the graceful path"
     stop_step = max(e["step"] for e in stops)

@@ -56,7 +56,7 @@ from elastic_runner.data.sampler import ElasticSampler
 from elastic_runner.data.shards import Source, open_source, token_meta
 from elastic_runner.observe import goodput
 from elastic_runner.observe.audit import AUDIT_DIR, AuditReport, AuditWriter, check_audit, latest_step
-from elastic_runner.observe.events import (EVENTS_DIR, EventFollower, EventLog, agent_stop_reason,
+from elastic_runner.observe.events import (EVENTS_DIR, EventFollower, EventLog,
                                            furthest_step_reached, malformed, read_events)
 from elastic_runner.observe.failure_story import failure_story
 from elastic_runner.observe.records import FROM_BUCKET
@@ -872,7 +872,6 @@ def _consume(findings: Findings, case: str, data: bytes, run_dir: Path, warnings
         findings.violation(case, data, f"read_events returned an event a reader cannot rely on: {bad[0]!r:.100}")
         return
     findings.run(case, data, lambda: furthest_step_reached(run_dir, 2))
-    findings.run(case, data, lambda: agent_stop_reason(run_dir, FAILED_PID, since=0.0))
     findings.run(case, data, lambda: failure_story(run_dir, 2, 1, {"step": 2, "steps_recomputed": 1,
                                                                    "furthest_step": 3, "tier": "disk"}, time.time()))
     findings.run(case, data, lambda: (failures_seen(events), losses_seen(events)))
@@ -896,7 +895,7 @@ def test_a_malformed_event_line_is_skipped_and_no_consumer_of_events_raises(even
     """120 runs per seed, each with one to six of its real event lines mutated (in place, or added beside
     them): read_events and EventFollower return only well-formed events and warn at most once per file, and
     report, failure_story, goodput, failures_seen/losses_seen and the snapshot intervals (AutoSchedule,
-    SharedInterval), furthest_step_reached and agent_stop_reason all go on."""
+    SharedInterval) and furthest_step_reached all go on."""
     findings = Findings("event lines")
     warnings = _Warnings()
     logger = logging.getLogger("elastic_runner.observe.events")

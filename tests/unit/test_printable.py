@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
-from elastic_runner.observe.events import EVENTS_DIR, agent_stop_reason
+from elastic_runner.env import GOODPUT_FILE_VAR, announce_stopping, stop_announced
 from elastic_runner.printable import printable
 
 
@@ -21,14 +20,11 @@ def test_what_is_not_printable_is_written_as_its_escape_and_the_rest_is_kept() -
     assert printable(None) == "None" and printable(12) == "12"
 
 
-def test_an_agents_planted_stop_reason_reaches_the_worker_as_one_line(tmp_path: Path) -> None:
-    """A worker reads why its agent stops it from the agent's event file (the run directory, which others may
-    write): the reason it says in its log is one line that encodes, whatever was planted there."""
-    events = tmp_path / EVENTS_DIR
-    events.mkdir()
-    planted = {"time": 10.0, "kind": "agent_stopping_workers", "pids": [4242],
-               "reason": "preempted\nERROR forged \udfff"}
-    (events / "agent-host-4242.jsonl").write_text(json.dumps(planted) + "\n")
-    reason = agent_stop_reason(tmp_path, 4242, since=0.0)
+def test_an_agents_stop_reason_reaches_the_worker_as_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker reads why its agent stops it from the agent's private directory: the reason it says in its log is one
+    line that encodes, whatever the agent was given to say (a reason names other nodes)."""
+    monkeypatch.setenv(GOODPUT_FILE_VAR, str(tmp_path / "goodput.json"))
+    announce_stopping([4242], "preempted\nERROR forged \udfff")
+    reason = stop_announced(4242, since=0.0)
     assert reason == "preempted\\nERROR forged \\udfff", reason
     assert reason.encode("utf-8")
