@@ -10,11 +10,15 @@ runs alone: world size 1.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import socket
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
+
+from .printable import printable
 
 
 class EnvError(ValueError):
@@ -104,6 +108,12 @@ class WorkerEnv:
         return self.local_rank == 0
 
 
+def agent_private_dir() -> str:
+    """This process's agent's private directory (elastic_runner's agent, mode 0700: :data:`GOODPUT_FILE_VAR`'s), where
+    an agent and its workers leave each other word; "" under an agent that is not ours."""
+    return os.path.dirname(os.environ.get(GOODPUT_FILE_VAR, ""))
+
+
 #: A worker's word to its agent that it finished the job (:func:`say_finished`), in the agent's private directory.
 FINISHED_PREFIX = "finished-"
 
@@ -113,7 +123,7 @@ def say_finished(local_rank: int) -> None:
     finished the job, its final snapshot durable. Should the process still fail after this (in its teardown), the
     agent takes the exit for the success it was: a new round that nobody joins — every other node waits in torch's
     exit barrier — would hold the job up to its barrier's timeout (300 s)."""
-    directory = os.path.dirname(os.environ.get(GOODPUT_FILE_VAR, ""))
+    directory = agent_private_dir()
     if not directory or not os.path.isdir(directory):
         return  # torch's own agent, or none
     from .files import write_file_atomically
@@ -132,11 +142,9 @@ def ask_to_exclude_this_node(reason: str, seconds: float) -> bool:
     """Ask this worker's agent (elastic_runner's) to take its node out of the job, and to keep it out for ``seconds``
     (``recovery.evict_stragglers``): the agent records the exclusion in the rendezvous and leaves as a preempted node
     does. False where no agent of ours can hear it (torch's own, or none)."""
-    directory = os.path.dirname(os.environ.get(GOODPUT_FILE_VAR, ""))
+    directory = agent_private_dir()
     if not directory or not os.path.isdir(directory):
         return False
-    import json
-
     from .files import write_file_atomically
 
     try:
@@ -150,8 +158,6 @@ def ask_to_exclude_this_node(reason: str, seconds: float) -> bool:
 def exclusion_asked(directory: str) -> tuple[str, float] | None:
     """(reason, seconds) of a worker's :func:`ask_to_exclude_this_node` in ``directory`` (the agent's private one);
     None when none asked, or what is there is not such a request. Taken: read once."""
-    import json
-
     path = Path(directory) / EXCLUDE_FILE if directory else None
     if path is None or not path.is_file():
         return None
@@ -193,12 +199,9 @@ def announce_stopping(pids: list[int], reason: str) -> None:
     """Tell this agent's workers ``pids``, before it sends them SIGTERM, that it stops them and why (a new round, a
     failed sibling, its own shutdown), so that none reports a person's SIGTERM. Written atomically in the agent's
     private directory (mode 0700, this user's alone); a no-op where there is none (an agent that is not ours)."""
-    directory = os.path.dirname(os.environ.get(GOODPUT_FILE_VAR, ""))
+    directory = agent_private_dir()
     if not directory or not os.path.isdir(directory):
         return
-    import json
-    import time
-
     from .files import write_file_atomically
 
     with contextlib.suppress(OSError):  # the worker then tells a SIGTERM without the reason: one line's wording
@@ -209,12 +212,9 @@ def announce_stopping(pids: list[int], reason: str) -> None:
 def stop_announced(pid: int, since: float, now: float | None = None) -> str | None:
     """Why this worker's agent stops process ``pid``, if it said so (:func:`announce_stopping`) at or after ``since``
     (the process's start: a pid can be used again) and in the last :data:`STOP_ANNOUNCED_WITHIN_S`; None when nobody
-    announced it (a person, Kubernetes, torch's own agent). One small local file: it runs in a signal handler, so nothing here may raise or wait on a network disk."""
-    import json
-
-    from .printable import printable
-
-    directory = os.path.dirname(os.environ.get(GOODPUT_FILE_VAR, ""))
+    announced it (a person, Kubernetes, torch's own agent). It runs in a signal handler: one small local file, nothing
+    imported, nothing that may raise."""
+    directory = agent_private_dir()
     if not directory:
         return None
     try:
@@ -227,8 +227,6 @@ def stop_announced(pid: int, since: float, now: float | None = None) -> str | No
     when, reason = said.get("time"), said.get("reason")
     if isinstance(when, bool) or not isinstance(when, (int, float)) or not since <= when:
         return None
-    import time
-
     if (time.time() if now is None else now) - when > STOP_ANNOUNCED_WITHIN_S:
         return None
     return printable(reason if isinstance(reason, str) and reason else "a new rendezvous round", STOP_REASON_CHARS)

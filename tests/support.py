@@ -4,6 +4,8 @@ Fixtures live in the ``conftest.py`` files; anything a test imports by name live
 
 from __future__ import annotations
 
+import multiprocessing
+import multiprocessing.context
 import os
 import re
 import socket
@@ -42,18 +44,27 @@ RANK_PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "torch.distribute
                 "elastic_runner.training.sharding", "elastic_runner.training.step"]
 
 
-def rank_context() -> Any:
-    """A multiprocessing context whose processes start in a fraction of a second instead of importing torch again:
-    multiprocessing's forkserver, whose server imported :data:`RANK_PRELOAD` once. The server has run nothing (no
-    step, no process group), so each process starts as a worker forked from the launcher's zygote does (which also
-    imported torch and nothing more). It starts at the first use and
-    keeps the environment and working directory of that moment: a test that changes either for its processes passes
-    what they need in their arguments."""
-    import multiprocessing
+def forkserver_context(preload: list[str]) -> multiprocessing.context.ForkServerContext:
+    """multiprocessing's forkserver context, its server having imported exactly ``preload``. There is one server per
+    test process: one already running with another preload (another test's) is stopped first, so that each test
+    gets the server it asks for (the zygote check of ``test_launch.py`` needs its own). A process forked from it
+    starts in the parent's working directory and ``sys.path`` of that moment, and with the server's environment: the
+    environment of when the server started, which a test that changes it for its processes passes in their
+    arguments instead."""
+    from multiprocessing import forkserver
 
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(RANK_PRELOAD)  # read once, when the server starts
-    return context
+    server = forkserver._forkserver  # (private, as multiprocessing's own tests use it: there is no public stop)
+    if server._forkserver_pid is not None and server._preload_modules != preload:
+        server._stop()
+    forkserver.set_forkserver_preload(preload)  # read when the server starts
+    return multiprocessing.get_context("forkserver")
+
+
+def rank_context() -> multiprocessing.context.ForkServerContext:
+    """A context whose processes start in a fraction of a second instead of importing torch again: the forkserver's
+    server imported :data:`RANK_PRELOAD` once and has run nothing (no step, no process group), so each process starts
+    as a worker forked from the launcher's zygote does (which also imported torch and nothing more)."""
+    return forkserver_context(RANK_PRELOAD)
 
 
 def start_ranks(target: Callable[..., None], args: tuple[Any, ...], nprocs: int) -> None:

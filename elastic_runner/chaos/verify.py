@@ -78,8 +78,8 @@ class History:
                 info["resume"] = e
             elif kind == "world":
                 info["world_size"] = e["world_size"]
-            elif kind in ("nonfinite_rollback", "replica_mismatch"):
-                self.rolled_back[g] = max(self.rolled_back.get(g, e["time"]), e["time"])
+            elif kind in ("nonfinite_rollback", "replica_mismatch") and e.get("status") == "rolled_back":
+                self.rolled_back[g] = max(self.rolled_back.get(g, e["time"]), e["time"])  # (not a stop)
         return self
 
 
@@ -121,7 +121,8 @@ def attribute_recoveries(faults: list[Injected], events: list[dict[str, Any]] | 
         # (started for the next fault) looks like. A join always starts a new attempt, and so does a rollback for a
         # fault found at a check (seen: a NaN requested as a join's attempt began struck its first step, and the
         # logging step that found it came more than 2 s after the request).
-        found = fault.type in FOUND_AT_A_CHECK and before and history.rolled_back.get(before[-1], -1.0) >= fault.at
+        found = (fault.type in FOUND_AT_A_CHECK and bool(before)
+                 and history.rolled_back.get(before[-1], -1.0) >= fault.at)
         if fault.type != "join" and not found and before and stepped.get(before[-1], -1.0) > settle:
             fault.interrupted, fault.recovery_s, fault.outcome = False, 0.0, "absorbed"
             fault.generation = None

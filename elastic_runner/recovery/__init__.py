@@ -16,7 +16,6 @@ The worker (``elastic_runner.worker``) and the agent (``elastic_runner.agent``) 
 it; it knows neither (a type that two floors need lives on the lower one). Between an agent and its own workers the
 messages are files in the agent's private directory (mode 0700): the hand-over's (``handover``), and, in
 ``elastic_runner.env``, a worker's word that it finished, its request to exclude its node, and the agent's word that it
-stops them and why (read in the worker's SIGTERM handler; until 2026-12-03 it was read from the agents' event files in
-the run directory). Still outside this floor, and next in line: the agent's park decisions (``agent/kept_round.py``)
-and the zygote's pipe, which are not typed messages yet.
+stops them and why (read in the worker's SIGTERM handler). Still outside this floor, and next in line: the agent's park
+decisions (``agent/kept_round.py``) and the zygote's pipe, which are not typed messages yet.
 """

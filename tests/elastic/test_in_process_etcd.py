@@ -124,8 +124,8 @@ def test_group_rank_0s_machine_gone_without_closing_its_connections_is_left_behi
 
 
 def _handover_dir(agent: Any) -> Path:
-    """``agent``'s private directory, where its workers are handed their places (:mod:`elastic_runner.recovery.handover`:
-    ``parked-<local rank>`` while one waits parked for its place in the next round)."""
+    """``agent``'s private directory, where its workers are handed their places
+    (:mod:`elastic_runner.recovery.handover`: ``parked-<local rank>`` while one waits parked for its next place)."""
     from elastic_runner.agent.adopt import PRIVATE_PREFIX
 
     (found,) = Path(tempfile.gettempdir()).glob(f"{PRIVATE_PREFIX}{agent.pid}-*")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import signal
 import sys
@@ -15,7 +14,7 @@ from elastic_runner.agent import health
 
 from elastic_runner.agent.launch import merge_rdzv_conf
 
-from ..support import events, run_bounded
+from ..support import events, forkserver_context, run_bounded
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
 
@@ -54,10 +53,7 @@ def _big_parallel_op() -> None:
 def test_zygote_children_can_run_parallel_tensor_ops() -> None:
     # If the zygote ever starts torch's OpenMP team, forked children deadlock in
     # their first parallel region. This is that first region, with a deadline.
-    import multiprocessing.forkserver as forkserver
-
-    forkserver.set_forkserver_preload(["elastic_runner.agent.warm"])
-    proc = mp.get_context("forkserver").Process(target=_big_parallel_op)
+    proc = forkserver_context(["elastic_runner.agent.warm"]).Process(target=_big_parallel_op)
     proc.start()
     proc.join(timeout=120)
     alive = proc.is_alive()

@@ -68,10 +68,10 @@ def test_a_fault_the_job_rides_out_is_not_credited_with_a_join_that_followed_it(
 def test_a_fault_found_at_a_later_check_and_rolled_back_is_a_recovery_however_long_its_attempt_stepped_first(
         kind: str, found_by: str) -> None:
     """Seen in the 1,000-fault soak: a NaN requested just as a join's attempt began struck that attempt's first step,
-    and the logging step that found it came more than 2 s after the request; its attempt had stepped past the 2 s after which
-    a step proves a fault absorbed, so the rollback's new attempt went uncredited."""
+    and the logging step that found it came more than 2 s after the request; its attempt had stepped past the 2 s
+    after which a step proves a fault absorbed, so the rollback's new attempt went uncredited."""
     faults = [fault(kind, 10.0)]
-    rolled = {"generation": 1, "rank": 0, "time": 13.6, "kind": found_by, "step": 136}
+    rolled = {"generation": 1, "rank": 0, "time": 13.6, "kind": found_by, "step": 136, "status": "rolled_back"}
     attribute_recoveries(faults, attempt(1, 0.0, 2, 13.5) + [rolled] + attempt(2, 13.7, 2, 30.0, finished=True))
     assert faults[0].outcome == "recovered" and faults[0].generation == 2 and faults[0].recovery_s == 4.2
     unfound = [fault(kind, 10.0)]  # (on_nonfinite: skip) the attempt steps on: absorbed, as before

@@ -9,7 +9,7 @@ words:
   :class:`CorruptSnapshotError` (``find_newest`` moves the snapshot aside and resumes from the one before); a part
   file's bytes on their own: :class:`PartFormatError`;
 - an event line: skipped (one warning per file at most), and every consumer of events goes on (``report``, the
-  failure story, goodput, the snapshot intervals, the agent's stop reason, the steps recomputed);
+  failure story, goodput, the snapshot intervals, the steps recomputed);
 - an audit record: ``check_audit`` counts it as torn or malformed and goes on; what the CLI prints is printable;
 - a shard index: built again, or a :class:`DataError` naming it;
 - a claimed generation, the run id, ``config.yaml``: the reader's own error (a stale writer, a ``SnapshotError``) or

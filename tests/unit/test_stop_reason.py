@@ -64,15 +64,18 @@ def test_without_an_agent_of_ours_nothing_is_said_or_read(tmp_path: Path, monkey
     assert stop_announced(101, since=0.0) is None
 
 
-@pytest.mark.parametrize("content", [b"", b"not json", b"[101]", b'{"pids": 101, "reason": "x", "time": 1}',
-                                     b'{"pids": [101], "reason": "x", "time": true}',
-                                     b'{"pids": [101], "reason": "x"}', b'{"pids": [{"a": 1}], "time": 1}',
-                                     b"[" * 100_000, b'{"pids": [101], "time": 1, "reason": "' + b"x" * 10_000 + b'"}'])
+@pytest.mark.parametrize("content", [b"", b"not json", b"[101]", b'{"pids": 101, "reason": "x", "time": NOW}',
+                                     b'{"pids": [101], "reason": "x", "time": true}', b'{"pids": [101], "reason": "x"}',
+                                     b'{"pids": [{"a": 1}], "reason": "x", "time": NOW}', b"[" * 100_000,
+                                     b'{"pids": [101], "time": NOW, "reason": "' + b"x" * 10_000 + b'"}'])
 def test_what_is_not_an_announcement_says_nothing_and_never_raises(private: Path, content: bytes) -> None:
     """It runs in a signal handler: nothing read there may raise (a partial or foreign file, deep nesting), and it
-    reads at most 8 KB (an agent writes ~600 bytes)."""
-    (private / STOPPING_FILE).write_bytes(content)
+    reads at most 8 KB (an agent writes ~600 bytes). NOW: a fresh announcement's time, so that only what is wrong
+    with each makes it say nothing."""
+    (private / STOPPING_FILE).write_bytes(content.replace(b"NOW", str(time.time()).encode()))
     assert stop_announced(101, since=0.0) is None
+    (private / STOPPING_FILE).write_bytes(b'{"pids": [101], "reason": "x", "time": %f}' % time.time())
+    assert stop_announced(101, since=0.0) == "x", "the same, well formed, is read"
 
 
 def test_a_reason_without_words_still_names_the_agent_and_a_long_one_is_cut(private: Path) -> None:
