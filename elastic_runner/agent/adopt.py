@@ -138,9 +138,9 @@ def adopt(launcher_api: Any, config: Any, entrypoint: Any, args: Sequence[Any],
     from ..recovery.job_config import for_this_node
 
     config_digest = for_this_node(worker_cfg, entrypoint, args, ours=worker_args is not None)
-    from ..env import GOODPUT_FILE_VAR
+    from ..env import agent_private_dir
 
-    private = os.path.dirname(os.environ.get(GOODPUT_FILE_VAR, ""))  # name_agent's directory
+    private = agent_private_dir()  # name_agent's directory
     if private and _keeps_workers_across_rounds(worker_cfg, zygote_wanted):
         from ..recovery.handover import HANDOVER_DIR_VAR
 

@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
-from ..env import GOODPUT_FILE_VAR, exclusion_asked
+from ..env import agent_private_dir, exclusion_asked
 from ..printable import printable
 from ..recovery.exclusions import EXIT_EXCLUDED, Exclusions, for_handler, node_name
 from ..rendezvous.options import run_scope
@@ -123,7 +123,7 @@ def leave_if_asked(handler: Any, key: bytes | None, nodes_now: int, notify: Call
     """Where a worker of this node asked that the node leave (:func:`elastic_runner.env.ask_to_exclude_this_node`, in
     the agent's private directory): raise :class:`NodeExcluded` (or say why it stays); ``notify(event, **fields)``
     hears which (``excluded`` or ``exclusion_declined``)."""
-    asked = exclusion_asked(os.path.dirname(os.environ.get(GOODPUT_FILE_VAR, "")))
+    asked = exclusion_asked(agent_private_dir())
     if asked is None:
         return
     reason, seconds = asked

@@ -14,13 +14,12 @@ joins, and every other node would wait out the barrier. So:
 from __future__ import annotations
 
 import logging
-import os
 import time
 from typing import Any, Callable
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
-from ..env import GOODPUT_FILE_VAR, finished_pids
+from ..env import agent_private_dir, finished_pids
 from . import stop_signal
 
 log = logging.getLogger(__name__)
@@ -34,7 +33,7 @@ SLICE_S = 0.2
 def failed_after_finishing(failures: dict[int, Any], directory: str | None = None) -> bool:
     """Whether every failed worker (``RunResult.failures``: rank -> ProcessFailure) had said it finished the job
     before it failed."""
-    directory = directory if directory is not None else os.path.dirname(os.environ.get(GOODPUT_FILE_VAR, ""))
+    directory = directory if directory is not None else agent_private_dir()
     said = finished_pids(directory)
     return bool(failures) and all(getattr(f, "pid", None) in said for f in failures.values())
 
