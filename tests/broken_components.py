@@ -25,12 +25,16 @@ class RepeatingSampler(ElasticSampler):
         return StepPlan(epoch=plan.epoch, start=plan.start, global_count=plan.global_count, indices=indices)
 
 
+#: A paced sampler's least time a step.
+PACE_S = 0.04
+
+
 class PacedSampler(ElasticSampler):
     """The elastic sampler, taking at least 40 ms per step: 350 steps last 14 s or more, so a test
     can break something outside the workers (etcd) for seconds and see training go on through it."""
 
     def advance(self, plan: StepPlan) -> None:
-        time.sleep(0.04)
+        time.sleep(PACE_S)
         super().advance(plan)
 
 
@@ -41,7 +45,7 @@ class FaultPacedSampler(ElasticSampler):
 
     def advance(self, plan: StepPlan) -> None:
         if os.environ.get(injected_faults.ENV) == "1":
-            time.sleep(0.04)
+            time.sleep(PACE_S)
         super().advance(plan)
 
 
