@@ -90,8 +90,17 @@ class StopRequest:
         #: process at once, also while the main thread is stuck in native code (a process group waiting for
         #: a peer that is gone), where no Python signal handler can run.
         self.training = False
-        #: What a stop that ends the process at once leaves behind, for its last line.
-        self.at_once_note = "before training started: nothing to save"
+        #: When a stop that ends the process at once came, for its last line.
+        self.at_once_moment = "before training started"
+        #: What such a stop leaves behind, for its last line (unless :attr:`last_words` saved something).
+        self.at_once_note = "nothing to save"
+        #: Called by a stop that ends the process at once, just before it ends: what it saved for the last line, or
+        #: "" for nothing. The worker's writes what its node keeps in memory when nothing durable is as new
+        #: (a preempted node's memory goes with it).
+        self.last_words: Callable[[], str] | None = None
+        #: The generation of this process's newest attempt, once its rank 0 claimed it (for :attr:`last_words`:
+        #: a write of the process's own lineage passes the fence).
+        self.generation: int | None = None
         self.signal_name: str | None = None
         #: Why the agent stopped this worker, when it announced it (a membership change, a failed
         #: sibling, its own shutdown); None for a SIGTERM from anyone else.
@@ -110,8 +119,18 @@ class StopRequest:
         """In-process recovery: the ended attempt kept what it could and the next one is being prepared (its process
         group rebuilt in native code that may wait seconds for a peer): a stop now ends the process at once, as
         before training, until the next attempt's loop starts."""
-        self.at_once_note = "between two attempts (in-process recovery): nothing more to save"
+        self.at_once_moment, self.at_once_note = "between two attempts (in-process recovery)", "nothing more to save"
         self.training = False
+
+    def at_once_line(self, signal_name: str) -> str:
+        """The last line of a stop by ``signal_name`` that ends the process at once, once :attr:`last_words` ran."""
+        said = ""
+        if self.last_words is not None:
+            try:
+                said = self.last_words()
+            except Exception as exc:  # noqa: BLE001 - the stop must end the process whatever the save did
+                said = f"{self.at_once_note} ({exc})"
+        return f"received {signal_name} {self.at_once_moment}: {said or self.at_once_note}, stopping now"
 
     def install(self) -> "StopRequest":
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -144,8 +163,7 @@ class StopRequest:
             while data := os.read(read_fd, 64):
                 stops = [n for n in data if n in (signal.SIGTERM, signal.SIGINT)]
                 if stops and not self.training:
-                    name = signal.Signals(stops[0]).name
-                    exit_now(EXIT_OK, f"received {name} {self.at_once_note}, stopping now")
+                    exit_now(EXIT_OK, self.at_once_line(signal.Signals(stops[0]).name))
         except OSError:
             pass
         finally:

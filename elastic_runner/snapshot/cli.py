@@ -12,13 +12,13 @@ from typing import Any
 
 import yaml
 
-from ..files import UnsafeDirectoryError, open_file, write_file_atomically
-from .format import load_snapshot, parse_meta, read_meta, read_verified_bytes, set_signing_key, signing_key_from_environment
+from ..files import UnsafeDirectoryError, write_file_atomically
+from .format import load_snapshot, parse_meta, read_verified_bytes, set_signing_key, signing_key_from_environment
 from .loader import find_newest
 from .shards import check_part_sizes, verify_parts
 from ..config.locations import is_url
 from .object_store import open_store
-from .store import META, STATE, LocalStore, SnapshotError, SnapshotRef, SnapshotStore
+from .store import META, STATE, SnapshotError, SnapshotRef, SnapshotStore
 
 
 def snapshot_dir_of(run_dir: str) -> str:
@@ -150,59 +150,16 @@ def find_newest_readonly(store: SnapshotStore, map_location: Any = "cpu") -> tup
 def persist(run_dir: str, shm_dir: str | None = None) -> dict[str, Any]:
     """Write this node's in-memory copy of the run's newest state into its snapshot directory, when it is
     newer than every durable snapshot there (a final snapshot that could not be written, a volume that
-    was full). Checked before (checksum, and that it belongs to this run) and after the copy."""
-    import os
-    import shutil
-
+    was full). Checked before (checksum, and that it belongs to this run) and after the copy
+    (:func:`~.persist.persist_newest`)."""
     from .memory import memory_base, memory_key
-    from .space import space_note
+    from .persist import persist_newest
 
     location = snapshot_dir_of(run_dir)
-    store = open_store(location)
-    root = memory_base(shm_dir) / memory_key(location)
-    tier = LocalStore(root)
-    if not tier.complete():
-        raise SnapshotError(f"this node holds no in-memory copy of the run whose snapshots are in {location} "
-                            f"(looked in {root}); run it on the node the message named")
-    ref = tier.complete()[-1]
-    meta = read_meta(tier.path(ref))
-    read_verified_bytes(tier.path(ref), meta, True)
-    run_id = f"{location}/run-id"
-    ours = store.existing_run_uid()
-    theirs = meta.get("run_uid") or ""
-    if not ours or not theirs:
-        # Without both ids nothing proves that this copy is this run's: a copy of another run that used the
-        # same path (or a planted one) must never become the newest durable snapshot.
-        missing = f"{run_id} is missing" if not ours else f"the in-memory copy {ref.name} carries no run id"
-        raise SnapshotError(f"cannot prove that the in-memory copy {ref.name} belongs to the run in {location}: "
-                            f"{missing}; nothing was written")
-    if ours != theirs:
-        raise SnapshotError(f"the in-memory copy {ref.name} belongs to another run that used {location}; "
-                            "nothing was written")
-    durable = store.complete()
-    if durable and max(durable) >= ref:
-        return {"snapshot": ref.name, "step": ref.step, "written": False,
-                "why": f"{location} already has {max(durable).name}, as new or newer"}
-    store.ensure()
-    staging = store.staging(ref)
-    try:
-        for item in sorted(tier.path(ref).iterdir()):
-            with open(item, "rb") as src, open_file(staging / item.name, "wb", exclusive=True) as dst:
-                shutil.copyfileobj(src, dst, 1 << 20)
-                dst.flush()
-                os.fsync(dst.fileno())
-        # What a writer of this name left without a marker (a final upload that failed) is replaced: its job ended.
-        store.publish(staging, ref, replace_incomplete=True)
-        staging = None
-    except OSError as exc:
-        note = space_note(location, int(meta.get("size_bytes", 0)))
-        raise SnapshotError(f"could not write {ref.name} to {location}: {exc}{f' ({note})' if note else ''}; "
-                            "the in-memory copy is untouched") from exc
-    finally:
-        if staging is not None:
-            store.discard(staging)
-    read_verified_bytes(store.path(ref), read_meta(store.path(ref)), True)
-    return {"snapshot": ref.name, "step": ref.step, "written": True, "to": location}
+    done = persist_newest(open_store(location), memory_base(shm_dir) / memory_key(location), job_ended=True)
+    if not done.written:
+        return {"snapshot": done.snapshot, "step": done.step, "written": False, "why": done.why}
+    return {"snapshot": done.snapshot, "step": done.step, "written": True, "to": done.to}
 
 
 def parse_age(text: str) -> float:

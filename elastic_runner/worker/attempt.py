@@ -130,7 +130,7 @@ class Attempt:
         cfg, env, dist = self.cfg, self.env, self.dist
         self.prepare()  # before anything is written: a bad input leaves run.dir as it was
         store, generation, run_uid = prepare_run_dir(cfg, env, dist)
-        self.generation = generation
+        self.generation = self.stop.generation = generation
         records = self.records = record_sync(cfg, env, store, generation)
         events = self.events = EventLog(cfg.run.dir, f"gen-{generation:06d}-rank-{env.rank:05d}",
                                         generation=generation, rank=env.rank)

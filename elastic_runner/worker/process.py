@@ -38,6 +38,7 @@ from ..env import REPLACES_VAR, WorkerEnv, say_finished, stop_announced
 from ..lifecycle import (EXIT_OK, EXIT_PEER_LOST, EXIT_USAGE, StopRequest, die_with_parent, name_process,
                         process_start_time)
 from .preflight import warn_known_bad_setups
+from .run_dir import save_node_memory
 from ..recovery.handover import Handover, HandoverError
 from ..recovery.regroup import RegroupError
 
@@ -73,6 +74,7 @@ def run(cfg: Config, env: WorkerEnv, make_workload: Callable[[], Workload] | Non
         torch.set_num_threads(int(threads))
     started = time.time()
     stop = StopRequest(lambda: stop_announced(os.getpid(), started)).install()
+    stop.last_words = lambda: save_node_memory(cfg, env, stop.generation)
     injected_faults.install()  # only in a job the chaos tool started
     if cfg.run.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -119,8 +121,9 @@ def run(cfg: Config, env: WorkerEnv, make_workload: Callable[[], Workload] | Non
             # The agent may stop every worker meanwhile (another failed for good): that must not wait the rebuild.
             stop.between_attempts()
             if stop.requested:
-                log.info("stopped %s between two attempts (in-process recovery): nothing more to save",
-                         stop.description)
+                said = save_node_memory(cfg, env, stop.generation)
+                log.info("stopped %s between two attempts (in-process recovery): %s", stop.description,
+                         said or "nothing more to save")
                 return EXIT_OK
             following = _recover(broken, cfg, env, dist, handover, stop)
             if isinstance(following, int):

@@ -5,6 +5,8 @@ rank 0 also sweeps what older attempts left half-written and writes the effectiv
 that cannot pass (permissions, a file where the directory should be) stops every rank with one line
 (:class:`~elastic_runner.worker.ending.SetupError`, exit 2); an I/O error may pass and retries the attempt.
 With snapshots in a bucket, :func:`record_sync` starts the upload of the node's records (:mod:`..observe.records`).
+A stop that ends a worker before it can save from its live state leaves the node's memory copy in the run's
+snapshots (:func:`save_node_memory`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from ..config import Config, write_effective_config
 from ..files import makedirs
 from ..observe.records import RecordSync, own_records, records_url
 from ..snapshot import LocalStore, SnapshotError, open_store
+from ..snapshot.memory import memory_base, memory_key
+from ..snapshot.persist import persist_newest
 from ..snapshot.store import SnapshotUnavailableError, StoreAccessError
 from ..dist import Dist
 from .ending import RetryableSetupError, SetupError
@@ -84,3 +88,27 @@ def prepare_run_dir(cfg: Config, env: WorkerEnv, dist: Dist) -> tuple[LocalStore
     if status == "retry":
         raise RetryableSetupError(value)
     return store, int(value), run_uid
+
+
+def save_node_memory(cfg: Config, env: WorkerEnv, generation: int | None) -> str:
+    """A stop that ends this worker at once (before its attempt trains, or between two attempts, parked for a new
+    round): the node's newest in-memory state written into the run's snapshots when nothing durable there is as new,
+    by the node's first worker (:func:`~elastic_runner.snapshot.persist.persist_newest`; ``generation``: the
+    worker's own, once its attempt knows it). A stop is how a node is preempted, and its memory goes with it. What
+    it did, for the worker's last line ("": nothing to say)."""
+    if not env.is_local_leader:
+        return ""
+    location = cfg.snapshot_dir
+    root = memory_base() / memory_key(location)
+    if not root.is_dir() or not LocalStore(root).complete():
+        return ""
+    try:
+        done = persist_newest(open_store(location, local=os.path.join(cfg.run.dir, ".objects")), root,
+                              job_ended=False, own_generation=generation)
+    except (OSError, SnapshotError) as exc:
+        return f"the node's newest state in memory could not be saved ({exc})"
+    if done.written:
+        return f"saved step {done.step} from node memory to {done.to} ({done.snapshot})"
+    if done.durable_already:
+        return ""
+    return f"the node's step {done.step} in memory was not saved: {done.why}"
