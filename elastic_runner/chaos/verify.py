@@ -370,15 +370,15 @@ def _ended_first(mark: dict[str, Any], furthest_of: dict[Any, int], gens: dict[i
 
 def _corruption_check(events: list[dict[str, Any]], corrupted: list[Injected]) -> tuple[bool, str]:
     """Every flipped bit (the worker's ``chaos_corrupted`` event) was found by the first fingerprint check after it:
-    rank 0's ``replica_mismatch`` of that attempt whose last agreeing check came before the flip, naming the corrupted
+    a ``replica_mismatch`` (any rank's) of that attempt whose last agreeing check came before the flip, naming the corrupted
     rank (or nobody, which only two copies of the state — two replicas, or hsdp's two nodes —, or half against half, may
 say). A flip whose attempt ended before its
     next check (another fault's recovery replaced the state) is excused, and so is a request whose worker was gone
     before its next step boundary (a new attempt followed the fault); any other request never carried out fails (is
     the hook armed?)."""
     flips = [e for e in events if e["kind"] == "chaos_corrupted"]
-    found = sorted((e for e in events if e["kind"] == "replica_mismatch" and e.get("rank") == 0),
-                   key=lambda e: e["time"])
+    # Any rank's: every rank records the mismatch as it finds it, and rank 0's node may be the next one lost.
+    found = sorted((e for e in events if e["kind"] == "replica_mismatch"), key=lambda e: e["time"])
     gens, furthest_of = generations(events), _furthest_steps(events)
     problems, named, excused = [], 0, 0
     for fault in corrupted:

@@ -115,15 +115,27 @@ def read_events(run_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
     return EventFollower(run_dir).read()
 
 
+def recent_events(run_dir: str | os.PathLike[str], since: float, sources: str = "*") -> list[dict[str, Any]]:
+    """The events at or after ``since`` (wall-clock seconds) of the sources matching ``sources`` (a glob of their
+    names, e.g. ``gen-*-rank-00000``), in time order, reading only the files written to since then: a look back over
+    a window costs what the window holds, not what the run does (a soak's run directory holds thousands of
+    attempts' files, and reading them all took seconds)."""
+    follower = EventFollower(run_dir, f"{EVENTS_DIR}/{sources}.jsonl", touched_since=since)
+    return [e for e in follower.read() if e.get("time", 0) >= since]
+
+
 class EventFollower:
     """The events of a run so far, in time order, for poll loops: each call reads only what was
     appended since the last one (a run writes thousands of events; re-reading them all every
     0.1 s takes CPU from the job being watched)."""
 
-    def __init__(self, run_dir: str | os.PathLike[str], pattern: str = f"{EVENTS_DIR}/*.jsonl") -> None:
+    def __init__(self, run_dir: str | os.PathLike[str], pattern: str = f"{EVENTS_DIR}/*.jsonl",
+                 touched_since: float | None = None) -> None:
         self.dir = Path(run_dir)
         #: The event files below ``run_dir`` (``node-*/events/*.jsonl``: nodes with a directory each).
         self.pattern = pattern
+        #: Files last written to before this wall-clock time are left unread (None: every file).
+        self.touched_since = touched_since
         self._offsets: dict[Path, int] = {}
         self._events: list[dict[str, Any]] = []
         self._warned: set[Path] = set()
@@ -143,8 +155,11 @@ class EventFollower:
         new: list[dict[str, Any]] = []
         for path in sorted(self.dir.glob(self.pattern)):
             try:
-                if path.stat().st_size <= self._offsets.get(path, 0):
+                status = path.stat()
+                if status.st_size <= self._offsets.get(path, 0):
                     continue  # nothing appended (most files: the attempts that ended)
+                if self.touched_since is not None and status.st_mtime < self.touched_since:
+                    continue
                 with open(path, "rb") as fh:
                     fh.seek(self._offsets.get(path, 0))
                     data = fh.read()

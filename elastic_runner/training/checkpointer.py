@@ -404,6 +404,27 @@ class Checkpointer:
         left = set(self.store.complete()) if suspect else set()
         return [r.name for r in suspect if r not in left], [r.name for r in suspect if r in left]
 
+    def set_aside_after(self, step: int, reason: str) -> list[str]:
+        """A rollback's first act, on each node's first rank, before anything that waits for a peer: this attempt's
+        durable snapshots of steps after ``step`` moved aside now (no wait for a writer: rank 0's
+        :meth:`discard_after` takes what its writer still publishes). The node that holds the suspect replica, and
+        rank 0 who writes the snapshots, may be the next one lost; seen in a soak: rank 0's replica corrupted, a
+        snapshot of it taken before the check, rank 0's node lost while it judged, and the next round resumed from
+        that snapshot — the survivors had refused to keep their own (no check vouched for it) and set nothing aside.
+        Returns the names it moved aside."""
+        self.keep_nothing_after(step)
+        if not self.env.is_local_leader:
+            return []
+        try:
+            suspect = [ref for ref in self.store.complete() if ref.generation == self.generation and ref.step > step]
+            for ref in suspect:
+                self.store.quarantine(ref, reason)
+            left = set(self.store.complete()) if suspect else set()
+        except (OSError, SnapshotError) as exc:  # rank 0's discard_after tries again; the rollback must go on
+            log.warning("could not set the snapshots after step %d aside: %s", step, exc)
+            return []
+        return [r.name for r in suspect if r not in left]
+
     def check_writer(self) -> None:
         """Raise if the writer learned that a newer generation owns the run (split brain)."""
         if self.writer is not None:

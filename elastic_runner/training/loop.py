@@ -25,7 +25,7 @@ from ..data.layout import split_even
 from ..data.sampler import StepPlan
 from ..data.sources import BatchSource
 from ..observe.failure_story import failure_story
-from ..observe.events import read_events
+from ..observe.events import recent_events
 from ..snapshot.shards import is_dtensor
 from . import injected_faults
 from .fingerprint import FingerprintCheck, ReplicasDiverged, RollbackImpossible, TooManyRollbacks, Verdict
@@ -265,25 +265,29 @@ class Trainer:
         of every resume, and every rank leaves the attempt (:class:`ReplicasDiverged`: restarted, resuming from the
         newest vouched-for state), or stops the job if rollbacks keep coming (:class:`TooManyRollbacks`)."""
         step, rank, recovery = verdict.step, self.dist.rank, self.cfg.recovery
-        # First: no thread keeps this state from here (a watchdog that sees a peer leave first, a failure below),
-        # or the next attempt would resume from it.
-        self.checkpointer.keep_nothing_after(verified)
-        earlier = self._rollbacks_since(time.time() - recovery.rollback_window_seconds) if rank == 0 else 0
-        earlier = int(self.dist.broadcast_object(earlier))  # before the slow part: every rank decides alike
-        stop = earlier >= recovery.max_rollbacks
         replicas = self.dist.world_size // (self.fingerprints.shards if self.fingerprints is not None else 1)
         who = ("no majority says which replica is wrong (" + ("two replicas" if replicas == 2 else
                                                               "no value held by most ranks") + "): all are suspect"
                if verdict.undecided else
                ", ".join(f"rank {r} (node {n})" for r, n in zip(verdict.suspects, verdict.nodes)) +
                (" holds" if len(verdict.suspects) == 1 else " hold") + " a state that differs from the other ranks'")
-        moved, stuck = self.checkpointer.discard_after(verified, f"taken after step {verified}, the last whose "
-                                                                 f"replicas' fingerprints agreed; at step {step} {who}")
+        reason = f"taken after step {verified}, the last whose replicas' fingerprints agreed; at step {step} {who}"
+        # First, on every rank and before anything waits for a peer: no thread keeps this state from here (a watchdog
+        # that sees a peer leave first, a failure below), and no snapshot after the agreeing check stays to be resumed
+        # from — the next fault may take rank 0's node, the suspect's, or both, in the middle of what follows.
+        early = self.checkpointer.set_aside_after(verified, reason)
+        found = {"step": step, "verified_step": verified, "suspects": verdict.suspects, "nodes": verdict.nodes,
+                 "copies": replicas, "interval_steps": interval}
+        # Found, by every rank (a suspect's own event carries its host): the record survives whoever is lost next.
+        self.events.emit("replica_mismatch", **found, status="found", moved_aside=early)
+        earlier = self._rollbacks_since(time.time() - recovery.rollback_window_seconds) if rank == 0 else 0
+        earlier = int(self.dist.broadcast_object(earlier))  # before the slow part: every rank decides alike
+        stop = earlier >= recovery.max_rollbacks
+        moved, stuck = self.checkpointer.discard_after(verified, reason)
         status = "stopped" if stop or stuck else "rolled_back"
-        if rank == 0 or rank in verdict.suspects:  # a suspect's own event carries its host
-            self.events.emit("replica_mismatch", step=step, verified_step=verified, suspects=verdict.suspects,
-                             nodes=verdict.nodes, copies=replicas, status=status, moved_aside=moved, not_moved=stuck,
-                             rollbacks_before=earlier, interval_steps=interval)
+        if rank == 0:
+            self.events.emit("replica_mismatch", **found, status=status, moved_aside=sorted(set(moved) | set(early)),
+                             not_moved=stuck, rollbacks_before=earlier)
         line = (f"step {step}: the replicas' fingerprints differ: {who} (silent corruption: a flipped bit or a "
                 f"miscomputing device); the snapshots after step {verified}, the last whose fingerprints agreed, "
                 f"are moved aside" + (f" ({', '.join(moved)})" if moved else "") + " and removed from node memory; ")
@@ -333,13 +337,12 @@ class Trainer:
                                                         f"the newest snapshot and skips step {step}'s batch")
 
     def _rollbacks_since(self, since: float) -> int:
-        try:
-            events = read_events(self.cfg.run.dir)
+        try:  # rank 0 records each rollback once: only its files written to in the window are read
+            events = recent_events(self.cfg.run.dir, since, sources="gen-*-rank-00000")
         except OSError:
             return 0
         kinds = ("replica_mismatch", "nonfinite_rollback")
-        return sum(1 for e in events if e["kind"] in kinds and e.get("status") == "rolled_back"
-                   and e.get("rank") == 0 and e["time"] >= since)  # rank 0 records each rollback once
+        return sum(1 for e in events if e["kind"] in kinds and e.get("status") == "rolled_back" and e.get("rank") == 0)
 
     def _first_step(self, step: int) -> None:
         since_start = time.time() - self.start.started_at

@@ -183,7 +183,8 @@ def test_bitwise_at_the_end_holds_for_worker_kills_a_flipped_bit_and_a_nan_batch
     check = report["checks"]["corrupted replicas named at the next fingerprint check"]
     assert check["ok"] and check["detail"].startswith("1 of 1 flipped bit(s) found"), check
     (flip,) = [e for e in read_events(run_dir) if e["kind"] == "chaos_corrupted"]
-    (found,) = [e for e in read_events(run_dir) if e["kind"] == "replica_mismatch" and e["rank"] == 0]
+    (found,) = [e for e in read_events(run_dir) if e["kind"] == "replica_mismatch" and e["rank"] == 0
+                and e["status"] == "rolled_back"]
     assert found["suspects"] == [flip["rank"]] and 0 <= found["step"] - flip["step"] <= 25, (flip, found)
 
 
@@ -198,6 +199,7 @@ def test_under_hsdp_a_flipped_bit_in_one_shard_copy_is_named_among_three_nodes_a
     report = json.loads((run_dir / "chaos" / "report.json").read_text())
     assert report["checks"]["bitwise at the end"]["ok"], report["checks"]
     (flip,) = [e for e in read_events(run_dir) if e["kind"] == "chaos_corrupted"]
-    (found,) = [e for e in read_events(run_dir) if e["kind"] == "replica_mismatch" and e["rank"] == 0]
+    (found,) = [e for e in read_events(run_dir) if e["kind"] == "replica_mismatch" and e["rank"] == 0
+                and e["status"] == "rolled_back"]
     assert found["suspects"] == [flip["rank"]] and found["nodes"] == [flip["rank"] // 2] and found["copies"] == 3, \
         (flip, found)

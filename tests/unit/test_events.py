@@ -48,3 +48,23 @@ def test_a_line_that_is_no_event_of_ours_is_skipped_with_one_warning_per_file(tm
     assert kinds == ["start", "progress"]
     assert len([r for r in caplog.records if "is skipped" in r.message]) == 1
     assert furthest_step_reached(tmp_path, before_generation=2) == 3
+
+
+def test_a_look_back_reads_only_the_sources_asked_for_and_the_files_written_to_in_the_window(tmp_path: Path) -> None:
+    """(Rank 0 counts the rollbacks of the last hour at every rollback: in a soak's run directory, reading every
+    attempt's file took longer than the next fault took to come.)"""
+    import os
+    import time
+
+    from elastic_runner.observe.events import EventLog, recent_events
+
+    for source in ("gen-000001-rank-00000", "gen-000002-rank-00000", "gen-000002-rank-00001"):
+        log = EventLog(tmp_path, source, rank=int(source[-1]))
+        log.emit("replica_mismatch", step=10, verified_step=5, suspects=[], status="rolled_back")
+        log.close()
+    old = tmp_path / "events" / "gen-000001-rank-00000.jsonl"
+    os.utime(old, (time.time() - 7200, time.time() - 7200))  # an attempt of two hours ago
+    since = time.time() - 3600
+    seen = recent_events(tmp_path, since, sources="gen-*-rank-00000")
+    assert [e["source"] for e in seen] == ["gen-000002-rank-00000"]
+    assert len(recent_events(tmp_path, since)) == 2 and recent_events(tmp_path, time.time() + 1) == []
