@@ -306,11 +306,45 @@ def verify(*, audit: AuditReport, events: list[dict[str, Any]], faults: list[Inj
     return verdict
 
 
+#: Logging windows of one attempt, ending while its node was slow, that naming a straggler needs at the fewest: the
+#: attempt's first (partial, after its restore), then two whole ones (one window counts for half of the straggler
+#: window at most, :mod:`elastic_runner.observe.stragglers`).
+WINDOWS_TO_NAME = 3
+
+
+def _cut_short(fault: Injected, gens: dict[int, dict[str, Any]], windows: dict[int, list[float]],
+               starts: dict[int, set[int]]) -> bool:
+    """A new attempt began while the node was slow (another fault's recovery, a node joining): every rank's count of
+    slow windows began again with it. Cut short when the last such attempt no longer ran a throttled worker (replaced
+    by a new process, never throttled), or had fewer than :data:`WINDOWS_TO_NAME` logging windows of rank 0 ending
+    before the node's slowness did."""
+    end = fault.at + fault.lasts_s
+    began = [g for g, info in gens.items() if fault.at <= info.get("start", -1.0) <= end]
+    if not began:
+        return False
+    last = max(began, key=lambda g: gens[g]["start"])
+    if not set(fault.targets) & starts.get(last, set()):
+        return True
+    first = gens[last].get("first_step")
+    return first is None or sum(1 for t in windows.get(last, []) if first <= t <= end) < WINDOWS_TO_NAME
+
+
 def _stragglers_check(events: list[dict[str, Any]], slowed: list[Injected], hung: set[int]) -> tuple[bool, str]:
-    """Every slow node that training rode out (no recovery cut it short) had a worker named a straggler while it was
-    slow, and no worker that was never slowed (or hung: a hang long enough may name its worker) was named."""
+    """Every slow node that training rode out had a worker named a straggler while it was slow (or within
+    :data:`NAMED_WITHIN_S` after), unless another fault's recovery cut its slowness short (:func:`_cut_short`), and no
+    worker that was never slowed (or hung: a hang long enough may name its worker) was named."""
     named = [e for e in events if e["kind"] == "straggler" and e.get("status") == "named"]
-    missed = [f for f in slowed if f.outcome == "absorbed" and not any(
+    gens = generations(events)
+    windows: dict[int, list[float]] = {}
+    starts: dict[int, set[int]] = {}
+    for e in events:
+        if e["kind"] == "progress" and e.get("rank") == 0 and e.get("generation") is not None:
+            windows.setdefault(e["generation"], []).append(e["time"])
+        elif e["kind"] == "start" and e.get("generation") is not None:
+            starts.setdefault(e["generation"], set()).add(e.get("pid"))
+    ridden = [f for f in slowed if f.outcome == "absorbed"]
+    excused = [f for f in ridden if _cut_short(f, gens, windows, starts)]
+    missed = [f for f in ridden if f not in excused and not any(
         e.get("pid") in f.targets and f.at <= e["time"] <= f.at + f.lasts_s + NAMED_WITHIN_S for e in named)]
     wrong = [e for e in named if e.get("pid") not in hung and not any(e.get("pid") in f.targets for f in slowed)]
     if missed or wrong:
@@ -318,8 +352,9 @@ def _stragglers_check(events: list[dict[str, Any]], slowed: list[Injected], hung
             [f"the slow node at {f.offset} s (pids {f.targets}) was not named within {f.lasts_s + NAMED_WITHIN_S:g} s"
              for f in missed] + [f"rank {e.get('rank')} (pid {e.get('pid')}) was named at step {e.get('step')} but "
                                  "never slowed" for e in wrong])
-    ridden = sum(1 for f in slowed if f.outcome == "absorbed")
-    return True, f"{ridden} of {len(slowed)} slow node(s) ridden out, each named a straggler ({len(named)} naming(s))"
+    return True, (f"{len(ridden) - len(excused)} of {len(slowed)} slow node(s) ridden out, each named a straggler "
+                  f"({len(named)} naming(s))" + (f", {len(excused)} cut short by another fault's recovery"
+                                                 if excused else ""))
 
 
 def _spare_check(events: list[dict[str, Any]], spares: list[Injected]) -> tuple[bool, str]:

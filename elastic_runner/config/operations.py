@@ -256,9 +256,10 @@ class RecoveryConfig:
     straggler_ratio: float | None = _help(
         "A rank whose local time per step (its batches, forward, backward and update: all but the wait for the "
         "gradient sync, timed with no host sync) is at least this many times the median rank's for more than half "
-        "of the last recovery.straggler_window_seconds is named a straggler: a warning with its rank and node, a "
+        "of the last recovery.straggler_window_seconds, or summed over that window with no logging window of it "
+        "below halfway between 1 and the ratio, is named a straggler: a warning with its rank and node, a "
         "straggler event (with its host), and elastic_runner_straggler 1 on its metrics endpoint; cleared once it "
-        "was that slow for a quarter of the window or less. "
+        "was that slow for a quarter of the window or less and its sum over the window no longer names it. "
         "Read at logging steps. Names ranks under parallel.strategy: ddp with dist.gradient_sync: ordered; elsewhere "
         "a rank waits for its peers inside forward or backward (fsdp's gathers, torch DDP's reducer), where a slow "
         "rank cannot be told from a waiting one, and only the timings are exported. null: off (nothing timed).",
@@ -267,8 +268,8 @@ class RecoveryConfig:
     straggler_window_seconds: float = _help(
         "For straggler_ratio: the span over which a rank is judged, in seconds spent stepping (a restore or an "
         "evaluation between steps does not count): named once it was that slow for more than half of it (a window "
-        "below the ratio now and then does not start the count again), so what slows a rank for a moment (a "
-        "snapshot, a page-cache miss, a shared machine's scheduler) names nobody.", default=60.0)
+        "below the ratio now and then does not start the count again) or over all of it, so what slows a rank for a "
+        "moment (a snapshot, a page-cache miss, a shared machine's scheduler) names nobody.", default=60.0)
     evict_stragglers: bool = _help(
         "For straggler_ratio: a node named a straggler leaves the job and is kept out for exclusion_seconds: its "
         "agent records the exclusion in the rendezvous (etcd-v3 or c10d), stops its workers as a preempted node's "

@@ -9,15 +9,22 @@ wait instead. At each logging step every rank's local time over the window since
 with the median rank's — the lower median, so that of two ranks the faster one is the measure.
 
 A rank is *named* once it was at or above ``recovery.straggler_ratio`` for more than half of the last
-``recovery.straggler_window_seconds`` (a window in seconds, not steps: steps last from a millisecond to seconds, and
+``recovery.straggler_window_seconds``, or once its local time summed over the windows that cover the last
+``straggler_window_seconds`` is at least the ratio times the median rank's with none of those windows below halfway
+between 1 and the ratio (a window in seconds, not steps: steps last from a millisecond to seconds, and
 what makes a rank slow for a moment — a snapshot, a page-cache miss, the scheduler of a shared machine — lasts about
 as long whatever the step; seconds spent stepping, so that a restart's restore or an evaluation between two logging
 steps is no time in which a rank was slow), and *cleared* once it was for a quarter of that window or less. Most of
 the window, not every logging window in it: a throttled node's slowness comes and goes from one logging window to the
 next (a noisy neighbour, a throttle's duty cycle land in the step's own work or in its wait by chance), and a first
 rule that started the count again at every window below the ratio never named a node throttled to a quarter of its
-time on a loaded machine. The gap between the two thresholds keeps a rank near the line from being named and cleared
-at every other window.
+time on a loaded machine. The sum over the window is the second rule for the same reason: in the thousand-fault soak 18
+of 73 nodes throttled to a quarter of their time (ratio 2.5, a 3 s window, ~2.5 s logging windows) were never named
+in 10 s, their windows' ratios straddling the line (named ones ranged 2.6 to 6.5), so that no two windows in a row
+were above it; their sums were. Its floor (no window near 1) keeps a rank that was very slow for a moment and normal
+otherwise from being named by its mean. The gap between the thresholds keeps a rank near the line from being named
+and cleared at every other window: a rank is cleared once it was at or above the ratio for a quarter of the window or
+less and its sum no longer names it.
 """
 
 from __future__ import annotations
@@ -47,28 +54,45 @@ class _RankWindows:
     window costs a constant time to add and to drop, whatever the world size and the window's length."""
 
     span_s: float  #: straggler_window_seconds
-    #: (seconds counted, whether it was at or above the ratio, its steps), oldest first.
-    windows: deque[tuple[float, bool, int]] = field(default_factory=deque)
+    #: (seconds counted, whether it was at or above the ratio, its steps, its local seconds, the median rank's local
+    #: seconds for as many steps), oldest first.
+    windows: deque[tuple[float, bool, int, float, float]] = field(default_factory=deque)
     covered_s: float = 0.0
     slow_s: float = 0.0
     slow_steps: int = 0
 
-    def add(self, seconds: float, slow: bool, steps: int) -> None:
-        self.windows.append((seconds, slow, steps))
+    def add(self, seconds: float, slow: bool, steps: int, local_s: float = 0.0, median_s: float = 0.0) -> None:
+        self.windows.append((seconds, slow, steps, local_s, median_s))
         self.covered_s += seconds
         if slow:
             self.slow_s, self.slow_steps = self.slow_s + seconds, self.slow_steps + steps
         while len(self.windows) > 1 and self.covered_s - self.windows[0][0] >= self.span_s:
-            old_s, old_slow, old_steps = self.windows.popleft()
+            old_s, old_slow, old_steps, _, _ = self.windows.popleft()
             self.covered_s -= old_s
             if old_slow:
                 self.slow_s, self.slow_steps = self.slow_s - old_s, self.slow_steps - old_steps
+
+    def steadily_at(self, ratio: float) -> bool:
+        """Over the windows that cover the whole span (two at least), its local time summed is at least ``ratio``
+        times the median rank's, and no window of them was below halfway between 1 and ``ratio``; of the oldest
+        window, only its part inside the span counts. Walks the windows kept: a window's worth, as :meth:`add`."""
+        if len(self.windows) < 2 or self.covered_s < self.span_s:
+            return False
+        floor = (1.0 + ratio) / 2
+        outside = self.covered_s - self.span_s
+        local = median = 0.0
+        for i, (seconds, _, _, local_s, median_s) in enumerate(self.windows):
+            if median_s <= 0 or local_s < floor * median_s:
+                return False
+            inside = 1.0 - outside / seconds if i == 0 and seconds > 0 else 1.0
+            local, median = local + local_s * inside, median + median_s * inside
+        return median > 0 and local >= ratio * median
 
     def slow(self) -> tuple[float, int]:
         """Seconds (and steps) of the last ``span_s`` in which the rank was at or above the ratio; of the oldest
         window kept, only its part inside the span counts."""
         outside = max(0.0, self.covered_s - self.span_s)
-        old_s, old_slow, old_steps = self.windows[0]
+        old_s, old_slow, old_steps, _, _ = self.windows[0]
         if not old_slow or outside <= 0:
             return max(0.0, self.slow_s), self.slow_steps
         return max(0.0, self.slow_s - outside), self.slow_steps - round(old_steps * outside / old_s)
@@ -115,12 +139,13 @@ class StragglerWatch:
         named, cleared = [], []
         for rank, seconds in sorted(per_step.items()):
             windows = self._windows.setdefault(rank, _RankWindows(self.window_s))
-            windows.add(counted, seconds / median >= self.ratio, int(steps[rank]))
+            windows.add(counted, seconds / median >= self.ratio, int(steps[rank]), local_s[rank], median * steps[rank])
             slow_s, slow_steps = windows.slow()
-            if rank not in self.named and slow_s > self.window_s / 2:
+            steady = windows.steadily_at(self.ratio)
+            if rank not in self.named and (slow_s > self.window_s / 2 or steady):
                 self.named.add(rank)
                 named.append(self._report(rank, nodes, median, slow_steps, slow_s))
-            elif rank in self.named and slow_s <= self.window_s / 4:
+            elif rank in self.named and slow_s <= self.window_s / 4 and not steady:
                 self.named.discard(rank)
                 cleared.append(self._report(rank, nodes, median, slow_steps, slow_s))
         return named, cleared

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from elastic_runner.chaos.verify import (History, Injected, _corruption_check, _nonfinite_check, _spare_check,
-                                         attribute_recoveries, newest_snapshot_violations)
+                                         _stragglers_check, attribute_recoveries, newest_snapshot_violations)
 
 
 def attempt(generation: int, start: float, world: int, steps_until: float, *, finished: bool = False) -> list[dict[str, Any]]:
@@ -364,3 +364,32 @@ def test_a_spare_takeover_must_keep_the_world_of_the_full_round_the_spare_waited
     pairs = attempt(1, 0.0, 4, 9.0) + attempt(2, 10.0, 4, 12.0, finished=True)
     ok, detail = _spare_check(pairs + _spare_seated(77, 9.5, 4, 2, per_node=2), [_takeover(9.5, 77, 4, 2)])
     assert ok, detail
+
+
+def _slow(at: float, pid: int = 7) -> Injected:
+    return Injected(type="slow-node", at=at, offset=at, description="slow", lasts_s=10.0, targets=[pid],
+                    outcome="absorbed")
+
+
+def _with_pid(events: list[dict[str, Any]], pid: int) -> list[dict[str, Any]]:
+    return [e | {"pid": pid} if e["kind"] == "start" else e for e in events]
+
+
+def test_a_slow_node_must_be_named_unless_another_faults_recovery_left_too_few_windows_to_name_it() -> None:
+    """A new attempt starts every rank's count again. The soak's 8 such misses of 18: a join, a NaN rollback or a lost
+    node's recovery in the middle of the 10 s, the last attempt stepping for 3 s or less of it."""
+    named = {"time": 16.0, "kind": "straggler", "status": "named", "pid": 7, "rank": 1, "generation": 1}
+    ridden_out = attempt(1, 0.0, 3, 40.0)
+    assert _stragglers_check(_with_pid(ridden_out, 7) + [named], [_slow(10.0)], set())[0]
+    ok, detail = _stragglers_check(_with_pid(ridden_out, 7), [_slow(10.0)], set())
+    assert not ok and "the slow node at 10.0 s (pids [7]) was not named within 15 s" in detail
+    # A recovery at 17.5 s: the new attempt's windows end at 18.5 and 19.5 s while the node is slow — too few.
+    cut = _with_pid(attempt(1, 0.0, 3, 17.0), 7) + _with_pid(attempt(2, 17.5, 3, 40.0), 7)
+    ok, detail = _stragglers_check(cut, [_slow(10.0)], set())
+    assert ok and "1 cut short by another fault's recovery" in detail, detail
+    # A recovery at 11 s: its windows end at 12 ... 19 s: enough to name it, and it was not.
+    early = _with_pid(attempt(1, 0.0, 3, 11.0), 7) + _with_pid(attempt(2, 11.0, 3, 40.0), 7)
+    assert not _stragglers_check(early, [_slow(10.0)], set())[0]
+    # The throttled worker replaced by a new process (never throttled) at 11 s: nothing slow was left to name.
+    replaced = _with_pid(attempt(1, 0.0, 3, 11.0), 7) + _with_pid(attempt(2, 11.0, 3, 40.0), 8)
+    assert _stragglers_check(replaced, [_slow(10.0)], set())[0]

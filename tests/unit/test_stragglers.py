@@ -60,6 +60,31 @@ def test_a_fast_window_now_and_then_does_not_hide_a_slow_rank() -> None:
     assert [s.rank for s in found] == [1] and found[0].seconds > 1.5
 
 
+def test_a_rank_whose_windows_straddle_the_ratio_is_named_by_their_sum() -> None:
+    """The soak's misses: a node throttled to a quarter of its time, ratio 2.5, a 3 s window, logging windows of
+    ~2.5 s whose ratios straddle the line — never two above it in a row, so never slow for most of the window, but
+    slower than 2.5x over it all. Once named, the same windows keep it named."""
+    watch = StragglerWatch(ratio=2.5, window_s=3)
+    assert window(watch, [10, 10, 23], steps=50, seconds=2.5) == ([], [])
+    named, _ = window(watch, [10, 10, 35], steps=50, seconds=2.5)
+    assert [s.rank for s in named] == [2], "2.3x then 3.5x: 2.9x over the window"
+    for ms in [24, 31, 23, 30]:
+        assert window(watch, [10, 10, ms], steps=50, seconds=2.5) == ([], []) and watch.named == {2}
+    _, cleared = window(watch, [10, 10, 11], steps=50, seconds=2.5)
+    assert cleared == [], "one normal window is no quarter of the window yet; the sum no longer names it"
+    _, cleared = window(watch, [10, 10, 10], steps=50, seconds=2.5)
+    assert [s.rank for s in cleared] == [2] and watch.named == set()
+
+
+def test_below_the_ratio_over_the_window_or_near_normal_in_one_window_names_nobody() -> None:
+    watch = StragglerWatch(ratio=2.5, window_s=3)
+    for ms in [23, 24, 23, 24]:  # steadily 2.35x: below the ratio
+        assert window(watch, [10, 10, ms], steps=50, seconds=2.5) == ([], [])
+    watch = StragglerWatch(ratio=2.5, window_s=3)
+    for ms in [60, 11, 60, 11]:  # 6x, then normal: its mean is above the ratio, its windows are no steady slowness
+        assert window(watch, [10, 10, ms], steps=50, seconds=2.5) == ([], [])
+
+
 def test_many_fast_steps_are_not_a_long_time() -> None:
     """The window is in seconds: 1,000 steps of a millisecond slowed by a shared machine's scheduler are one second,
     not a straggler."""
