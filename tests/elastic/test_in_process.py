@@ -372,8 +372,12 @@ def test_a_worker_killed_while_the_first_process_group_comes_up_ends_in_a_recove
     """The start-up cell: one worker is stopped (SIGSTOP) as soon as it exists, so its peer waits inside the first
     process group's creation (rank 0's worker hosting the job's store, listening); the waiting one is killed there
     (``victim`` 0: the store goes with it) or the stopped one is (1), and the other is let go. No step was taken, so
-    restarting every worker loses nothing: its agent does (~10 s here), the first attempt runs in new processes from
-    the first step, and the run is the uninterrupted one."""
+    nothing is lost either way the group comes up: where the killed one's replacement reaches the group's creation
+    within its wait (``dist.init_timeout_seconds``; a replacement of rank 0 hosts the store again on the same port)
+    the group forms with it and the other keeps its process; where it does not, the other ends its attempt and its
+    agent restarts it (~10 s here). Which one happens is a matter of timing (a loaded CI machine gets the first, this
+    one mostly the second): either way the killed process never trains, the first attempt is the only one, it starts
+    at the first step, and the run is the uninterrupted one."""
     job = _started(local_job, resume_config, "elastic-runner", "dist.heartbeat_seconds=2")
     run_dir = Path(job.run_dir)
     deadline = time.monotonic() + 90
@@ -396,8 +400,10 @@ def test_a_worker_killed_while_the_first_process_group_comes_up_ends_in_a_recove
         job.signal_worker(held, signal.SIGKILL)  # (a stopped process dies of it as it is)
     _ends_as_the_uninterrupted_run(job, reference_model, tmp_path)
     starts = events(run_dir, "start")
-    assert len(starts) == 2 and not {e["pid"] for e in starts} & {waiting.pid, held.pid}, \
-        f"every worker restarted (no step was taken: nothing is lost), the first attempt in new processes: {starts}"
+    # One attempt, the first: no start before the kill (asserted above), so the killed process never trained; the
+    # other rank trains in the process it had or in a new one (both are right, see above).
+    assert sorted(e["rank"] for e in starts) == [0, 1] and {e["generation"] for e in starts} == {1}, \
+        f"one attempt, the first, with both ranks: {starts}"
     assert not events(run_dir, "resume"), "nothing to resume from: the run began at its first step"
 
 
