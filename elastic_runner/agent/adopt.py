@@ -179,6 +179,7 @@ def adopt(launcher_api: Any, config: Any, entrypoint: Any, args: Sequence[Any],
         ElasticRunnerAgent.in_process = bool(worker_cfg is not None and worker_cfg.in_process)
         ElasticRunnerAgent.standby = bool(worker_cfg is not None and worker_cfg.recovery.standby)
         ElasticRunnerAgent.config_digest = config_digest
+        ElasticRunnerAgent.liveness = _liveness
         # torch's launch_agent builds a LocalElasticAgent; ours adds the corrections
         # documented in elastic_runner.agent.agent. Only this process is affected.
         launcher_api.LocalElasticAgent = ElasticRunnerAgent

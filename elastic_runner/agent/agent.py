@@ -60,6 +60,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 
 from ..env import REPLACES_VAR, announce_stopping
 from ..lifecycle import EXIT_DIVERGED, EXIT_NOT_DURABLE, EXIT_USAGE, proc_state, process_start_time
+from ..recovery.liveness import offer as offer_liveness
 from ..recovery.policy import Action, Decision, after_worker_failure, for_new_round
 from ..recovery.regroup import announce_replacements
 from ..snapshot import SnapshotError
@@ -101,6 +102,7 @@ class ElasticRunnerAgent(LocalElasticAgent):
     standby: bool = False
     #: This node's configuration as the running job's is compared with (:mod:`.config_check`; None: nothing to compare).
     config_digest: dict[str, str] | None = None
+    liveness: Any = None  #: its liveness port (recovery.liveness; None: none), named in its node key while it joins
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -124,6 +126,7 @@ class ElasticRunnerAgent(LocalElasticAgent):
         self._beat = AgentBeat(key=self._job_key)  #: its heartbeat, while its workers are kept across failures
         self._warm_seat = WarmSeat(wanted=type(self).in_process and type(self).standby)  #: a spare's workers, ahead
         self._config_record = ConfigRecord(self._job_key, type(self).config_digest)
+        offer_liveness(self._worker_group.spec.rdzv_handler, type(self).liveness, self._job_key)
 
     def run(self, role: str = DEFAULT_ROLE) -> RunResult:
         # An excluded node (recovery.evict_stragglers) leaves before its first round, not after it cost the others one.

@@ -17,6 +17,11 @@ for its node's agent counts out what any of its workers found: a job of many nod
 answer: alive. An answer that does not verify (another process on the port, or a forger) is
 evidence of nothing and reads as alive: that only costs the wait it always cost.
 
+The same port answers while the agent waits in the etcd-v3 rendezvous, where its workers, parked, read no beat:
+the agent says where in its node key, and the agents waiting for it there ask it (:func:`offer`,
+:mod:`elastic_runner.rendezvous.departures`), so a node lost while the others wait for it is counted out as one lost
+while they train.
+
 A challenge cannot be answered by replaying an earlier answer, and nobody without the job's key can make a lost
 agent look alive for longer than the dead-node window it always had; whoever can reach the port can hold it busy or
 cut connections and make a live agent look lost for one round (it rejoins the next: a denial of service, never a
@@ -40,6 +45,8 @@ import threading
 import time
 from typing import Any
 
+from ..printable import printable
+from ..rendezvous.departures import AgentLiveness
 from ..rendezvous.ports import every_address_socket
 from ..rendezvous.seal import AuthError, Sealer
 from .channel import AliveAt, Channel
@@ -180,10 +187,31 @@ def numeric_address(host: str, port: int) -> str:
         return host
 
 
+def offer(handler: Any, server: LivenessServer | None, key: bytes | None) -> bool:
+    """Tell the rendezvous ``handler`` (one that asks: the etcd-v3 lease protocol's, with a ``liveness`` attribute)
+    where this agent answers (``server``), so that it says so in its node key, and how to ask the others while it
+    waits for them there (:mod:`elastic_runner.rendezvous.departures`); whether it was told."""
+    if server is None or not server.agent or not hasattr(handler, "liveness"):
+        return False
+
+    def lost(host: str, port: int, agent: str) -> bool:
+        try:  # (the key's address is the agent's --local_addr or host name: a lookup, bounded by the resolver)
+            address = str(socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][4][0])
+        except (OSError, UnicodeError, IndexError) as exc:  # not found is no evidence that nobody answers there
+            log.debug("the address '%s' of the agent %s does not resolve here (%s): no evidence", printable(host, 80),
+                      printable(agent, 80), exc)
+            return False
+        return agent_lost(address, AliveAt(port, agent), key)
+
+    handler.liveness = AgentLiveness(server.port, server.agent, lost)
+    return True
+
+
 def agent_lost(address: str, where: AliveAt, key: bytes | None) -> bool:
-    """Whether rank 0's agent, answering at ``address`` (MASTER_ADDR's numeric address: :func:`numeric_address`) as
-    ``where`` says, is gone: its port refuses, does not accept within :data:`CONNECT_S`, or no answer comes within
-    :data:`ANSWER_S` after. False (alive, or no evidence) otherwise."""
+    """Whether the agent answering at ``address`` (a numeric address: :func:`numeric_address`) as ``where`` says
+    (rank 0's, published in the job's store, or one named in its node key) is gone: its port refuses, does not
+    accept within :data:`CONNECT_S`, or no answer comes within :data:`ANSWER_S` after. False (alive, or no
+    evidence) otherwise."""
     challenge = secrets.token_bytes(CHALLENGE_BYTES)
     try:
         with socket.create_connection((address, where.port), timeout=CONNECT_S) as conn:
@@ -198,7 +226,7 @@ def agent_lost(address: str, where: AliveAt, key: bytes | None) -> bool:
                     break
                 answer += chunk
     except OSError as exc:  # refused, reset, or no answer in time: its process is gone
-        log.debug("rank 0's agent does not answer at %s:%d (%s)", address, where.port, exc)
+        log.debug("the agent %s does not answer at %s:%d (%s)", printable(where.agent, 80), address, where.port, exc)
         return True
     if not answer:
         return True  # accepted, then closed unanswered: nobody serves the port any more
@@ -208,7 +236,7 @@ def agent_lost(address: str, where: AliveAt, key: bytes | None) -> bool:
         why = "it is not the challenge's"
     except AuthError as exc:
         why = str(exc)
-    log.warning("the answer at %s:%d where rank 0's agent says it answers is not its word (%s): taken as no evidence "
+    log.warning("the answer at %s:%d where the agent %s says it answers is not its word (%s): taken as no evidence "
                 "either way. Whoever answered can reach this node's network: see docs/trust.md", address, where.port,
-                why)
+                printable(where.agent, 80), why)
     return False

@@ -26,7 +26,6 @@ from torch.distributed.elastic.rendezvous.api import RendezvousHandler, Rendezvo
 
 from .heartbeat import Heartbeat
 from .kv import (
-    WATCH_SLICE_SECONDS,
     Compare,
     Delete,
     EtcdError,
@@ -36,7 +35,6 @@ from .kv import (
     KVClient,
     LeaseKeeper,
     Put,
-    WatchEvent,
 )
 from .ports import PortHold
 from .rounds import (
@@ -246,8 +244,10 @@ class LeaseRendezvousHandler(SealerRole, DepartureRole, RendezvousHandler):
         None when the record changed since we read it. Returns whether a sealer exists, and the revision."""
         node = self._node
         offer = {} if self.use_agent_store else {"port": self._ports.offer()}  # MASTER_PORT if it becomes rank 0
+        liveness = self.liveness  # where its agent answers while it waits here (departures.py)
+        alive = {"alive": [liveness.port, liveness.agent]} if liveness is not None else {}
         body = {"node": node.name, "addr": node.addr, "pid": node.pid, "local_id": node.local_id,
-                "nonce": node.nonce, "want": want, **offer}
+                "nonce": node.nonce, "want": want, **offer, **alive}
 
         def encoder(lease: int) -> bytes:  # bound to the record it joins after and to its lease
             return self._codec.encode(self._my_key, body, after=record_rev, lease=lease)
@@ -287,44 +287,6 @@ class LeaseRendezvousHandler(SealerRole, DepartureRole, RendezvousHandler):
                 if not result.succeeded:
                     return None
         return self._codec.claim(result.results[-1], record_rev), result.revision
-
-    def _wait_for_round(self, want: int, sealer_present: bool, revision: int, deadline: float,
-                        record: Round | None = None, record_rev: int = 0) -> Round | None:
-        """Seal round ``want`` or wait until a record newer than the one we read (``record`` at ``record_rev``)
-        appears, the run is closed, or the watch's history is gone; our own seal, or None (the caller reads the
-        record)."""
-        seen = revision
-        while True:
-            if self._clock() >= deadline:
-                self._give_up(want)
-            claim = 0 if sealer_present else self._claim_sealer(want, record_rev)
-            if claim:
-                sealed = self._seal_round(want, deadline, claim, record_rev)
-                if sealed is None:
-                    self._drop_sealer_claim(want)  # someone else sealed it, or it closed: the claim would linger
-                return sealed
-            state: dict[str, Any] = {"record": None, "sealer_gone": False, "closed": False}
-            sealer_key = self._ctl + f"sealer/{want}".encode()
-
-            def handle(events: list[WatchEvent]) -> bool:
-                nonlocal seen
-                for event in events:
-                    seen = max(seen, event.kv.mod_revision)
-                    if event.kv.key == self._round_key and event.kind == "put":
-                        state["record"] = event.kv
-                    elif event.kv.key == sealer_key and event.kind == "delete":
-                        state["sealer_gone"] = True
-                    elif event.kv.key == self._closed_key and event.kind == "put":
-                        state["closed"] = self._codec.closed(event.kv, record, record_rev)
-                return bool(state["record"] or state["sealer_gone"] or state["closed"])
-
-            self._heartbeat.restore()  # our key as we wrote it: a value of ours put back would hold the sealer
-            end = self._client.watch_prefix(self._ctl, seen + 1,
-                                            max(0.0, min(deadline - self._clock(), WATCH_SLICE_SECONDS)), handle)
-            if state["closed"] or state["record"] is not None or end == "compacted":
-                return None  # re-read everything: closed, sealed (by someone), or history gone
-            if state["sealer_gone"]:
-                sealer_present = False
 
     def _claim_sealer(self, want: int, record_rev: int) -> int:
         """The revision of our claim to seal round ``want`` after the record at ``record_rev`` (0: another node holds

@@ -13,6 +13,8 @@ Keys, under ``{key_prefix}/{run_id}/rdzv/``:
   lease* (TTL = ``keep_alive_interval * keep_alive_max_attempt``, torch's dead-node window). A
   keep-alive is one lease refresh; a dead agent's key disappears when its lease expires. The key's
   ``create_revision`` is the node's *ticket*: it changes only if the key was deleted in between.
+  ``alive`` (optional): ``[port, agent]``, where the agent answers liveness challenges
+  (:mod:`elastic_runner.rendezvous.departures`).
 - ``ctl/round``: the newest sealed round, ``{"round", "members": [[node, ticket], ...] in rank order,
   "lease", "sealed_by", "reason", "master"}``, written only by a transaction that compares its
   ``mod_revision`` with the one the writer read (create-if-absent for the first) and that the run is
@@ -198,6 +200,10 @@ class Joiner:
     ticket: int  #: the key's create_revision
     port: int = 0  #: a free port it found when it joined: MASTER_PORT if it becomes rank 0 (0: none offered)
     after: int = -1  #: the record revision it joined after (-1: unbound, without the job's key)
+    #: Where its agent answers liveness challenges (:mod:`elastic_runner.rendezvous.departures`): port and agent
+    #: name (0, "": it does not; only agents that keep their workers across rounds do)
+    alive_port: int = 0
+    alive_agent: str = ""
 
     def wants(self, round_: int, record_revision: int) -> bool:
         """It wants ``round_``, joined after the current record (a replayed older value wants nothing)."""

@@ -12,7 +12,8 @@ import logging
 from typing import TYPE_CHECKING, Any, Callable
 
 from .kv import WATCH_SLICE_SECONDS, Compare, Delete, EtcdError, Get, KeyValue, KVClient, LeaseKeeper, Put, WatchEvent
-from .rounds import NodeId, Round, Settings, View, choose_members, quorum, ready_to_seal
+from .departures import ASK_EVERY_S, LONGEST_ASK_S, AgentLiveness, AskSchedule
+from .rounds import Joiner, NodeId, Round, Settings, View, choose_members, quorum, ready_to_seal
 
 if TYPE_CHECKING:
     from torch.distributed import Store
@@ -36,15 +37,79 @@ class SealerRole:
     _round_key: bytes
     _closed_key: bytes
     _give_up: Callable[[int], None]  #: the handler's: roll back our join and raise the timeout
+    _heartbeat: Any
+    _claim_sealer: Callable[[int, int], int]
+    _drop_sealer_claim: Callable[[int], None]
+    liveness: AgentLiveness | None  #: (departures.py's, as the methods below)
+    count_out_silent: Callable[[Round, list[Joiner], AskSchedule], list[str]]
+    count_out_silent_sealer: Callable[[Round | None, int, KeyValue, AskSchedule], bool]
+
+    def _wait_for_round(self, want: int, sealer_present: bool, revision: int, deadline: float,
+                        record: Round | None = None, record_rev: int = 0) -> Round | None:
+        """Seal round ``want`` or wait until a record newer than the one we read (``record`` at ``record_rev``)
+        appears, the run is closed, or the watch's history is gone; our own seal, or None (the caller reads the
+        record). While another agent holds the sealer claim, that agent is asked whether it lives (where this one
+        asks: :mod:`.departures`): a lost sealer's claim goes at once, and this agent claims the round."""
+        seen = revision
+        schedule = self._ask_schedule()
+        sealer_key = self._ctl + f"sealer/{want}".encode()
+        while True:
+            if self._clock() >= deadline:
+                self._give_up(want)
+            ask_at: float | None = None
+            if sealer_present and self.liveness is not None:
+                claim_kv = self._client.txn((), [Get(sealer_key)]).results[0]
+                claimant = self._codec.claimant(claim_kv) if claim_kv is not None and \
+                    self._codec.claim(claim_kv, record_rev) else None
+                if claim_kv is None or claimant is None:
+                    sealer_present = False  # gone already, or a claim that does not count: claim it (replaced)
+                elif self.count_out_silent_sealer(record, record_rev, claim_kv, schedule):
+                    sealer_present = False
+                else:
+                    ask_at = schedule.next_due([claimant])
+            claim = 0 if sealer_present else self._claim_sealer(want, record_rev)
+            if claim:
+                sealed = self._seal_round(want, deadline, claim, record_rev)
+                if sealed is None:
+                    self._drop_sealer_claim(want)  # someone else sealed it, or it closed: the claim would linger
+                return sealed
+            state: dict[str, Any] = {"record": None, "sealer_gone": False, "closed": False}
+
+            def handle(events: list[WatchEvent]) -> bool:
+                nonlocal seen
+                for event in events:
+                    seen = max(seen, event.kv.mod_revision)
+                    if event.kv.key == self._round_key and event.kind == "put":
+                        state["record"] = event.kv
+                    elif event.kv.key == sealer_key and event.kind == "delete":
+                        state["sealer_gone"] = True
+                    elif event.kv.key == self._closed_key and event.kind == "put":
+                        state["closed"] = self._codec.closed(event.kv, record, record_rev)
+                return bool(state["record"] or state["sealer_gone"] or state["closed"])
+
+            self._heartbeat.restore()  # our key as we wrote it: a value of ours put back would hold the sealer
+            now = self._clock()
+            until = min(deadline, now + WATCH_SLICE_SECONDS, ask_at if ask_at is not None else deadline)
+            end = self._client.watch_prefix(self._ctl, seen + 1, max(0.0, until - now), handle)
+            if state["closed"] or state["record"] is not None or end == "compacted":
+                return None  # re-read everything: closed, sealed (by someone), or history gone
+            if state["sealer_gone"]:
+                sealer_present = False
+
+    def _ask_schedule(self) -> AskSchedule:
+        """When the agents this one waits for are asked whether they live (:class:`~.departures.AskSchedule`)."""
+        return AskSchedule(ASK_EVERY_S, max(ASK_EVERY_S, min(self._settings.window / 4, LONGEST_ASK_S)), self._clock)
 
     def _seal_round(self, want: int, deadline: float, claim: int, joined_after: int = 0) -> Round | None:
         """As the sealer of round ``want`` (joined after the record at ``joined_after``): follow the node keys until
-        the round can be sealed, seal it."""
+        the round can be sealed, seal it. Members of the round before that have not asked for this one are asked
+        whether their agents live (where this agent asks: :mod:`.departures`), and counted out when they do not."""
         view = View()
         revision = self._read_view(view)
         settings = self._settings
         open_since: float | None = None  # when min_nodes wanted the round and the previous one was accounted for
         sealer_key = self._ctl + f"sealer/{want}".encode()
+        schedule = self._ask_schedule()
 
         def is_open() -> bool:
             count, accounted, _ = quorum(view, want, settings)
@@ -57,6 +122,11 @@ class SealerRole:
         while True:
             if over():
                 return None
+            waited = self._waited_for(view, want)
+            if waited and view.record is not None and self.liveness is not None:
+                for name in self.count_out_silent(view.record, waited, schedule):
+                    view.nodes.pop(name, None)  # (its deletion's event follows on the watch)
+                waited = [j for j in waited if j.node.name in view.nodes]
             now = self._clock()
             open_since = (now if open_since is None else open_since) if is_open() else None
             ready, why = ready_to_seal(view, want, settings, open_since, now)
@@ -68,6 +138,9 @@ class SealerRole:
             due = min(deadline, now + WATCH_SLICE_SECONDS)
             if open_since is not None:
                 due = min(due, open_since + settings.last_call_timeout)
+            ask_at = schedule.next_due(j.node.name for j in waited)
+            if ask_at is not None:
+                due = max(now, min(due, ask_at))
 
             def handle(events: list[WatchEvent]) -> bool:
                 nonlocal revision
@@ -82,6 +155,17 @@ class SealerRole:
 
             if self._client.watch_prefix(self._prefix, revision + 1, max(0.0, due - now), handle) == "compacted":
                 return None
+
+    @staticmethod
+    def _waited_for(view: View, want: int) -> list[Joiner]:
+        """The members of the round before ``want`` whose keys live but have not asked for it: whom a seal waits
+        for until they ask or their leases expire (or they are counted out: :meth:`count_out_silent`)."""
+        record = view.record
+        if record is None or record.round != want - 1:
+            return []
+        members = set(record.names())
+        return [j for j in view.nodes.values()
+                if j.node.name in members and not j.wants(want, view.record_revision)]
 
     def _write_round(self, want: int, view: View, why: str, sealer_key: bytes, claim: int,
                      seen_revision: int = 0) -> Round | None:

@@ -51,6 +51,18 @@ def _str(obj: Any, field_name: str, default: str | None = None) -> str:
     return value
 
 
+#: The longest agent name an ``alive`` field may carry (ours: host, pid and start time, well under it).
+MAX_AGENT_NAME = 256
+
+
+def _alive(value: Any) -> tuple[int, str]:
+    """A node key's ``alive`` field: ``[port, agent]``, where its agent answers liveness challenges."""
+    if type(value) is not list or len(value) != 2 or type(value[0]) is not int or not 0 < value[0] < 65536 \
+            or type(value[1]) is not str or not 0 < len(value[1]) <= MAX_AGENT_NAME or not value[1].isprintable():
+        raise ValueError("its alive field is not [a port, an agent's printable name]")
+    return value[0], value[1]
+
+
 class WarnLimiter:
     """One warning per kind at once, then at most one line per ``every`` seconds with how many were suppressed;
     the etcd keys it names are escaped (a planted key cannot forge log lines)."""
@@ -176,7 +188,8 @@ class Codec:
             if self.bound and not kv.lease:
                 raise VoidValue("it is on no lease (a departed node's value, put back)")
             port = _int(obj, "port") if "port" in obj else 0
-            return Joiner(node, _int(obj, "want"), kv.create_revision, port, after)
+            alive_port, alive_agent = _alive(obj["alive"]) if "alive" in obj else (0, "")
+            return Joiner(node, _int(obj, "want"), kv.create_revision, port, after, alive_port, alive_agent)
         except (PermissionError, VoidValue, ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
             self.ignore("node key", kv, exc)
             return None
@@ -207,6 +220,14 @@ class Codec:
     def claim(self, kv: KeyValue | None, record_revision: int) -> bool:
         """A sealer's claim that counts: on a lease (it dies with its node), written by this job's agents."""
         return self.control(kv, record_revision, leased=True)
+
+    def claimant(self, kv: KeyValue) -> str | None:
+        """Who wrote the sealer claim ``kv`` (a claim that counts: :meth:`claim`), or None where it names nobody."""
+        try:
+            return _str(self.open(kv), "by")
+        except (PermissionError, VoidValue, ValueError, KeyError, TypeError, AttributeError) as exc:
+            self.ignore("sealer claim", kv, exc)
+            return None
 
     def closed(self, kv: KeyValue | None, record: Round | None, record_revision: int) -> bool:
         """Whether the run is closed: by a member of the current round, for that round (or with none)."""

@@ -132,11 +132,6 @@ def _handover_dir(agent: Any) -> Path:
     return found
 
 
-@pytest.mark.xfail(strict=True, raises=pytest.fail.Exception, reason=(
-    "known gap (found 2026-12-03): once its workers have parked, nothing tells the last survivor's agent that the "
-    "other survivor's node is lost: its workers no longer read the beats, only rank 0's agent's liveness port is "
-    "known, and the next round waits for that node's lease (90 s here): no attempt at world size 1 within 45 s. "
-    "Remove this mark with the fix."))
 def test_a_second_node_lost_while_the_survivors_wait_parked_leaves_the_last_one_training_alone(
         resume_config: Path, local_job: Any, etcd: EtcdServer, tmp_path: Path) -> None:
     """The park cell of a second fault: of three nodes, one is lost; the two survivors' workers park for the next
@@ -168,5 +163,8 @@ def test_a_second_node_lost_while_the_survivors_wait_parked_leaves_the_last_one_
 
     starts = [e for e in events(run_dir, "start") if e["time"] > first_at]
     assert {e["pid"] for e in starts} == {kept.pid}, "the last node's worker kept its process\n" + job.logs_tail()
+    assert "does not answer on its liveness port" in survivor.log_text() or \
+        "do not answer on their liveness ports" in survivor.log_text(), \
+        "the second node was counted out by its silent port (as sealer, or as the node waited for)\n" + job.logs_tail()
     report = check_audit(run_dir)
     assert report.ok and report.finished, report.render()

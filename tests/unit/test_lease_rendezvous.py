@@ -26,7 +26,8 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousTimeoutError,
 )
 
-from elastic_runner.rendezvous.kv import Get, KeyValue, Put
+from elastic_runner.rendezvous.departures import AgentLiveness, AskSchedule
+from elastic_runner.rendezvous.kv import Delete, Get, KeyValue, Put
 from elastic_runner.rendezvous.leases import LeaseRendezvousHandler
 from elastic_runner.rendezvous.rounds import (
     Joiner,
@@ -636,3 +637,130 @@ def test_without_a_key_a_rendezvous_off_this_machine_warns_once_at_start(caplog:
     with caplog.at_level(logging.WARNING):
         parse_options(RendezvousParameters("etcd-v3", "etcd.example:2379", "job", 1, 2))
     assert caplog.text.count("runs without the job's key") == 1
+
+
+# == liveness while waiting in the rendezvous: a node lost there is counted out, not waited for ==================
+
+class Ports:
+    """The agents' liveness ports, faked: who answers (alive) and who was asked, by agent name."""
+
+    def __init__(self) -> None:
+        self.dead: set[str] = set()
+        self.asked: list[str] = []
+
+    def give(self, handler: LeaseRendezvousHandler, port: int = 4000) -> LeaseRendezvousHandler:
+        """``handler``'s agent answers on ``port`` as its node's name (and asks the others)."""
+
+        def lost(address: str, port: int, agent: str) -> bool:
+            assert address == "127.0.0.1", "asked at the address its node key names"
+            self.asked.append(agent)
+            return agent in self.dead
+
+        handler.liveness = AgentLiveness(port, handler.node.name, lost)
+        return handler
+
+
+def test_a_member_lost_while_the_others_wait_in_the_rendezvous_is_counted_out_when_its_port_is_silent(
+        cluster: Callable[..., Cluster], caplog: pytest.LogCaptureFixture) -> None:
+    c = cluster(min_nodes=1, max_nodes=3, last_call_timeout=30.0)
+    ports = Ports()
+    a, b, lost = (ports.give(c.agent()) for _ in range(3))
+    together([a, b, lost], timeout=40)
+    lost._heartbeat.stop()  # lost while the others wait: no beat counts it out, and its lease has not expired
+    ports.dead.add(lost.node.name)
+    with caplog.at_level(logging.WARNING, logger="elastic_runner.rendezvous.leases"):
+        infos = together([a, b], timeout=10)
+    assert seats(infos) == [(0, 2), (1, 2)], "sealed without its lease's expiry (the fake clock never moves)"
+    assert lost.node.name in ports.asked
+    assert "do not answer on their liveness ports" in caplog.text
+
+
+def test_a_waited_for_member_that_answers_or_names_no_port_is_waited_for_until_its_lease_expires(
+        cluster: Callable[..., Cluster]) -> None:
+    c = cluster(min_nodes=1, max_nodes=4, last_call_timeout=30.0)
+    ports = Ports()
+    a, b = (ports.give(c.agent()) for _ in range(2))
+    answering, portless = ports.give(c.agent()), c.agent()  # (an agent that keeps no workers names no port)
+    together([a, b, answering, portless], timeout=40)
+    for member in (answering, portless):
+        member._heartbeat.stop()  # alive (answering) or unknown (portless): neither is evidence of a loss
+    threads = [in_background(h) for h in (a, b)]
+    time.sleep(1.2)
+    assert all(not box for _, box in threads), "a member that answers, or names no port, holds the round"
+    assert ports.asked.count(answering.node.name) >= 2, "asked at once and again after the first interval"
+    assert portless.node.name not in ports.asked
+    for member in (answering, portless):
+        c.server.expire_lease(member._heartbeat.current)
+    for t, _ in threads:
+        t.join(5)
+    assert seats([box[0] for _, box in threads]) == [(0, 2), (1, 2)]
+
+
+def test_a_sealer_lost_while_the_others_wait_for_its_seal_is_counted_out_and_replaced(
+        cluster: Callable[..., Cluster]) -> None:
+    c = cluster(min_nodes=1, max_nodes=3, last_call_timeout=30.0)
+    ports = Ports()
+    a, b, sealer = (ports.give(c.agent()) for _ in range(3))
+    together([a, b, sealer], timeout=40)
+    # The sealer of round 1 claimed it and was lost before it sealed: its claim and key live on its lease.
+    sealer._heartbeat.stop()
+    claim = f"{c.prefix}/rdzv/ctl/sealer/1".encode()
+    ghost = c.server.client()
+    ghost.txn((), [Put(claim, json.dumps({"by": sealer.node.name}).encode(), sealer._heartbeat.current)])
+    ports.dead.add(sealer.node.name)
+    infos = together([a, b], timeout=10)
+    assert seats(infos) == [(0, 2), (1, 2)], "the lost sealer's claim and key went: another sealed the round"
+    assert sealer.node.name in ports.asked
+    assert ghost.get(claim)[0] is None
+
+
+def test_a_sealer_that_answers_keeps_its_claim(cluster: Callable[..., Cluster]) -> None:
+    c = cluster(min_nodes=1, max_nodes=2, last_call_timeout=30.0)
+    ports = Ports()
+    a, sealer = (ports.give(c.agent()) for _ in range(2))
+    together([a, sealer], timeout=40)
+    claim = f"{c.prefix}/rdzv/ctl/sealer/1".encode()
+    c.server.client().txn((), [Put(claim, json.dumps({"by": sealer.node.name}).encode(),
+                                   sealer._heartbeat.current)])
+    thread, box = in_background(a)
+    eventually(lambda: sealer.node.name in ports.asked, what="the sealer is asked")
+    time.sleep(0.3)
+    assert not box, "a live sealer is waited for"
+    assert c.server.client().get(claim)[0] is not None
+    c.server.client().txn((), [Delete(claim)])  # it gives its claim up, and joins
+    sealer_thread, sealer_box = in_background(sealer)
+    thread.join(10)
+    sealer_thread.join(10)
+    assert seats(box + sealer_box) == [(0, 2), (1, 2)]
+
+
+@pytest.mark.parametrize("alive", [[0, "a"], [65536, "a"], ["4000", "a"], [4000, ""], [4000, "a\nb"], [4000, "a" * 257],
+                                   [4000], {"port": 4000}, [True, "a"]])
+def test_a_node_key_whose_alive_field_is_malformed_is_void(alive: Any) -> None:
+    prefix = b"/p/run/rdzv/"
+    codec = Codec(Sealer(None), prefix + b"node/")
+    node = NodeId("127.0.0.1", 1, 0, "n")
+    body = {"node": node.name, "addr": node.addr, "pid": 1, "local_id": 0, "nonce": "n", "want": 1}
+
+    def read(value: dict[str, Any]) -> Any:
+        return codec.node(KeyValue(prefix + b"node/" + node.name.encode(), json.dumps(value).encode(), 1, 1))
+
+    good, portless = read({**body, "alive": [4000, "a-1-2"]}), read(body)
+    assert good is not None and (good.alive_port, good.alive_agent) == (4000, "a-1-2")
+    assert portless is not None and portless.alive_port == 0
+    assert read({**body, "alive": alive}) is None
+
+
+def test_the_waited_for_are_asked_at_once_then_at_doubling_intervals_up_to_the_longest() -> None:
+    clock = FakeClock()
+    schedule = AskSchedule(0.5, 3.0, clock)
+    assert schedule.due("x") and schedule.next_due(["x"]) is None, "one never asked is due at once"
+    waits = []
+    for _ in range(6):
+        schedule.asked("x")
+        due = schedule.next_due(["x", "never-asked"])
+        assert due is not None and not schedule.due("x")
+        waits.append(due - clock.now)
+        clock.now = due
+        assert schedule.due("x")
+    assert waits == [0.5, 1.0, 2.0, 3.0, 3.0, 3.0]

@@ -272,6 +272,33 @@ def test_the_agent_serves_its_port_for_its_workers_with_the_job_s_key(
         adopt._liveness.close()
 
 
+class AskingHandler:
+    """A rendezvous handler that asks the agents it waits for (the etcd-v3 lease protocol's: a ``liveness`` slot)."""
+
+    liveness: Any = None
+
+
+def test_the_agent_tells_a_rendezvous_that_asks_where_it_answers_and_how_to_ask_the_others(
+        server: liveness.LivenessServer) -> None:
+    handler = AskingHandler()
+    assert liveness.offer(handler, server, KEY)
+    told = handler.liveness
+    assert (told.port, told.agent) == (server.port, "host-1-2"), "what its node key names"
+    assert told.lost("127.0.0.1", server.port, "host-1-2") is False
+    assert told.lost("localhost", server.port, "host-1-2") is False, "a host name is looked up"
+    assert told.lost("127.0.0.1", server.port, "host-9-9") is False, "an answer bound to another agent: no evidence"
+    assert told.lost("a" * 64 + ".example", server.port, "host-1-2") is False, "a name that does not resolve: no evidence"
+    server.close()
+    assert told.lost("127.0.0.1", server.port, "host-1-2") is True
+    assert not liveness.offer(object(), server, KEY), "torch's own handlers ask nobody"
+    assert not liveness.offer(AskingHandler(), None, KEY), "an agent without a port (it keeps no workers) says none"
+    nameless = liveness.LivenessServer("", KEY)
+    try:
+        assert not liveness.offer(AskingHandler(), nameless, KEY), "nor one without a name"
+    finally:
+        nameless.close()
+
+
 def test_an_agent_whose_job_key_cannot_be_read_serves_no_port(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
     from elastic_runner.agent import adopt
     from elastic_runner.snapshot.format import KEY_FILE_VAR
