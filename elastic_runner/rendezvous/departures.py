@@ -50,6 +50,11 @@ log = logging.getLogger("elastic_runner.rendezvous.leases")
 #: quarter of the dead-node window and at most :data:`LONGEST_ASK_S`.
 ASK_EVERY_S = 0.5
 LONGEST_ASK_S = 5.0
+#: The longest one pass of questions may take before the asker reads its watch again (seconds; one question takes
+#: milliseconds, a lost node's up to the liveness module's 2 s, a name lookup up to the resolver's timeout).
+ASK_PASS_S = 1.0
+#: The shortest watch between two passes (seconds): the watch is read even while questions are due.
+LEAST_WATCH_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -73,9 +78,13 @@ class AskSchedule:
     clock: Callable[[], float] = time.monotonic
     _next: dict[str, tuple[float, float]] = field(default_factory=dict)  #: name -> (when, the interval after it)
 
+    def when(self, name: str) -> float:
+        """When ``name`` is to be asked next (0: never asked: at once)."""
+        return self._next.get(name, (0.0, 0.0))[0]
+
     def due(self, name: str) -> bool:
         """Whether ``name`` is to be asked now (one never asked is)."""
-        return self._next.get(name, (0.0, 0.0))[0] <= self.clock()
+        return self.when(name) <= self.clock()
 
     def asked(self, name: str) -> None:
         """``name`` was asked now: the next question waits twice as long as the last wait."""
@@ -134,18 +143,21 @@ class DepartureRole:
 
     def silent(self, joiners: Iterable[Joiner], schedule: AskSchedule) -> list[Joiner]:
         """Those of ``joiners`` due to be asked (``schedule``) whose agents do not answer on their liveness ports;
-        none where this agent does not ask (no liveness of its own) or they say no port."""
+        none where this agent does not ask (no liveness of its own) or they say no port. The questions of one call
+        take :data:`ASK_PASS_S` at most (then those still due wait for the next): the caller reads its watch between
+        two calls, and a round whose members come back must not wait for the questions to the others."""
         liveness = self.liveness
         if liveness is None:
             return []
         lost = []
-        for joiner in joiners:
-            name = joiner.node.name
-            if not joiner.alive_port or name == self._node.name or not schedule.due(name):
-                continue
-            schedule.asked(name)  # (a lost one too: if counting it out fails, it is asked again, not in a loop)
+        start = schedule.clock()
+        due = [j for j in joiners if j.alive_port and j.node.name != self._node.name and schedule.due(j.node.name)]
+        for joiner in sorted(due, key=lambda j: schedule.when(j.node.name)):  # the longest due first: none starves
+            if schedule.clock() - start >= ASK_PASS_S:
+                break
             if liveness.lost(joiner.node.addr, joiner.alive_port, joiner.alive_agent):
                 lost.append(joiner)
+            schedule.asked(joiner.node.name)  # (a lost one too: if counting it out fails, it is asked again later)
         return lost
 
     def count_out_silent(self, record: Round, joiners: Iterable[Joiner], schedule: AskSchedule) -> list[str]:
@@ -174,6 +186,8 @@ class DepartureRole:
                 return False
             record_compare = Compare.mod_revision(self._round_key, record_rev) if record_rev else \
                 Compare.absent(self._round_key)
+            if claim.lease != kv.lease:
+                return False  # (a claim and a node key of one agent live on its one lease)
             unchanged = [Compare.mod_revision(key, kv.mod_revision), Compare.mod_revision(claim.key, claim.mod_revision),
                          record_compare]
             if not self._client.txn(unchanged, [Delete(key), Delete(claim.key)]).succeeded:

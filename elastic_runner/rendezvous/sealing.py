@@ -12,7 +12,7 @@ import logging
 from typing import TYPE_CHECKING, Any, Callable
 
 from .kv import WATCH_SLICE_SECONDS, Compare, Delete, EtcdError, Get, KeyValue, KVClient, LeaseKeeper, Put, WatchEvent
-from .departures import ASK_EVERY_S, LONGEST_ASK_S, AgentLiveness, AskSchedule
+from .departures import ASK_EVERY_S, LEAST_WATCH_S, LONGEST_ASK_S, AgentLiveness, AskSchedule
 from .rounds import Joiner, NodeId, Round, Settings, View, choose_members, quorum, ready_to_seal
 
 if TYPE_CHECKING:
@@ -58,21 +58,14 @@ class SealerRole:
                 self._give_up(want)
             ask_at: float | None = None
             if sealer_present and self.liveness is not None:
-                claim_kv = self._client.txn((), [Get(sealer_key)]).results[0]
-                claimant = self._codec.claimant(claim_kv) if claim_kv is not None and \
-                    self._codec.claim(claim_kv, record_rev) else None
-                if claim_kv is None or claimant is None:
-                    sealer_present = False  # gone already, or a claim that does not count: claim it (replaced)
-                elif self.count_out_silent_sealer(record, record_rev, claim_kv, schedule):
-                    sealer_present = False
-                else:
-                    ask_at = schedule.next_due([claimant])
+                sealer_present, ask_at = self._ask_sealer(sealer_key, record, record_rev, schedule)
             claim = 0 if sealer_present else self._claim_sealer(want, record_rev)
             if claim:
                 sealed = self._seal_round(want, deadline, claim, record_rev)
                 if sealed is None:
                     self._drop_sealer_claim(want)  # someone else sealed it, or it closed: the claim would linger
                 return sealed
+            sealer_present = True  # another agent's claim holds the round (maybe one that claimed first): ask it
             state: dict[str, Any] = {"record": None, "sealer_gone": False, "closed": False}
 
             def handle(events: list[WatchEvent]) -> bool:
@@ -90,11 +83,31 @@ class SealerRole:
             self._heartbeat.restore()  # our key as we wrote it: a value of ours put back would hold the sealer
             now = self._clock()
             until = min(deadline, now + WATCH_SLICE_SECONDS, ask_at if ask_at is not None else deadline)
+            if ask_at is not None:
+                until = max(until, min(deadline, now + LEAST_WATCH_S))
             end = self._client.watch_prefix(self._ctl, seen + 1, max(0.0, until - now), handle)
             if state["closed"] or state["record"] is not None or end == "compacted":
                 return None  # re-read everything: closed, sealed (by someone), or history gone
             if state["sealer_gone"]:
                 sealer_present = False
+
+    def _ask_sealer(self, sealer_key: bytes, record: Round | None, record_rev: int,
+                    schedule: AskSchedule) -> tuple[bool, float | None]:
+        """While another agent's claim holds the round: whether a claim still does (False: claim it), and when to
+        ask its agent next (None: not asked, its key names no port)."""
+        try:
+            (claim_kv,) = self._client.txn((), [Get(sealer_key)]).results
+        except EtcdError as exc:  # (asking is only faster: the watch retries as before)
+            log.debug("could not read the sealer claim at '%s': %s", sealer_key.decode(errors="replace"), exc)
+            return True, None
+        if claim_kv is None or not self._codec.claim(claim_kv, record_rev):
+            return False, None  # gone already, or a claim that does not count: claim it (replaced)
+        claimant = self._codec.claimant(claim_kv)
+        if claimant is None:
+            return False, None
+        if self.count_out_silent_sealer(record, record_rev, claim_kv, schedule):
+            return False, None
+        return True, schedule.next_due([claimant])
 
     def _ask_schedule(self) -> AskSchedule:
         """When the agents this one waits for are asked whether they live (:class:`~.departures.AskSchedule`)."""
@@ -139,8 +152,8 @@ class SealerRole:
             if open_since is not None:
                 due = min(due, open_since + settings.last_call_timeout)
             ask_at = schedule.next_due(j.node.name for j in waited)
-            if ask_at is not None:
-                due = max(now, min(due, ask_at))
+            if ask_at is not None:  # (the watch is read even while questions are due: ASK_PASS_S)
+                due = max(min(deadline, now + LEAST_WATCH_S), min(due, ask_at))
 
             def handle(events: list[WatchEvent]) -> bool:
                 nonlocal revision
