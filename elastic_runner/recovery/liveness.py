@@ -181,10 +181,15 @@ def published(channel: Channel) -> AliveAt | None:
 def numeric_address(host: str, port: int) -> str:
     """``host`` (MASTER_ADDR: often a name) as the address to connect to, looked up now, while the job's store still
     serves: once it is gone a survivor must not wait on a name lookup. ``host`` itself where the lookup fails."""
+    return resolved(host, port) or host
+
+
+def resolved(host: str, port: int) -> str | None:
+    """``host``'s first numeric address for a TCP connection to ``port``; None where it does not resolve."""
     try:
         return str(socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][4][0])
     except (OSError, UnicodeError, IndexError):
-        return host
+        return None
 
 
 def offer(handler: Any, server: LivenessServer | None, key: bytes | None) -> bool:
@@ -195,11 +200,10 @@ def offer(handler: Any, server: LivenessServer | None, key: bytes | None) -> boo
         return False
 
     def lost(host: str, port: int, agent: str) -> bool:
-        try:  # (the key's address is the agent's --local_addr or host name: a lookup, bounded by the resolver)
-            address = str(socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][4][0])
-        except (OSError, UnicodeError, IndexError) as exc:  # not found is no evidence that nobody answers there
-            log.debug("the address '%s' of the agent %s does not resolve here (%s): no evidence", printable(host, 80),
-                      printable(agent, 80), exc)
+        address = resolved(host, port)  # (the key's --local_addr or host name: a lookup, bounded by the resolver)
+        if address is None:  # not found is no evidence that nobody answers there
+            log.debug("the address '%s' of the agent %s does not resolve here: no evidence", printable(host, 80),
+                      printable(agent, 80))
             return False
         return agent_lost(address, AliveAt(port, agent), key)
 

@@ -169,25 +169,23 @@ class DepartureRole:
         return self._count_out(record, [j.node.name for j in lost], "their agents do not answer on their liveness "
                                "ports (nodes lost while the others wait for them)")
 
-    def count_out_silent_sealer(self, record: Round | None, record_rev: int, claim: KeyValue,
+    def count_out_silent_sealer(self, record: Round | None, record_rev: int, claim: KeyValue, name: str,
                                 schedule: AskSchedule) -> bool:
-        """While this agent waits for another to seal the next round (``claim``, its sealer claim, read after the
-        record ``record`` at ``record_rev``): whether that sealer's agent no longer answers (:meth:`silent`) and its
-        claim and key are gone now (deleted together, only if neither nor the record changed), so that a waiting
-        agent claims the round instead of waiting the dead-node window for the sealer's lease."""
-        name = self._codec.claimant(claim)
-        if name is None or name == self._node.name or not schedule.due(name):
+        """While this agent waits for another, ``name``, to seal the next round (``claim``, its sealer claim, read
+        after the record ``record`` at ``record_rev``): whether that sealer's agent no longer answers (:meth:`silent`)
+        and its claim and key are gone now (deleted together, only if neither nor the record changed), so that a
+        waiting agent claims the round instead of waiting the dead-node window for the sealer's lease."""
+        if name == self._node.name or not schedule.due(name):
             return False
         key = self._node_prefix + name.encode()
         try:
             (kv,) = self._client.txn((), [Get(key)]).results
             joiner = self._codec.node(kv) if kv is not None else None
-            if kv is None or joiner is None or not self.silent([joiner], schedule):
+            # (a claim and a node key of one agent live on its one lease)
+            if kv is None or joiner is None or claim.lease != kv.lease or not self.silent([joiner], schedule):
                 return False
             record_compare = Compare.mod_revision(self._round_key, record_rev) if record_rev else \
                 Compare.absent(self._round_key)
-            if claim.lease != kv.lease:
-                return False  # (a claim and a node key of one agent live on its one lease)
             unchanged = [Compare.mod_revision(key, kv.mod_revision), Compare.mod_revision(claim.key, claim.mod_revision),
                          record_compare]
             if not self._client.txn(unchanged, [Delete(key), Delete(claim.key)]).succeeded:

@@ -42,7 +42,7 @@ class SealerRole:
     _drop_sealer_claim: Callable[[int], None]
     liveness: AgentLiveness | None  #: (departures.py's, as the methods below)
     count_out_silent: Callable[[Round, list[Joiner], AskSchedule], list[str]]
-    count_out_silent_sealer: Callable[[Round | None, int, KeyValue, AskSchedule], bool]
+    count_out_silent_sealer: Callable[[Round | None, int, KeyValue, str, AskSchedule], bool]
 
     def _wait_for_round(self, want: int, sealer_present: bool, revision: int, deadline: float,
                         record: Round | None = None, record_rev: int = 0) -> Round | None:
@@ -105,7 +105,7 @@ class SealerRole:
         claimant = self._codec.claimant(claim_kv)
         if claimant is None:
             return False, None
-        if self.count_out_silent_sealer(record, record_rev, claim_kv, schedule):
+        if self.count_out_silent_sealer(record, record_rev, claim_kv, claimant, schedule):
             return False, None
         return True, schedule.next_due([claimant])
 
