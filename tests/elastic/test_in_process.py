@@ -216,53 +216,99 @@ def test_a_standby_that_died_leaves_the_place_to_a_new_process(
 
 
 @pytest.mark.slow
+def _gated_job(local_job: Any, tmp_path: Path) -> tuple[Any, Path]:
+    """Two nodes of one worker, whose model's build waits while the returned gate file exists."""
+    gate = tmp_path / "gate"
+    model = {"name": "tests.broken_components:built_while_no_gate",
+             "params": {"channels": 16, "hidden": 64, "gate_file": str(gate)}}
+    config = write_config(tmp_path / "gated.yaml", **RESUME_SECTIONS, model=model)
+    return _started(local_job, config, "elastic-runner", "dist.heartbeat_seconds=2"), gate
+
+
+def _rank_1_killed_while_its_next_standby_builds(job: Any, gate: Path) -> tuple[Any, Any, int, int, list[Any]]:
+    """Rank 1's worker killed (its node's ready standby takes the place), and killed again while the standby its agent
+    started next still builds (held at ``gate``): the place goes to that one, and rank 0's worker waits for it in the
+    regroup. The two victims, the first standby's and the held one's pids, and the workers stopped before the second
+    kill (rank 0's running again)."""
+    run_dir = Path(job.run_dir)
+    workers, standbys = _stopped_with_standbys_ready(job, 130)
+    node = next(w for w in workers if w.rank == 1).agent
+    gate.touch()  # every build from now on waits: the next standby's
+    first = _kill(job, workers, rank=1)
+    # Held a few steps after the recovery while the agent starts the next standby (0.5 s after the place was
+    # taken): free-running, a fast machine could finish the run first.
+    workers, _ = stop_workers_at_step(job, job_step(job) + 3, count=2, replacing=[first])
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        started = [e["pid"] for e in _agent_events(run_dir, "standby_started")
+                   if e["source"].endswith(f"-{node.pid}") and e["pid"] != standbys[node.pid]]
+        if started:
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail("the node started no second standby within 60 s\n" + job.logs_tail())
+    building = started[0]
+    assert not [e for e in _agent_events(run_dir, "standby_ready") if e["pid"] == building], \
+        "the second standby is still building (held at the gate)"
+    second = _kill(job, workers, rank=1)
+    time.sleep(1.0)  # the survivor waits for the place's new holder, which still builds
+    return first, second, standbys[node.pid], building, workers
+
+
 def test_a_worker_killed_while_its_nodes_standby_still_builds_gets_that_standby_once_built_and_ends_bitwise(
         reference_model: Any, local_job: Any, tmp_path: Path) -> None:
     """The standby warm-up cell: rank 1's worker is killed, its node's standby takes the place and the agent starts
     another, whose build the test holds (its model waits on a gate file); rank 1's worker is killed again while that
     one still builds. The agent hands it the place anyway, the survivor waits, and once it is built it trains as
     rank 1: no new process, no restart of the others, the run the uninterrupted one."""
-    gate = tmp_path / "gate"
-    model = {"name": "tests.broken_components:built_while_no_gate",
-             "params": {"channels": 16, "hidden": 64, "gate_file": str(gate)}}
-    config = write_config(tmp_path / "gated.yaml", **RESUME_SECTIONS, model=model)
-    job = _started(local_job, config, "elastic-runner", "dist.heartbeat_seconds=2")
+    job, gate = _gated_job(local_job, tmp_path)
     run_dir = Path(job.run_dir)
     try:
-        workers, standbys = _stopped_with_standbys_ready(job, 130)
-        node = next(w for w in workers if w.rank == 1).agent
-        gate.touch()  # every build from now on waits: the next standby's
-        first = _kill(job, workers, rank=1)
-        # Held a few steps after the recovery while the agent starts the next standby (0.5 s after the place was
-        # taken): free-running, a fast machine could finish the run first.
-        workers, _ = stop_workers_at_step(job, job_step(job) + 3, count=2, replacing=[first])
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            started = [e["pid"] for e in _agent_events(run_dir, "standby_started")
-                       if e["source"].endswith(f"-{node.pid}") and e["pid"] != standbys[node.pid]]
-            if started:
-                break
-            time.sleep(0.05)
-        else:
-            pytest.fail("the node started no second standby within 60 s\n" + job.logs_tail())
-        building = started[0]
-        assert not [e for e in _agent_events(run_dir, "standby_ready") if e["pid"] == building], \
-            "the second standby is still building (held at the gate)"
-        second = _kill(job, workers, rank=1)
-        time.sleep(1.0)  # the survivor waits for the place's new holder, which still builds
+        first, second, ready, building, _ = _rank_1_killed_while_its_next_standby_builds(job, gate)
     finally:
         gate.unlink(missing_ok=True)
     _ends_as_the_uninterrupted_run(job, reference_model, tmp_path)
 
     replaced = _agent_events(run_dir, "worker_replaced")
     assert [(e["pid"], e["new_pid"], e["standby"]) for e in replaced] == [
-        (first.pid, standbys[node.pid], True), (second.pid, building, True)], replaced
+        (first.pid, ready, True), (second.pid, building, True)], replaced
     assert not [e for e in _agent_events(run_dir, "standby_ready") if e["pid"] == building], \
         "it was given the place before it was built"
     starts = events(run_dir, "start")
     assert len({e["pid"] for e in starts if e["rank"] == 0}) == 1, "rank 0 kept its process\n" + job.logs_tail()
     assert building in [e["pid"] for e in starts if e["rank"] == 1], "the held standby trained as rank 1"
     assert sum(agent.log_text().count("→ recovered in process in ") for agent in job.agents) == 2, job.logs_tail()
+
+
+def test_a_survivor_killed_while_it_waits_in_the_regroup_ends_in_a_recovered_job_bitwise(
+        reference_model: Any, local_job: Any, tmp_path: Path) -> None:
+    """The regroup cell of a second fault: rank 1's place is held by a standby that still builds (as above), and
+    rank 0's worker, waiting for it in the regroup with its step kept in node memory, is killed too. Rank 0's worker
+    hosts the job's store, so no group can be rebuilt around the place: every worker restarts (the held standby
+    never trains), each resumes from its node memory at the step the survivor kept, and the run is the
+    uninterrupted one."""
+    job, gate = _gated_job(local_job, tmp_path)
+    run_dir = Path(job.run_dir)
+    try:
+        _, _, _, building, workers = _rank_1_killed_while_its_next_standby_builds(job, gate)
+        survivor = next(w for w in workers if w.rank == 0)
+        killed_at = time.time()
+        job.signal_worker(survivor, signal.SIGKILL)  # the second fault, while it waits for the held standby
+        time.sleep(1.0)
+    finally:
+        gate.unlink(missing_ok=True)
+    _ends_as_the_uninterrupted_run(job, reference_model, tmp_path)
+
+    (kept,) = [e for e in events(run_dir, "kept_in_memory")
+               if e["pid"] == survivor.pid and e["time"] < killed_at and e["reason"] == "failure"][-1:]
+    after = [e for e in events(run_dir, "start") if e["time"] > killed_at]
+    assert sorted(e["rank"] for e in after) == [0, 1], "every worker restarted, once\n" + job.logs_tail()
+    assert not {survivor.pid, building} & {e["pid"] for e in after}, "new processes, not the killed or the held one"
+    resumed = [e for e in events(run_dir, "resume") if e["time"] > killed_at]
+    assert [(e["tier"], e["step"]) for e in resumed] == [("memory", kept["step"])], \
+        "resumed from node memory at the step the survivor kept, none lost\n" + job.logs_tail()
+    assert "rank 0's worker hosts the job's store); every worker restarts" in "".join(
+        agent.log_text() for agent in job.agents), job.logs_tail()
 
 
 def test_a_compiled_model_recovers_in_process_through_the_standby_bitwise(

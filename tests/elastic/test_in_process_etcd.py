@@ -15,6 +15,7 @@ Either way the survivor's worker keeps its process, trains on alone, and the run
 
 from __future__ import annotations
 
+import os
 import signal
 import tempfile
 import time
@@ -92,8 +93,6 @@ def test_group_rank_0s_machine_gone_without_closing_its_connections_is_left_behi
     step in node memory and its agent forms the next round without the frozen node once its lease lapses (3 s under
     launch). It took 49 s before (the watchdog blocked, the worker never parked, and its agent waited 15 s for it to
     park and 30 s for it to end on SIGTERM)."""
-    import os
-
     from elastic_runner.testing.localjob import descendants
 
     job = local_job(config=str(resume_config), nnodes="1:2", rdzv_backend="etcd-v3", rdzv_endpoint=etcd.endpoint,
@@ -132,11 +131,20 @@ def _handover_dir(agent: Any) -> Path:
     return found
 
 
-def test_a_second_node_lost_while_the_survivors_wait_parked_leaves_the_last_one_training_alone(
-        resume_config: Path, local_job: Any, etcd: EtcdServer, tmp_path: Path) -> None:
-    """The park cell of a second fault: of three nodes, one is lost; the two survivors' workers park for the next
-    round, and while they wait there the second survivor's node is lost too. Neither lease (90 s) is waited for: the
-    last node's agent counts both out, and its worker trains on alone in its process."""
+@pytest.mark.parametrize("second_fault", ["node lost", "node preempted", "worker killed"])
+def test_a_second_fault_while_the_survivors_wait_parked_leaves_the_job_training(
+        second_fault: str, resume_config: Path, local_job: Any, etcd: EtcdServer, tmp_path: Path) -> None:
+    """The park cells of a second fault: of three nodes, one is lost; the two survivors' workers park for the next
+    round, and while they wait there a second fault hits the second survivor's node:
+
+    - its node lost (SIGKILL to its agent and worker): neither lease (90 s) is waited for; the last node's agent counts
+      both out (the second by its silent liveness port), and its worker trains on alone in its process;
+    - its node preempted (SIGTERM to its agent): its agent stops its parked worker and leaves the rendezvous; the last
+      node's worker trains on alone in its process, from its node memory;
+    - its parked worker killed (SIGKILL to the worker alone): its agent, still there, takes a new process into the
+      round of two, which heals from its peer's node memory; the last node's worker keeps its process.
+
+    Either way the run's audit is clean: no sample lost or repeated."""
     conf = f"{WINDOW_CONF},auth_key_file={job_key_file(tmp_path)}"
     job = local_job(config=str(resume_config), nnodes="1:3", rdzv_backend="etcd-v3", rdzv_endpoint=etcd.endpoint,
                     rdzv_conf=conf, overrides=["recovery.in_process=true"])
@@ -147,6 +155,7 @@ def test_a_second_node_lost_while_the_survivors_wait_parked_leaves_the_last_one_
     # By node, not by rank: a worker kept through the first rounds (of 1, 2, then 3 nodes) keeps its first name.
     survivor, second, first = job.agents
     (kept,) = [w for w in workers if w.agent is survivor]
+    (second_worker,) = [w for w in workers if w.agent is second]
     parked = _handover_dir(second) / "parked-0"
     first_at = time.time()
     job.kill_agent(first, signal.SIGKILL)
@@ -155,16 +164,34 @@ def test_a_second_node_lost_while_the_survivors_wait_parked_leaves_the_last_one_
     while not parked.exists():
         assert time.monotonic() < deadline, "the second node's worker never parked\n" + job.logs_tail()
         time.sleep(0.002)
-    job.kill_agent(second, signal.SIGKILL)  # the second fault, while the survivors wait parked
-    second_at = time.time()
-    _world_after(run_dir, 1, second_at, job)
+    second_at = time.time()  # the second fault, while the survivors wait parked:
+    if second_fault == "worker killed":
+        os.kill(second_worker.pid, signal.SIGKILL)
+    else:
+        job.kill_agent(second, signal.SIGKILL if second_fault == "node lost" else signal.SIGTERM)
+    _world_after(run_dir, 2 if second_fault == "worker killed" else 1, second_at, job)
     codes = job.wait(timeout=240)
     assert codes[job.agents.index(survivor)] == 0, job.logs_tail()
 
     starts = [e for e in events(run_dir, "start") if e["time"] > first_at]
-    assert {e["pid"] for e in starts} == {kept.pid}, "the last node's worker kept its process\n" + job.logs_tail()
-    assert "does not answer on its liveness port" in survivor.log_text() or \
-        "do not answer on their liveness ports" in survivor.log_text(), \
-        "the second node was counted out by its silent port (as sealer, or as the node waited for)\n" + job.logs_tail()
+    kept_starts = [e for e in starts if e["agent"].rsplit("-", 2)[1] == str(survivor.pid)]
+    assert {e["pid"] for e in kept_starts} == {kept.pid}, "the last node's worker kept its process\n" + job.logs_tail()
+    if second_fault == "node lost":
+        assert {e["pid"] for e in starts} == {kept.pid}, job.logs_tail()
+        assert "does not answer on its liveness port" in survivor.log_text() or \
+            "do not answer on their liveness ports" in survivor.log_text(), \
+            "the second node was counted out by its silent port (as sealer, or as the node waited for)\n" + \
+            job.logs_tail()
+    elif second_fault == "node preempted":
+        assert {e["pid"] for e in starts} == {kept.pid}, job.logs_tail()
+        assert codes[job.agents.index(second)] is not None, job.logs_tail()
+        alone = [e for e in events(run_dir, "resume") if e["time"] > second_at]
+        assert alone and alone[0]["tier"] == "memory", alone
+    else:
+        after = [e for e in starts if e["time"] > second_at]
+        replaced = {e["pid"] for e in after if e["agent"].rsplit("-", 2)[1] == str(second.pid)}
+        assert replaced and second_worker.pid not in replaced, \
+            "the killed worker's agent took a new process into the round\n" + job.logs_tail()
+        assert codes[job.agents.index(second)] == 0, job.logs_tail()
     report = check_audit(run_dir)
     assert report.ok and report.finished, report.render()
