@@ -205,7 +205,7 @@ class StepBooks:
             if found.rank == rank:
                 self.events.emit("straggler", step=step, rank=rank, node=found.node, ratio=round(found.ratio, 3),
                                  local_s=found.local_s, median_s=found.median_s, steps=found.steps,
-                                 seconds=round(found.seconds, 1), status=status)
+                                 seconds=round(found.seconds, 1), window_s=watch.window_s, status=status)
         if named:
             # One node at a time, the slowest: every rank picks the same one at the same step, so two nodes named
             # together never both leave (each agent checks --nnodes' minimum against the world it knows).
