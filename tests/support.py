@@ -139,6 +139,12 @@ def events(run_dir: Path, kind: str | None = None) -> list[dict[str, Any]]:
     return [e for e in read_events(run_dir) if kind is None or e["kind"] == kind]
 
 
+def of_agent(event: dict[str, Any], agent: Any) -> bool:
+    """Whether a worker's ``event`` came from a worker of ``agent`` (a LocalJob's): its ``agent`` field names the
+    agent by host and pid (``agent-<host>-<pid>``)."""
+    return event["agent"].rsplit("-", 2)[1] == str(agent.pid)
+
+
 def audited_step(run_dir: Path) -> int:
     """Highest step any rank has started, from the audit trail (cheap to poll)."""
     return latest_step(run_dir)

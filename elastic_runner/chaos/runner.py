@@ -26,7 +26,8 @@ from ..testing.localjob import LocalJob
 from ..training import injected_faults
 from .faults import FAULTS, FaultContext, Skip
 from .scenario import FaultSpec, Scenario, ScenarioError
-from .verify import History, Injected, Verdict, as_dicts, attribute_recoveries, generations, recovery_stats, verify
+from .verdict import verify
+from .verify import History, Injected, Verdict, as_dicts, attribute_recoveries, generations, recovery_stats
 
 
 class ChaosRun:

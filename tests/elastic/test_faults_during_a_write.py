@@ -23,7 +23,7 @@ from elastic_runner.observe.audit import check_audit
 from elastic_runner.snapshot import LocalStore, load_snapshot
 from elastic_runner.testing.etcd_server import EtcdServer
 
-from ..support import events, job_key_file, write_config
+from ..support import events, job_key_file, of_agent, write_config
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(420)]  # (its own waits: 120 s + 240 s)
 
@@ -85,7 +85,7 @@ def test_a_fault_on_the_writers_node_during_a_snapshot_write_costs_nothing_and_n
     # The survivor kept its process and trained on alone.
     after = [e for e in events(run_dir, "start") if e["time"] > struck_at]
     assert after and all(e["world_size"] == 1 for e in after), after
-    survivor_pids = {e["pid"] for e in events(run_dir, "start") if e["agent"].rsplit("-", 2)[1] == str(survivor.pid)}
+    survivor_pids = {e["pid"] for e in events(run_dir, "start") if of_agent(e, survivor)}
     assert len(survivor_pids) == 1, survivor_pids
     (resumed,) = [e for e in events(run_dir, "resume") if e["time"] > struck_at]
     assert resumed["tier"] == "memory" and resumed["steps_recomputed"] == 0, resumed  # not a step lost

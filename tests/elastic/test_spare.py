@@ -14,7 +14,7 @@ from elastic_runner.observe.audit import check_audit
 from elastic_runner.observe.events import read_events
 from elastic_runner.testing.localjob import descendants
 
-from ..support import assert_bitwise_equal, continue_workers, events, exported_model, stop_workers_at_step
+from ..support import assert_bitwise_equal, continue_workers, events, exported_model, of_agent, stop_workers_at_step
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
@@ -87,7 +87,7 @@ def test_a_spare_takes_a_lost_nodes_place_at_the_same_world_size_and_the_run_is_
     after = [e for e in events(run_dir, "start") if e["time"] > lost_at]
     assert after and {e["world_size"] for e in after} == {2}, \
         f"the world size stayed 2 after the loss: {[(e['rank'], e['world_size']) for e in after]}"
-    assert any(e["agent"].rsplit("-", 2)[1] == str(spare.pid) for e in after), \
+    assert any(of_agent(e, spare) for e in after), \
         f"the spare's worker took the lost node's place: {[e['agent'] for e in after]}"
     seated = [e for e in _agent_events(run_dir, "spare_seated") if e["source"].endswith(f"-{spare.pid}")]
     assert seated and seated[0]["workers"] == 1 and seated[0]["built"] == 1, \
