@@ -67,6 +67,7 @@ FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
     "samples_per_s": _NUMBER, "loss": _NUMBER, "eval_loss": _NUMBER, "write_s": _NUMBER, "blocking_s": _NUMBER,
     "seconds": _NUMBER, "process_start": _NUMBER, "failures": list, "node": int, "ratio": _NUMBER,
     "verified_step": int, "suspects": list, "nodes": list, "copies": int,
+    "local_ratios": list, "slow_s": list, "stepped_s": _NUMBER,
 }
 #: The fields an event of each kind always carries (its readers index them).
 REQUIRED: dict[str, tuple[str, ...]] = {

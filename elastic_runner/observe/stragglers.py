@@ -115,6 +115,10 @@ class StragglerWatch:
     ratios: dict[int, float] = field(default_factory=dict)
     #: Per rank, its local seconds per step in the newest window with numbers (for its lines).
     _per_step: dict[int, float] = field(default_factory=dict)
+    #: The newest window, rank by rank: its local time over the median's and its seconds at or above the ratio in
+    #: the last window_s (None: no timed steps in it), for the progress event, so that a run's events say how near
+    #: each rank came to being named, window by window.
+    newest: list[tuple[float, float] | None] = field(default_factory=list)
 
     def observe(self, local_s: Sequence[float], steps: Sequence[float], nodes: Sequence[float],
                 window_s: float) -> tuple[list[Straggler], list[Straggler]]:
@@ -127,6 +131,7 @@ class StragglerWatch:
         world = len(local_s)
         if world != self._world:
             self._windows, self.named, self.ratios, self._per_step, self._world = {}, set(), {}, {}, world
+        self.newest = [None] * world
         per_step = {rank: local_s[rank] / steps[rank] for rank in range(world) if steps[rank] > 0}
         median = statistics.median_low(per_step.values()) if len(per_step) >= 2 else 0.0
         if median <= 0:
@@ -141,6 +146,7 @@ class StragglerWatch:
             windows = self._windows.setdefault(rank, _RankWindows(self.window_s))
             windows.add(counted, seconds / median >= self.ratio, int(steps[rank]), local_s[rank], median * steps[rank])
             slow_s, slow_steps = windows.slow()
+            self.newest[rank] = (self.ratios[rank], slow_s)
             steady = windows.steadily_at(self.ratio)
             if rank not in self.named and (slow_s > self.window_s / 2 or steady):
                 self.named.add(rank)

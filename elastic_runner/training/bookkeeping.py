@@ -151,9 +151,17 @@ class StepBooks:
         # every decision must be). Not the window's wall time: a restart's first window holds the restore and the
         # rendezvous, and counted as seconds of a fresh process's slow first steps it named ranks that were slow for
         # a fraction of a second (seen in a soak with a 3 s window).
+        timings: dict[str, Any] = {}
         if timed:
             times = summed[2:2 + timing.numel()]
-            self._note_stragglers(step, times[0::4], times[1::4], times[2::4], max(times[3::4]))
+            stepped_s = max(times[3::4])
+            self._note_stragglers(step, times[0::4], times[1::4], times[2::4], stepped_s)
+            # In the event, not on the terminal: how near each rank came to being named, window by window (a
+            # slow node not named in a soak could not be told from the events alone).
+            newest = self.stragglers.newest
+            timings = {"stepped_s": round(stepped_s, 3),
+                       "local_ratios": [round(n[0], 3) if n else None for n in newest],
+                       "slow_s": [round(n[1], 2) if n else None for n in newest]} if any(newest) else {}
         window_steps = step - self._window_first_step
         self._window_first_step = step
         rate = self._window_samples / window_s
@@ -182,7 +190,7 @@ class StepBooks:
             {"eta_s": round(eta, 1)} if eta is not None else {})
         if self.rank0:
             # window_steps: how many steps the loss averages (fewer right after a restart)
-            self.events.emit("progress", window_steps=window_steps, total_steps=self.total_steps, **fields)
+            self.events.emit("progress", window_steps=window_steps, total_steps=self.total_steps, **fields, **timings)
             self.progress.report(fields)
         return theirs
 

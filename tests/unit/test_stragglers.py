@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from elastic_runner.config import ConfigError, config_from_dict
-from elastic_runner.observe.events import EventLog
+from elastic_runner.observe.events import EventLog, read_events
 from elastic_runner.observe.metrics import Metrics
 from elastic_runner.observe.stragglers import StragglerWatch
 from elastic_runner.training.bookkeeping import StepBooks
@@ -244,6 +244,28 @@ def test_what_comes_between_steps_is_no_time_a_rank_was_slow(tmp_path: Path) -> 
     for step in (150, 200):
         books.report_progress(step, 0, 0.1, local=mine)
     assert books.stragglers.named == {1}, "1.2 s of its 2 s of steps slow: named"
+
+
+def test_each_progress_event_says_how_near_every_rank_came_to_being_named(tmp_path: Path) -> None:
+    """A slow node that was not named must be explainable from the run's events: each logging window's ratio of
+    every rank to the median rank, and its seconds at or above the straggler ratio in the straggler window."""
+    cfg = config_from_dict({"recovery": {"straggler_ratio": 1.3, "straggler_window_seconds": 2.0},
+                            "train": {"max_steps": 1000}, "logging": {"progress_bar": "off"}})
+    cfg.validate()
+    dist = RankZeroOfTwo()
+    books = StepBooks(cfg, dist, TrainState(), None, 1000, events=EventLog(tmp_path, "worker-0"),  # type: ignore[arg-type]
+                      metrics=Metrics(0, 0), audit=None)
+    mine, slow = Timed(50 * 0.004, 50, 0.5), Timed(50 * 0.008, 50, 0.5)  # rank 1 at twice rank 0's local time
+    dist.peer = Timed(0.0, 0, 0.0)
+    books.report_progress(50, 0, 0.1, local=mine)  # rank 1 timed no step in this window
+    for step in (100, 150):
+        dist.peer = slow
+        books.report_progress(step, 0, 0.1, local=mine)
+    progress = [e for e in read_events(tmp_path) if e["kind"] == "progress"]
+    assert "local_ratios" not in progress[0], "one rank timed alone is compared with nobody"
+    assert [e["local_ratios"] for e in progress[1:]] == [[1.0, 2.0], [1.0, 2.0]]
+    assert [e["slow_s"] for e in progress[1:]] == [[0.0, 0.5], [0.0, 1.0]]
+    assert [e["stepped_s"] for e in progress[1:]] == [0.5, 0.5] and books.stragglers.named == set()
 
 
 @pytest.mark.parametrize("recovery, key", [
