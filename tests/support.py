@@ -4,6 +4,7 @@ Fixtures live in the ``conftest.py`` files; anything a test imports by name live
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import multiprocessing.context
 import os
@@ -456,3 +457,22 @@ def store_server() -> Iterator[subprocess.Popen[bytes]]:
             except ProcessLookupError:
                 pass
         server.wait(10)
+
+
+def tcp_sockets(pid: int) -> list[tuple[str, int, int]]:
+    """Process ``pid``'s TCP sockets as (state, local port, remote port), from Linux's /proc; the state as the kernel
+    writes it: ``0A`` listening, ``01`` established."""
+    inodes = set()
+    with contextlib.suppress(OSError):  # (descriptors come and go while they are read; the process may end)
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            with contextlib.suppress(OSError):
+                target = os.readlink(fd)
+                if target.startswith("socket:["):
+                    inodes.add(target[len("socket:["):-1])
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if len(fields) > 9 and fields[9] in inodes:
+                found.append((fields[3], int(fields[1].rsplit(":", 1)[1], 16), int(fields[2].rsplit(":", 1)[1], 16)))
+    return found

@@ -3,7 +3,6 @@ workers keep their process and rebuild their process group with it, and the run 
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import time
@@ -28,6 +27,7 @@ from ..support import (
     run_uninterrupted,
     start_agent_while_paused,
     stop_workers_at_step,
+    tcp_sockets,
     wait_for_world,
     write_config,
 )
@@ -403,19 +403,7 @@ def test_a_replacement_killed_while_it_joins_ends_in_a_recovered_job(
 
 def _listens(pid: int) -> bool:
     """Whether process ``pid`` holds a listening TCP socket (rank 0's worker hosts the job's store)."""
-    inodes = set()
-    with contextlib.suppress(OSError):  # (descriptors come and go while they are read; the process may end)
-        for fd in Path(f"/proc/{pid}/fd").iterdir():
-            with contextlib.suppress(OSError):
-                target = os.readlink(fd)
-                if target.startswith("socket:["):
-                    inodes.add(target[len("socket:["):-1])
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for line in Path(table).read_text().splitlines()[1:]:
-            fields = line.split()
-            if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
-                return True
-    return False
+    return any(state == "0A" for state, _, _ in tcp_sockets(pid))
 
 
 @pytest.mark.parametrize("victim", [0, 1])

@@ -30,7 +30,7 @@ from elastic_runner.observe.audit import check_audit
 from elastic_runner.observe.events import read_events
 from elastic_runner.testing.etcd_server import EtcdServer
 
-from ..support import continue_workers, events, job_key_file, of_agent, stop_workers_at_step
+from ..support import continue_workers, events, job_key_file, of_agent, stop_workers_at_step, tcp_sockets
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
@@ -133,22 +133,30 @@ def _handover_dir(agent: Any) -> Path:
     return found
 
 
-@pytest.mark.parametrize("second_fault", ["node lost", "node preempted", "worker killed"])
+@pytest.mark.parametrize("second_fault", ["node lost", "node preempted", "worker killed", "node joined",
+                                          "etcd down"])
 def test_a_second_fault_while_the_survivors_wait_parked_leaves_the_job_training(
         second_fault: str, resume_config: Path, local_job: Any, etcd: EtcdServer, tmp_path: Path) -> None:
     """The park cells of a second fault: of three nodes, one is lost; the two survivors' workers park for the next
-    round (held there by etcd paused until the second fault), and while they wait there a second fault hits the second
-    survivor's node:
+    round (held there by etcd paused until the second fault), and while they wait there a second fault comes:
 
     - its node lost (SIGKILL to its agent and worker): neither lease (90 s) is waited for; the last node's agent counts
       both out (the second by its silent liveness port), and its worker trains on alone in its process;
     - its node preempted (SIGTERM to its agent): its agent stops its parked worker and leaves the rendezvous; the last
       node's worker trains on alone in its process, from its node memory;
     - its parked worker killed (SIGKILL to the worker alone): its agent, still there, takes a new process into the
-      round of two, and the job resumes from node memory; the last node's worker keeps its process.
+      round of two, and the job resumes from node memory; the last node's worker keeps its process;
+    - a new node joining (its agent started while they wait, and etcd let go once it asks to join): the job grows
+      back to three nodes, both survivors' workers keeping their processes, and resumes from node memory;
+    - etcd down (crashed while paused, started again 3 s later on its data): the two survivors meet again in a round
+      of two, their workers keeping their processes, and resume from node memory.
 
     Either way the run's audit is clean: no sample lost or repeated."""
     conf = f"{WINDOW_CONF},auth_key_file={job_key_file(tmp_path)}"
+    if second_fault == "node joined":
+        # The survivors' round waits 5 s in its last call, not 1 s: the joining node, let go with etcd, has the rest
+        # of its start-up to do before it asks to join.
+        conf = conf.replace("last_call_timeout=1", "last_call_timeout=5")
     job = local_job(config=str(resume_config), nnodes="1:3", rdzv_backend="etcd-v3", rdzv_endpoint=etcd.endpoint,
                     rdzv_conf=conf, overrides=["recovery.in_process=true"])
     for _ in range(3):
@@ -175,25 +183,46 @@ def test_a_second_fault_while_the_survivors_wait_parked_leaves_the_job_training(
         second_at = time.time()  # the second fault, while the survivors wait parked:
         if second_fault == "worker killed":
             os.kill(second_worker.pid, signal.SIGKILL)
+        elif second_fault == "node joined":
+            joiner = job.start_agent()
+            # Its first question to etcd waits with the survivors' (the round cannot form before), so the three
+            # meet in one round however long its start-up takes on a loaded machine.
+            deadline = time.monotonic() + WITHIN_S
+            while not any(state == "01" and remote == etcd.client_port for state, _, remote in tcp_sockets(joiner.pid)):
+                assert joiner.running() and time.monotonic() < deadline, \
+                    "the joining node never asked etcd\n" + job.logs_tail()
+                time.sleep(0.02)
+        elif second_fault == "etcd down":
+            etcd.restart(down_seconds=3, crash=True)
         else:
             job.kill_agent(second, signal.SIGKILL if second_fault == "node lost" else signal.SIGTERM)
         time.sleep(0.3)
     finally:
         os.kill(etcd.proc.pid, signal.SIGCONT)
-    _world_after(run_dir, 2 if second_fault == "worker killed" else 1, second_at, job)
+    _world_after(run_dir, {"worker killed": 2, "node joined": 3, "etcd down": 2}.get(second_fault, 1), second_at, job)
     codes = job.wait(timeout=240)
     assert codes[job.agents.index(survivor)] == 0, job.logs_tail()
 
     starts = [e for e in events(run_dir, "start") if e["time"] > first_at]
     assert {e["pid"] for e in starts if of_agent(e, survivor)} == {kept.pid}, \
         "the last node's worker kept its process\n" + job.logs_tail()
-    assert second_worker.pid not in {e["pid"] for e in starts}, \
-        "the second fault struck the second node's worker while it waited parked, before any new attempt"
+    if second_fault in ("node joined", "etcd down"):
+        assert {e["pid"] for e in starts if of_agent(e, second)} == {second_worker.pid}, \
+            "the second node's worker kept its process\n" + job.logs_tail()
+        assert codes[job.agents.index(second)] == 0, job.logs_tail()
+    else:
+        assert second_worker.pid not in {e["pid"] for e in starts}, \
+            "the second fault struck the second node's worker while it waited parked, before any new attempt"
+    if second_fault == "node joined":
+        assert {e["pid"] for e in starts if of_agent(e, joiner)}, "the joining node trained\n" + job.logs_tail()
+        assert {e["world_size"] for e in starts if e["time"] > second_at} == {3}, \
+            "the joining node was in the survivors' round: no round of two between\n" + job.logs_tail()
+        assert codes[job.agents.index(joiner)] == 0, job.logs_tail()
     if second_fault == "worker killed":
         replaced = {e["pid"] for e in starts if of_agent(e, second)}
         assert replaced, "the killed worker's agent took a new process into the round\n" + job.logs_tail()
         assert codes[job.agents.index(second)] == 0, job.logs_tail()
-    else:
+    elif second_fault in ("node lost", "node preempted"):
         assert {e["pid"] for e in starts} == {kept.pid}, "the last node trains alone\n" + job.logs_tail()
     if second_fault == "node lost":
         assert "does not answer on its liveness port" in survivor.log_text() or \
