@@ -30,10 +30,9 @@
   peers were lost) is started again alone, in the same context, with the same rank: no rendezvous round, the
   other agents uninvolved, the other workers kept (they rebuild their process group with it:
   :mod:`elastic_runner.recovery.regroup`). Each replacement counts as a restart against ``--max-restarts``.
-  With ``recovery.standby`` the node keeps a standby worker (started :data:`STANDBY_DELAY_S` after the workers,
-  :data:`STANDBY_AGAIN_S` after each replacement) which has built the workload ahead and takes the failed worker's
-  place instead of a new process (:mod:`elastic_runner.worker.standby`); one that ends on its own is started again,
-  :data:`STANDBYS_LOST_LIMIT` times in a row at most.
+  With ``recovery.standby`` the node keeps a standby worker which has built the workload ahead and takes the failed
+  worker's place instead of a new process (:mod:`elastic_runner.worker.standby`; when it starts, and how often again:
+  :mod:`.standby_schedule`).
 - **A new round keeps the workers** (``recovery.in_process``, :mod:`elastic_runner.agent.kept_round`): for a node
   that joins or is lost, or a restart of another node's workers, the running workers park at a step boundary and
   are handed their places in the new round instead of being stopped and started again; workers that park on their
@@ -72,18 +71,12 @@ from .exclusion import leave_if_asked, refuse_if_excluded
 from .finish import failed_after_finishing, wait_at_exit
 from .round_members import MemberWatch, WatchfulStore, gone_check
 from .spare import SpareWait, WarmSeat
+from .standby_schedule import StandbySchedule
 from ..torch_patches import KEEPING_WORKERS, usable
 from .worker_context import KeepingContext, as_keeping
 
 log = logging.getLogger(__name__)
 
-#: Seconds from the workers' start to the start of the node's standby worker (they build their workload meanwhile).
-STANDBY_DELAY_S = 2.0
-#: Seconds from a failed worker's replacement (or a standby's loss) to the start of the next standby: the replacement
-#: builds nothing when the standby took its place, and a second failure soon after the first is common.
-STANDBY_AGAIN_S = 0.5
-#: Standbys in a row that may end without taking a place (each is started again) before the agent stops starting them.
-STANDBYS_LOST_LIMIT = 3
 #: Rounds in a row a node leaves because a member never started in them, before torch's error ends it.
 ROUND_RETRIES = 5
 
@@ -112,8 +105,7 @@ class ElasticRunnerAgent(LocalElasticAgent):
         self._stopping_group = False
         self._members = MemberWatch()
         self._keeping: KeepingContext | None = None
-        self._standby_due: float | None = None  #: when (monotonic) the node's next standby worker starts
-        self._standbys_lost = 0  #: standbys in a row that ended without taking a place
+        self._standbys = StandbySchedule(self._notify)
         #: The hand-over to each local worker (in-process recovery across rounds: :mod:`.kept_round`), where offered.
         self._places: list[Any] | None = None
         self._handing_over = False
@@ -281,49 +273,13 @@ class ElasticRunnerAgent(LocalElasticAgent):
             if self._keeping is None:
                 log.info("recovery.in_process: the workers are not started from a function (ELASTIC_RUNNER_ZYGOTE=0?); "
                          "a failed worker restarts every worker")
-        self._standbys_lost = 0
-        self._schedule_standby()
+        self._standbys.workers_started(self._standby_wanted())
         if self._keeping is not None and self._places:
             self._beat.follow(worker_group.master_addr, worker_group.master_port, worker_group.group_rank)
         return ids
 
-    def _schedule_standby(self, delay: float | None = None) -> None:
-        """The node's next standby worker starts ``delay`` seconds from now (default :data:`STANDBY_DELAY_S`: not
-        while the workers it would compete with for the CPU build their workload)."""
-        wanted = self._keeping is not None and self.standby
-        self._standby_due = time.monotonic() + (STANDBY_DELAY_S if delay is None else delay) if wanted else None
-
-    def _start_standby_when_due(self) -> None:
-        ready = self._keeping.standby_ready() if self._keeping is not None else None
-        if ready is not None:
-            pid, built, seconds = ready
-            log.debug("standby worker pid %d ready in %.2fs%s", pid, seconds, "" if built else
-                      " (without the workload: the worker it becomes builds it)")
-            self._notify("standby_ready", pid=pid, built=built, seconds=round(seconds, 3))
-        lost = self._keeping.standby_lost() if self._keeping is not None else None
-        if lost is not None:
-            self._standbys_lost += 1
-            again = self._standbys_lost <= STANDBYS_LOST_LIMIT
-            log.warning("the standby worker ended (exit status %d) before it took a place; %s", lost,
-                        f"another starts in {STANDBY_AGAIN_S:g}s" if again else
-                        f"{self._standbys_lost} in a row: no more standbys for these workers (a failed one is "
-                        "replaced by a new process)")
-            self._notify("standby_lost", exitcode=lost)
-            if again:
-                self._schedule_standby(STANDBY_AGAIN_S)
-        if self._standby_due is None or time.monotonic() < self._standby_due or self._keeping is None:
-            return
-        self._standby_due = None
-        try:
-            pid = self._keeping.start_standby()
-        except SignalException:
-            raise
-        except Exception as exc:  # noqa: BLE001 - without a standby a failed worker is replaced by a new process
-            log.warning("the standby worker could not be started (%s: %s); a failed worker is replaced by a new "
-                        "process", type(exc).__name__, exc)
-            return
-        if pid is not None:
-            self._notify("standby_started", pid=pid)
+    def _standby_wanted(self) -> bool:
+        return self._keeping is not None and self.standby
 
     def _decide(self, result: RunResult) -> Decision:
         """The recovery policy's answer to the failed workers of ``result`` (:mod:`elastic_runner.recovery.policy`)."""
@@ -348,7 +304,7 @@ class ElasticRunnerAgent(LocalElasticAgent):
             env = dict(keeping.envs[failure.local_rank]) | {REPLACES_VAR: str(failure.pid)}
             pid, from_standby = keeping.replace(failure.local_rank, env)
             if from_standby:
-                self._standbys_lost = 0
+                self._standbys.took_place()
             worker_group.workers[failure.local_rank].id = pid
             self._remaining_restarts -= 1
             log.warning("worker of rank %d (pid %d) failed with exit status %s; %s as pid %d, the other workers keep "
@@ -357,7 +313,7 @@ class ElasticRunnerAgent(LocalElasticAgent):
                         self._remaining_restarts)
             self._notify("worker_replaced", rank=rank, local_rank=failure.local_rank, pid=failure.pid, new_pid=pid,
                          exitcode=failure.exitcode, standby=from_standby)
-        self._schedule_standby(STANDBY_AGAIN_S)
+        self._standbys.again(self._standby_wanted())
         return True
 
     def _announce_replacements(self, keeping: KeepingContext, result: RunResult) -> str:
@@ -374,7 +330,7 @@ class ElasticRunnerAgent(LocalElasticAgent):
         # 30 s before _stop_workers runs: a stopped sibling must be gone first. (A keeping context leaves them.)
         stop_signal.raise_if_received()
         self._leave_if_asked(worker_group)
-        self._start_standby_when_due()
+        self._standbys.tend(self._keeping)
         pcontext = getattr(self, "_pcontext", None)
         if pcontext is not None and self._keeping is None and \
                 any(proc_state(pid) in ("", "Z", "X") for pid in pcontext.pids().values()):
@@ -479,7 +435,7 @@ class ElasticRunnerAgent(LocalElasticAgent):
         started = time.monotonic()
         self._count_out_lost(worker_group, kept_round.lost_agents(keeping, places, worker_group.group_world_size))
         old = {w.local_rank: w.global_rank for w in worker_group.workers}
-        self._standby_due = None
+        self._standbys.cancel()
         worker_group.state = WorkerState.STOPPED
         self._handing_over = True
         try:

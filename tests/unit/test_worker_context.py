@@ -13,6 +13,7 @@ from typing import Any, Iterator
 import pytest
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_processes
 
+from elastic_runner.agent.standby_schedule import StandbySchedule
 from elastic_runner.agent.worker_context import KeepingContext, as_keeping
 
 from ..support import context_result
@@ -178,6 +179,7 @@ def _agent_choice(keeping: FakeKeeping | None, failures: dict[int, tuple[int, in
     agent = ElasticRunnerAgent.__new__(ElasticRunnerAgent)  # its policy alone, without torch's agent set-up
     agent._keeping, agent._remaining_restarts, agent.observers = keeping, restarts, []
     agent._job_key = None  # (a job without auth_key_file: its messages unsigned)
+    agent._standbys, agent.standby = StandbySchedule(agent._notify), False
     group = SimpleNamespace(workers=[SimpleNamespace(id=100 + i, global_rank=first_rank + i) for i in range(2)])
     result = RunResult(state=WorkerState.FAILED, failures={
         rank: ProcessFailure(local_rank=local, pid=100 + local, exitcode=code, error_file="/nonexistent")
@@ -259,34 +261,50 @@ class FakeStandbys:
 
 def test_the_agent_starts_a_standby_after_a_delay_and_again_when_one_is_lost_but_not_forever(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from elastic_runner.agent import agent as agent_module
-    from elastic_runner.agent.agent import STANDBYS_LOST_LIMIT, ElasticRunnerAgent
+    from elastic_runner.agent import standby_schedule
+    from elastic_runner.agent.standby_schedule import STANDBYS_LOST_LIMIT
 
-    monkeypatch.setattr(agent_module, "STANDBY_DELAY_S", 0.0)
-    monkeypatch.setattr(agent_module, "STANDBY_AGAIN_S", 0.0)
+    monkeypatch.setattr(standby_schedule, "STANDBY_DELAY_S", 0.0)
+    monkeypatch.setattr(standby_schedule, "STANDBY_AGAIN_S", 0.0)
     heard: list[tuple[str, dict[str, Any]]] = []
-    agent = ElasticRunnerAgent.__new__(ElasticRunnerAgent)
-    agent.observers = [lambda event, **fields: heard.append((event, fields))]
-    agent._keeping, agent._standbys_lost, agent.standby = FakeStandbys(), 0, True
-    agent._schedule_standby()
-    agent._start_standby_when_due()
-    assert agent._keeping.started == [7000] and heard[-1] == ("standby_started", {"pid": 7000})
-    agent._start_standby_when_due()
-    assert agent._keeping.started == [7000], "one standby at a time"
-    agent._keeping.ready = (7000, True, 0.25)
-    agent._start_standby_when_due()
+    schedule = StandbySchedule(lambda event, **fields: heard.append((event, fields)))
+    standbys = FakeStandbys()
+    schedule.workers_started(wanted=True)
+    schedule.tend(standbys)
+    assert standbys.started == [7000] and heard[-1] == ("standby_started", {"pid": 7000})
+    schedule.tend(standbys)
+    assert standbys.started == [7000], "one standby at a time"
+    standbys.ready = (7000, True, 0.25)
+    schedule.tend(standbys)
     assert heard[-1] == ("standby_ready", {"pid": 7000, "built": True, "seconds": 0.25})
     for lost in range(STANDBYS_LOST_LIMIT + 2):
-        agent._keeping.lost = -9
-        agent._start_standby_when_due()
-    assert len(agent._keeping.started) == 1 + STANDBYS_LOST_LIMIT, "lost ones are started again, a few times"
+        standbys.lost = -9
+        schedule.tend(standbys)
+    assert len(standbys.started) == 1 + STANDBYS_LOST_LIMIT, "lost ones are started again, a few times"
     assert [e for e, _ in heard].count("standby_lost") == STANDBYS_LOST_LIMIT + 2
+    schedule.took_place()  # one that lived: the count begins again
+    schedule.again(wanted=True)
+    schedule.tend(standbys)
+    assert len(standbys.started) == 2 + STANDBYS_LOST_LIMIT
 
-    agent.standby = False  # recovery.standby: false
-    agent._keeping = FakeStandbys()
-    agent._schedule_standby()
-    agent._start_standby_when_due()
-    assert agent._keeping.started == []
+    standbys = FakeStandbys()  # recovery.standby: false
+    schedule.workers_started(wanted=False)
+    schedule.tend(standbys)
+    schedule.again(wanted=False)
+    schedule.tend(standbys)
+    assert standbys.started == []
+
+
+def test_a_standby_is_not_started_while_the_workers_build_nor_in_a_hand_over() -> None:
+    schedule = StandbySchedule(lambda event, **fields: None)
+    standbys = FakeStandbys()
+    schedule.workers_started(wanted=True)  # due STANDBY_DELAY_S (2 s) from now
+    schedule.tend(standbys)
+    assert standbys.started == [], "not before the delay"
+    schedule.schedule(True, 0.0)
+    schedule.cancel()  # the workers are handed over to a new round: the new round's workers get their own
+    schedule.tend(standbys)
+    assert standbys.started == [] and schedule.due is None
 
 
 def test_a_replacements_error_file_is_in_a_directory_no_other_user_can_enter() -> None:
