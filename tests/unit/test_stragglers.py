@@ -225,16 +225,22 @@ class RankZeroOfTwo:
         return summed + theirs
 
 
-def test_what_comes_between_steps_is_no_time_a_rank_was_slow(tmp_path: Path) -> None:
-    """A restart's first logging window holds the restore: a fresh process slower in its first hundred steps (a
-    fraction of a second) is not named for the seconds before them; a rank slow for most of the window's seconds
-    of steps is."""
+def _rank_zero_of_two_books(run_dir: Path) -> tuple[RankZeroOfTwo, StepBooks]:
+    """Rank 0's books of a two-rank job with a 2 s straggler window at a ratio of 1.3, its events in ``run_dir``."""
     cfg = config_from_dict({"recovery": {"straggler_ratio": 1.3, "straggler_window_seconds": 2.0},
                             "train": {"max_steps": 1000}, "logging": {"progress_bar": "off"}})
     cfg.validate()
     dist = RankZeroOfTwo()
-    books = StepBooks(cfg, dist, TrainState(), None, 1000, events=EventLog(tmp_path, "worker-0"),  # type: ignore[arg-type]
+    books = StepBooks(cfg, dist, TrainState(), None, 1000, events=EventLog(run_dir, "worker-0"),  # type: ignore[arg-type]
                       metrics=Metrics(0, 0), audit=None)
+    return dist, books
+
+
+def test_what_comes_between_steps_is_no_time_a_rank_was_slow(tmp_path: Path) -> None:
+    """A restart's first logging window holds the restore: a fresh process slower in its first hundred steps (a
+    fraction of a second) is not named for the seconds before them; a rank slow for most of the window's seconds
+    of steps is."""
+    dist, books = _rank_zero_of_two_books(tmp_path)
     time.sleep(1.2)  # the restore and the rendezvous, before the first step
     mine, slow = Timed(50 * 0.0037, 50, 50 * 0.0062), Timed(50 * 0.006, 50, 50 * 0.0062)  # 1.6x rank 0's
     for step in (50, 100):
@@ -249,12 +255,7 @@ def test_what_comes_between_steps_is_no_time_a_rank_was_slow(tmp_path: Path) -> 
 def test_each_progress_event_says_how_near_every_rank_came_to_being_named(tmp_path: Path) -> None:
     """A slow node that was not named must be explainable from the run's events: each logging window's ratio of
     every rank to the median rank, and its seconds at or above the straggler ratio in the straggler window."""
-    cfg = config_from_dict({"recovery": {"straggler_ratio": 1.3, "straggler_window_seconds": 2.0},
-                            "train": {"max_steps": 1000}, "logging": {"progress_bar": "off"}})
-    cfg.validate()
-    dist = RankZeroOfTwo()
-    books = StepBooks(cfg, dist, TrainState(), None, 1000, events=EventLog(tmp_path, "worker-0"),  # type: ignore[arg-type]
-                      metrics=Metrics(0, 0), audit=None)
+    dist, books = _rank_zero_of_two_books(tmp_path)
     mine, slow = Timed(50 * 0.004, 50, 0.5), Timed(50 * 0.008, 50, 0.5)  # rank 1 at twice rank 0's local time
     dist.peer = Timed(0.0, 0, 0.0)
     books.report_progress(50, 0, 0.1, local=mine)  # rank 1 timed no step in this window
