@@ -156,12 +156,13 @@ class StepBooks:
             times = summed[2:2 + timing.numel()]
             stepped_s = max(times[3::4])
             self._note_stragglers(step, times[0::4], times[1::4], times[2::4], stepped_s)
-            # In the event, not on the terminal: how near each rank came to being named, window by window (a
+            # In rank 0's event, not on the terminal: how near each rank came to being named, window by window (a
             # slow node not named in a soak could not be told from the events alone).
             newest = self.stragglers.newest
-            timings = {"stepped_s": round(stepped_s, 3),
-                       "local_ratios": [round(n[0], 3) if n else None for n in newest],
-                       "slow_s": [round(n[1], 2) if n else None for n in newest]} if any(newest) else {}
+            if self.rank0 and any(newest):
+                timings = {"stepped_s": round(stepped_s, 3),
+                           "local_ratios": [round(n[0], 3) if n else None for n in newest],
+                           "slow_s": [round(n[1], 2) if n else None for n in newest]}
         window_steps = step - self._window_first_step
         self._window_first_step = step
         rate = self._window_samples / window_s
