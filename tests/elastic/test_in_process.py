@@ -37,12 +37,14 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
 
 def _started(local_job: Any, resume_config: Path, launcher: str = "elastic-runner", *overrides: str,
-             key_file: Path | None = None) -> Any:
-    """Two agents of one worker each, with in-process recovery (and the job's key in ``key_file``, where given)."""
+             key_file: Path | None = None, etcd: Any = None) -> Any:
+    """Two agents of one worker each, with in-process recovery (and the job's key in ``key_file``, where given), on
+    torchrun's c10d rendezvous or on ``etcd`` (an :class:`~elastic_runner.testing.etcd.EtcdServer`) where given."""
     conf = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3"
+    backend = {} if etcd is None else {"rdzv_backend": "etcd-v3", "rdzv_endpoint": etcd.endpoint}
     job = local_job(config=str(resume_config), nnodes="2:2", launcher=launcher,
                     overrides=["recovery.in_process=true", *overrides],
-                    rdzv_conf=conf + (f",auth_key_file={key_file}" if key_file else ""))
+                    rdzv_conf=conf + (f",auth_key_file={key_file}" if key_file else ""), **backend)
     job.start_agent()
     job.start_agent()
     return job
@@ -216,13 +218,13 @@ def test_a_standby_that_died_leaves_the_place_to_a_new_process(
     assert len({e["pid"] for e in starts if e["rank"] == 0}) == 1, "rank 0 kept its process"
 
 
-def _gated_job(local_job: Any, tmp_path: Path) -> tuple[Any, Path]:
+def _gated_job(local_job: Any, tmp_path: Path, etcd: Any = None) -> tuple[Any, Path]:
     """Two nodes of one worker, whose model's build waits while the returned gate file exists."""
     gate = tmp_path / "gate"
     model = {"name": "tests.broken_components:built_while_no_gate",
              "params": {"channels": 16, "hidden": 64, "gate_file": str(gate)}}
     config = write_config(tmp_path / "gated.yaml", **RESUME_SECTIONS, model=model)
-    return _started(local_job, config, "elastic-runner", "dist.heartbeat_seconds=2"), gate
+    return _started(local_job, config, "elastic-runner", "dist.heartbeat_seconds=2", etcd=etcd), gate
 
 
 def _rank_1_killed_while_its_next_standby_builds(job: Any, gate: Path) -> tuple[Any, Any, int, int, Any, float]:
@@ -315,6 +317,40 @@ def test_a_survivor_killed_while_it_waits_in_the_regroup_ends_in_a_recovered_job
         "resumed from node memory at the step the survivor kept, none lost\n" + job.logs_tail()
     assert "rank 0's worker hosts the job's store); every worker restarts" in "".join(
         agent.log_text() for agent in job.agents), job.logs_tail()
+
+
+@pytest.mark.slow
+def test_a_node_preempted_while_a_survivor_waits_in_the_regroup_ends_in_a_recovered_job_bitwise(
+        reference_model: Any, local_job: Any, etcd: Any, tmp_path: Path) -> None:
+    """The regroup cell of a preemption: rank 0's worker waits in the regroup for rank 1's place, held by a standby
+    that still builds (as above), when rank 1's node is preempted (SIGTERM to its agent, on etcd-v3 as in
+    production). That agent stops its workers, the held standby among them, and leaves the rendezvous; rank 0's
+    worker, whose awaited peer will never come, parks in its process, and with a new node in the preempted one's
+    place the job goes on from rank 0's node memory at the step it kept: the run is the uninterrupted one."""
+    job, gate = _gated_job(local_job, tmp_path, etcd=etcd)
+    run_dir = Path(job.run_dir)
+    try:
+        _, second, _, building, survivor, kept = _rank_1_killed_while_its_next_standby_builds(job, gate)
+        preempted = second.agent
+        preempted_at = time.time()
+        job.kill_agent(preempted, signal.SIGTERM)
+        preempted.proc.wait(timeout=60)
+    finally:
+        gate.unlink(missing_ok=True)
+    job.start_agent()  # the new node in its place (nnodes 2:2)
+    codes = job.wait(timeout=240)
+    assert [c for a, c in zip(job.agents, codes) if a is not preempted] == [0, 0], f"{codes}\n{job.logs_tail()}"
+    report = check_audit(run_dir)
+    assert report.ok and report.finished, report.render()
+    assert_bitwise_equal(exported_model(run_dir, tmp_path), reference_model)
+
+    assert "has left the rendezvous" in preempted.log_text(), preempted.log_text()[-3000:]
+    assert {e["pid"] for e in events(run_dir, "start") if of_agent(e, survivor.agent)} == {survivor.pid}, \
+        "the survivor's worker kept its process, through the preemption too\n" + job.logs_tail()
+    assert building not in {e["pid"] for e in events(run_dir, "start")}, "the held standby never trained"
+    resumed = [e for e in events(run_dir, "resume") if e["time"] > preempted_at]
+    assert [(e["tier"], e["step"]) for e in resumed] == [("memory", kept)], \
+        "the job went on from node memory at the step the survivor kept, none lost\n" + job.logs_tail()
 
 
 def test_a_compiled_model_recovers_in_process_through_the_standby_bitwise(
