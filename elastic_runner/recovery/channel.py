@@ -1,4 +1,5 @@
-"""The recovery protocol's messages in the job's store: typed, and signed with the job's key.
+"""The recovery protocol's messages: typed, in the job's store signed with the job's key, and in an agent's private
+directory between it and its own workers.
 
 Agents and workers tell each other through the job's store (rank 0's ``TCPStore``, reachable by every node) that an
 agent is alive (:class:`AgentBeat`), that it stops beating on purpose (the same slot, ``stopping``), where rank 0's
@@ -25,6 +26,11 @@ collective's timeout — a denial of service, never a wrong state. torch's own k
 group's start) are torch's, unauthenticated as in every torch job (docs/trust.md).
 
 Without a key the messages are the same JSON, unsigned, and are still read as their type or not at all.
+
+Between an agent and its own workers the hand-over's messages (:class:`ReadyToPark`, :class:`ParkRequest`,
+:class:`Parked`, :class:`Place`: :mod:`.handover`) go through the same :class:`Channel`, over
+:class:`PrivateDirectory` (the agent's private directory, mode 0700: one file per message) instead of the job's
+store, unsigned: nobody but the agent's user can write there, and each is still read as its type or not at all.
 """
 
 from __future__ import annotations
@@ -32,9 +38,12 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 from dataclasses import asdict, dataclass, fields
+from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
+from ..files import write_file_atomically
 from ..printable import printable
 from ..rendezvous.seal import AuthError, Sealer
 
@@ -192,6 +201,77 @@ class JobConfig(Message):
         return f"elastic_runner/config/{self.run_id}"
 
 
+@dataclass(frozen=True)
+class ReadyToPark(Message):
+    """The worker at ``local_rank`` (process ``pid``) can park now: it is in its training loop, or waits for a failed
+    peer's replacement. Between an agent and its own workers (:class:`PrivateDirectory`), as the three below."""
+
+    local_rank: int
+    pid: int
+    kind: ClassVar[str] = "ready"
+
+    def key(self) -> str:
+        return self.at(self.local_rank)
+
+    @staticmethod
+    def at(local_rank: int) -> str:
+        return f"ready-{local_rank}"
+
+
+@dataclass(frozen=True)
+class ParkRequest(Message):
+    """The agent asks its worker at ``local_rank`` to park at its next step boundary, for ``why``."""
+
+    local_rank: int
+    why: str
+    kind: ClassVar[str] = "park"
+
+    def key(self) -> str:
+        return self.at(self.local_rank)
+
+    @staticmethod
+    def at(local_rank: int) -> str:
+        return f"park-{local_rank}"
+
+
+@dataclass(frozen=True)
+class Parked(Message):
+    """The worker at ``local_rank`` (process ``pid``) is parked and waits for its :class:`Place`. ``lost``: the
+    group ranks of the agents it saw stop beating in its round of ``agents`` agents (their nodes are lost: its agent
+    counts them out of the next round instead of waiting the dead-node window); none when it parked for another
+    reason (``agents`` 0)."""
+
+    local_rank: int
+    pid: int
+    agents: int = 0
+    lost: tuple[int, ...] = ()
+    kind: ClassVar[str] = "parked"
+
+    def key(self) -> str:
+        return self.at(self.local_rank)
+
+    @staticmethod
+    def at(local_rank: int) -> str:
+        return f"parked-{local_rank}"
+
+
+@dataclass(frozen=True)
+class Place(Message):
+    """The agent's answer to a :class:`Parked` worker: its environment in the new round (what torch's agent gives a
+    new worker: ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ...)."""
+
+    local_rank: int
+    environment: dict[str, str]
+    kind: ClassVar[str] = "place"
+
+    def key(self) -> str:
+        return self.at(self.local_rank)
+
+    @staticmethod
+    def at(local_rank: int) -> str:
+        return f"place-{local_rank}.json"
+
+
 def agent_key(agent: int) -> str:
     return f"{PREFIX}/agent/{agent}"
 
@@ -218,7 +298,26 @@ def abort_key(generation: int) -> str:
 
 M = TypeVar("M", bound=Message)
 
-_TYPES: dict[type, tuple[type, ...]] = {int: (int,), str: (str,), bool: (bool,), float: (int, float)}
+_SCALARS = {"int": int, "str": str, "bool": bool, "float": float}
+
+
+def _checked(name: str, kind: str, value: Any) -> Any:
+    """``value`` as the field ``name`` of type ``kind`` holds it (the annotation's text: a scalar,
+    ``tuple[int, ...]`` or ``dict[str, str]``), or ValueError naming the field."""
+    if kind == "tuple[int, ...]":
+        if not isinstance(value, list) or not all(type(v) is int for v in value):
+            raise ValueError(f"its {name} is not a list of integers")
+        return tuple(value)
+    if kind == "dict[str, str]":
+        if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+            raise ValueError(f"its {name} is not a mapping of strings to strings")
+        return value
+    scalar = _SCALARS[kind]
+    # type(), not isinstance: JSON's true is no integer here, and an integer is a float's value only
+    if type(value) not in ((int, float) if scalar is float else (scalar,)) or \
+            scalar is float and not math.isfinite(value):
+        raise ValueError(f"its {name} is not a{'n' if scalar is int else ''} {scalar.__name__}")
+    return float(value) if scalar is float else value
 
 
 class Channel:
@@ -244,7 +343,11 @@ class Channel:
         """The message of type ``cls`` at ``key``; None where there is none, or what is there is not one (refused)."""
         if not self.store.check([key]):
             return None
-        return self.decode(cls, key, self.store.get(key))
+        try:
+            blob = self.store.get(key)
+        except LookupError:  # (a private directory's message taken back between the two looks: none now)
+            return None
+        return self.decode(cls, key, blob)
 
     def read_many(self, cls: type[M], keys: list[str], refused: set[str] | None = None) -> dict[str, M | None]:
         """:meth:`read` of each key, the present ones in one round trip (``multi_get``); the keys that held something
@@ -286,12 +389,7 @@ class Channel:
             wanted = {f.name: f.type for f in fields(cls)}
             if set(body) != set(wanted):
                 raise ValueError(f"its fields are {sorted(body)}, not {sorted(wanted)}")
-            for name, value in body.items():
-                kind = {"int": int, "str": str, "bool": bool, "float": float}[str(wanted[name])]
-                if not isinstance(value, _TYPES[kind]) or (kind in (int, float) and isinstance(value, bool)) or \
-                        (kind is float and not math.isfinite(float(value))):  # type: ignore[arg-type]
-                    raise ValueError(f"its {name} is not a{'n' if kind is int else ''} {kind.__name__}")
-            message = cls(**{k: float(v) if str(wanted[k]) == "float" else v for k, v in body.items()})
+            message = cls(**{name: _checked(name, str(wanted[name]), value) for name, value in body.items()})
             if message.key() != key:
                 raise ValueError(f"it names {printable(message.key())}, another key")
         except (AuthError, ValueError) as exc:
@@ -304,5 +402,49 @@ class Channel:
             return
         self._refused.add(key)
         signed = " with the job's key" if self.signed else ""
-        log.warning("the job's store holds a value at %s that is not a message of the recovery protocol%s (%s): it is "
-                    "ignored. Whoever wrote it can reach the store's port: see docs/trust.md", key, signed, why)
+        where = getattr(self.store, "where", "the job's store")
+        who = getattr(self.store, "writers", "Whoever wrote it can reach the store's port: see docs/trust.md")
+        log.warning("%s holds a value at %s that is not a message of the recovery protocol%s (%s): it is ignored. %s",
+                    where, key, signed, why, who)
+
+
+class PrivateDirectory:
+    """A store of one file per key in ``directory``, which only its agent's user may enter (the agent's private
+    directory, mode 0700): the messages between an agent and its own workers (:class:`ReadyToPark`,
+    :class:`ParkRequest`, :class:`Parked`, :class:`Place`) go through a :class:`Channel` over it, unsigned — nobody
+    else can write there — and still read as their type or not at all. Each value is written whole or not at all (a
+    rename) with the run's file mode. The subset of ``torch.distributed.Store`` that :class:`Channel` uses, plus
+    ``delete_key``; ``get`` of a missing key raises KeyError instead of waiting for it."""
+
+    where = "the agent's private directory"
+    writers = "Only this user's processes can write there: a bug, please report it"
+
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
+        self.directory = Path(directory)
+
+    def path(self, key: str) -> Path:
+        if not key or "/" in key or key.startswith("."):
+            raise ValueError(f"{key!r} is no file name of {self.directory}")
+        return self.directory / key
+
+    def set(self, key: str, value: bytes | str) -> None:
+        write_file_atomically(self.path(key), value.encode() if isinstance(value, str) else bytes(value))
+
+    def get(self, key: str) -> bytes:
+        try:
+            return self.path(key).read_bytes()
+        except FileNotFoundError as exc:
+            raise KeyError(key) from exc
+
+    def check(self, keys: list[str]) -> bool:
+        return all(self.path(k).exists() for k in keys)
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        return [self.get(k) for k in keys]
+
+    def delete_key(self, key: str) -> bool:
+        try:
+            self.path(key).unlink()
+        except FileNotFoundError:
+            return False
+        return True

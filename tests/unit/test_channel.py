@@ -15,7 +15,8 @@ import torch
 import torch.distributed as tdist
 
 from elastic_runner.recovery.channel import (Abort, AgentBeat, Arrived, Channel, Coming, Handle, InGeneration,
-                                             Message, WatchdogBeat)
+                                             Message, Parked, ParkRequest, Place, PrivateDirectory, ReadyToPark,
+                                             WatchdogBeat)
 from elastic_runner.recovery.regroup import RegroupError, SameMembers, announce_replacement
 from elastic_runner.worker.watchdog import PeerWatchdog
 
@@ -27,6 +28,8 @@ KEY = b"k" * 32
 EVERY_MESSAGE: list[Message] = [
     AgentBeat(3, 17), AgentBeat(3, 18, stopping=True), Coming(2, 1), InGeneration(1, 4), Handle(4, "1", "gloo:1:2:3:"),
     Arrived(4, "0"), WatchdogBeat(2, 5, 9), WatchdogBeat(2, 5, 10, done=True), Abort(2, 5, "rank 4 stopped"),
+    ReadyToPark(1, 4242), ParkRequest(1, "a node joins"), Parked(1, 4242), Parked(0, 4242, 3, (0, 2)),
+    Place(1, {"RANK": "3", "WORLD_SIZE": "4"}),
 ]
 
 
@@ -83,6 +86,32 @@ def test_without_a_key_only_a_well_formed_message_of_the_slots_type_is_read(valu
     store = tdist.HashStore()
     store.set("regroup/agent/1", value)
     assert Channel(store, None).read(AgentBeat, "regroup/agent/1") is None
+
+
+@pytest.mark.parametrize("value", [
+    b'{"kind":"parked","local_rank":0,"pid":7,"agents":3,"lost":[1.0]}',  # a float is no group rank
+    b'{"kind":"parked","local_rank":0,"pid":7,"agents":3,"lost":{"1":1}}',
+    b'{"kind":"place","local_rank":0,"environment":{"RANK":1}}',  # an environment holds strings
+    b'{"kind":"place","local_rank":0,"environment":["RANK","1"]}',
+], ids=["float-rank", "mapping-ranks", "number-in-environment", "list-environment"])
+def test_a_list_or_a_mapping_field_reads_only_as_its_type(value: bytes) -> None:
+    store = tdist.HashStore()
+    cls = Parked if b'"parked"' in value else Place
+    store.set(cls.at(0), value)
+    assert Channel(store, None).read(cls, cls.at(0)) is None
+
+
+def test_an_agents_private_directory_holds_one_private_file_per_message(tmp_path: Any) -> None:
+    store = PrivateDirectory(tmp_path)
+    Channel(store, None).send(Parked(2, 99, 3, (1,)))
+    assert [p.name for p in tmp_path.iterdir()] == ["parked-2"] and (tmp_path / "parked-2").stat().st_mode & 0o077 == 0
+    assert Channel(store, None).read(Parked, "parked-2") == Parked(2, 99, 3, (1,))
+    assert store.delete_key("parked-2") and not store.delete_key("parked-2")
+    assert Channel(store, None).read(Parked, "parked-2") is None
+    with pytest.raises(KeyError):
+        store.get("parked-2")
+    with pytest.raises(ValueError, match="no file name"):
+        store.set("../parked-2", b"{}")
 
 
 # -- what a writer on the store without the key can no longer do ----------------------------------------------

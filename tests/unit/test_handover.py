@@ -58,17 +58,42 @@ def test_a_worker_that_saw_agents_go_silent_tells_its_agent_which_for_that_round
         time.sleep(0.01)
     assert agent.lost_agents(3) == (0, 2)
     assert agent.lost_agents(4) == (), "seen in a round of another size: counts out nobody"
-    assert stat.S_IMODE(os.stat(agent.lost_file).st_mode) == 0o600, "files we write are private"
     agent.give_place({"RANK": "0"})
     thread.join(10)
-    assert not agent.lost_file.exists() and agent.lost_agents(3) == (), "a later park is not judged by this one"
+    assert not agent.parked_file.exists() and agent.lost_agents(3) == (), "a later park is not judged by this one"
 
 
-@pytest.mark.parametrize("text", ["not json", "[2]", '{"agents": 3, "lost": "2"}', '{"agents": 3, "lost": [true, 7, -1]}'])
-def test_a_lost_agents_file_that_is_not_what_a_worker_writes_counts_out_nobody(tmp_path: Path, text: str) -> None:
+def test_a_worker_parked_for_another_reason_counts_out_nobody(tmp_path: Path) -> None:
+    worker, agent = Handover(tmp_path, 0), Handover(tmp_path, 0)
+    thread = threading.Thread(target=lambda: worker.park(30))
+    thread.start()
+    deadline = time.monotonic() + 10
+    while agent.parked_pid() is None:
+        assert time.monotonic() < deadline, "the worker never said it parked"
+        time.sleep(0.01)
+    assert agent.lost_agents(0) == agent.lost_agents(3) == ()
+    agent.give_place({"RANK": "0"})
+    thread.join(10)
+
+
+@pytest.mark.parametrize("text", [
+    "not json", "[2]", "12345",  # (what the hand-over's files held before its messages were typed: a bare pid)
+    '{"kind": "parked", "local_rank": 0, "pid": 7, "agents": 3, "lost": "2"}',
+    '{"kind": "parked", "local_rank": 0, "pid": 7, "agents": 3, "lost": [true, 2]}',
+    '{"kind": "parked", "local_rank": 1, "pid": 7, "agents": 3, "lost": [2]}',  # another local rank's
+    '{"kind": "ready", "local_rank": 0, "pid": 7}'])
+def test_a_parked_message_that_is_not_what_a_worker_writes_is_nobody_parked_and_counts_out_nobody(
+        tmp_path: Path, text: str, caplog: pytest.LogCaptureFixture) -> None:
     agent = Handover(tmp_path, 0)
-    agent.lost_file.write_text(text)
-    assert agent.lost_agents(3) == ()
+    agent.parked_file.write_text(text)
+    assert agent.parked_pid() is None and agent.lost_agents(3) == ()
+    assert "the agent's private directory holds a value at parked-0 that is not a message" in caplog.text
+
+
+def test_parked_ranks_outside_the_round_are_nobody_counted_out(tmp_path: Path) -> None:
+    agent = Handover(tmp_path, 0)
+    agent.parked_file.write_text('{"kind": "parked", "local_rank": 0, "pid": 7, "agents": 3, "lost": [7, -1, 1, 1]}')
+    assert agent.parked_pid() == 7 and agent.lost_agents(3) == (1,)
 
 
 def test_a_park_without_a_place_ends_at_its_deadline_or_at_a_stop(tmp_path: Path) -> None:
@@ -190,7 +215,9 @@ def test_a_parked_file_left_by_a_killed_worker_does_not_pass_for_its_successor(t
     context = _started(tmp_path, 1)
     try:
         places = [Handover(tmp_path, 0)]
-        places[0].parked_file.write_text(str(context.pids()[0] + 1_000_000))  # a pid that is not the worker's
+        stranger = context.pids()[0] + 1_000_000  # a pid that is not the worker's
+        places[0].parked_file.write_text(f'{{"kind": "parked", "local_rank": 0, "pid": {stranger}, "agents": 0, '
+                                         '"lost": []}')
         assert kept_round.parked(context, places) == []
     finally:
         context.close()
