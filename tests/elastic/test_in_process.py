@@ -227,11 +227,10 @@ def _gated_job(local_job: Any, tmp_path: Path, etcd: Any = None) -> tuple[Any, P
     return _started(local_job, config, "elastic-runner", "dist.heartbeat_seconds=2", etcd=etcd), gate
 
 
-def _rank_1_killed_while_its_next_standby_builds(job: Any, gate: Path) -> tuple[Any, Any, int, int, Any, float]:
-    """Rank 1's worker killed (its node's ready standby takes the place), and killed again while the standby its agent
-    started next still builds (held at ``gate``): the place goes to that one, and rank 0's worker, once it has kept
-    its step in node memory, waits for it in the regroup. The two victims, the first standby's and the held one's
-    pids, rank 0's worker, and the step it kept."""
+def _rank_1_replaced_while_its_next_standby_builds(job: Any, gate: Path) -> tuple[Any, list[Any], int, int]:
+    """Rank 1's worker killed (its node's ready standby takes the place), and the job held a few steps later while the
+    standby its agent started next still builds (held at ``gate``). The victim, the held workers, the first standby's
+    and the building one's pids."""
     run_dir = Path(job.run_dir)
     workers, standbys = _stopped_with_standbys_ready(job, 130)
     node = next(w for w in workers if w.rank == 1).agent
@@ -252,6 +251,16 @@ def _rank_1_killed_while_its_next_standby_builds(job: Any, gate: Path) -> tuple[
     building = started[0]
     assert not [e for e in _agent_events(run_dir, "standby_ready") if e["pid"] == building], \
         "the second standby is still building (held at the gate)"
+    return first, workers, standbys[node.pid], building
+
+
+def _rank_1_killed_while_its_next_standby_builds(job: Any, gate: Path) -> tuple[Any, Any, int, int, Any, float]:
+    """Rank 1's worker killed (its node's ready standby takes the place), and killed again while the standby its agent
+    started next still builds (held at ``gate``): the place goes to that one, and rank 0's worker, once it has kept
+    its step in node memory, waits for it in the regroup. The two victims, the first standby's and the held one's
+    pids, rank 0's worker, and the step it kept."""
+    run_dir = Path(job.run_dir)
+    first, workers, ready, building = _rank_1_replaced_while_its_next_standby_builds(job, gate)
     second = _kill(job, workers, rank=1)
     killed_at = time.time()
     survivor = next(w for w in workers if w.rank == 0)
@@ -261,7 +270,7 @@ def _rank_1_killed_while_its_next_standby_builds(job: Any, gate: Path) -> tuple[
         assert time.monotonic() < deadline, "rank 0 did not keep its step within 30 s\n" + job.logs_tail()
         time.sleep(0.05)
     time.sleep(0.5)  # (from its step kept to its wait for the place's new holder, which still builds)
-    return first, second, standbys[node.pid], building, survivor, kept[0]["step"]
+    return first, second, ready, building, survivor, kept[0]["step"]
 
 
 @pytest.mark.slow
@@ -351,6 +360,41 @@ def test_a_node_preempted_while_a_survivor_waits_in_the_regroup_ends_in_a_recove
     resumed = [e for e in events(run_dir, "resume") if e["time"] > preempted_at]
     assert [(e["tier"], e["step"]) for e in resumed] == [("memory", kept)], \
         "the job went on from node memory at the step the survivor kept, none lost\n" + job.logs_tail()
+
+
+@pytest.mark.slow
+def test_a_node_lost_while_its_next_standby_still_builds_ends_in_a_recovered_job_bitwise(
+        reference_model: Any, local_job: Any, etcd: Any, tmp_path: Path) -> None:
+    """The standby warm-up cell of a node loss: rank 1's worker is killed, its node's standby takes the place and the
+    agent starts another, whose build the test holds; while that one still builds, rank 1's whole node is lost (its
+    agent and every process of it SIGKILLed, on etcd-v3). Rank 0's worker finds that node's agent silent and parks in
+    its process, and with a new node in the lost one's place the job goes on from rank 0's node memory: the held
+    standby never trains, and the run is the uninterrupted one."""
+    job, gate = _gated_job(local_job, tmp_path, etcd=etcd)
+    run_dir = Path(job.run_dir)
+    try:
+        _, workers, _, building = _rank_1_replaced_while_its_next_standby_builds(job, gate)
+        lost = next(w for w in workers if w.rank == 1).agent
+        survivor = next(w for w in workers if w.rank == 0)
+        lost_at = time.time()
+        assert building in job.kill_agent(lost, signal.SIGKILL), "the held standby went with its node"
+        continue_workers(job, [survivor])
+    finally:
+        gate.unlink(missing_ok=True)
+    job.start_agent()  # the new node in its place (nnodes 2:2)
+    codes = job.wait(timeout=240)
+    assert [c for a, c in zip(job.agents, codes) if a is not lost] == [0, 0], f"{codes}\n{job.logs_tail()}"
+    report = check_audit(run_dir)
+    assert report.ok and report.finished, report.render()
+    assert_bitwise_equal(exported_model(run_dir, tmp_path), reference_model)
+
+    assert {e["pid"] for e in events(run_dir, "start") if of_agent(e, survivor.agent)} == {survivor.pid}, \
+        "the survivor's worker kept its process\n" + job.logs_tail()
+    assert building not in {e["pid"] for e in events(run_dir, "start")}, "the held standby never trained"
+    kept = [e["step"] for e in events(run_dir, "kept_in_memory") if e["pid"] == survivor.pid and e["time"] > lost_at]
+    resumed = [e for e in events(run_dir, "resume") if e["time"] > lost_at]
+    assert [e["tier"] for e in resumed] == ["memory"] and resumed[0]["step"] in kept, \
+        "the job went on from node memory at a step the survivor kept\n" + job.logs_tail()
 
 
 def test_a_compiled_model_recovers_in_process_through_the_standby_bitwise(
