@@ -13,7 +13,7 @@ import pytest
 
 from elastic_runner.observe.audit import check_audit
 from elastic_runner.observe.events import read_events
-from elastic_runner.testing.localjob import descendants
+from elastic_runner.testing.localjob import alive, descendants
 
 from ..support import (
     assert_bitwise_equal,
@@ -363,27 +363,35 @@ def test_a_node_preempted_while_a_survivor_waits_in_the_regroup_ends_in_a_recove
 
 
 @pytest.mark.slow
-def test_a_node_lost_while_its_next_standby_still_builds_ends_in_a_recovered_job_bitwise(
-        reference_model: Any, local_job: Any, etcd: Any, tmp_path: Path) -> None:
-    """The standby warm-up cell of a node loss: rank 1's worker is killed, its node's standby takes the place and the
-    agent starts another, whose build the test holds; while that one still builds, rank 1's whole node is lost (its
-    agent and every process of it SIGKILLed, on etcd-v3). Rank 0's worker finds that node's agent silent and parks in
-    its process, and with a new node in the lost one's place the job goes on from rank 0's node memory: the held
-    standby never trains, and the run is the uninterrupted one."""
+@pytest.mark.parametrize("how", ["lost", "agent killed", "preempted"])
+def test_a_node_that_goes_while_its_next_standby_still_builds_ends_in_a_recovered_job_bitwise(
+        how: str, reference_model: Any, local_job: Any, etcd: Any, tmp_path: Path) -> None:
+    """The standby warm-up cells of a node that goes: rank 1's worker is killed, its node's standby takes the place
+    and the agent starts another, whose build the test holds; while that one still builds, rank 1's node goes, on
+    etcd-v3: lost (its agent and every process of it SIGKILLed), its agent killed alone (its processes follow it),
+    or preempted (SIGTERM to its agent: it stops its workers, the building standby among them, and leaves). Rank 0's
+    worker parks in its process, and with a new node in the gone one's place the job goes on from rank 0's node
+    memory: the held standby never trains, and the run is the uninterrupted one."""
     job, gate = _gated_job(local_job, tmp_path, etcd=etcd)
     run_dir = Path(job.run_dir)
     try:
         _, workers, _, building = _rank_1_replaced_while_its_next_standby_builds(job, gate)
-        lost = next(w for w in workers if w.rank == 1).agent
+        gone = next(w for w in workers if w.rank == 1).agent
         survivor = next(w for w in workers if w.rank == 0)
-        lost_at = time.time()
-        assert building in job.kill_agent(lost, signal.SIGKILL), "the held standby went with its node"
-        continue_workers(job, [survivor])
+        gone_at = time.time()
+        if how == "preempted":
+            continue_workers(job, workers)  # a stopped worker would hold its agent's SIGTERM path for its timeout
+            assert building in job.kill_agent(gone, signal.SIGTERM), "the held standby is the node's"
+            gone.proc.wait(timeout=60)
+        else:
+            assert building in job.kill_agent(gone, signal.SIGKILL, with_workers=how == "lost"), \
+                "the held standby is the node's"
+            continue_workers(job, [survivor])
     finally:
         gate.unlink(missing_ok=True)
     job.start_agent()  # the new node in its place (nnodes 2:2)
     codes = job.wait(timeout=240)
-    assert [c for a, c in zip(job.agents, codes) if a is not lost] == [0, 0], f"{codes}\n{job.logs_tail()}"
+    assert [c for a, c in zip(job.agents, codes) if a is not gone] == [0, 0], f"{codes}\n{job.logs_tail()}"
     report = check_audit(run_dir)
     assert report.ok and report.finished, report.render()
     assert_bitwise_equal(exported_model(run_dir, tmp_path), reference_model)
@@ -391,10 +399,53 @@ def test_a_node_lost_while_its_next_standby_still_builds_ends_in_a_recovered_job
     assert {e["pid"] for e in events(run_dir, "start") if of_agent(e, survivor.agent)} == {survivor.pid}, \
         "the survivor's worker kept its process\n" + job.logs_tail()
     assert building not in {e["pid"] for e in events(run_dir, "start")}, "the held standby never trained"
-    kept = [e["step"] for e in events(run_dir, "kept_in_memory") if e["pid"] == survivor.pid and e["time"] > lost_at]
-    resumed = [e for e in events(run_dir, "resume") if e["time"] > lost_at]
+    assert not alive(building), "the held standby went with its node"
+    kept = [e["step"] for e in events(run_dir, "kept_in_memory") if e["pid"] == survivor.pid and e["time"] > gone_at]
+    resumed = [e for e in events(run_dir, "resume") if e["time"] > gone_at]
     assert [e["tier"] for e in resumed] == ["memory"] and resumed[0]["step"] in kept, \
         "the job went on from node memory at a step the survivor kept\n" + job.logs_tail()
+
+
+@pytest.mark.slow
+def test_a_worker_hung_while_its_next_standby_still_builds_ends_in_a_restarted_job_bitwise(
+        reference_model: Any, local_job: Any, tmp_path: Path) -> None:
+    """The standby warm-up cell of a hang: rank 1's worker is killed, its node's standby takes the place and the
+    agent starts another, whose build the test holds; while that one still builds, rank 1's new worker hangs
+    (SIGSTOP: alive, so its agent replaces nothing). Rank 0's worker keeps its step in node memory once it finds its
+    peer lost, and as for any hang every worker restarts (the hung one killed, the building standby stopped unused);
+    the new processes resume from node memory at that step, and the run is the uninterrupted one."""
+    job, gate = _gated_job(local_job, tmp_path)
+    run_dir = Path(job.run_dir)
+    try:
+        _, workers, _, building = _rank_1_replaced_while_its_next_standby_builds(job, gate)
+        hung = next(w for w in workers if w.rank == 1)
+        survivor = next(w for w in workers if w.rank == 0)
+        hung_at = time.time()
+        continue_workers(job, [survivor])
+        deadline = time.monotonic() + 60
+        while len([e for e in _agent_events(run_dir, "restart") if e["time"] > hung_at]) < 2:
+            assert time.monotonic() < deadline, "no restart by both agents within 60 s\n" + job.logs_tail()
+            time.sleep(0.05)
+        assert not [e for e in _agent_events(run_dir, "standby_ready") if e["pid"] == building], \
+            "the hang was found while the standby still built"
+    finally:
+        gate.unlink(missing_ok=True)  # the new workers' builds wait for it too
+    codes = job.wait(timeout=240)
+    assert codes == [0, 0], f"{codes}\n{job.logs_tail()}"
+    report = check_audit(run_dir)
+    assert report.ok and report.finished, report.render()
+    assert_bitwise_equal(exported_model(run_dir, tmp_path), reference_model)
+
+    kept = [e["step"] for e in events(run_dir, "kept_in_memory")
+            if e["pid"] == survivor.pid and e["time"] > hung_at and e["reason"] == "peer lost"]
+    assert len(kept) == 1, "rank 0's worker found its peer lost and kept its step\n" + job.logs_tail()
+    started = {e["pid"]: e["rank"] for e in events(run_dir, "start") if e["time"] > hung_at}
+    assert sorted(started.values()) == [0, 1] and not {hung.pid, survivor.pid, building} & set(started), \
+        f"every worker restarted in a new process, the building standby unused: {started}\n" + job.logs_tail()
+    assert not alive(hung.pid) and not alive(building), "the hung worker and the held standby were ended"
+    resumed = [e for e in events(run_dir, "resume") if e["time"] > hung_at]
+    assert [(e["tier"], e["step"]) for e in resumed] == [("memory", kept[0])], \
+        "the new processes went on from node memory at the step rank 0 kept\n" + job.logs_tail()
 
 
 def test_a_compiled_model_recovers_in_process_through_the_standby_bitwise(
