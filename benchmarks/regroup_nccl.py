@@ -1,6 +1,6 @@
 """What a worker pays to be back in the job after a peer's loss, on a CUDA device with NCCL: a new process (today's
 path: every worker is restarted) against a survivor that keeps its process and rebuilds only its process group
-(:mod:`elastic_runner.recovery.regroup`, in-process recovery).
+(:mod:`elastic_runner.recovery.rebuild`, in-process recovery).
 
 One GPU, one rank (NCCL refuses two ranks on one device), so these are the per-worker costs a restart adds or saves,
 not a whole job's recovery:
@@ -98,7 +98,7 @@ def survivor(repeats: int) -> dict[str, object]:
     import torch
     import torch.distributed as tdist
 
-    from elastic_runner.recovery.regroup import Membership, Regroup, RegroupError
+    from elastic_runner.recovery.rebuild import Membership, Regroup, RegroupError
 
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)

@@ -2,8 +2,8 @@
 
 ``--members`` processes all-reduce in a loop on 127.0.0.1 (a ring: some survivors wait on another survivor, not on
 the dead member); the last one SIGKILLs itself; the others leave the failed collective, give the group up
-(:meth:`~elastic_runner.recovery.regroup.Regroup.abandon`) and rebuild it without the dead member
-(:meth:`~elastic_runner.recovery.regroup.Regroup.join`, a first all-reduce included). Reported per method: the slowest
+(:meth:`~elastic_runner.recovery.rebuild.Regroup.abandon`) and rebuild it without the dead member
+(:meth:`~elastic_runner.recovery.rebuild.Regroup.join`, a first all-reduce included). Reported per method: the slowest
 survivor's seconds from giving up to the rebuilt group's first all-reduce (the group is as fast as its slowest
 member), median over the repeats. ``reconfigure`` needs torch >= 2.14.
 
@@ -35,7 +35,7 @@ def _member(name: str, members: tuple[str, ...], port: int, method: str, queue: 
     import torch._dynamo  # noqa: F401 - before any process group, as a worker does
     import torch.distributed as tdist
 
-    from elastic_runner.recovery.regroup import Membership, Regroup
+    from elastic_runner.recovery.rebuild import Membership, Regroup
 
     store = tdist.TCPStore("127.0.0.1", port, None, False, timeout=COLLECTIVE_TIMEOUT)
     group = Regroup(store, name, "gloo", COLLECTIVE_TIMEOUT, method=method)
@@ -78,7 +78,7 @@ def rebuild(method: str, count: int) -> float:
 
 
 def main() -> None:
-    from elastic_runner.recovery.regroup import regroup_method
+    from elastic_runner.recovery.rebuild import regroup_method
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--members", type=int, default=4, help="members before the kill (at least 3: two survivors)")

@@ -183,10 +183,10 @@ PROCESS_GROUP_ABORT = TorchPatch(
 )
 
 #: Not in :data:`ALL`: a capability of torch >= 2.14 that torch 2.13 lacks by design, not a correction we apply.
-#: :func:`elastic_runner.recovery.regroup.regroup_method` rebuilds groups the other way where it does not fit.
+#: :func:`elastic_runner.recovery.rebuild.regroup_method` rebuilds groups the other way where it does not fit.
 PROCESS_GROUP_RECONFIGURE = TorchPatch(
     name="process groups reconfigured in place for a new membership (in-process recovery)",
-    where="elastic_runner.recovery.regroup",
+    where="elastic_runner.recovery.rebuild",
     without="the group is destroyed and created again in the same process (~0.1 s on gloo)",
     needs=(
         Need(C10D, "_reconfigure", params=("uuid", "handles", "group", "timeout")),

@@ -13,8 +13,8 @@ file per message and local rank, written whole or not at all (a rename), read as
 (nothing crosses it that could run code):
 
 - :class:`~.channel.ReadyToPark` (``ready-<local_rank>``): the worker can park now: it is in its training loop, or
-  waits for a failed peer's replacement. A worker that is not (building, resuming, bringing its group up) is not
-  asked: the agent starts a new process in its place;
+  waits for a failed peer's replacement (its announcement, then its arrival). A worker that is not (building,
+  resuming, bringing its group up) is not asked: the agent starts a new process in its place;
 - :class:`~.channel.ParkRequest` (``park-<local_rank>``): the agent asks the worker to park, and why;
 - :class:`~.channel.Parked` (``parked-<local_rank>``): the worker is parked, waiting; where it parked because agents
   of its round stopped beating (their nodes are lost), which of them, in a round of how many agents: its agent counts

@@ -17,7 +17,8 @@ from ..env import WorkerEnv
 from ..lifecycle import EXIT_PEER_TIMEOUT, exit_now
 from ..snapshot.format import current_signing_key
 from ..recovery import liveness
-from ..recovery.regroup import ReconfigureRefused, RegroupError, SameMembers, chosen_regroup
+from ..recovery.rebuild import ReconfigureRefused, RegroupError, chosen_regroup
+from ..recovery.regroup import SameMembers
 
 log = logging.getLogger(__name__)
 
@@ -158,7 +159,7 @@ def up(env: WorkerEnv, *, backend: str = "auto", device: str = "auto",
 
 def rejoin(dist: Dist, deadline_seconds: float, leaving: Callable[[], bool] | None = None) -> float:
     """In-process recovery: rebuild the group with the failed peer's replacement (the survivors keep their
-    process); seconds it took. Raises :class:`~elastic_runner.recovery.regroup.RegroupError` when a member does
+    process); seconds it took. Raises :class:`~elastic_runner.recovery.rebuild.RegroupError` when a member does
     not come, or ``leaving()`` says this worker's agent starts a new round; a rebuild stuck past
     ``deadline_seconds`` (a second failure inside it) ends the process."""
     if dist.in_process is None:

@@ -40,7 +40,7 @@ from ..lifecycle import (EXIT_OK, EXIT_PEER_LOST, EXIT_USAGE, StopRequest, die_w
 from .preflight import warn_known_bad_setups
 from .run_dir import save_node_memory
 from ..recovery.handover import Handover, HandoverError
-from ..recovery.regroup import RegroupError
+from ..recovery.rebuild import RegroupError
 
 if TYPE_CHECKING:
     from ..workload.spec import Workload

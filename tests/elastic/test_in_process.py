@@ -37,12 +37,12 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
 
 def _started(local_job: Any, resume_config: Path, launcher: str = "elastic-runner", *overrides: str,
-             key_file: Path | None = None, etcd: Any = None) -> Any:
+             key_file: Path | None = None, etcd: Any = None, nnodes: str = "2:2") -> Any:
     """Two agents of one worker each, with in-process recovery (and the job's key in ``key_file``, where given), on
     torchrun's c10d rendezvous or on ``etcd`` (an :class:`~elastic_runner.testing.etcd.EtcdServer`) where given."""
     conf = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3"
     backend = {} if etcd is None else {"rdzv_backend": "etcd-v3", "rdzv_endpoint": etcd.endpoint}
-    job = local_job(config=str(resume_config), nnodes="2:2", launcher=launcher,
+    job = local_job(config=str(resume_config), nnodes=nnodes, launcher=launcher,
                     overrides=["recovery.in_process=true", *overrides],
                     rdzv_conf=conf + (f",auth_key_file={key_file}" if key_file else ""), **backend)
     job.start_agent()
@@ -218,13 +218,16 @@ def test_a_standby_that_died_leaves_the_place_to_a_new_process(
     assert len({e["pid"] for e in starts if e["rank"] == 0}) == 1, "rank 0 kept its process"
 
 
-def _gated_job(local_job: Any, tmp_path: Path, etcd: Any = None) -> tuple[Any, Path]:
-    """Two nodes of one worker, whose model's build waits while the returned gate file exists."""
+def _gated_job(local_job: Any, tmp_path: Path, etcd: Any = None, nnodes: str = "2:2",
+               heartbeat_seconds: float = 2) -> tuple[Any, Path]:
+    """Two nodes of one worker, whose model's build waits while the returned gate file exists; a survivor waits
+    ``heartbeat_seconds`` in the regroup for a failed peer's replacement."""
     gate = tmp_path / "gate"
     model = {"name": "tests.broken_components:built_while_no_gate",
              "params": {"channels": 16, "hidden": 64, "gate_file": str(gate)}}
     config = write_config(tmp_path / "gated.yaml", **RESUME_SECTIONS, model=model)
-    return _started(local_job, config, "elastic-runner", "dist.heartbeat_seconds=2", etcd=etcd), gate
+    return _started(local_job, config, "elastic-runner", f"dist.heartbeat_seconds={heartbeat_seconds:g}", etcd=etcd,
+                    nnodes=nnodes), gate
 
 
 def _rank_1_replaced_while_its_next_standby_builds(job: Any, gate: Path) -> tuple[Any, list[Any], int, int]:
@@ -360,6 +363,64 @@ def test_a_node_preempted_while_a_survivor_waits_in_the_regroup_ends_in_a_recove
     resumed = [e for e in events(run_dir, "resume") if e["time"] > preempted_at]
     assert [(e["tier"], e["step"]) for e in resumed] == [("memory", kept)], \
         "the job went on from node memory at the step the survivor kept, none lost\n" + job.logs_tail()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("second_fault", ["etcd down", "node joined"])
+def test_a_second_fault_while_a_survivor_waits_in_the_regroup_leaves_its_process_training(
+        second_fault: str, reference_model: Any, local_job: Any, etcd: Any, tmp_path: Path) -> None:
+    """The regroup cells of a second fault that kills nothing: rank 0's worker waits in the regroup (up to 20 s) for
+    rank 1's place, held by a standby that still builds (as above), on etcd-v3, when
+
+    - etcd crashes and starts again 3 s later on its data: the regroup needs the job's store, not etcd; once the held
+      standby is built it takes the place, the group is rebuilt in process, no rendezvous round at all, and the run
+      is the uninterrupted one bit for bit;
+    - a new node joins (nnodes 2:3): the survivor's agent asks it to park, which ends its wait at once; it keeps
+      its process into the round of three (the held standby, which cannot park while it builds, makes way for a new
+      process), which goes on from node memory at the step it kept.
+
+    Either way the survivor keeps its process and the audit is clean: no sample lost or repeated."""
+    joined = second_fault == "node joined"
+    job, gate = _gated_job(local_job, tmp_path, etcd=etcd, nnodes="2:3" if joined else "2:2", heartbeat_seconds=20)
+    run_dir = Path(job.run_dir)
+    try:
+        _, _, _, building, survivor, kept = _rank_1_killed_while_its_next_standby_builds(job, gate)
+        at = time.time()
+        if joined:
+            joiner = job.start_agent()
+            deadline = time.monotonic() + 60
+            while not [e for e in _agent_events(run_dir, "workers_kept")
+                       if e["time"] > at and e["source"].endswith(f"-{survivor.agent.pid}")]:
+                assert joiner.running() and time.monotonic() < deadline, \
+                    "the survivor was not kept for the round of three within 60 s\n" + job.logs_tail()
+                time.sleep(0.05)
+        else:
+            etcd.restart(down_seconds=3, crash=True)
+        assert not [e for e in _agent_events(run_dir, "standby_ready") if e["pid"] == building], \
+            "the second fault came while the standby still built"
+    finally:
+        gate.unlink(missing_ok=True)  # (the round of three's new processes build their models too)
+    codes = job.wait(timeout=240)
+    assert codes == [0] * len(job.agents), f"{codes}\n{job.logs_tail()}"
+    report = check_audit(run_dir)
+    assert report.ok and report.finished, report.render()
+
+    starts = [e for e in events(run_dir, "start") if e["time"] > at]
+    assert {e["pid"] for e in starts if of_agent(e, survivor.agent)} == {survivor.pid}, \
+        "the survivor's worker kept its process\n" + job.logs_tail()
+    resumed = [e for e in events(run_dir, "resume") if e["time"] > at]
+    if joined:
+        assert {e["world_size"] for e in starts} == {3}, "one round, of three\n" + job.logs_tail()
+        assert {e["pid"] for e in starts if of_agent(e, joiner)}, "the joining node trained\n" + job.logs_tail()
+        assert building not in {e["pid"] for e in starts}, "the held standby made way for a new process"
+        assert [(e["tier"], e["step"]) for e in resumed] == [("memory", kept)], \
+            "the round of three went on from node memory at the step the survivor kept\n" + job.logs_tail()
+    else:
+        assert_bitwise_equal(exported_model(run_dir, tmp_path), reference_model)
+        assert {e["pid"]: e["rank"] for e in starts} == {survivor.pid: 0, building: 1}, \
+            "the held standby, once built, took rank 1's place\n" + job.logs_tail()
+        assert not [e for e in _agent_events(run_dir, "rendezvous") if e["time"] > at], \
+            "the group was rebuilt in process: no rendezvous round\n" + job.logs_tail()
 
 
 @pytest.mark.slow

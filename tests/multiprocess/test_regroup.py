@@ -1,4 +1,4 @@
-"""In-process recovery's core (:mod:`elastic_runner.recovery.regroup`): survivors of a killed peer keep their process,
+"""In-process recovery's core (:mod:`elastic_runner.recovery.rebuild`): survivors of a killed peer keep their process,
 roll the abandoned step back, rebuild the process group and the gradient sync for the new members and go on; a
 newcomer heals from a survivor. The arithmetic is exactly that of a run whose members changed at the same steps on
 purpose, with either way of rebuilding the group.
@@ -21,7 +21,7 @@ import torch
 
 from elastic_runner.data.layout import split_even
 from elastic_runner.data.sampler import StepPlan
-from elastic_runner.recovery.regroup import Membership, Regroup, RegroupError, regroup_method
+from elastic_runner.recovery.rebuild import Membership, Regroup, RegroupError, regroup_method
 
 from ..support import rank_context
 from ..unit.test_gradients import _cnn, _cross_entropy, _image_rows, _images, _step

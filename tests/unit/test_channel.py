@@ -17,7 +17,8 @@ import torch.distributed as tdist
 from elastic_runner.recovery.channel import (Abort, AgentBeat, Arrived, Channel, Coming, Handle, InGeneration,
                                              Message, Parked, ParkRequest, Place, PrivateDirectory, ReadyToPark,
                                              WatchdogBeat)
-from elastic_runner.recovery.regroup import RegroupError, SameMembers, announce_replacement
+from elastic_runner.recovery.rebuild import RegroupError
+from elastic_runner.recovery.regroup import SameMembers, announce_replacement
 from elastic_runner.worker.watchdog import PeerWatchdog
 
 from ..support import beating_agents

@@ -17,7 +17,8 @@ import torch.distributed as tdist
 from elastic_runner.recovery import liveness
 from elastic_runner.recovery.channel import AliveAt, Channel
 from elastic_runner.recovery import regroup
-from elastic_runner.recovery.regroup import RegroupError, SameMembers
+from elastic_runner.recovery.rebuild import RegroupError
+from elastic_runner.recovery.regroup import SameMembers
 
 pytestmark = [pytest.mark.timeout(60)]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from elastic_runner.recovery.regroup import ReconfigureRefused, RegroupError, chosen_regroup, regroup_method
+from elastic_runner.recovery.rebuild import ReconfigureRefused, RegroupError, chosen_regroup, regroup_method
 
 
 def test_auto_reconfigures_where_this_build_can_and_recreates_elsewhere() -> None:

@@ -12,8 +12,9 @@ import pytest
 import torch
 import torch.distributed as tdist
 
-from elastic_runner.recovery.channel import AgentBeat as BeatMessage, Channel
-from elastic_runner.recovery.regroup import RegroupError, SameMembers, agent_beat
+from elastic_runner.recovery.channel import AgentBeat as BeatMessage, Channel, Coming, arrived_key
+from elastic_runner.recovery.rebuild import RegroupError
+from elastic_runner.recovery.regroup import SameMembers, agent_beat
 
 from ..support import beating_agents
 
@@ -52,6 +53,28 @@ def test_a_park_request_ends_the_wait_at_once() -> None:
     assert time.monotonic() - started < 5
 
 
+def test_a_park_request_also_ends_the_wait_for_an_announced_replacement_that_is_still_on_its_way() -> None:
+    # The replacement was announced (its agent gave the place to a standby that still builds), and a node joins
+    # meanwhile: the survivor's agent asks it to park, and it must not wait the regroup's wait for the newcomer first
+    # (its agent gives up on it after 15 s and restarts it).
+    store = tdist.HashStore()
+    Channel(store, None).send(Coming(1, 0))
+    wait = datetime.timedelta(seconds=30)
+    survivor = SameMembers(store, 1, 2, "gloo", torch.device("cpu"), datetime.timedelta(seconds=5), wait)
+    asked = {"n": 0}
+
+    def leaving() -> bool:
+        asked["n"] += 1
+        return asked["n"] > 20  # well into the wait for the newcomer: the announcement is read at the first look
+
+    started = time.monotonic()
+    with pytest.raises(RegroupError, match="asked it to park"):
+        survivor.survive(datetime.timedelta(seconds=30), leaving=leaving)
+    assert time.monotonic() - started < 5
+    assert store.check([arrived_key(1, "1")]), "it had arrived for the newcomer's generation when it was asked"
+    assert not tdist.is_initialized(), "no group left behind: it parks with none"
+
+
 def test_a_store_gone_with_rank_0s_worker_ends_the_wait_at_once() -> None:
     started = time.monotonic()
     with pytest.raises(RegroupError, match="store does not answer"):
@@ -65,7 +88,7 @@ def test_a_group_given_up_alone_gets_an_id_that_training_s_seeded_random_does_no
     # workers that drew their alone-ids from it handed in the same handle and their new group failed.
     import random
 
-    from elastic_runner.recovery.regroup import Regroup
+    from elastic_runner.recovery.rebuild import Regroup
 
     ids: list[int] = []
 
