@@ -302,6 +302,18 @@ def test_a_worker_killed_while_its_nodes_standby_still_builds_gets_that_standby_
     assert sum(agent.log_text().count("→ recovered in process in ") for agent in job.agents) == 2, job.logs_tail()
 
 
+def _with_a_new_node_in_its_place_ends_as_the_uninterrupted_run(job: Any, gone: Any, reference_model: Any,
+                                                                 tmp_path: Path) -> None:
+    """A new node takes ``gone``'s place (nnodes 2:2); every other agent ends well, the audit is clean and the model
+    is the uninterrupted run's bit for bit."""
+    job.start_agent()
+    codes = job.wait(timeout=240)
+    assert [c for a, c in zip(job.agents, codes) if a is not gone] == [0, 0], f"{codes}\n{job.logs_tail()}"
+    report = check_audit(Path(job.run_dir))
+    assert report.ok and report.finished, report.render()
+    assert_bitwise_equal(exported_model(Path(job.run_dir), tmp_path), reference_model)
+
+
 @pytest.mark.slow
 def test_a_survivor_killed_while_it_waits_in_the_regroup_ends_in_a_recovered_job_bitwise(
         reference_model: Any, local_job: Any, tmp_path: Path) -> None:
@@ -349,12 +361,7 @@ def test_a_node_preempted_while_a_survivor_waits_in_the_regroup_ends_in_a_recove
         preempted.proc.wait(timeout=60)
     finally:
         gate.unlink(missing_ok=True)
-    job.start_agent()  # the new node in its place (nnodes 2:2)
-    codes = job.wait(timeout=240)
-    assert [c for a, c in zip(job.agents, codes) if a is not preempted] == [0, 0], f"{codes}\n{job.logs_tail()}"
-    report = check_audit(run_dir)
-    assert report.ok and report.finished, report.render()
-    assert_bitwise_equal(exported_model(run_dir, tmp_path), reference_model)
+    _with_a_new_node_in_its_place_ends_as_the_uninterrupted_run(job, preempted, reference_model, tmp_path)
 
     assert "has left the rendezvous" in preempted.log_text(), preempted.log_text()[-3000:]
     assert {e["pid"] for e in events(run_dir, "start") if of_agent(e, survivor.agent)} == {survivor.pid}, \
@@ -450,12 +457,7 @@ def test_a_node_that_goes_while_its_next_standby_still_builds_ends_in_a_recovere
             continue_workers(job, [survivor])
     finally:
         gate.unlink(missing_ok=True)
-    job.start_agent()  # the new node in its place (nnodes 2:2)
-    codes = job.wait(timeout=240)
-    assert [c for a, c in zip(job.agents, codes) if a is not gone] == [0, 0], f"{codes}\n{job.logs_tail()}"
-    report = check_audit(run_dir)
-    assert report.ok and report.finished, report.render()
-    assert_bitwise_equal(exported_model(run_dir, tmp_path), reference_model)
+    _with_a_new_node_in_its_place_ends_as_the_uninterrupted_run(job, gone, reference_model, tmp_path)
 
     assert {e["pid"] for e in events(run_dir, "start") if of_agent(e, survivor.agent)} == {survivor.pid}, \
         "the survivor's worker kept its process\n" + job.logs_tail()
