@@ -8,7 +8,9 @@ agents and their workers while it does.
 - ``channel``    the protocol's messages, typed: in the job's store (beats, announcements, generations, handles, the
   watchdog's counters and abort), signed with the job's key; between an agent and its own workers (ready, park,
   parked, place) in the agent's private directory.
-- ``regroup``    the process group rebuilt for a new membership in the same process (in-process recovery's core).
+- ``rebuild``    the process group rebuilt for a new membership in the same process (in-process recovery's core).
+- ``regroup``    who waits for whom at an unchanged membership: survivors, a failed peer's replacement, the agents'
+  beats and announcements in the job's store.
 - ``liveness``   whether group rank 0's agent is alive once the job's store is gone with its worker (a signed
   challenge on the agent's own port): its node's loss counted out at once.
 - ``handover``   a kept worker's place in the agent's next round: the channel's ready, park, parked and place

@@ -202,74 +202,62 @@ class JobConfig(Message):
 
 
 @dataclass(frozen=True)
-class ReadyToPark(Message):
-    """The worker at ``local_rank`` (process ``pid``) can park now: it is in its training loop, or waits for a failed
-    peer's replacement. Between an agent and its own workers (:class:`PrivateDirectory`), as the three below."""
+class LocalMessage(Message):
+    """A message between an agent and its own worker at ``local_rank`` (:class:`PrivateDirectory`): one file each,
+    named by :attr:`file` with the local rank."""
 
     local_rank: int
+    file: ClassVar[str] = ""
+
+    def key(self) -> str:
+        return self.at(self.local_rank)
+
+    @classmethod
+    def at(cls, local_rank: int) -> str:
+        return cls.file.format(local_rank)
+
+
+@dataclass(frozen=True)
+class ReadyToPark(LocalMessage):
+    """The worker at ``local_rank`` (process ``pid``) can park now: it is in its training loop, or waits for a failed
+    peer's replacement (its announcement, then its arrival)."""
+
     pid: int
     kind: ClassVar[str] = "ready"
-
-    def key(self) -> str:
-        return self.at(self.local_rank)
-
-    @staticmethod
-    def at(local_rank: int) -> str:
-        return f"ready-{local_rank}"
+    file: ClassVar[str] = "ready-{}"
 
 
 @dataclass(frozen=True)
-class ParkRequest(Message):
+class ParkRequest(LocalMessage):
     """The agent asks its worker at ``local_rank`` to park at its next step boundary, for ``why``."""
 
-    local_rank: int
     why: str
     kind: ClassVar[str] = "park"
-
-    def key(self) -> str:
-        return self.at(self.local_rank)
-
-    @staticmethod
-    def at(local_rank: int) -> str:
-        return f"park-{local_rank}"
+    file: ClassVar[str] = "park-{}"
 
 
 @dataclass(frozen=True)
-class Parked(Message):
+class Parked(LocalMessage):
     """The worker at ``local_rank`` (process ``pid``) is parked and waits for its :class:`Place`. ``lost``: the
     group ranks of the agents it saw stop beating in its round of ``agents`` agents (their nodes are lost: its agent
     counts them out of the next round instead of waiting the dead-node window); none when it parked for another
     reason (``agents`` 0)."""
 
-    local_rank: int
     pid: int
     agents: int = 0
     lost: tuple[int, ...] = ()
     kind: ClassVar[str] = "parked"
-
-    def key(self) -> str:
-        return self.at(self.local_rank)
-
-    @staticmethod
-    def at(local_rank: int) -> str:
-        return f"parked-{local_rank}"
+    file: ClassVar[str] = "parked-{}"
 
 
 @dataclass(frozen=True)
-class Place(Message):
+class Place(LocalMessage):
     """The agent's answer to a :class:`Parked` worker: its environment in the new round (what torch's agent gives a
     new worker: ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ...)."""
 
-    local_rank: int
     environment: dict[str, str]
     kind: ClassVar[str] = "place"
-
-    def key(self) -> str:
-        return self.at(self.local_rank)
-
-    @staticmethod
-    def at(local_rank: int) -> str:
-        return f"place-{local_rank}.json"
+    file: ClassVar[str] = "place-{}.json"
 
 
 def agent_key(agent: int) -> str:

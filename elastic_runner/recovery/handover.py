@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Callable, Mapping
 
-from .channel import Channel, Message, Parked, ParkRequest, Place, PrivateDirectory, ReadyToPark
+from .channel import Channel, LocalMessage, Parked, ParkRequest, Place, PrivateDirectory, ReadyToPark
 
 #: Set by elastic_runner's agent for its workers: its private directory for the hand-over (unset: workers never park).
 HANDOVER_DIR_VAR = "ELASTIC_RUNNER_HANDOVER_DIR"
@@ -52,9 +52,8 @@ class Handover:
         self.directory, self.local_rank = Path(directory), local_rank
         self._store = PrivateDirectory(self.directory)
         self._channel = Channel(self._store, None)
-        self._keys: dict[type[Message], str] = {cls: cls.at(local_rank) for cls in (Place, Parked, ParkRequest, ReadyToPark)}
-        self.park_file, self.parked_file, self.place_file, self.ready_file = (
-            self._store.path(self._keys[cls]) for cls in (ParkRequest, Parked, Place, ReadyToPark))
+        self.park_file, self.parked_file, self.place_file = (
+            self._store.path(cls.at(local_rank)) for cls in (ParkRequest, Parked, Place))
 
     @classmethod
     def from_environ(cls, local_rank: int, environ: Mapping[str, str] | None = None) -> "Handover | None":
@@ -62,12 +61,12 @@ class Handover:
         directory = (os.environ if environ is None else environ).get(HANDOVER_DIR_VAR)
         return cls(directory, local_rank) if directory and os.path.isdir(directory) else None
 
-    def _read(self, cls: type[Message]) -> Message | None:
-        return self._channel.read(cls, self._keys[cls])
+    def _read(self, cls: type[LocalMessage]) -> LocalMessage | None:
+        return self._channel.read(cls, cls.at(self.local_rank))
 
-    def _take_back(self, *kinds: type[Message]) -> None:
+    def _take_back(self, *kinds: type[LocalMessage]) -> None:
         for cls in kinds:
-            self._store.delete_key(self._keys[cls])
+            self._store.delete_key(cls.at(self.local_rank))
 
     # -- the worker's side -----------------------------------------------------------------------------------
 
@@ -82,7 +81,7 @@ class Handover:
     def requested(self) -> bool:
         """Whether the agent asks this worker to park (checked at every step boundary: one ``stat``; what the agent
         asks for is read only once it parks)."""
-        return self._store.check([self._keys[ParkRequest]])
+        return self._store.check([ParkRequest.at(self.local_rank)])
 
     def park(self, wait_seconds: float, stopped: Callable[[], bool] = lambda: False,
              lost_agents: tuple[int, tuple[int, ...]] | None = None) -> dict[str, str] | None:
@@ -95,7 +94,7 @@ class Handover:
         deadline = time.monotonic() + wait_seconds
         try:
             while time.monotonic() < deadline and not stopped():
-                if not self._store.check([self._keys[Place]]):
+                if not self._store.check([Place.at(self.local_rank)]):
                     time.sleep(POLL_SECONDS)
                     continue
                 place = self._read(Place)
