@@ -11,7 +11,8 @@ torch's agent restarts every worker for each new round: ``_restart_workers`` sto
 2. runs the round as torch does;
 3. hands each parked worker its place in the new round instead of starting a process (:func:`handing_over`):
    the environment torch would have given a new one. A local rank whose worker could not park (it was building,
-   resuming or bringing its group up) or is gone gets a new process.
+   resuming or starting) or is gone gets a new process. A worker placed in the round before, still waiting there for
+   a new peer, parks again.
 
 A worker that was asked and does not park within :data:`PARK_WAIT_S` (a step stuck in native code) makes the agent
 fall back to torch's restart of every worker of the node (a parked worker ends at once on its SIGTERM).
@@ -71,7 +72,7 @@ def lost_agents(keeping: KeepingContext, places: list[Handover], agents: int) ->
 
 def park(keeping: KeepingContext, places: list[Handover], why: str, wait_s: float = PARK_WAIT_S) -> bool:
     """Ask every worker of the node that can park to do so; True once each has (a worker that cannot — it builds,
-    resumes or brings its group up — or whose process is gone gets a new process in the round), False when none
+    resumes or starts — or whose process is gone gets a new process in the round), False when none
     can be kept or one that was asked did not park within ``wait_s`` (the caller restarts every worker; the requests
     are withdrawn)."""
     if keeping._pc is None:

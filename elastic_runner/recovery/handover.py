@@ -12,9 +12,11 @@ over the agent's private directory (:class:`~.channel.PrivateDirectory`, mode 07
 file per message and local rank, written whole or not at all (a rename), read as JSON of its type or not at all
 (nothing crosses it that could run code):
 
-- :class:`~.channel.ReadyToPark` (``ready-<local_rank>``): the worker can park now: it is in its training loop, or
-  waits for a failed peer's replacement (its announcement, then its arrival). A worker that is not (building,
-  resuming, bringing its group up) is not asked: the agent starts a new process in its place;
+- :class:`~.channel.ReadyToPark` (``ready-<local_rank>``): the worker can park now: it is in its training loop,
+  waits for a failed peer's replacement (its announcement, then its arrival), or, placed in a new round, waits for
+  that round's other ranks while its group comes up (a node joins or is lost again before a new peer started: it
+  parks for the round after). A worker that is not (building, resuming, starting) is not asked: the agent starts a
+  new process in its place;
 - :class:`~.channel.ParkRequest` (``park-<local_rank>``): the agent asks the worker to park, and why;
 - :class:`~.channel.Parked` (``parked-<local_rank>``): the worker is parked, waiting; where it parked because agents
   of its round stopped beating (their nodes are lost), which of them, in a round of how many agents: its agent counts
@@ -88,7 +90,9 @@ class Handover:
         """Say this worker is parked and wait up to ``wait_seconds`` for its place; the new environment, or None when
         none came in time or ``stopped()`` became true (the caller exits; its agent starts whatever it needs).
         ``lost_agents``: (the round's number of agents, the group ranks of those whose beat stood still)."""
-        self._take_back(Place)  # an answer to an earlier park is not this one's
+        # An answer to an earlier park is not this one's; the request is answered, and a parked worker is not "ready"
+        # (its agent must not read a ready worker left over from the attempt, and ask again, once it gave the place).
+        self._take_back(Place, ParkRequest, ReadyToPark)
         agents, lost = lost_agents if lost_agents is not None else (0, ())
         self._channel.send(Parked(self.local_rank, os.getpid(), agents, tuple(lost)))
         deadline = time.monotonic() + wait_seconds

@@ -35,8 +35,9 @@ a worker asked to park did not reach a step boundary in time           restarts 
 otherwise (each parked worker is handed its place in the new round)    keeps
 =====================================================================  ============
 
-A worker that could not be asked (it was building, resuming or bringing its group up) or whose process is gone gets
-a new process in the kept round; the others keep theirs.
+A worker that could not be asked (it was building, resuming or starting) or whose process is gone gets a new process
+in the kept round; the others keep theirs (one placed in the round before that still waits there for a new peer is
+asked again, and parks again).
 """
 
 from __future__ import annotations

@@ -52,6 +52,16 @@ class RegroupError(RuntimeError):
         self.lost_agents = lost_agents
 
 
+class AskedToPark(RegroupError):
+    """This member's agent asked it to park for a new round while it waited for the others: the group it waited for
+    will not form (its agent and theirs are in the new round), and the member parks instead of failing."""
+
+    def __init__(self, waiting_for: str = "the others") -> None:
+        super().__init__(f"the membership changes (this worker's agent asked it to park while it waited for "
+                         f"{waiting_for})")
+        self.waiting_for = waiting_for
+
+
 class ReconfigureRefused(RegroupError):
     """This build's backend does not create a reconfigurable group (whatever the members do)."""
 
@@ -169,6 +179,18 @@ class Regroup:
         except Exception:  # noqa: BLE001 - the group is being given up anyway
             log.debug("abort of the failed group failed", exc_info=True)
 
+    def arrive(self, membership: Membership) -> None:
+        """Say this member arrived for ``membership``'s group (see :meth:`wait_for_arrivals`)."""
+        self.channel.send(Arrived(membership.generation, self.member))
+
+    def wait_for_arrivals(self, membership: Membership, wait: datetime.timedelta | None = None,
+                          leaving: Callable[[], bool] | None = None) -> None:
+        """Wait ``wait`` (default :attr:`wait`) for every member of ``membership`` to have arrived, before its group
+        is created: torch's own group start would wait its whole timeout, in native code, where nobody can ask this
+        member to leave. ``leaving``: :class:`AskedToPark` ends the wait as soon as it says so."""
+        self._wait_for(Arrived, [arrived_key(membership.generation, m) for m in membership.members],
+                       wait or self.wait, leaving)
+
     def leave(self) -> None:
         """Destroy the group (the process ends, or falls back to a restart)."""
         destroy_default_group()
@@ -212,10 +234,8 @@ class Regroup:
     def _recreate(self, membership: Membership, rank: int, wait: datetime.timedelta,
                   leaving: Callable[[], bool] | None = None) -> None:
         self.leave()
-        # Every member there first, within the wait: the group's own start would wait its whole timeout.
-        arrived = [arrived_key(membership.generation, m) for m in membership.members]
-        self.channel.send(Arrived(membership.generation, self.member))
-        self._wait_for(Arrived, arrived, wait, leaving)
+        self.arrive(membership)  # every member there first, within the wait
+        self.wait_for_arrivals(membership, wait, leaving)
         store = tdist.PrefixStore(f"{PREFIX}/{membership.generation}", self.store)
         tdist.init_process_group(self.backend, store=store, rank=rank, world_size=len(membership.members),
                                  timeout=self.timeout)
@@ -250,7 +270,7 @@ def _until_there(store: Any, keys: list[str], wait: datetime.timedelta, leaving:
     deadline = started + wait.total_seconds()
     while not store.check(keys):
         if leaving():
-            raise RegroupError("the membership changes (this worker's agent asked it to park)")
+            raise AskedToPark()
         now = time.monotonic()
         if now >= deadline:
             raise RegroupError(f"the other members did not arrive within {wait.total_seconds():g}s")

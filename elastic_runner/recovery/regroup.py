@@ -26,7 +26,7 @@ import torch
 from ..bounded_store import BoundedStore
 from . import liveness
 from .channel import AgentBeat, AliveAt, Channel, Coming, InGeneration, agent_key, generation_key
-from .rebuild import Membership, Regroup, RegroupError
+from .rebuild import AskedToPark, Membership, Regroup, RegroupError
 
 log = logging.getLogger(__name__)
 
@@ -203,9 +203,20 @@ class SameMembers:
     def method(self) -> str:
         return self.regroup.method
 
-    def first(self, wait: datetime.timedelta) -> float:
-        """The round's first group (generation 0), waiting ``wait`` for every rank; seconds it took."""
-        return self.regroup.join(Membership(0, self._members()), wait)
+    def first(self, wait: datetime.timedelta, leaving: Callable[[], bool] | None = None) -> float:
+        """The round's first group (generation 0), made reconfigurable, waiting ``wait`` for every rank; seconds it
+        took. ``leaving``: :class:`~.rebuild.AskedToPark` as soon as it says so while this rank waits."""
+        return self.regroup.join(Membership(0, self._members()), wait, leaving=leaving)
+
+    def arrive_first(self, wait: datetime.timedelta, leaving: Callable[[], bool] | None = None) -> None:
+        """Before the round's first group is made the ordinary way (``recreate``): say this rank arrived and, where
+        it may be asked to leave (``leaving``: a kept worker placed in a round whose new peers are still starting,
+        when its agent starts yet another round), wait ``wait`` for the others, ending in
+        :class:`~.rebuild.AskedToPark` as soon as ``leaving()`` says so. Every rank says it, whether it waits or not."""
+        membership = Membership(0, self._members())
+        self.regroup.arrive(membership)
+        if leaving is not None:
+            self.regroup.wait_for_arrivals(membership, wait, leaving)
 
     def formed(self) -> None:
         """The round's first group works (its first collective went through): a replacement of this rank may join
@@ -235,7 +246,7 @@ class SameMembers:
         beats: _AgentBeats | None = None
         while True:
             if leaving is not None and leaving():
-                raise RegroupError("the membership changes (this worker's agent asked it to park)")
+                raise AskedToPark("a failed peer's replacement to be announced")
             try:
                 if self._watching.read(Coming, key) is not None:
                     break

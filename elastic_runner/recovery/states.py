@@ -19,6 +19,7 @@ rejoin     the group is rebuilt with the failed peer's replacement              
 rejoin     it is not, and the agent can hand this worker a place                park
 rejoin     it is not, and no agent hands places                                 exit
 park       a place in the new round, and the group is up there                  training
+park       the agent asks it to park again while that group comes up           park
 park       no place (the agent stopped it, gave up, or the round failed)        exit
 =========  ===================================================================  =========
 
@@ -88,6 +89,7 @@ TRANSITIONS: tuple[Transition, ...] = (
     Transition(R, "it is not, and the agent can hand this worker a place", P),
     Transition(R, "it is not, and no agent hands places", X),
     Transition(P, "a place in the new round, and the group is up there", T),
+    Transition(P, "the agent asks it to park again while that group comes up", P),
     Transition(P, "no place (the agent stopped it, gave up, or the round failed)", X),
 )
 

@@ -6,29 +6,33 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import socket
 import time
 from typing import Any, Callable
 
 import torch
 import torch.distributed as tdist
 
-from ..dist import Deadline, Dist, DistError, choose_backend, choose_device
+from ..dist import Deadline, Dist, DistError, choose_backend, choose_device, destroy_default_group
 from ..env import WorkerEnv
 from ..lifecycle import EXIT_PEER_TIMEOUT, exit_now
 from ..snapshot.format import current_signing_key
 from ..recovery import liveness
-from ..recovery.rebuild import ReconfigureRefused, RegroupError, chosen_regroup
+from ..recovery.rebuild import AskedToPark, ReconfigureRefused, RegroupError, chosen_regroup
 from ..recovery.regroup import SameMembers
 
 log = logging.getLogger(__name__)
 
 
-def _first_reconfigurable(same: SameMembers, rank: int, wanted: str, wait_seconds: float) -> bool:
+def _first_reconfigurable(same: SameMembers, rank: int, wanted: str, wait_seconds: float,
+                          leaving: Callable[[], bool] | None = None) -> bool:
     """The round's first group, created reconfigurable; False where the backend refused that under
     ``recovery.regroup: auto`` (the caller creates the group as any other, and rebuilds recreate it)."""
     try:
-        same.first(datetime.timedelta(seconds=wait_seconds))
+        same.first(datetime.timedelta(seconds=wait_seconds), leaving)
         return True
+    except AskedToPark:
+        raise
     except ReconfigureRefused as exc:
         if wanted == "reconfigure":
             raise DistError(f"recovery.regroup: {exc}. Use auto (reconfigure where it is possible, else recreate) "
@@ -56,16 +60,38 @@ def _import_dynamo_first() -> None:
     import torch._dynamo  # noqa: F401
 
 
-def job_store(env: WorkerEnv, timeout: datetime.timedelta) -> Any:
+#: How often a worker that may be asked to park looks whether rank 0's worker listens yet (a plain connection: torch's
+#: client cannot be asked anything while it retries, and warns with a stack trace at each attempt).
+LISTENING_POLL_S = 0.02
+
+
+def _until_listening(address: str, port: int, timeout: datetime.timedelta, leaving: Callable[[], bool]) -> None:
+    """Until something listens at ``address:port`` (rank 0's worker hosts the job's store there), or ``timeout``
+    (the caller's client then fails as it would have); :class:`AskedToPark` as soon as ``leaving()`` says so."""
+    deadline = time.monotonic() + timeout.total_seconds()
+    while time.monotonic() < deadline:
+        if leaving():
+            raise AskedToPark("rank 0's worker to open the job's store")
+        try:
+            socket.create_connection((address, port), timeout=LISTENING_POLL_S * 5).close()
+            return
+        except OSError:
+            time.sleep(LISTENING_POLL_S)
+
+
+def job_store(env: WorkerEnv, timeout: datetime.timedelta, leaving: Callable[[], bool] | None = None) -> Any:
     """The job's TCPStore as ``env://`` would make it, except that rank 0 binds MASTER_PORT with ``SO_REUSEPORT``:
     the agent that offered the port still holds it that way (:mod:`elastic_runner.rendezvous.ports`), so that no
     other local user could take it meanwhile, and only a socket of the same user with the same option can share
-    it. None where that is not possible here (the caller then uses ``env://``)."""
+    it. None where that is not possible here (the caller then uses ``env://``). ``leaving``: another rank's
+    wait for rank 0's store ends in :class:`AskedToPark` as soon as it says so."""
     from ..rendezvous.ports import reuseport_socket
 
     if env.master_addr is None or env.master_port is None:
         return None
     if env.rank != 0:
+        if leaving is not None:
+            _until_listening(env.master_addr, env.master_port, timeout, leaving)
         return tdist.TCPStore(env.master_addr, env.master_port, env.world_size, False, timeout=timeout,
                               multi_tenant=True)
     try:
@@ -79,18 +105,35 @@ def job_store(env: WorkerEnv, timeout: datetime.timedelta) -> Any:
         sock.close()
         log.debug("MASTER_PORT %s cannot be listened on (%s); env:// binds it", env.master_port, exc)
         return None
-    # The store takes the listening socket over (and closes it with itself).
+    # The store takes the listening socket over (and closes it with itself). A worker that may be asked to leave does
+    # not wait in here for the others to connect (native code): it waits for their arrival in the group's start.
     return tdist.TCPStore(env.master_addr, env.master_port, env.world_size, True, timeout=timeout,
-                          multi_tenant=True, master_listen_fd=sock.detach(), use_libuv=True)
+                          multi_tenant=True, master_listen_fd=sock.detach(), use_libuv=True,
+                          wait_for_workers=leaving is None)
 
 
 def up(env: WorkerEnv, *, backend: str = "auto", device: str = "auto",
        timeout_seconds: float = 300.0, init_timeout_seconds: float = 30.0, in_process: bool = False,
-       regroup_wait_seconds: float = 5.0, regroup: str = "recreate") -> Dist:
+       regroup_wait_seconds: float = 5.0, regroup: str = "recreate", leaving: Callable[[], bool] | None = None) -> Dist:
     """The process group of this worker. ``in_process``: a failed peer is replaced and this worker rebuilds
     its group with the replacement (:func:`rejoin`) the ``regroup`` way (``recovery.regroup``), waiting
     ``regroup_wait_seconds`` for it; a worker that *is* a replacement (``ELASTIC_RUNNER_REPLACES``) joins the
-    group its predecessor's survivors rebuild."""
+    group its predecessor's survivors rebuild. ``leaving`` (a kept worker placed in a new round): while this worker
+    waits for the round's other ranks, :class:`~elastic_runner.recovery.rebuild.AskedToPark` as soon as it says so
+    (its agent starts yet another round), with no group left behind."""
+    try:
+        return _up(env, backend, device, timeout_seconds, init_timeout_seconds, in_process, regroup_wait_seconds,
+                   regroup, leaving)
+    except AskedToPark as exc:
+        waiting_for = exc.waiting_for
+    # Out of the handler, and raised anew: the first one's traceback holds the abandoned round's store (rank 0's
+    # listens still) and its group, which must close now: the worker parks for another round.
+    destroy_default_group()  # (the reconfigurable first group begins as a group of one)
+    raise AskedToPark(waiting_for)
+
+
+def _up(env: WorkerEnv, backend: str, device: str, timeout_seconds: float, init_timeout_seconds: float,
+        in_process: bool, regroup_wait_seconds: float, regroup: str, leaving: Callable[[], bool] | None) -> Dist:
     dev = choose_device(env, device)
     chosen = choose_backend(dev, backend)
     if dev.type == "cuda":
@@ -121,7 +164,7 @@ def up(env: WorkerEnv, *, backend: str = "auto", device: str = "auto",
                     f"WORLD_SIZE={env.world_size} but MASTER_ADDR/MASTER_PORT are not set; "
                     "launch with torchrun (or elastic-runner launch)"
                 )
-            store = job_store(env, timeout)
+            store = job_store(env, timeout, leaving)
             if in_process and env.world_size > 1 and store is not None:
                 try:
                     method = chosen_regroup(regroup, chosen)
@@ -137,7 +180,9 @@ def up(env: WorkerEnv, *, backend: str = "auto", device: str = "auto",
                 same.replace()  # the group the survivors rebuild for this process
                 joined = True
             elif same is not None and same.method == "reconfigure":
-                joined = _first_reconfigurable(same, env.rank, regroup, init_timeout_seconds)
+                joined = _first_reconfigurable(same, env.rank, regroup, init_timeout_seconds, leaving)
+            if not joined and same is not None:
+                same.arrive_first(datetime.timedelta(seconds=init_timeout_seconds), leaving)
             if not joined:
                 kwargs: dict[str, Any] = {"device_id": dev} if dev.type == "cuda" else {}
                 if store is not None:

@@ -40,7 +40,7 @@ from ..lifecycle import (EXIT_OK, EXIT_PEER_LOST, EXIT_USAGE, StopRequest, die_w
 from .preflight import warn_known_bad_setups
 from .run_dir import save_node_memory
 from ..recovery.handover import Handover, HandoverError
-from ..recovery.rebuild import RegroupError
+from ..recovery.rebuild import AskedToPark, RegroupError
 
 if TYPE_CHECKING:
     from ..workload.spec import Workload
@@ -194,9 +194,11 @@ def _recover(broken: Broken, cfg: Config, env: WorkerEnv, dist: Dist, handover: 
     return new_env, new_dist, placed_at
 
 
-def _up(cfg: Config, env: WorkerEnv, make_workload: Callable[[], Workload] | None) -> Dist | None:
+def _up(cfg: Config, env: WorkerEnv, make_workload: Callable[[], Workload] | None,
+        leaving: Callable[[], bool] | None = None) -> Dist | None:
     """The process group of ``env``'s place; None for a replacement whose survivors did not come (the caller exits
-    76: another replacement would wait the same way, so every worker restarts)."""
+    76: another replacement would wait the same way, so every worker restarts). ``leaving``: see
+    :func:`.group.up` (:class:`AskedToPark` passes through)."""
     try:
         return group.up(env, backend=cfg.dist.backend, device=cfg.dist.device,
                         timeout_seconds=cfg.dist.timeout_seconds,
@@ -204,7 +206,9 @@ def _up(cfg: Config, env: WorkerEnv, make_workload: Callable[[], Workload] | Non
                         in_process=in_process_wanted(cfg, env, make_workload),
                         regroup_wait_seconds=cfg.dist.heartbeat_seconds or cfg.dist.init_timeout_seconds,
                         # A sharded model's device mesh makes its groups from the first one: those are made anew.
-                        regroup="recreate" if cfg.parallel.sharded else cfg.recovery.regroup)
+                        regroup="recreate" if cfg.parallel.sharded else cfg.recovery.regroup, leaving=leaving)
+    except AskedToPark:
+        raise
     except RegroupError as exc:
         # (their agents restarted them for a new round, or they failed again; an ordinary failure would make its
         # agent replace it again and again)
@@ -219,33 +223,46 @@ def _park(cfg: Config, env: WorkerEnv, dist: Dist, handover: Handover, stop: Sto
     the agent's new round (:mod:`.handover`), and bring the group up there. The model, optimizer and compiled code
     stay; the next attempt resumes from the newest step every rank can have, resharded for the new world size.
     ``lost_agents``: the group ranks of the round's agents this worker saw silent (its agent counts them out of the
-    next round). The new env, its group and when this worker took its place (its start in the next attempt); dist
-    None where no place came (the agent stopped this worker, or gave up on keeping it)."""
+    next round). While the group comes up in the new round (its new peers may still be starting), its agent can ask
+    it to park again, for the round after: it gives that group up and waits for its next place. The new env, its
+    group and when this worker took its place (its start in the next attempt); dist None where no place came (the
+    agent stopped this worker, or gave up on keeping it)."""
     started = time.monotonic()
     # Rank 0's store stays up until this worker has its place: a peer still finishing a long step must not see it go
     # (its watchdog would end it) before its own agent asks it to park.
     held = dist.store
     dist.down()
     log.info("rank %d: %s; waiting for this worker's place in the agent's next round (in process)", env.rank, cause)
-    try:
-        place = handover.park(PARK_WAIT_S, stopped=lambda: stop.requested,
-                              lost_agents=(env.group_world_size, lost_agents) if lost_agents else None)
-    except HandoverError as exc:
-        say(f"elastic_runner: rank {env.rank}: {exc}; every worker restarts")
-        return env, None, time.time()
-    placed_at = time.time()
-    del held
-    if place is None:
-        if not stop.requested:
-            say(f"elastic_runner: rank {env.rank}: no place in a new round within {PARK_WAIT_S:g}s of parking "
-                "(in-process recovery); every worker restarts")
-        return env, None, placed_at
-    os.environ.pop(REPLACES_VAR, None)  # this process replaces nobody in the new round
-    os.environ.update(place)
-    new = WorkerEnv.from_environ()
-    setup_logging(cfg.logging.level, new.rank, new.world_size)
-    name_process(new.rank, new.local_rank)
-    rebuilt = _up(cfg, new, None)
+    lost = (env.group_world_size, lost_agents) if lost_agents else None
+    while True:
+        try:
+            place = handover.park(PARK_WAIT_S, stopped=lambda: stop.requested, lost_agents=lost)
+        except HandoverError as exc:
+            say(f"elastic_runner: rank {env.rank}: {exc}; every worker restarts")
+            return env, None, time.time()
+        placed_at = time.time()
+        held = None  # (the old round's store may go now)
+        if place is None:
+            if not stop.requested:
+                say(f"elastic_runner: rank {env.rank}: no place in a new round within {PARK_WAIT_S:g}s of parking "
+                    "(in-process recovery); every worker restarts")
+            return env, None, placed_at
+        os.environ.pop(REPLACES_VAR, None)  # this process replaces nobody in the new round
+        os.environ.update(place)
+        new = WorkerEnv.from_environ()
+        setup_logging(cfg.logging.level, new.rank, new.world_size)
+        name_process(new.rank, new.local_rank)
+        # It can park again while its group comes up: the round's new peers may still be starting when a node joins
+        # or is lost again, and its agent then asks it to park for the round after (instead of starting a new process).
+        handover.ready()
+        try:
+            rebuilt = _up(cfg, new, None, leaving=handover.requested)
+        except AskedToPark as exc:
+            log.info("rank %d: %s; parking again for the round after", new.rank, exc)
+            env, lost = new, None
+            continue
+        handover.busy()  # until the next attempt's loop: it cannot park while it resumes
+        break
     if rebuilt is not None:
         log.warning("rank %d: the membership changed (%s); this worker kept its process and is rank %d of %d in the "
                     "new round after %.3fs (in process)", env.rank, cause, new.rank, new.world_size,

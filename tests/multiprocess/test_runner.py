@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from typing import Callable
 from pathlib import Path
 
 import pytest
@@ -278,3 +279,68 @@ def test_a_replacement_whose_survivors_never_rebuild_the_group_ends_so_that_ever
     # The predecessor had formed it: the replacement waits for the survivors.
     Channel(store, None).send(InGeneration(1, 0))
     assert "rank 1: could not rebuild the process group for generation 1" in replacement()
+
+
+def test_a_kept_worker_asked_to_park_again_while_its_group_comes_up_in_a_new_round_keeps_its_process(
+        small_config: Path, tmp_path: Path) -> None:
+    """Before: a kept worker placed in a new round whose new peer was still starting waited for it in torch's group
+    start (native code) and could not be asked anything; a second node joining or lost then made its agent kill it and
+    start a new process. Now it says it can park while it waits, and parks again when asked. The test plays the
+    agent: it parks the worker training alone, places it at rank 0 of two (nobody comes as rank 1), asks it to park
+    again, and places it alone; it resumes from node memory and finishes, in the same process throughout."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from elastic_runner.env import AGENT_ID_VAR
+    from elastic_runner.lifecycle import EXIT_OK
+    from elastic_runner.recovery.handover import HANDOVER_DIR_VAR, Handover
+    from elastic_runner.testing.localjob import free_port
+
+    handover_dir, run_dir = tmp_path / "handover", tmp_path / "run"
+    handover_dir.mkdir(mode=0o700)
+    place = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": "0",
+             "GROUP_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    env = os.environ | place | {"PYTHONUNBUFFERED": "1", AGENT_ID_VAR: "test-agent-0",
+                                HANDOVER_DIR_VAR: str(handover_dir)}
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "elastic_runner.train", "--config", str(small_config), "--set", f"run.dir={run_dir}",
+         "--set", "recovery.in_process=true", "--set", "logging.every_steps=50",
+         "--set", "dist.init_timeout_seconds=60", "--set", "dist.heartbeat_seconds=60"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    handover = Handover(handover_dir, 0)
+
+    def until(what: str, done: Callable[[], bool], seconds: float) -> float:
+        started = time.monotonic()
+        while not done():
+            assert worker.poll() is None, f"the worker ended while the test waited for {what}"
+            assert time.monotonic() - started < seconds, f"no {what} within {seconds:g}s"
+            time.sleep(0.01)
+        return time.monotonic() - started
+
+    try:
+        until("ready to park in its training loop", lambda: handover.ready_pid() == worker.pid, 90)
+        handover.ask_to_park("a node joins")
+        until("park", lambda: handover.parked_pid() == worker.pid, 30)
+        handover.give_place(place | {"WORLD_SIZE": "2", "GROUP_WORLD_SIZE": "2", "MASTER_PORT": str(free_port())})
+        # It brings the round of two up, as rank 0: it hosts the store and waits for rank 1, who is still starting.
+        until("ready to park while its group comes up", lambda: handover.ready_pid() == worker.pid, 30)
+        time.sleep(0.5)
+        handover.ask_to_park("another node joins")
+        parked_after = until("park again", lambda: handover.parked_pid() == worker.pid, 30)
+        handover.give_place(place | {"MASTER_PORT": str(free_port())})
+        out, _ = worker.communicate(timeout=120)
+    finally:
+        if worker.poll() is None:
+            os.killpg(worker.pid, signal.SIGKILL)
+            worker.wait()
+    assert worker.returncode == EXIT_OK, out[-3000:]
+    assert parked_after < 5, f"it parked {parked_after:.1f}s after it was asked: its group's start held it"
+    assert "asked it to park while it waited for the others); parking again for the round after" in out, out[-3000:]
+    assert "this worker kept its process and is rank 0 of 1 in the new round" in out, out[-3000:]
+    kept = [e["step"] for e in events(run_dir, "kept_in_memory")]
+    resumed = events(run_dir, "resume")[-1]
+    assert (resumed["tier"], resumed["step"], resumed["steps_recomputed"]) == ("memory", kept[-1], 0), resumed
+    (end,) = end_events(run_dir)
+    assert end["generation"] == resumed["generation"], "it finished in the attempt that resumed alone"

@@ -34,7 +34,7 @@ class _RefusingMembers:
     def __init__(self) -> None:
         self.regroup = self._Group()
 
-    def first(self, wait: object) -> float:
+    def first(self, wait: object, leaving: object = None) -> float:
         raise ReconfigureRefused("the gloo group of torch 9.9 does not support reconfigure")
 
 
