@@ -344,6 +344,40 @@ def test_a_survivor_killed_while_it_waits_in_the_regroup_ends_in_a_recovered_job
 
 
 @pytest.mark.slow
+def test_a_replacement_killed_before_it_joins_is_replaced_again_into_the_same_regroup_and_the_run_ends_bitwise(
+        reference_model: Any, local_job: Any, tmp_path: Path) -> None:
+    """The first branch of "a replacement killed while it joins", apart: the place of rank 1 is held by a standby
+    that still builds (as above), and that standby is killed before it reached the group, while rank 0's worker
+    waits for it in the regroup (``dist.heartbeat_seconds`` 20: long enough for the next one). Rank 1's agent
+    replaces it again, for the same generation (the killed one never said it joined one), and the survivor's wait
+    ends with that one: rank 0's worker keeps its process through all three replacements, the killed standby never
+    trains, no rendezvous round, and the run is the uninterrupted one. (The other branch, a replacement killed once it
+    is in the group, is an ordinary peer's failure: the survivor rebuilds again, the first test of this file.)"""
+    job, gate = _gated_job(local_job, tmp_path, heartbeat_seconds=20)
+    run_dir = Path(job.run_dir)
+    try:
+        first, second, ready, building, survivor, _ = _rank_1_killed_while_its_next_standby_builds(job, gate)
+        killed_at = time.time()
+        os.kill(building, signal.SIGKILL)  # given the place, still building: it has not reached the group
+    finally:
+        gate.unlink(missing_ok=True)
+    _ends_as_the_uninterrupted_run(job, reference_model, tmp_path)
+
+    replaced = _agent_events(run_dir, "worker_replaced")
+    assert [(e["pid"], e["new_pid"]) for e in replaced[:2]] == [(first.pid, ready), (second.pid, building)], replaced
+    assert [e["pid"] for e in replaced[2:]] == [building], f"the killed standby replaced once: {replaced}"
+    third = replaced[2]["new_pid"]
+    starts = events(run_dir, "start")
+    assert {e["pid"] for e in starts if e["rank"] == 0} == {survivor.pid}, "rank 0 kept its process\n" + job.logs_tail()
+    assert building not in {e["pid"] for e in starts}, "the killed standby never trained"
+    assert third in {e["pid"] for e in starts if e["rank"] == 1 and e["time"] > killed_at}, \
+        "its replacement trained as rank 1\n" + job.logs_tail()
+    assert not _agent_events(run_dir, "restart"), "no rendezvous round, no worker restarted\n" + job.logs_tail()
+    # Two recoveries, as the survivor lived them: the killed standby's generation was completed by its successor.
+    assert sum(agent.log_text().count("→ recovered in process in ") for agent in job.agents) == 2, job.logs_tail()
+
+
+@pytest.mark.slow
 def test_a_node_preempted_while_a_survivor_waits_in_the_regroup_ends_in_a_recovered_job_bitwise(
         reference_model: Any, local_job: Any, etcd: Any, tmp_path: Path) -> None:
     """The regroup cell of a preemption: rank 0's worker waits in the regroup for rank 1's place, held by a standby
