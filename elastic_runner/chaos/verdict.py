@@ -171,13 +171,36 @@ def _stragglers_check(events: list[dict[str, Any]], slowed: list[Injected], hung
     if missed or wrong:
         return False, "; ".join(
             [f"the slow node at {f.offset} s (pids {f.targets}) was not named within {f.lasts_s + NAMED_WITHIN_S:g} s"
-             for f in missed] + [f"rank {e.get('rank')} (pid {e.get('pid')}) was named at step {e.get('step')} but "
+             f" ({_how_near(f, events)})" for f in missed] + [f"rank {e.get('rank')} (pid {e.get('pid')}) was named at step {e.get('step')} but "
                                  "never slowed" for e in wrong])
     return True, (f"{len(ridden) - len(excused)} of {len(slowed)} slow node(s) ridden out, each named a straggler "
                   f"({len(named)} naming(s))" + (f", {len(excused)} cut short by another fault's recovery"
                                                  if excused else "")
                   + (f", {len(beside)} worker(s) never slowed named while a starved agent started on their machine "
                      f"(at step(s) {[e.get('step') for e in beside]})" if beside else ""))
+
+
+def _how_near(fault: Injected, events: list[dict[str, Any]]) -> str:
+    """How near a slow node that was not named came to it: its workers' local time per step over the median rank's
+    (``local_ratios``) and their seconds at or above ``recovery.straggler_ratio`` (``slow_s``), as rank 0's logging
+    windows recorded them while it was slow and up to :data:`NAMED_WITHIN_S` after."""
+    ranks = {(e.get("generation"), e.get("pid")): e.get("rank") for e in events if e["kind"] == "start"}
+    ratios: list[float] = []
+    slow: list[float] = []
+    for e in events:
+        if e["kind"] != "progress" or e.get("rank") != 0 or not fault.at <= e["time"] <= (
+                fault.at + fault.lasts_s + NAMED_WITHIN_S):
+            continue
+        for pid in fault.targets:
+            rank = ranks.get((e.get("generation"), pid))
+            if rank is not None and rank < len(e.get("local_ratios") or []):
+                ratios.append(float(e["local_ratios"][rank]))
+                slow.append(float((e.get("slow_s") or [0.0] * (rank + 1))[rank]))
+    if not ratios:
+        return "no logging window of rank 0 recorded its workers' ratios then"
+    return (f"over {len(ratios)} logging window(s) its local time was {min(ratios):.2f}-{max(ratios):.2f}x the median "
+            f"rank's (median {statistics.median(ratios):.2f}x), at most {max(slow):.1f} s at or above the straggler "
+            "ratio")
 
 
 def _spare_check(events: list[dict[str, Any]], spares: list[Injected]) -> tuple[bool, str]:

@@ -395,6 +395,20 @@ def test_a_slow_node_must_be_named_unless_another_faults_recovery_left_too_few_w
     assert _stragglers_check(replaced, [_slow(10.0)], set())[0]
 
 
+def test_a_slow_node_not_named_is_reported_with_how_near_its_workers_came_to_the_straggler_ratio() -> None:
+    """The thousand-fault soak of 2026-12-04 missed 5 slow nodes and could not say why; each logging window now
+    carries every rank's ratio (``local_ratios``) and its seconds above the straggler ratio (``slow_s``)."""
+    windows = _with_pid(attempt(1, 0.0, 2, 40.0), 7)
+    ratios = {11.0: 1.4, 12.0: 2.1, 13.0: 1.9}
+    measured = [e | {"local_ratios": [ratios.get(e["time"], 1.0), 1.0], "slow_s": [0.0, 0.0] if e["time"] != 12.0
+                     else [0.9, 0.0]} if e["kind"] == "progress" else e for e in windows]
+    ok, detail = _stragglers_check(measured, [_slow(10.0)], set())
+    assert not ok and ("was not named within 15 s (over 16 logging window(s) its local time was 1.00-2.10x the median "
+                       "rank's (median 1.00x), at most 0.9 s at or above the straggler ratio)") in detail, detail
+    ok, detail = _stragglers_check(windows, [_slow(10.0)], set())
+    assert not ok and "(no logging window of rank 0 recorded its workers' ratios then)" in detail, detail
+
+
 def test_a_worker_never_slowed_that_is_named_fails_the_check_unless_a_starved_agent_was_starting_on_its_machine() -> None:
     """The 300-fault soak of 2026-12-04: rank 1, never throttled, was named at 3.9x its peers over 1.6 s while the
     chaos tool's spare agent started on the same 2-core machine, in 9.8 s against a median of 3.5 s. Named rightly —
