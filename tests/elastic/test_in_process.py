@@ -634,6 +634,25 @@ def _listens(pid: int) -> bool:
     return any(state == "0A" for state, _, _ in tcp_sockets(pid))
 
 
+def _held_in_the_first_group(job: Any) -> tuple[Any, Any]:
+    """Rank 1's worker stopped (SIGSTOP) as soon as it exists, and rank 0's worker waiting for it inside the first
+    process group's creation (hosting the job's store, listening); the two workers."""
+    deadline = time.monotonic() + 90
+    held = None
+    while held is None:
+        held = next((w for w in job.workers() if w.rank == 1), None)
+        assert time.monotonic() < deadline, "no worker of rank 1 within 90 s\n" + job.logs_tail()
+        time.sleep(0.005)
+    job.signal_worker(held, signal.SIGSTOP)
+    waiting = next(w for w in job.wait_for_workers(2, timeout=60) if w.rank == 0)
+    while not _listens(waiting.pid):
+        assert time.monotonic() < deadline, "rank 0's worker never hosted the job's store\n" + job.logs_tail()
+        time.sleep(0.02)
+    time.sleep(1.0)  # inside init_process_group: it waits for rank 1, which is stopped
+    assert not events(Path(job.run_dir), "start"), "the first process group came up before the fault"
+    return held, waiting
+
+
 @pytest.mark.parametrize("victim", [0, 1])
 def test_a_worker_killed_while_the_first_process_group_comes_up_ends_in_a_recovered_job(
         victim: int, resume_config: Path, reference_model: Any, local_job: Any, tmp_path: Path) -> None:
@@ -648,19 +667,7 @@ def test_a_worker_killed_while_the_first_process_group_comes_up_ends_in_a_recove
     at the first step, and the run is the uninterrupted one."""
     job = _started(local_job, resume_config, "elastic-runner", "dist.heartbeat_seconds=2")
     run_dir = Path(job.run_dir)
-    deadline = time.monotonic() + 90
-    held = None
-    while held is None:
-        held = next((w for w in job.workers() if w.rank == 1), None)
-        assert time.monotonic() < deadline, "no worker of rank 1 within 90 s\n" + job.logs_tail()
-        time.sleep(0.005)
-    job.signal_worker(held, signal.SIGSTOP)
-    waiting = next(w for w in job.wait_for_workers(2, timeout=60) if w.rank == 0)
-    while not _listens(waiting.pid):
-        assert time.monotonic() < deadline, "rank 0's worker never hosted the job's store\n" + job.logs_tail()
-        time.sleep(0.02)
-    time.sleep(1.0)  # inside init_process_group: it waits for rank 1, which is stopped
-    assert not events(run_dir, "start"), "the first process group came up before the kill"
+    held, waiting = _held_in_the_first_group(job)
     if victim == 0:
         job.signal_worker(waiting, signal.SIGKILL)
         job.signal_worker(held, signal.SIGCONT)
@@ -672,6 +679,29 @@ def test_a_worker_killed_while_the_first_process_group_comes_up_ends_in_a_recove
     # other rank trains in the process it had or in a new one (both are right, see above).
     assert sorted(e["rank"] for e in starts) == [0, 1] and {e["generation"] for e in starts} == {1}, \
         f"one attempt, the first, with both ranks: {starts}"
+    assert not events(run_dir, "resume"), "nothing to resume from: the run began at its first step"
+
+
+@pytest.mark.slow
+def test_an_agent_killed_while_the_first_process_group_comes_up_ends_in_a_recovered_job(
+        resume_config: Path, reference_model: Any, local_job: Any, tmp_path: Path) -> None:
+    """The start-up cell of an agent's SIGKILL: rank 1's worker stopped as soon as it exists, rank 0's waiting for it
+    inside the first group's creation, and rank 1's agent killed alone (its worker follows it). A new node takes its
+    place: no step was taken, so the job begins again at its first step, the lost agent's worker never trained, and
+    the run is the uninterrupted one."""
+    job = _started(local_job, resume_config, "elastic-runner", "dist.heartbeat_seconds=2")
+    run_dir = Path(job.run_dir)
+    held, _ = _held_in_the_first_group(job)
+    gone = held.agent
+    job.kill_agent(gone, signal.SIGKILL, with_workers=False)
+    deadline = time.monotonic() + 30
+    while alive(held.pid):
+        assert time.monotonic() < deadline, "the lost agent's worker outlived it\n" + job.logs_tail()
+        time.sleep(0.05)
+    _with_a_new_node_in_its_place_ends_as_the_uninterrupted_run(job, gone, reference_model, tmp_path)
+    starts = events(run_dir, "start")
+    assert held.pid not in {e["pid"] for e in starts}, "the lost agent's worker never trained"
+    assert sorted(e["rank"] for e in starts) == [0, 1], f"one attempt, with both ranks: {starts}"
     assert not events(run_dir, "resume"), "nothing to resume from: the run began at its first step"
 
 
