@@ -378,26 +378,30 @@ def test_a_replacement_killed_before_it_joins_is_replaced_again_into_the_same_re
 
 
 @pytest.mark.slow
-def test_a_node_preempted_while_a_survivor_waits_in_the_regroup_ends_in_a_recovered_job_bitwise(
-        reference_model: Any, local_job: Any, etcd: Any, tmp_path: Path) -> None:
-    """The regroup cell of a preemption: rank 0's worker waits in the regroup for rank 1's place, held by a standby
-    that still builds (as above), when rank 1's node is preempted (SIGTERM to its agent, on etcd-v3 as in
-    production). That agent stops its workers, the held standby among them, and leaves the rendezvous; rank 0's
-    worker, whose awaited peer will never come, parks in its process, and with a new node in the preempted one's
-    place the job goes on from rank 0's node memory at the step it kept: the run is the uninterrupted one."""
+@pytest.mark.parametrize("how", ["preempted", "lost", "agent killed"])
+def test_a_node_that_goes_while_a_survivor_waits_in_the_regroup_ends_in_a_recovered_job_bitwise(
+        how: str, reference_model: Any, local_job: Any, etcd: Any, tmp_path: Path) -> None:
+    """The regroup cells of a node that goes: rank 0's worker waits in the regroup for rank 1's place, held by a
+    standby that still builds (as above), when rank 1's node goes, on etcd-v3 as in production: preempted (SIGTERM to
+    its agent, which stops its workers, the held standby among them, and leaves the rendezvous), lost (its agent and
+    every process of it SIGKILLed: rank 0's worker sees the agent's beat stand still), or its agent killed alone (its
+    processes follow it). Rank 0's worker, whose awaited peer will never come, parks in its process, and with a new
+    node in the gone one's place the job goes on from rank 0's node memory at the step it kept: the run is the
+    uninterrupted one."""
     job, gate = _gated_job(local_job, tmp_path, etcd=etcd)
     run_dir = Path(job.run_dir)
     try:
         _, second, _, building, survivor, kept = _rank_1_killed_while_its_next_standby_builds(job, gate)
-        preempted = second.agent
+        gone = second.agent
         preempted_at = time.time()
-        job.kill_agent(preempted, signal.SIGTERM)
-        preempted.proc.wait(timeout=60)
+        job.kill_agent(gone, signal.SIGTERM if how == "preempted" else signal.SIGKILL, with_workers=how == "lost")
+        gone.proc.wait(timeout=60)
     finally:
         gate.unlink(missing_ok=True)
-    _with_a_new_node_in_its_place_ends_as_the_uninterrupted_run(job, preempted, reference_model, tmp_path)
+    _with_a_new_node_in_its_place_ends_as_the_uninterrupted_run(job, gone, reference_model, tmp_path)
 
-    assert "has left the rendezvous" in preempted.log_text(), preempted.log_text()[-3000:]
+    if how == "preempted":
+        assert "has left the rendezvous" in gone.log_text(), gone.log_text()[-3000:]
     assert {e["pid"] for e in events(run_dir, "start") if of_agent(e, survivor.agent)} == {survivor.pid}, \
         "the survivor's worker kept its process, through the preemption too\n" + job.logs_tail()
     assert building not in {e["pid"] for e in events(run_dir, "start")}, "the held standby never trained"
