@@ -18,7 +18,7 @@ from ..env import WorkerEnv
 from ..lifecycle import EXIT_PEER_TIMEOUT, exit_now
 from ..snapshot.format import current_signing_key
 from ..recovery import liveness
-from ..recovery.rebuild import AskedToPark, ReconfigureRefused, RegroupError, chosen_regroup
+from ..recovery.rebuild import ARRIVAL_POLLS, AskedToPark, ReconfigureRefused, RegroupError, chosen_regroup
 from ..recovery.regroup import SameMembers
 
 log = logging.getLogger(__name__)
@@ -60,23 +60,22 @@ def _import_dynamo_first() -> None:
     import torch._dynamo  # noqa: F401
 
 
-#: How often a worker that may be asked to park looks whether rank 0's worker listens yet (a plain connection: torch's
-#: client cannot be asked anything while it retries, and warns with a stack trace at each attempt).
-LISTENING_POLL_S = 0.02
-
-
 def _until_listening(address: str, port: int, timeout: datetime.timedelta, leaving: Callable[[], bool]) -> None:
     """Until something listens at ``address:port`` (rank 0's worker hosts the job's store there), or ``timeout``
-    (the caller's client then fails as it would have); :class:`AskedToPark` as soon as ``leaving()`` says so."""
-    deadline = time.monotonic() + timeout.total_seconds()
+    (the caller's client then fails as it would have); :class:`AskedToPark` as soon as ``leaving()`` says so. It
+    looks with a plain connection, as often as a member looks for the others' arrival (:data:`ARRIVAL_POLLS`): torch's
+    client cannot be asked anything while it retries, and warns with a stack trace at each attempt."""
+    started = time.monotonic()
+    deadline = started + timeout.total_seconds()
     while time.monotonic() < deadline:
         if leaving():
             raise AskedToPark("rank 0's worker to open the job's store")
         try:
-            socket.create_connection((address, port), timeout=LISTENING_POLL_S * 5).close()
+            socket.create_connection((address, port), timeout=0.1).close()
             return
         except OSError:
-            time.sleep(LISTENING_POLL_S)
+            waited = time.monotonic() - started
+            time.sleep(next(poll for until, poll in ARRIVAL_POLLS if waited < until))
 
 
 def job_store(env: WorkerEnv, timeout: datetime.timedelta, leaving: Callable[[], bool] | None = None) -> Any:
