@@ -169,8 +169,9 @@ def newest_snapshot_violations(events: list[dict[str, Any]], wiped_at: Sequence[
     generation started: a disk snapshot of any earlier generation that was not rejected, or what the
     survivors of the generation just before kept in memory (an older memory copy was taken over by that
     generation and, when that one stepped and died without survivors, went with it), unless a fault wiped every
-    node's memory at one of ``wiped_at`` (corrupt-snapshot) before the resume. One pass over the states in time
-    order: a soak has thousands of resumes."""
+    node's memory at one of ``wiped_at`` (corrupt-snapshot) before the resume. A memory copy lives on its node: it
+    counts only for a generation that node's agent is part of (a node lost after it parked took its copy with it).
+    One pass over the states in time order: a soak has thousands of resumes."""
     # Rejected at a resume, or moved aside by a rollback (taken after the last check whose fingerprints agreed).
     rejected = {e["snapshot"] for e in events if e["kind"] == "snapshot_rejected"} | {
         name for e in events if e["kind"] == "replica_mismatch" for name in e.get("moved_aside") or ()}
@@ -180,9 +181,18 @@ def newest_snapshot_violations(events: list[dict[str, Any]], wiped_at: Sequence[
         for e in events if e.get("generation") is not None and (
             (e["kind"] == "snapshot_saved" and e["snapshot"] not in rejected) or e["kind"] == "kept_in_memory"))
     wipes = sorted(wiped_at)
+    # Which node (agent) ran each rank of each generation; None where the events do not say (a plain torchrun).
+    agent_of = {(e["generation"], e.get("rank")): e.get("agent") for e in events
+                if e["kind"] == "start" and e.get("generation") is not None}
+    agents_in: dict[int, set[str]] = {}
+    for (sg, _), agent in agent_of.items():
+        if agent is not None:
+            agents_in.setdefault(sg, set()).add(agent)
+    holder_of = {(e["time"], e["generation"], e["step"]): agent_of.get((e["generation"], e.get("rank")))
+                 for e in events if e["kind"] == "kept_in_memory" and e.get("generation") is not None}
     newest_on_disk: dict[int, tuple[int, int, str]] = {}  #: generation -> its newest durable snapshot so far
-    kept: dict[int, tuple[int, int, str]] = {}  #: generation -> the newest state its survivors kept
-    kept_at: dict[int, float] = {}  #: generation -> when its survivors kept that state
+    #: (generation, node) -> the newest state that node's survivors kept, and when
+    kept: dict[tuple[int, str | None], tuple[tuple[int, int, str], float]] = {}
     problems = []
     seen = 0
     gens = generations(events)
@@ -191,24 +201,25 @@ def newest_snapshot_violations(events: list[dict[str, Any]], wiped_at: Sequence[
         while seen < len(states) and states[seen][0] < start:
             t, in_memory, sg, step, name = states[seen]
             seen += 1
-            if in_memory and any(t <= w + WIPE_WINDOW_S and w < start for w in wipes):
-                continue  # gone with the wipe
-            table = kept if in_memory else newest_on_disk
-            table[sg] = max(table.get(sg, (sg, step, name)), (sg, step, name))
-            if in_memory and table[sg] == (sg, step, name):
-                kept_at[sg] = t
+            if not in_memory:
+                newest_on_disk[sg] = max(newest_on_disk.get(sg, (sg, step, name)), (sg, step, name))
+            elif not any(t <= w + WIPE_WINDOW_S and w < start for w in wipes):  # else gone with the wipe
+                key = (sg, holder_of.get((t, sg, step)))
+                if key not in kept or kept[key][0] < (sg, step, name):
+                    kept[key] = ((sg, step, name), t)
         # A copy kept before a generation that started just ahead of a wipe, and gone with that wipe (in-process
         # recovery starts the next attempt within a fraction of a second of the park that kept it).
-        for sg in [sg for sg, t in kept_at.items() if any(t <= w + WIPE_WINDOW_S and w < start for w in wipes)]:
-            kept.pop(sg, None)
-            kept_at.pop(sg)
+        for key in [key for key, (_, t) in kept.items() if any(t <= w + WIPE_WINDOW_S and w < start for w in wipes)]:
+            kept.pop(key)
         candidates = [state for sg, state in newest_on_disk.items() if sg < g]
+        # Only the nodes of this generation report their memory; unknown nodes are given the benefit of the doubt.
+        nodes = agents_in.get(g)
         # What survivors kept is taken over by the next attempt; one that died before its first step kept
         # nothing newer (and says nothing), so the copy before it still counts.
         previous = previous_of.get(g)
         while previous is not None:
-            if previous in kept:
-                candidates.append(kept[previous])
+            candidates += [state for (sg, node), (state, _) in kept.items()
+                           if sg == previous and (node is None or nodes is None or node in nodes)]
             if "first_step" in gens[previous]:
                 break
             previous = previous_of.get(previous)

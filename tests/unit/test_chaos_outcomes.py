@@ -122,6 +122,21 @@ def test_survivors_memory_counts_for_the_next_attempt_only() -> None:
     assert newest_snapshot_violations(kept + resumed(2, 3.0, 257) + resumed(3, 9.0, 200))
 
 
+def on_node(events: list[dict[str, Any]], agent: str) -> list[dict[str, Any]]:
+    return [e | {"agent": agent} if e["kind"] == "start" else e for e in events]
+
+
+def test_memory_kept_on_a_node_that_is_not_in_the_next_attempt_is_no_candidate() -> None:
+    """Node memory is the node's: a survivor that parked for a joining node and then lost its node (kill-agent)
+    took its copy with it, and the joiner, alone, can only resume from the disk (the 2026-12-06 soak's false
+    alarm: generation 624 resumed step 160,224 from disk while the lost node had kept step 160,391)."""
+    kept = [state("snapshot_saved", 1, 200, 1.0), *on_node(resumed(1, 0.0, 100), "node-a"),
+            state("kept_in_memory", 1, 257, 2.0)]
+    assert newest_snapshot_violations(kept + on_node(resumed(2, 3.0, 200), "node-a")), "its own node still holds it"
+    assert newest_snapshot_violations(kept + on_node(resumed(2, 3.0, 200), "node-b")) == []
+    assert newest_snapshot_violations(kept + resumed(2, 3.0, 200)), "nodes unknown: the copy counts"
+
+
 def test_memory_a_fault_wiped_is_no_candidate() -> None:
     """corrupt-snapshot SIGKILLs every worker, then deletes every node's memory: a worker that kept its state in
     the moment between the kills left a record, not a copy (the 1,000-fault soak's 11 false alarms)."""
