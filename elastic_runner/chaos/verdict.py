@@ -162,7 +162,7 @@ def _stragglers_check(events: list[dict[str, Any]], slowed: list[Injected], hung
             starts.setdefault(e["generation"], set()).add(e.get("pid"))
     ridden = [f for f in slowed if f.outcome == "absorbed"]
     excused = [f for f in ridden if _cut_short(f, gens, windows, starts)]
-    missed = [f for f in ridden if f not in excused and not any(
+    missed = [f for f in ridden if f not in excused and not _still_named(f, events) and not any(
         e.get("pid") in f.targets and f.at <= e["time"] <= f.at + f.lasts_s + NAMED_WITHIN_S for e in named)]
     unslowed = [e for e in named if e.get("pid") not in hung and not any(e.get("pid") in f.targets for f in slowed)]
     startups = _startups(events)
@@ -178,6 +178,17 @@ def _stragglers_check(events: list[dict[str, Any]], slowed: list[Injected], hung
                                                  if excused else "")
                   + (f", {len(beside)} worker(s) never slowed named while a starved agent started on their machine "
                      f"(at step(s) {[e.get('step') for e in beside]})" if beside else ""))
+
+
+def _still_named(fault: Injected, events: list[dict[str, Any]]) -> bool:
+    """Whether a worker of the slow node was still named a straggler when the node was slowed again: a named worker
+    is not named a second time until it is cleared (a node throttled twice in a row by chance, named in the first)."""
+    last: dict[Any, tuple[float, str]] = {}
+    for e in events:
+        if e["kind"] == "straggler" and e.get("pid") in fault.targets and e["time"] <= fault.at:
+            if e.get("pid") not in last or e["time"] >= last[e.get("pid")][0]:
+                last[e.get("pid")] = (e["time"], e.get("status") or "")
+    return any(status == "named" for _, status in last.values())
 
 
 def _how_near(fault: Injected, events: list[dict[str, Any]]) -> str:

@@ -410,6 +410,22 @@ def test_a_slow_node_must_be_named_unless_another_faults_recovery_left_too_few_w
     assert _stragglers_check(replaced, [_slow(10.0)], set())[0]
 
 
+def test_a_node_slowed_again_while_it_is_still_named_from_the_last_time_counts_as_named() -> None:
+    """The soak of 2026-12-06 throttled pid 5606 twice 12.4 s apart: named 8.2 s before the second throttle began and
+    cleared 12 s after it, it was never named inside the second one — a named worker is not named again until it is
+    cleared. A naming that was cleared before the second throttle, or another worker's naming, counts for nothing."""
+    history = _with_pid(attempt(1, 0.0, 3, 40.0), 7)
+    first = {"time": 1.8, "kind": "straggler", "status": "named", "pid": 7, "rank": 1}
+    cleared = {"time": 22.0, "kind": "straggler", "status": "cleared", "pid": 7, "rank": 1}
+    assert _stragglers_check(history + [first, cleared], [_slow(10.0)], set())[0]
+    early_clear = cleared | {"time": 9.0}
+    ok, detail = _stragglers_check(history + [first, early_clear], [_slow(10.0)], set())
+    assert not ok and "was not named" in detail, detail
+    other = first | {"pid": 8}
+    ok, detail = _stragglers_check(history + [other, cleared], [_slow(10.0)], {8})
+    assert not ok and "the slow node at 10.0 s (pids [7]) was not named" in detail, detail
+
+
 def test_a_slow_node_not_named_is_reported_with_how_near_its_workers_came_to_the_straggler_ratio() -> None:
     """The thousand-fault soak of 2026-12-04 missed 5 slow nodes and could not say why; each logging window now
     carries every rank's ratio (``local_ratios``) and its seconds above the straggler ratio (``slow_s``)."""
