@@ -48,7 +48,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                    help="how long fill-disk keeps the snapshot volume full (default 8; the volume must be small, "
                         "at most 2 GiB free: put snapshot.dir on a tmpfs)")
     p.add_argument("--slow-seconds", type=float, default=None,
-                   help="how long slow-node keeps a node's workers throttled to a quarter of their time (default 10)")
+                   help="how long slow-node keeps a node's workers throttled to a quarter of their compute (default 10)")
     p.add_argument("--supervise", type=float, default=None, metavar="SECONDS",
                    help="keep --agents agents running: replace a killed or preempted agent after SECONDS, as a "
                         "Kubernetes Job restarts a lost pod (default: lost agents stay lost)")
