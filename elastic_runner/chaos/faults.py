@@ -20,6 +20,7 @@ from typing import Any, Callable
 from ..observe.events import EVENTS_DIR, EventFollower
 from ..snapshot import LocalStore
 from ..testing.localjob import Agent, LocalJob, Worker
+from ..training.injected_faults import SLOW_OFF, SLOW_ON
 from .scenario import FAULT_TYPES
 
 
@@ -205,43 +206,16 @@ def fill_disk(ctx: FaultContext) -> str:
     return f"filled the snapshot volume ({size / 2**20:.1f} MB, {left // 1024} KB left) for {ctx.fill_seconds:g}s"
 
 
-#: slow-node's duty cycle: a worker runs this much CPU time, then is stopped three times as long as it ran, over and
-#: over (a quarter of its compute left to it).
-SLOW_RUNNING_S, SLOW_STOPPED_PER_RUNNING = 0.01, 3.0
-#: How often the throttle looks at a worker's CPU time while it runs: often enough that a slice overshoots by a
-#: millisecond or two, seldom enough to cost ~1 % of a core.
-SLOW_POLL_S = 0.001
-
-
-def _cpu_s(pid: int) -> float | None:
-    """CPU seconds the main thread of process ``pid`` has run (the kernel's scheduler statistics, in nanoseconds;
-    the main thread is the one that computes: forward, backward and the update on the CPU). None where the system
-    keeps none (no /proc, a kernel without scheduler statistics) or the process is gone."""
-    try:
-        with open(f"/proc/{pid}/schedstat", encoding="ascii") as f:
-            return int(f.read().split()[0]) / 1e9
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def _ran_s(workers: list[Worker], since: dict[int, float | None], running_since: float) -> float:
-    """How long the node's workers ran since they were let go: the most CPU time of any of them, or the wall time
-    where the system keeps no CPU time of any."""
-    used = [now - before for w in workers if (before := since.get(w.pid)) is not None
-            and (now := _cpu_s(w.pid)) is not None]
-    return max(used) if used else time.monotonic() - running_since
-
-
 def slow_node(ctx: FaultContext) -> str:
-    """One node's workers' compute throttled to a quarter of its speed for ``slow_seconds`` (a throttled GPU, a
-    CPU quota, a noisy neighbour): nothing fails, the job slows to their pace, and they must be named stragglers.
+    """One node's workers' compute slowed to a quarter of its speed for ``slow_seconds`` (a throttled GPU, a CPU
+    quota, a noisy neighbour): nothing fails, the job slows to their pace, and they must be named stragglers.
 
-    Each time a worker has run :data:`SLOW_RUNNING_S` of CPU time, the node's workers are stopped for three times
-    what it ran. CPU time, not wall time: a worker waiting in a collective runs nothing and is not stopped, as a
-    slow GPU or a CPU quota (the kernel's CFS bandwidth) stretches only the work. A throttle on wall time stopped
-    workers inside their collectives as often as inside their steps: the stop showed in every rank's wait and not in
-    the slow node's own time, and the 2026-12-06 soak's throttled workers ran 1.0-1.9x their peers' local time
-    (median over the windows) where a quarter of their time should have been ~4x; 6 of 50 were never named."""
+    Asked of the workers themselves (:data:`~elastic_runner.training.injected_faults.SLOW_ON`, then ``SLOW_OFF``):
+    each step's compute is stretched to four times its length and its wait for the gradient sync is left alone, as
+    a slow device does. A throttle from outside could not tell the two apart: stops on wall time landed in the
+    collectives as often as in the steps (the 2026-12-06 soak: 6 of 50 slow nodes ran 1.0-1.9x their peers), and
+    stops after a worker had run CPU time still landed late on a loaded machine, where the throttle's own poll
+    waited for a core (2026-12-07: 4 of 75 ran 1.1-1.6x)."""
     running = ctx.job.running_agents()
     if len(running) < 2:
         raise Skip("one node: a slow node needs a faster one to be told from")
@@ -251,39 +225,26 @@ def slow_node(ctx: FaultContext) -> str:
         raise Skip(f"agent {agent.index} has no worker running")
     pids = [w.pid for w in workers]
     ctx.targets = pids
-    done = threading.Event()
-
-    def throttle() -> None:
-        deadline = time.monotonic() + ctx.slow_seconds
-        try:
-            while time.monotonic() < deadline and not done.is_set():
-                running_since = time.monotonic()
-                since = {w.pid: _cpu_s(w.pid) for w in workers}
-                while (ran := _ran_s(workers, since, running_since)) < SLOW_RUNNING_S and not done.is_set() \
-                        and time.monotonic() < deadline:
-                    time.sleep(SLOW_POLL_S)
-                if ran < SLOW_RUNNING_S:  # the throttle's end came first
-                    break
-                for w in workers:
-                    ctx.job.signal_worker(w, signal.SIGSTOP)
-                # Three times what it really ran: the poll's sleeps overshoot on a loaded machine, and a fixed stop
-                # left the workers more than a quarter.
-                time.sleep(SLOW_STOPPED_PER_RUNNING * ran)
-                for w in workers:
-                    ctx.job.signal_worker(w, signal.SIGCONT)
-        finally:
-            for w in workers:  # never left stopped (gone already if a recovery replaced it: fine)
-                ctx.job.signal_worker(w, signal.SIGCONT)
-
-    thread = threading.Thread(target=throttle, daemon=True)
+    done = threading.Lock()
+    ended = False
 
     def release() -> None:
-        done.set()
-        thread.join()
+        nonlocal ended
+        with done:
+            if ended:
+                return
+            ended = True
+        timer.cancel()
+        for w in workers:  # gone already if a recovery replaced it: fine (its replacement was never slowed)
+            ctx.job.signal_worker(w, SLOW_OFF)
 
+    timer = threading.Timer(ctx.slow_seconds, release)
+    timer.daemon = True
     ctx.cleanups.append(release)
-    thread.start()
-    return (f"throttled agent {agent.index}'s {len(workers)} worker(s) (ranks {[w.rank for w in workers]}, pids {pids}) "
+    for w in workers:
+        ctx.job.signal_worker(w, SLOW_ON)
+    timer.start()
+    return (f"slowed agent {agent.index}'s {len(workers)} worker(s) (ranks {[w.rank for w in workers]}, pids {pids}) "
             f"to a quarter of their compute for {ctx.slow_seconds:g}s")
 
 

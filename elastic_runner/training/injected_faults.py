@@ -1,13 +1,23 @@
-"""Faults the chaos tool injects from inside a worker: a flipped bit of its replica (``corrupt-param``) and a batch
-whose loss is not finite (``nan-batch``).
+"""Faults the chaos tool injects from inside a worker: a flipped bit of its replica (``corrupt-param``), a batch
+whose loss is not finite (``nan-batch``) and a slow device (``slow-node``).
 
-Neither can be caused from outside the process, so a worker started by ``elastic-runner chaos`` (its environment has
-``ELASTIC_RUNNER_CHAOS_HOOKS=1``) takes SIGUSR2 as the request to flip, at its next step boundary, one mantissa bit of
-one element of its largest parameter — what a device's silent corruption does: nothing fails, the loss stays finite,
-and only the replicas' fingerprints can tell (:mod:`.fingerprint`) — and SIGUSR1 as the request to make its loss of
-the next step NaN, as a corrupt record in a corpus would (``train.on_nonfinite`` decides what follows). Each records
-an event (``chaos_corrupted``, ``chaos_nan``: its rank and step) for the verdict. In every other job nothing is
-installed and both signals keep their default action.
+None can be caused faithfully from outside the process, so a worker started by ``elastic-runner chaos`` (its
+environment has ``ELASTIC_RUNNER_CHAOS_HOOKS=1``) takes
+
+- SIGUSR2 as the request to flip, at its next step boundary, one mantissa bit of one element of its largest
+  parameter — what a device's silent corruption does: nothing fails, the loss stays finite, and only the replicas'
+  fingerprints can tell (:mod:`.fingerprint`);
+- SIGUSR1 as the request to make its loss of the next step NaN, as a corrupt record in a corpus would
+  (``train.on_nonfinite`` decides what follows);
+- :data:`SLOW_ON` / :data:`SLOW_OFF` (real-time signals: they queue, so an on and an off sent close together are
+  both delivered, in order) as the start and end of a slow device: each step's compute (its batches, forward and
+  backward, up to the gradient sync's wait) is stretched to :data:`SLOW_FACTOR` times its length, as a throttled GPU
+  or a CPU quota stretches the work and not the wait. A throttle from outside (stopping the process after it had run
+  CPU time) could not do that on a loaded machine: its stops landed late, in the collectives, and 4 of 75 nodes
+  throttled in the 2026-12-07 soak ran only 1.1-1.6x their peers.
+
+Each records an event (``chaos_corrupted``, ``chaos_nan``, ``chaos_slowed``: its rank and step) for the verdict. In
+every other job nothing is installed and the signals keep their default action.
 """
 
 from __future__ import annotations
@@ -27,19 +37,29 @@ ENV = "ELASTIC_RUNNER_CHAOS_HOOKS"
 #: A mantissa bit of each width (neither the sign nor the exponent): the value changes a little and stays finite.
 _MANTISSA_BIT = {2: 3, 4: 12, 8: 40}
 _AS_INT = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+#: The signals that start and end a slow device (:data:`SIGRTMIN` and the one after are glibc's own: not those).
+SLOW_ON, SLOW_OFF = int(signal.SIGRTMIN) + 2, int(signal.SIGRTMIN) + 3
+#: How much longer a slow device's compute takes: a quarter of its speed.
+SLOW_FACTOR = 4.0
 
 
 class CorruptionRequest:
     """Set by SIGUSR2 (the signal handler only sets a flag); read by the loop between steps. ``nan_requested``: set
-    by SIGUSR1, taken by the next step (:meth:`take_nan`)."""
+    by SIGUSR1, taken by the next step (:meth:`take_nan`). ``slowed_by``: :data:`SLOW_FACTOR` from :data:`SLOW_ON`
+    to :data:`SLOW_OFF`, 1 otherwise; the loop hands it to each step."""
 
     def __init__(self) -> None:
         self.requested = False
         self.nan_requested = False
+        self.slowed_by = 1.0
 
     def _handle(self, signum: int, frame: Any) -> None:  # noqa: ARG002 - signal handler signature
         if signum == signal.SIGUSR1:
             self.nan_requested = True
+        elif signum == SLOW_ON:
+            self.slowed_by = SLOW_FACTOR
+        elif signum == SLOW_OFF:
+            self.slowed_by = 1.0
         else:
             self.requested = True
 
@@ -74,5 +94,6 @@ def install() -> CorruptionRequest | None:
         return None
     REQUEST = CorruptionRequest()
     signal.signal(signal.SIGUSR2, REQUEST._handle)
-    signal.signal(signal.SIGUSR1, REQUEST._handle)
+    for signum in (signal.SIGUSR1, SLOW_ON, SLOW_OFF):
+        signal.signal(signum, REQUEST._handle)
     return REQUEST

@@ -155,6 +155,9 @@ class Trainer:
         if injected is not None and injected.take_nan():
             self.step.poisoned = True
             self.events.emit("chaos_nan", step=step, interval_steps=self.cfg.logging.every_steps)
+        if injected is not None and injected.slowed_by != self.step.slowed_by:
+            self.step.slowed_by = injected.slowed_by
+            self.events.emit("chaos_slowed", step=step, factor=injected.slowed_by)
         self.books.before(step, plan)  # the audit record: before any collective
         result = self.step.compute(step, plan, batches)
         self.checkpointer.sync_buffers()  # a collective: outside the lock, a lost peer may break it

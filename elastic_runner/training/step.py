@@ -46,11 +46,14 @@ class TrainStep:
         self._training = False
         self.clock = StepClock(device, timed)  #: this rank's local time per step (recovery.straggler_ratio)
         self.poisoned = False  #: the next micro-batch's loss is made NaN (the chaos tool's nan-batch only)
+        #: Each step's compute is stretched to this many times its length (the chaos tool's slow-node only: 1 else).
+        self.slowed_by = 1.0
 
     def compute(self, step: int, plan: StepPlan, batches: Iterator[Any]) -> StepResult:
         """Forward and backward over this rank's micro-batches, the gradient sync after the last one; the
         gradient is then the mean over the global batch."""
         self.clock.begin()
+        began = time.perf_counter()
         seed_step(step_seed(self.seed, step, self.rank), self.device)  # dropout, augmentation: as uninterrupted
         if not self._training:  # (a walk over every module: only after an evaluation switched it off)
             self.sync.module.train()
@@ -76,6 +79,8 @@ class TrainStep:
                     self.backward(scaled)
                 else:
                     self.sync.empty_micro_step()  # no sample for this rank here: it joins the sync all the same
+        if self.slowed_by > 1.0:
+            self.stretch(began)
         self.clock.waiting()  # from here to the update: the other ranks' time, not this rank's
         self.sync.finish()  # every gradient is now the sum over the ranks
         apply = self.gradients.finish(step, weighted, loss, self.parts.optimizer)
@@ -91,6 +96,15 @@ class TrainStep:
                 next(batches)
         loss = torch.zeros(2, dtype=torch.float64, device=self.device)
         return StepResult(loss, False, time.perf_counter() - t0)
+
+    def stretch(self, began: float) -> None:
+        """The chaos tool's slow device (training.injected_faults): this step's compute so far, from ``began`` (a
+        host time), made :attr:`slowed_by` times as long, before the gradient sync's wait. On a GPU the host waits
+        for the step's kernels first (only while slowed: the step is to be slow), so that the time stretched is the
+        device's; the idle device then shows the stretch between the clock's events as a slow GPU would."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        time.sleep((self.slowed_by - 1.0) * (time.perf_counter() - began))
 
     def backward(self, loss: torch.Tensor) -> None:
         scaler = self.parts.scaler

@@ -63,6 +63,9 @@ def run(cfg: Config, env: WorkerEnv, make_workload: Callable[[], Workload] | Non
         if env.local_rank == 0:
             say(f"elastic_runner: {exc}")
         return EXIT_USAGE
+    # Only in a job the chaos tool started; before the process takes its worker's name, by which the tool finds it
+    # and sends the hooks' signals (whose default action would end it).
+    injected_faults.install()
     if env.under_torchrun:
         die_with_parent()
         name_process(env.rank, env.local_rank)
@@ -75,7 +78,6 @@ def run(cfg: Config, env: WorkerEnv, make_workload: Callable[[], Workload] | Non
     started = time.time()
     stop = StopRequest(lambda: stop_announced(os.getpid(), started)).install()
     stop.last_words = lambda: save_node_memory(cfg, env, stop.generation)
-    injected_faults.install()  # only in a job the chaos tool started
     if cfg.run.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)

@@ -185,7 +185,8 @@ def test_the_chaos_hook_is_armed_only_by_its_variable_and_flips_one_mantissa_bit
     monkeypatch.delenv(injected_faults.ENV, raising=False)
     assert injected_faults.install() is None, "no hook in a job the chaos tool did not start"
     monkeypatch.setenv(injected_faults.ENV, "1")
-    previous = signal.getsignal(signal.SIGUSR2)
+    armed = (signal.SIGUSR1, signal.SIGUSR2, injected_faults.SLOW_ON, injected_faults.SLOW_OFF)
+    previous = {s: signal.getsignal(s) for s in armed}
     try:
         request = injected_faults.install()
         assert request is not None and not request.requested
@@ -200,4 +201,5 @@ def test_the_chaos_hook_is_armed_only_by_its_variable_and_flips_one_mantissa_bit
         assert changed == [("0.weight", 1)] and torch.isfinite(model[0].weight).all()
         assert int(fingerprint(replica_tensors(model, optimizer), CPU)) != clean
     finally:
-        signal.signal(signal.SIGUSR2, previous)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
