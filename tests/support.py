@@ -215,6 +215,28 @@ def c10d_rendezvous_state(endpoint: str, run_id: str) -> Any:
         return None
 
 
+def wait_until_blocked(pid: int, still_s: float = 0.5, timeout: float = 30.0) -> None:
+    """Wait until process ``pid``'s main thread is blocked: asleep and running no CPU time for ``still_s`` (a
+    collective that waits for a stopped peer). A worker's other threads (its heartbeat, a snapshot's writer) may run."""
+    stat = Path(f"/proc/{pid}/task/{pid}/stat")
+
+    def sample() -> tuple[str, int]:
+        fields = stat.read_text().rsplit(")", 1)[1].split()
+        return fields[0], int(fields[11]) + int(fields[12])  # state, utime + stime (clock ticks)
+
+    deadline = time.monotonic() + timeout
+    still_since, last = time.monotonic(), sample()
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+        now = sample()
+        if now[0] not in ("S", "D") or now[1] != last[1]:
+            still_since = time.monotonic()
+        elif time.monotonic() - still_since >= still_s:
+            return
+        last = now
+    raise AssertionError(f"process {pid}'s main thread did not block within {timeout:g} s (state {last[0]})")
+
+
 def stop_workers_at_step(job: Any, step: int, count: int, timeout: float = 90,
                          replacing: Sequence[Any] = ()) -> tuple[list[Any], int]:
     """Stop (SIGSTOP) the job's ``count`` workers as soon as some rank has started ``step``; return

@@ -29,6 +29,7 @@ from ..support import (
     stop_workers_at_step,
     tcp_sockets,
     wait_for_world,
+    wait_until_blocked,
     write_config,
 )
 from .conftest import RESUME_SECTIONS
@@ -230,18 +231,19 @@ def _gated_job(local_job: Any, tmp_path: Path, etcd: Any = None, nnodes: str = "
                     nnodes=nnodes), gate
 
 
-def _rank_1_replaced_while_its_next_standby_builds(job: Any, gate: Path) -> tuple[Any, list[Any], int, int]:
-    """Rank 1's worker killed (its node's ready standby takes the place), and the job held a few steps later while the
-    standby its agent started next still builds (held at ``gate``). The victim, the held workers, the first standby's
-    and the building one's pids."""
+def _rank_1_replaced_while_its_next_standby_builds(job: Any, gate: Path, rank: int = 1,
+                                                  count: int = 2) -> tuple[Any, list[Any], int, int]:
+    """Rank 1's worker (or ``rank``'s, of ``count``) killed (its node's ready standby takes the place), and the job
+    held a few steps later while the standby its agent started next still builds (held at ``gate``). The victim, the
+    held workers, the first standby's and the building one's pids."""
     run_dir = Path(job.run_dir)
-    workers, standbys = _stopped_with_standbys_ready(job, 130)
-    node = next(w for w in workers if w.rank == 1).agent
+    workers, standbys = _stopped_with_standbys_ready(job, 130, count=count)
+    node = next(w for w in workers if w.rank == rank).agent
     gate.touch()  # every build from now on waits: the next standby's
-    first = _kill(job, workers, rank=1)
+    first = _kill(job, workers, rank=rank)
     # Held a few steps after the recovery while the agent starts the next standby (0.5 s after the place was
     # taken): free-running, a fast machine could finish the run first.
-    workers, _ = stop_workers_at_step(job, job_step(job) + 3, count=2, replacing=[first])
+    workers, _ = stop_workers_at_step(job, job_step(job) + 3, count=count, replacing=[first])
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         started = [e["pid"] for e in _agent_events(run_dir, "standby_started")
@@ -257,14 +259,15 @@ def _rank_1_replaced_while_its_next_standby_builds(job: Any, gate: Path) -> tupl
     return first, workers, standbys[node.pid], building
 
 
-def _rank_1_killed_while_its_next_standby_builds(job: Any, gate: Path) -> tuple[Any, Any, int, int, Any, float]:
-    """Rank 1's worker killed (its node's ready standby takes the place), and killed again while the standby its agent
-    started next still builds (held at ``gate``): the place goes to that one, and rank 0's worker, once it has kept
-    its step in node memory, waits for it in the regroup. The two victims, the first standby's and the held one's
-    pids, rank 0's worker, and the step it kept."""
+def _rank_1_killed_while_its_next_standby_builds(job: Any, gate: Path, rank: int = 1,
+                                                count: int = 2) -> tuple[Any, Any, int, int, Any, float]:
+    """Rank 1's worker (or ``rank``'s, of ``count``) killed (its node's ready standby takes the place), and killed
+    again while the standby its agent started next still builds (held at ``gate``): the place goes to that one, and
+    rank 0's worker, once it has kept its step in node memory, waits for it in the regroup. The two victims, the
+    first standby's and the held one's pids, rank 0's worker, and the step it kept."""
     run_dir = Path(job.run_dir)
-    first, workers, ready, building = _rank_1_replaced_while_its_next_standby_builds(job, gate)
-    second = _kill(job, workers, rank=1)
+    first, workers, ready, building = _rank_1_replaced_while_its_next_standby_builds(job, gate, rank, count)
+    second = _kill(job, workers, rank=rank)
     killed_at = time.time()
     survivor = next(w for w in workers if w.rank == 0)
     deadline = time.monotonic() + 30
@@ -341,6 +344,45 @@ def test_a_survivor_killed_while_it_waits_in_the_regroup_ends_in_a_recovered_job
         "resumed from node memory at the step the survivor kept, none lost\n" + job.logs_tail()
     assert "rank 0's worker hosts the job's store); every worker restarts" in "".join(
         agent.log_text() for agent in job.agents), job.logs_tail()
+
+
+@pytest.mark.slow
+def test_of_three_nodes_a_survivor_that_does_not_host_the_store_killed_in_the_regroup_is_replaced_too(
+        resume_config: Path, local_job: Any, tmp_path: Path) -> None:
+    """The regroup cell of a second fault on three nodes: rank 2's place is held by a standby that still builds (as
+    above), and rank 1's worker, waiting for it in the regroup with its step kept in node memory, is killed too. Rank 1
+    does not host the job's store (rank 0's worker does), so the regroup goes on around both places: rank 1's agent
+    gives its place to its node's ready standby, rank 0's worker keeps its process, the held standby trains once
+    built, no rendezvous round, and the run is the uninterrupted one."""
+    job, gate = _gated_job(local_job, tmp_path, nnodes="3:3")
+    job.start_agent()  # the third node
+    run_dir = Path(job.run_dir)
+    try:
+        _, _, _, building, _, _ = _rank_1_killed_while_its_next_standby_builds(job, gate, rank=2, count=3)
+        waiting = next(w for w in job.workers() if w.rank == 1)
+        killed_at = time.time()
+        job.signal_worker(waiting, signal.SIGKILL)  # the second fault, while it waits for the held standby
+        time.sleep(1.0)
+    finally:
+        gate.unlink(missing_ok=True)
+    assert job.wait(timeout=240) == [0, 0, 0], job.logs_tail()
+    report = check_audit(run_dir)
+    assert report.ok and report.finished, report.render()
+    # (Against an uninterrupted run at three: the two-node reference's model is not the three-node run's.)
+    uninterrupted = run_uninterrupted(resume_config, tmp_path / "uninterrupted" / "run", agents=3, timeout=240)
+    assert_bitwise_equal(exported_model(run_dir, tmp_path), exported_model(uninterrupted, tmp_path))
+
+    starts = events(run_dir, "start")
+    assert len({e["pid"] for e in starts if e["rank"] == 0}) == 1, "rank 0 kept its process\n" + job.logs_tail()
+    after = [e for e in starts if e["time"] > killed_at]
+    assert building in {e["pid"] for e in starts if e["rank"] == 2}, "the held standby trained as rank 2"
+    assert waiting.pid not in {e["pid"] for e in after} and 1 in {e["rank"] for e in after}, \
+        "rank 1 in a new process\n" + job.logs_tail()
+    replaced = [e for e in _agent_events(run_dir, "worker_replaced") if e["time"] > killed_at - 1.0]
+    assert waiting.pid in {e["pid"] for e in replaced}, replaced
+    assert len(_agent_events(run_dir, "rendezvous")) == 3, "one round per agent, none for the recoveries"
+    resumed = [e for e in events(run_dir, "resume") if e["time"] > killed_at]
+    assert resumed and all(e["tier"] == "memory" for e in resumed), resumed
 
 
 @pytest.mark.slow
@@ -721,6 +763,62 @@ def test_a_peer_stopped_inside_a_collective_ends_in_a_recovered_job(
     assert [e for e in events(run_dir, "resume") if e["generation"] > 1], "the job resumed after the stop"
     logs = "".join(agent.log_text() for agent in job.agents)
     assert "no replacement was announced" not in logs, "a live peer gets no replacement: the survivor did not wait"
+
+
+def test_a_worker_killed_while_its_peer_waits_for_it_inside_a_collective_is_replaced_alone(
+        resume_config: Path, reference_model: Any, local_job: Any, tmp_path: Path) -> None:
+    """Both workers stopped at step 130, then rank 0 let go: it runs into the next collective and waits there for
+    rank 1. Once rank 0's main thread is blocked inside it, rank 1 is SIGKILLed: the collective fails under rank 0
+    (its peer's connections closed), rank 0 keeps its process, rank 1's standby takes its place, and the job resumes
+    from node memory and ends bitwise. (A heartbeat longer than the test's wait: the kill, not the watchdog, must
+    end the attempt.)"""
+    job = _started(local_job, resume_config, "elastic-runner", "dist.heartbeat_seconds=20")
+    workers, standbys = _stopped_with_standbys_ready(job, 130)
+    survivor, victim = (next(w for w in workers if w.rank == rank) for rank in (0, 1))
+    continue_workers(job, [survivor])
+    wait_until_blocked(survivor.pid)
+    killed_at = time.time()
+    job.signal_worker(victim, signal.SIGKILL)
+    run_dir = _ends_as_the_uninterrupted_run(job, reference_model, tmp_path)
+
+    starts = events(run_dir, "start")
+    assert {e["pid"] for e in starts if e["rank"] == 0} == {survivor.pid}, "rank 0 kept its process\n" + job.logs_tail()
+    replaced = _agent_events(run_dir, "worker_replaced")
+    assert [(e["rank"], e["pid"], e["new_pid"]) for e in replaced] == [(1, victim.pid, standbys[victim.agent.pid])], \
+        replaced
+    assert len(_agent_events(run_dir, "rendezvous")) == 2, "no rendezvous round for the recovery"
+    broke = [e for e in events(run_dir, "failure") if e["rank"] == 0 and e["time"] > killed_at]
+    assert len(broke) == 1 and broke[0].get("detected_by") != "watchdog" and "Connection" in broke[0]["error"], \
+        f"the collective failed under rank 0 (gloo: its peer's connection reset), not its watchdog: {broke}"
+    resume = [e for e in events(run_dir, "resume") if e["time"] > killed_at]
+    assert resume and all(e["tier"] == "memory" and e["steps_recomputed"] <= 1 for e in resume), resume
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["lost", "agent killed"])
+def test_a_node_that_goes_while_its_peer_waits_for_it_inside_a_collective_ends_in_a_recovered_job_bitwise(
+        how: str, resume_config: Path, reference_model: Any, local_job: Any, etcd: Any, tmp_path: Path) -> None:
+    """As above, rank 0 blocked inside the step's collective waiting for rank 1, stopped; then rank 1's node goes, on
+    etcd-v3: lost (its agent and every process of it SIGKILLed) or its agent killed alone (its processes follow it).
+    The collective fails under rank 0, which keeps its process and parks, and with a new node in the gone one's place
+    the job goes on from rank 0's node memory: the run is the uninterrupted one."""
+    job = _started(local_job, resume_config, "elastic-runner", "dist.heartbeat_seconds=20", etcd=etcd)
+    workers, _ = _stopped_with_standbys_ready(job, 130)
+    survivor, victim = (next(w for w in workers if w.rank == rank) for rank in (0, 1))
+    continue_workers(job, [survivor])
+    wait_until_blocked(survivor.pid)
+    gone_at = time.time()
+    job.kill_agent(victim.agent, signal.SIGKILL, with_workers=how == "lost")
+    victim.agent.proc.wait(timeout=60)
+    _with_a_new_node_in_its_place_ends_as_the_uninterrupted_run(job, victim.agent, reference_model, tmp_path)
+
+    run_dir = Path(job.run_dir)
+    assert {e["pid"] for e in events(run_dir, "start") if of_agent(e, survivor.agent)} == {survivor.pid}, \
+        "the survivor's worker kept its process\n" + job.logs_tail()
+    broke = [e for e in events(run_dir, "failure") if e["rank"] == 0 and e["time"] > gone_at]
+    assert broke and broke[0].get("detected_by") != "watchdog", f"the collective failed under rank 0: {broke}"
+    resumed = [e for e in events(run_dir, "resume") if e["time"] > gone_at]
+    assert resumed and all(e["tier"] == "memory" and e["steps_recomputed"] <= 1 for e in resumed), resumed
 
 
 @pytest.mark.parametrize("launcher", ["elastic-runner", "torchrun"])
