@@ -795,11 +795,12 @@ def test_a_worker_killed_while_its_peer_waits_for_it_inside_a_collective_is_repl
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("how", ["lost", "agent killed"])
+@pytest.mark.parametrize("how", ["lost", "agent killed", "preempted"])
 def test_a_node_that_goes_while_its_peer_waits_for_it_inside_a_collective_ends_in_a_recovered_job_bitwise(
         how: str, resume_config: Path, reference_model: Any, local_job: Any, etcd: Any, tmp_path: Path) -> None:
     """As above, rank 0 blocked inside the step's collective waiting for rank 1, stopped; then rank 1's node goes, on
-    etcd-v3: lost (its agent and every process of it SIGKILLed) or its agent killed alone (its processes follow it).
+    etcd-v3: lost (its agent and every process of it SIGKILLed), its agent killed alone (its processes follow it), or
+    preempted (SIGTERM to its agent, which ends its worker and leaves the rendezvous).
     The collective fails under rank 0, which keeps its process and parks, and with a new node in the gone one's place
     the job goes on from rank 0's node memory: the run is the uninterrupted one."""
     job = _started(local_job, resume_config, "elastic-runner", "dist.heartbeat_seconds=20", etcd=etcd)
@@ -808,7 +809,7 @@ def test_a_node_that_goes_while_its_peer_waits_for_it_inside_a_collective_ends_i
     continue_workers(job, [survivor])
     wait_until_blocked(survivor.pid)
     gone_at = time.time()
-    job.kill_agent(victim.agent, signal.SIGKILL, with_workers=how == "lost")
+    job.kill_agent(victim.agent, signal.SIGTERM if how == "preempted" else signal.SIGKILL, with_workers=how == "lost")
     victim.agent.proc.wait(timeout=60)
     _with_a_new_node_in_its_place_ends_as_the_uninterrupted_run(job, victim.agent, reference_model, tmp_path)
 
@@ -819,6 +820,35 @@ def test_a_node_that_goes_while_its_peer_waits_for_it_inside_a_collective_ends_i
     assert broke and broke[0].get("detected_by") != "watchdog", f"the collective failed under rank 0: {broke}"
     resumed = [e for e in events(run_dir, "resume") if e["time"] > gone_at]
     assert resumed and all(e["tier"] == "memory" and e["steps_recomputed"] <= 1 for e in resumed), resumed
+
+
+@pytest.mark.slow
+def test_a_node_joining_while_a_rank_waits_inside_a_collective_for_a_frozen_peer_gets_a_round_of_three(
+        resume_config: Path, local_job: Any, etcd: Any, tmp_path: Path) -> None:
+    """Rank 0 blocked inside the step's collective waiting for rank 1, frozen (SIGSTOP), when a third node joins
+    (etcd-v3, nnodes 2:3). A frozen process cannot park: its agent says so and kills it. Rank 0 keeps its process
+    into the round of three, a new process takes rank 1's place there, and the job resumes from node memory; every
+    sample once."""
+    job = _started(local_job, resume_config, "elastic-runner", "dist.heartbeat_seconds=20", etcd=etcd, nnodes="2:3")
+    run_dir = Path(job.run_dir)
+    workers, _ = _stopped_with_standbys_ready(job, 130)
+    waiting, frozen = (next(w for w in workers if w.rank == rank) for rank in (0, 1))
+    continue_workers(job, [waiting])
+    wait_until_blocked(waiting.pid)
+    joined_at = time.time()
+    job.start_agent()
+    wait_for_world(run_dir, 3, joined_at, job)
+    assert job.wait(timeout=240) == [0, 0, 0], job.logs_tail()
+    report = check_audit(run_dir)
+    assert report.ok and report.finished, report.render()
+
+    assert f"worker pid {frozen.pid} is stopped (SIGSTOP?) and cannot handle SIGTERM; killing it" in \
+        frozen.agent.log_text(), frozen.agent.log_text()[-3000:]
+    in_three = {e["pid"]: e["rank"] for e in events(run_dir, "start") if e["time"] > joined_at and e["world_size"] == 3}
+    assert waiting.pid in in_three and frozen.pid not in in_three and len(in_three) == 3, \
+        "rank 0 kept its process into the round of three, the frozen one did not\n" + job.logs_tail()
+    resumed = [e for e in events(run_dir, "resume") if e["time"] > joined_at]
+    assert resumed and all(e["tier"] == "memory" for e in resumed), resumed
 
 
 @pytest.mark.parametrize("launcher", ["elastic-runner", "torchrun"])
