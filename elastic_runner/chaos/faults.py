@@ -45,6 +45,8 @@ class FaultContext:
     struck_at: float | None = None
     #: Undo what a fault left behind (a filler file) when the run ends early; each runs once.
     cleanups: list[Callable[[], None]] = field(default_factory=list)
+    #: Which slow-node fault slows each worker now (by pid): a fault's end lets go only the workers still its own.
+    slowed: dict[int, object] = field(default_factory=dict)
 
     def close(self) -> None:
         while self.cleanups:
@@ -69,11 +71,30 @@ def _removable_agents(ctx: FaultContext) -> list[Agent]:
     return candidates
 
 
-def _random_worker(ctx: FaultContext) -> Worker:
+def _random_worker(ctx: FaultContext, hook: int | None = None) -> Worker:
+    """One of the running workers at random; with ``hook``, one that catches that signal (its chaos hooks armed)."""
     workers = ctx.job.workers()
     if not workers:
         raise Skip("no worker is running")
+    if hook is not None:
+        workers = [w for w in workers if catches(w.pid, hook)]
+        if not workers:
+            raise Skip("no running worker has armed its chaos hooks yet (each is starting)")
     return ctx.rng.choice(workers)
+
+
+def catches(pid: int, signum: int) -> bool:
+    """Whether process ``pid`` catches ``signum`` now (the ``SigCgt`` mask of its ``/proc`` status): a chaos job's
+    worker once it armed its hooks (training.injected_faults). Sent before that, or once it exits, a hook's signal
+    would end the process (the default action of SIGUSR1, SIGUSR2 and the real-time signals)."""
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("SigCgt:"):
+                    return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return False
 
 
 def kill_worker(ctx: FaultContext) -> str:
@@ -206,6 +227,11 @@ def fill_disk(ctx: FaultContext) -> str:
     return f"filled the snapshot volume ({size / 2**20:.1f} MB, {left // 1024} KB left) for {ctx.fill_seconds:g}s"
 
 
+#: Held while a slow-node fault starts or ends (its timer's thread or the chaos tool's): whose each worker is, and
+#: each on and off, change together.
+_SLOWING = threading.Lock()
+
+
 def slow_node(ctx: FaultContext) -> str:
     """One node's workers' compute slowed to a quarter of its speed for ``slow_seconds`` (a throttled GPU, a CPU
     quota, a noisy neighbour): nothing fails, the job slows to their pace, and they must be named stragglers.
@@ -216,33 +242,41 @@ def slow_node(ctx: FaultContext) -> str:
     collectives as often as in the steps (the 2026-12-06 soak: 6 of 50 slow nodes ran 1.0-1.9x their peers), and
     stops after a worker had run CPU time still landed late on a loaded machine, where the throttle's own poll
     waited for a core (2026-12-07: 4 of 75 ran 1.1-1.6x)."""
+    if SLOW_ON is None or SLOW_OFF is None:
+        raise Skip("this system has no real-time signals to ask a worker to slow down by")
+    on, off = SLOW_ON, SLOW_OFF
     running = ctx.job.running_agents()
     if len(running) < 2:
         raise Skip("one node: a slow node needs a faster one to be told from")
     agent = ctx.rng.choice(running)
-    workers = ctx.job.workers(agent)
+    workers = [w for w in ctx.job.workers(agent) if catches(w.pid, on)]
     if not workers:
-        raise Skip(f"agent {agent.index} has no worker running")
+        raise Skip(f"agent {agent.index} has no worker running with its chaos hooks armed")
     pids = [w.pid for w in workers]
     ctx.targets = pids
-    done = threading.Lock()
     ended = False
+    mine = object()
 
     def release() -> None:
         nonlocal ended
-        with done:
+        timer.cancel()
+        with _SLOWING:
             if ended:
                 return
             ended = True
-        timer.cancel()
-        for w in workers:  # gone already if a recovery replaced it: fine (its replacement was never slowed)
-            ctx.job.signal_worker(w, SLOW_OFF)
+            for w in workers:  # gone already if a recovery replaced it: fine (its replacement was never slowed)
+                if ctx.slowed.get(w.pid) is mine:  # (not if a later slow-node slows it now: that one ends it)
+                    del ctx.slowed[w.pid]
+                    if catches(w.pid, off):
+                        ctx.job.signal_worker(w, off)
 
     timer = threading.Timer(ctx.slow_seconds, release)
     timer.daemon = True
     ctx.cleanups.append(release)
-    for w in workers:
-        ctx.job.signal_worker(w, SLOW_ON)
+    with _SLOWING:
+        for w in workers:
+            ctx.slowed[w.pid] = mine
+            ctx.job.signal_worker(w, on)
     timer.start()
     return (f"slowed agent {agent.index}'s {len(workers)} worker(s) (ranks {[w.rank for w in workers]}, pids {pids}) "
             f"to a quarter of their compute for {ctx.slow_seconds:g}s")
@@ -253,7 +287,7 @@ def corrupt_param(ctx: FaultContext) -> str:
     corruption; elastic_runner.training.injected_faults): nothing fails, and its fingerprint must give it away."""
     if len(ctx.job.workers()) < 2:
         raise Skip("one worker: no replica to compare its fingerprint with")
-    w = _random_worker(ctx)
+    w = _random_worker(ctx, hook=signal.SIGUSR2)
     ctx.targets = [w.pid]
     ctx.job.signal_worker(w, signal.SIGUSR2)
     return f"asked worker rank {w.rank} (pid {w.pid}) to flip a bit of its replica's largest parameter"
@@ -301,7 +335,7 @@ def wait_until_spare(job: LocalJob, spare: Agent, timeout: float = SPARE_WAIT_S)
 def nan_batch(ctx: FaultContext) -> str:
     """One worker's loss of its next step is made NaN (a corrupt record in a corpus; elastic_runner.training.
     injected_faults): with train.on_nonfinite: rollback the job must roll back and skip that step's batch."""
-    w = _random_worker(ctx)
+    w = _random_worker(ctx, hook=signal.SIGUSR1)
     ctx.targets = [w.pid]
     ctx.job.signal_worker(w, signal.SIGUSR1)
     return f"asked worker rank {w.rank} (pid {w.pid}) to make its loss of its next step NaN"

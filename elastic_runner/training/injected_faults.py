@@ -9,19 +9,25 @@ environment has ``ELASTIC_RUNNER_CHAOS_HOOKS=1``) takes
   fingerprints can tell (:mod:`.fingerprint`);
 - SIGUSR1 as the request to make its loss of the next step NaN, as a corrupt record in a corpus would
   (``train.on_nonfinite`` decides what follows);
-- :data:`SLOW_ON` / :data:`SLOW_OFF` (real-time signals: they queue, so an on and an off sent close together are
-  both delivered, in order) as the start and end of a slow device: each step's compute (its batches, forward and
+- :data:`SLOW_ON` / :data:`SLOW_OFF` (two real-time signals; the chaos tool sends each fault's off to the workers it
+  slowed only, so a later slow-node on the same node is not ended by an earlier one's) as the start and end of a slow
+  device: each step's compute (its batches, forward and
   backward, up to the gradient sync's wait) is stretched to :data:`SLOW_FACTOR` times its length, as a throttled GPU
   or a CPU quota stretches the work and not the wait. A throttle from outside (stopping the process after it had run
   CPU time) could not do that on a loaded machine: its stops landed late, in the collectives, and 4 of 75 nodes
   throttled in the 2026-12-07 soak ran only 1.1-1.6x their peers.
 
 Each records an event (``chaos_corrupted``, ``chaos_nan``, ``chaos_slowed``: its rank and step) for the verdict. In
-every other job nothing is installed and the signals keep their default action.
+every other job nothing is installed and the signals keep their default action. A worker that armed the hooks
+ignores their signals once its interpreter exits (the interpreter puts a handled signal back to its default action
+on the way out, and a real-time signal's default ends the process): a fault's end that reaches a worker finishing
+its run does not turn its exit status into a death by signal. The chaos tool sends a hook's signal only to a process
+that catches it (its ``/proc`` status), never to one still starting.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import signal
@@ -37,8 +43,11 @@ ENV = "ELASTIC_RUNNER_CHAOS_HOOKS"
 #: A mantissa bit of each width (neither the sign nor the exponent): the value changes a little and stays finite.
 _MANTISSA_BIT = {2: 3, 4: 12, 8: 40}
 _AS_INT = {2: torch.int16, 4: torch.int32, 8: torch.int64}
-#: The signals that start and end a slow device (:data:`SIGRTMIN` and the one after are glibc's own: not those).
-SLOW_ON, SLOW_OFF = int(signal.SIGRTMIN) + 2, int(signal.SIGRTMIN) + 3
+_RTMIN = getattr(signal, "SIGRTMIN", None)  # (Linux's; none on macOS, where there is no slow-node either)
+#: The signals that start and end a slow device: two real-time signals a little above the first (which some
+#: libraries take for their own); None where the system has none.
+SLOW_ON: int | None = int(_RTMIN) + 2 if _RTMIN is not None else None
+SLOW_OFF: int | None = int(_RTMIN) + 3 if _RTMIN is not None else None
 #: How much longer a slow device's compute takes: a quarter of its speed.
 SLOW_FACTOR = 4.0
 
@@ -93,7 +102,17 @@ def install() -> CorruptionRequest | None:
         log.warning("%s is set, but the hook can only be armed from the main thread: not armed", ENV)
         return None
     REQUEST = CorruptionRequest()
-    signal.signal(signal.SIGUSR2, REQUEST._handle)
-    for signum in (signal.SIGUSR1, SLOW_ON, SLOW_OFF):
+    for signum in _hook_signals():
         signal.signal(signum, REQUEST._handle)
+    atexit.register(_ignore_hook_signals)
     return REQUEST
+
+
+def _hook_signals() -> list[int]:
+    return [s for s in (signal.SIGUSR1, signal.SIGUSR2, SLOW_ON, SLOW_OFF) if s is not None]
+
+
+def _ignore_hook_signals() -> None:
+    """At the interpreter's exit: a hook's signal arriving now is ignored, not left to its default action."""
+    for signum in _hook_signals():
+        signal.signal(signum, signal.SIG_IGN)

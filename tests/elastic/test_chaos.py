@@ -125,7 +125,7 @@ def test_a_full_snapshot_volume_is_ridden_out_and_snapshots_resume_once_space_is
 
 
 def test_a_slow_node_is_named_a_straggler_and_the_job_rides_it_out(chaos_config: Path, tmp_path: Path) -> None:
-    """slow-node throttles one node's worker to a quarter of its time for 6 s: nothing fails, the job slows, and
+    """slow-node slows one node's worker to a quarter of its speed for 6 s: nothing fails, the job slows, and
     that worker (and no other) is named a straggler while it is slow (at 1.5x the median for 3 s: at the default
     minute, a step of milliseconds would need a longer run)."""
     run_dir = tmp_path / "run"
@@ -140,6 +140,9 @@ def test_a_slow_node_is_named_a_straggler_and_the_job_rides_it_out(chaos_config:
     assert check["ok"] and check["detail"].startswith("1 of 1"), check
     named = [e for e in read_events(run_dir) if e["kind"] == "straggler" and e["status"] == "named"]
     assert [e["pid"] for e in named] == slow["targets"], named
+    (target,) = slow["targets"]
+    slowed = [(e["pid"], e["factor"]) for e in read_events(run_dir) if e["kind"] == "chaos_slowed"]
+    assert slowed == [(target, 4.0), (target, 1.0)], f"the worker slowed, then let go: {slowed}"
 
 
 def test_a_spare_takes_a_lost_nodes_place_and_the_final_model_is_the_reference_bit_for_bit(
