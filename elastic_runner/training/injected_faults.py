@@ -32,6 +32,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from typing import Any
 
 import torch
@@ -50,6 +51,10 @@ SLOW_ON: int | None = int(_RTMIN) + 2 if _RTMIN is not None else None
 SLOW_OFF: int | None = int(_RTMIN) + 3 if _RTMIN is not None else None
 #: How much longer a slow device's compute takes: a quarter of its speed.
 SLOW_FACTOR = 4.0
+#: The most of one step's compute a slow device stretches (:func:`stretch`).
+STRETCHED_AT_MOST_S = 1.0
+#: How often a stretch looks whether the slow device has ended.
+STRETCH_SLICE_S = 0.01
 
 
 class CorruptionRequest:
@@ -106,6 +111,15 @@ def install() -> CorruptionRequest | None:
         signal.signal(signum, REQUEST._handle)
     atexit.register(_ignore_hook_signals)
     return REQUEST
+
+
+def stretch(began: float, factor: float) -> None:
+    """Make the work since ``began`` (a host time) ``factor`` times as long, by waiting; cut short when the slow
+    device's end arrives meanwhile. At most :data:`STRETCHED_AT_MOST_S` of it is stretched: a longer step held a
+    one-off (an attempt's first batch, a compile), which a slow device would not make minutes."""
+    until = time.perf_counter() + (factor - 1.0) * min(time.perf_counter() - began, STRETCHED_AT_MOST_S)
+    while (left := until - time.perf_counter()) > 0 and REQUEST is not None and REQUEST.slowed_by > 1.0:
+        time.sleep(min(left, STRETCH_SLICE_S))
 
 
 def _hook_signals() -> list[int]:

@@ -25,16 +25,6 @@ from .parts import TrainingParts
 from .rng import seed_step, step_seed
 from .step_clock import StepClock
 
-#: The most of one step's compute the chaos tool's slow-node stretches (:meth:`TrainStep.stretch`).
-STRETCHED_AT_MOST_S = 1.0
-#: How often a stretch looks whether the slow device has ended.
-STRETCH_SLICE_S = 0.01
-
-
-def _still_slowed() -> bool:
-    request = injected_faults.REQUEST
-    return request is not None and request.slowed_by > 1.0
-
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -111,18 +101,14 @@ class TrainStep:
         return StepResult(loss, False, time.perf_counter() - t0)
 
     def stretch(self, began: float) -> None:
-        """The chaos tool's slow device (training.injected_faults): this step's compute so far, from ``began`` (a
-        host time), made :attr:`slowed_by` times as long, before the gradient sync's wait; cut short when the slow
-        device's end arrives meanwhile. On a GPU the host waited for the previous work at the step's start and waits
-        for the step's kernels here (only while slowed: the step is to be slow), so that the time stretched is the
-        device's; the idle device then shows the stretch between the clock's events as a slow GPU would. At most
-        :data:`STRETCHED_AT_MOST_S` of a step's compute is stretched: a longer one held a one-off (an attempt's
-        first batch, a compile), which a slow device would not make minutes."""
+        """The chaos tool's slow device: this step's compute so far, from ``began`` (a host time), made
+        :attr:`slowed_by` times as long, before the gradient sync's wait (:func:`injected_faults.stretch`). On a GPU
+        the host waited for the previous work at the step's start and waits for the step's kernels here (only while
+        slowed: the step is to be slow), so that the time stretched is the device's; the idle device then shows the
+        stretch between the clock's events as a slow GPU would."""
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
-        until = time.perf_counter() + (self.slowed_by - 1.0) * min(time.perf_counter() - began, STRETCHED_AT_MOST_S)
-        while (left := until - time.perf_counter()) > 0 and _still_slowed():
-            time.sleep(min(left, STRETCH_SLICE_S))
+        injected_faults.stretch(began, self.slowed_by)
 
     def backward(self, loss: torch.Tensor) -> None:
         scaler = self.parts.scaler
