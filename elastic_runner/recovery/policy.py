@@ -36,7 +36,8 @@ otherwise (each parked worker is handed its place in the new round)    keeps
 =====================================================================  ============
 
 A worker that could not be asked (it was building, resuming or starting) or whose process is gone gets a new process
-in the kept round; the others keep theirs (one placed in the round before that still waits there for a new peer is
+in the kept round (one asked inside its group's native start ends its process itself for that:
+:func:`~elastic_runner.recovery.rebuild.leaves_when_asked`); the others keep theirs (one placed in the round before that still waits there for a new peer is
 asked again, and parks again).
 """
 

@@ -22,18 +22,21 @@ call within ``timeout`` (the caller falls back to today's restart).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import gc
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as tdist
 
 from ..dist import destroy_default_group
+from ..lifecycle import EXIT_PEER_LOST, exit_now
 from .channel import PREFIX, Arrived, Channel, Handle, arrived_key, handle_key
 
 log = logging.getLogger(__name__)
@@ -64,6 +67,43 @@ class AskedToPark(RegroupError):
 
 class ReconfigureRefused(RegroupError):
     """This build's backend does not create a reconfigurable group (whatever the members do)."""
+
+
+#: How often a member inside its group's native start looks whether its agent asks it to leave (one ``stat``).
+NATIVE_POLL_S = 0.02
+
+
+@contextlib.contextmanager
+def leaves_when_asked(leaving: Callable[[], bool] | None, what: str) -> Iterator[None]:
+    """Around a group's start in native code (gloo or NCCL connecting the members, a reconfigure, the first
+    collective) for a member that may be asked to leave (``leaving``; None: nothing is done). Native code cannot be
+    asked anything, and a member that arrived and then died holds the others there until the start's deadline: seen
+    in the thousand-fault soak, a kept worker placed in a round whose other node's agent was killed just after the
+    round was sealed sat 15 s in its group's start while its agent waited for it to park, then was restarted (a
+    20.1 s recovery). Once ``leaving()`` says so, this process ends (status 76, :data:`~elastic_runner.lifecycle.\
+EXIT_PEER_LOST`) and its agent, waiting for it to park, starts a new process in its place at once, as for a worker
+    that could not be asked (:mod:`elastic_runner.agent.kept_round`). ``what``: the start, for the line it leaves."""
+    if leaving is None:
+        yield
+        return
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.wait(NATIVE_POLL_S):
+            if leaving():
+                if done.is_set():  # (the start ended meanwhile: the caller parks at its next look)
+                    return
+                exit_now(EXIT_PEER_LOST, f"its agent asked this worker (pid {os.getpid()}) to park while {what}, in "
+                         "native code that cannot be asked to leave: this process ends and its agent starts a new "
+                         "one in its place")
+
+    watcher = threading.Thread(target=watch, name="elastic-runner-leaves-when-asked", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        done.set()
+        watcher.join()
 
 
 def chosen_regroup(wanted: str, backend: str) -> str:
@@ -145,7 +185,8 @@ class Regroup:
             else:
                 self._recreate(membership, rank, wait or self.wait, leaving)
             # Every member is there and reachable, not just registered.
-            tdist.all_reduce(torch.zeros(1, device=self.device))
+            with leaves_when_asked(leaving, f"generation {membership.generation}'s first collective"):
+                tdist.all_reduce(torch.zeros(1, device=self.device))
         except RegroupError:
             raise
         except Exception as exc:  # noqa: BLE001 - store timeouts and backend errors alike: the caller falls back
@@ -222,7 +263,8 @@ class Regroup:
             raise RegroupError(f"generation {generation}'s handles in the job's store are not all signed with the "
                                "job's key (someone else wrote them): this group is not joined")
         # The id is the generation's: every member passes the same one, and no two generations share it.
-        tdist._reconfigure(uuid=membership.generation, handles=handles, timeout=self.timeout).wait()
+        with leaves_when_asked(leaving, f"generation {membership.generation}'s group reconfigures"):
+            tdist._reconfigure(uuid=membership.generation, handles=handles, timeout=self.timeout).wait()
 
     def _alone(self) -> None:
         """Reconfigure the group to this member alone, under a random id (no two processes share one)."""
@@ -237,8 +279,9 @@ class Regroup:
         self.arrive(membership)  # every member there first, within the wait
         self.wait_for_arrivals(membership, wait, leaving)
         store = tdist.PrefixStore(f"{PREFIX}/{membership.generation}", self.store)
-        tdist.init_process_group(self.backend, store=store, rank=rank, world_size=len(membership.members),
-                                 timeout=self.timeout)
+        with leaves_when_asked(leaving, f"generation {membership.generation}'s group starts"):
+            tdist.init_process_group(self.backend, store=store, rank=rank, world_size=len(membership.members),
+                                     timeout=self.timeout)
 
 
     def _wait_for(self, cls: type[Handle] | type[Arrived], keys: list[str], wait: datetime.timedelta,

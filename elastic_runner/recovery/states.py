@@ -18,8 +18,10 @@ broken     anything else (its own failure)                                      
 rejoin     the group is rebuilt with the failed peer's replacement              training
 rejoin     it is not, and the agent can hand this worker a place                park
 rejoin     it is not, and no agent hands places                                 exit
+rejoin     the agent asks it to park inside the group's native start            exit
 park       a place in the new round, and the group is up there                  training
-park       the agent asks it to park again while that group comes up           park
+park       the agent asks it to park again while that group comes up            park
+park       the agent asks it to park inside the group's native start            exit
 park       no place (the agent stopped it, gave up, or the round failed)        exit
 =========  ===================================================================  =========
 
@@ -37,6 +39,11 @@ the lost rank's shards exist only as of the last refresh of node memory (``snaps
 next attempt resumes every rank from the newest refresh all of them hold, whether the process is kept or new. Keeping
 it saves the process's start (imports, the model's build and compile), not steps; the process group and device mesh
 are made anew either way (``recreate``). ``recovery.in_process: true`` keeps sharded workers all the same.
+
+A worker asked to park while its group's start is in native code (the members connecting, a reconfigure, the first
+collective) cannot leave it: a member that arrived and then died holds it there until the start's deadline. It ends
+its process at once instead (:func:`~elastic_runner.recovery.rebuild.leaves_when_asked`, status 76), and its agent,
+which waits for it to park, starts a new process in its place.
 
 Exit statuses are :mod:`elastic_runner.worker.ending`'s: 0 for a finish or a stop, 76 where no place or group came
 (every worker restarts), the error's own otherwise.
@@ -88,8 +95,10 @@ TRANSITIONS: tuple[Transition, ...] = (
     Transition(R, "the group is rebuilt with the failed peer's replacement", T),
     Transition(R, "it is not, and the agent can hand this worker a place", P),
     Transition(R, "it is not, and no agent hands places", X),
+    Transition(R, "the agent asks it to park inside the group's native start", X),
     Transition(P, "a place in the new round, and the group is up there", T),
     Transition(P, "the agent asks it to park again while that group comes up", P),
+    Transition(P, "the agent asks it to park inside the group's native start", X),
     Transition(P, "no place (the agent stopped it, gave up, or the round failed)", X),
 )
 

@@ -18,7 +18,8 @@ from ..env import WorkerEnv
 from ..lifecycle import EXIT_PEER_TIMEOUT, exit_now
 from ..snapshot.format import current_signing_key
 from ..recovery import liveness
-from ..recovery.rebuild import ARRIVAL_POLLS, AskedToPark, ReconfigureRefused, RegroupError, chosen_regroup
+from ..recovery.rebuild import (ARRIVAL_POLLS, AskedToPark, ReconfigureRefused, RegroupError, chosen_regroup,
+                                leaves_when_asked)
 from ..recovery.regroup import SameMembers
 
 log = logging.getLogger(__name__)
@@ -188,12 +189,14 @@ def _up(env: WorkerEnv, backend: str, device: str, timeout_seconds: float, init_
                     kwargs["store"] = store
                 else:
                     kwargs["init_method"] = "env://"
-                tdist.init_process_group(chosen, rank=env.rank, world_size=env.world_size, timeout=timeout,
-                                         **kwargs)
+                with leaves_when_asked(leaving, "the round's process group starts"):
+                    tdist.init_process_group(chosen, rank=env.rank, world_size=env.world_size, timeout=timeout,
+                                             **kwargs)
         dist = Dist(env=env, device=dev, backend=chosen, store=store, in_process=same)
         if not joined:  # (a rebuilt group's join ends with one)
             # The first collective proves every peer is reachable, not just registered.
-            dist.all_reduce_sum(torch.zeros(1, device=dev))
+            with leaves_when_asked(leaving, "the round's first collective"):
+                dist.all_reduce_sum(torch.zeros(1, device=dev))
         if same is not None and same.generation == 0:
             same.formed()
     log.debug("process group up in %.3fs", time.monotonic() - started)

@@ -11,6 +11,7 @@ import datetime
 import socket
 import threading
 import time
+from pathlib import Path
 from typing import Callable
 
 import pytest
@@ -115,3 +116,52 @@ def _new_rank_0(port: int, regroup: str) -> None:
     dist = group.up(_placed(0, port), backend="gloo", device="cpu", timeout_seconds=30, init_timeout_seconds=20,
                     in_process=True, regroup_wait_seconds=20, regroup=regroup)
     dist.down()
+
+
+def test_a_kept_worker_asked_to_park_inside_its_groups_native_start_ends_at_once_for_a_new_process(
+        tmp_path: Path) -> None:
+    # Rank 0 said it arrived and never came into the group (its node's agent was killed right after the round was
+    # sealed): the kept rank 1 waits for it inside gloo's start, where nothing can ask it anything. Its agent's park
+    # request ends the process with 76, for a new one in its place, not the start's deadline (75, 20 s later).
+    import multiprocessing
+
+    from elastic_runner.lifecycle import EXIT_PEER_LOST, EXIT_PEER_TIMEOUT
+    from elastic_runner.recovery.channel import Arrived, Channel
+
+    store = tdist.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=30),
+                           wait_for_workers=False, multi_tenant=True)
+    Channel(store, None, f"127.0.0.1:{store.port}").send(Arrived(0, "0"))
+    asked = tmp_path / "park-0"
+    child = multiprocessing.get_context("spawn").Process(target=_kept_rank_1, args=(store.port, str(asked)))
+    child.start()
+    try:
+        # Past its wait for the arrivals (a ms), into the group's start: rank 1 then looks for rank 0's address.
+        deadline = time.monotonic() + 15
+        while not store.check([arrived_key(0, "1")]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(1.0)
+        asked.touch()
+        child.join(15)
+    finally:
+        if child.is_alive():
+            child.kill()
+            child.join()
+    assert child.exitcode != _PARKED, "it had left its wait for the others: the request met it in native code"
+    assert child.exitcode == EXIT_PEER_LOST, (
+        f"exit status {child.exitcode}: asked, it ends at once (76), not at the start's deadline ({EXIT_PEER_TIMEOUT})")
+
+
+#: The child's status where the request met it still in a wait it can leave (it would park instead).
+_PARKED = 10
+
+
+def _kept_rank_1(port: int, asked: str) -> None:
+    import os
+    import sys
+
+    try:
+        group.up(_placed(1, port), backend="gloo", device="cpu", timeout_seconds=30, init_timeout_seconds=20,
+                 in_process=True, regroup_wait_seconds=20, regroup="recreate", leaving=lambda: os.path.exists(asked))
+    except AskedToPark:
+        sys.exit(_PARKED)
+    sys.exit(0)
