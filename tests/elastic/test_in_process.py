@@ -795,6 +795,38 @@ def test_a_worker_killed_while_its_peer_waits_for_it_inside_a_collective_is_repl
 
 
 @pytest.mark.slow
+def test_the_jobs_store_lost_while_a_peer_waits_inside_a_collective_for_its_host_keeps_that_peer_in_a_new_round(
+        resume_config: Path, reference_model: Any, local_job: Any, tmp_path: Path) -> None:
+    """The mirror of the test above: rank 1 blocked inside the step's collective waiting for rank 0, stopped, whose
+    process hosts the job's store; rank 0's worker SIGKILLed takes the store with it. The collective fails under rank
+    1, which finds the store gone and asks rank 0's agent on its liveness port: alive, so its node is not counted
+    out. No replacement can join the old group (its store is gone): both agents start a new round, rank 1 keeps its
+    process into it, rank 0's place gets a new process, and the run is the uninterrupted one."""
+    job = _started(local_job, resume_config, "elastic-runner", "dist.heartbeat_seconds=20")
+    workers, _ = _stopped_with_standbys_ready(job, 130)
+    victim, survivor = (next(w for w in workers if w.rank == rank) for rank in (0, 1))
+    continue_workers(job, [survivor])
+    wait_until_blocked(survivor.pid)
+    killed_at = time.time()
+    job.signal_worker(victim, signal.SIGKILL)
+    run_dir = _ends_as_the_uninterrupted_run(job, reference_model, tmp_path)
+
+    starts = events(run_dir, "start")
+    assert {e["pid"] for e in starts if of_agent(e, survivor.agent)} == {survivor.pid}, \
+        "the peer kept its process through the new round\n" + job.logs_tail()
+    assert len({e["pid"] for e in starts if of_agent(e, victim.agent)}) == 2, "rank 0's place got a new process"
+    assert not _agent_events(run_dir, "worker_replaced"), "nothing can join a group whose store is gone"
+    assert len(_agent_events(run_dir, "rendezvous")) == 4, "a second round"
+    assert not _agent_events(run_dir, "members_counted_out"), "rank 0's node is alive: not counted out"
+    broke = [e for e in events(run_dir, "failure") if e["pid"] == survivor.pid and e["time"] > killed_at]
+    assert len(broke) == 1 and broke[0].get("detected_by") != "watchdog", \
+        f"the collective failed under rank 1 (its peer's connections closed), not its watchdog: {broke}"
+    assert any("node 0's agent is alive" in a.log_text() for a in job.agents), job.logs_tail()
+    resumed = [e for e in events(run_dir, "resume") if e["time"] > killed_at]
+    assert resumed and all(e["tier"] == "memory" and e["steps_recomputed"] <= 1 for e in resumed), resumed
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["lost", "agent killed", "preempted"])
 def test_a_node_that_goes_while_its_peer_waits_for_it_inside_a_collective_ends_in_a_recovered_job_bitwise(
         how: str, resume_config: Path, reference_model: Any, local_job: Any, etcd: Any, tmp_path: Path) -> None:

@@ -14,7 +14,8 @@ from elastic_runner.observe.audit import check_audit
 from elastic_runner.observe.events import read_events
 from elastic_runner.testing.localjob import descendants
 
-from ..support import assert_bitwise_equal, continue_workers, events, exported_model, of_agent, stop_workers_at_step
+from ..support import (assert_bitwise_equal, continue_workers, events, exported_model, of_agent, stop_workers_at_step,
+                       wait_until_blocked)
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
@@ -98,6 +99,44 @@ def test_a_spare_takes_a_lost_nodes_place_at_the_same_world_size_and_the_run_is_
     resumed = [e for e in events(run_dir, "resume") if e["time"] > lost_at]
     assert resumed and all(e["tier"] == "memory" and e["steps_recomputed"] == 0 for e in resumed), \
         f"the spare's worker took the state from the survivor's node memory, losing no step: {resumed}"
+    report = check_audit(run_dir)
+    assert report.ok and report.finished, report.render()
+    assert_bitwise_equal(exported_model(run_dir, tmp_path), reference_model)
+
+
+def test_a_spare_takes_the_place_of_a_node_lost_while_its_peer_waits_for_it_inside_a_collective(
+        resume_config: Path, local_job: Any, reference_model: Any, tmp_path: Path) -> None:
+    """The survivor's worker blocked inside the step's collective waiting for the other node's worker, stopped, when
+    that node is lost with a spare waiting: the collective fails under the survivor (its peer's connections closed,
+    not its watchdog), which keeps its process and parks, and the spare takes the lost node's seat at the same world
+    size, from the survivor's node memory, so the run is the uninterrupted one."""
+    job = local_job(config=str(resume_config), nnodes="1:2", launcher="elastic-runner",
+                    overrides=["dist.heartbeat_seconds=20"],
+                    rdzv_conf="last_call_timeout=10,keep_alive_interval=1,keep_alive_max_attempt=3")
+    first, second = job.start_agent(), job.start_agent()
+    run_dir = Path(job.run_dir)
+    workers, _ = stop_workers_at_step(job, 90, count=2, timeout=120)
+    spare = job.start_agent()
+    _wait_until_spare(job, spare, run_dir)
+    lost = second  # (c10d: the first agent hosts the rendezvous' store)
+    survivor = next(w for w in workers if w.agent is not lost)
+    continue_workers(job, [survivor])
+    wait_until_blocked(survivor.pid)
+    lost_at = time.time()
+    job.kill_agent(lost)
+    codes = job.wait(timeout=240)
+    assert [codes[job.agents.index(a)] for a in (first, spare)] == [0, 0], job.logs_tail()
+
+    after = [e for e in events(run_dir, "start") if e["time"] > lost_at]
+    assert after and {e["world_size"] for e in after} == {2}, [(e["rank"], e["world_size"]) for e in after]
+    assert any(of_agent(e, spare) for e in after), "the spare's worker took the lost node's place"
+    assert {e["pid"] for e in events(run_dir, "start") if of_agent(e, first)} == {survivor.pid}, \
+        "the survivor kept its process\n" + job.logs_tail()
+    broke = [e for e in events(run_dir, "failure") if e["pid"] == survivor.pid and e["time"] > lost_at]
+    assert len(broke) == 1 and broke[0].get("detected_by") != "watchdog", \
+        f"the collective failed under the survivor, not its watchdog: {broke}"
+    resumed = [e for e in events(run_dir, "resume") if e["time"] > lost_at]
+    assert resumed and all(e["tier"] == "memory" and e["steps_recomputed"] <= 1 for e in resumed), resumed
     report = check_audit(run_dir)
     assert report.ok and report.finished, report.render()
     assert_bitwise_equal(exported_model(run_dir, tmp_path), reference_model)
