@@ -36,9 +36,9 @@ otherwise (each parked worker is handed its place in the new round)    keeps
 =====================================================================  ============
 
 A worker that could not be asked (it was building, resuming or starting) or whose process is gone gets a new process
-in the kept round (one asked inside its group's native start ends its process itself for that:
-:func:`~elastic_runner.recovery.rebuild.leaves_when_asked`); the others keep theirs (one placed in the round before that still waits there for a new peer is
-asked again, and parks again).
+in the kept round (one asked inside its group's native start that does not come out of it ends its process itself:
+:func:`~elastic_runner.recovery.rebuild.leaves_when_asked`); the others keep theirs (one placed in the round before
+that still waits there for a new peer is asked again, and parks again).
 """
 
 from __future__ import annotations

@@ -71,31 +71,39 @@ class ReconfigureRefused(RegroupError):
 
 #: How often a member inside its group's native start looks whether its agent asks it to leave (one ``stat``).
 NATIVE_POLL_S = 0.02
+#: How long a member asked to leave may still take to come out of its group's native start before its process
+#: ends: a start that works takes milliseconds (then the member parks once it is out:
+#: :mod:`elastic_runner.worker.process`), and a kept process is worth more than a second (its imports, its model,
+#: its compiled code).
+NATIVE_GRACE_S = 1.0
 
 
 @contextlib.contextmanager
-def leaves_when_asked(leaving: Callable[[], bool] | None, what: str) -> Iterator[None]:
+def leaves_when_asked(leaving: Callable[[], bool] | None, what: str,
+                      grace_s: float = NATIVE_GRACE_S) -> Iterator[None]:
     """Around a group's start in native code (gloo or NCCL connecting the members, a reconfigure, the first
     collective) for a member that may be asked to leave (``leaving``; None: nothing is done). Native code cannot be
     asked anything, and a member that arrived and then died holds the others there until the start's deadline: seen
     in the thousand-fault soak, a kept worker placed in a round whose other node's agent was killed just after the
     round was sealed sat 15 s in its group's start while its agent waited for it to park, then was restarted (a
-    20.1 s recovery). Once ``leaving()`` says so, this process ends (status 76, :data:`~elastic_runner.lifecycle.\
-EXIT_PEER_LOST`) and its agent, waiting for it to park, starts a new process in its place at once, as for a worker
-    that could not be asked (:mod:`elastic_runner.agent.kept_round`). ``what``: the start, for the line it leaves."""
+    20.1 s recovery). Once ``leaving()`` has said so for ``grace_s`` and the start still runs, this process ends
+    (status 76, :data:`~elastic_runner.lifecycle.EXIT_PEER_LOST`) and its agent, waiting for it to park, starts a new
+    process in its place at once, as for a worker that could not be asked (:mod:`elastic_runner.agent.kept_round`).
+    ``what``: the start, for the line it leaves."""
     if leaving is None:
         yield
         return
     done = threading.Event()
 
     def watch() -> None:
+        asked_at = None
         while not done.wait(NATIVE_POLL_S):
-            if leaving():
-                if done.is_set():  # (the start ended meanwhile: the caller parks at its next look)
-                    return
+            if asked_at is None:
+                asked_at = time.monotonic() if leaving() else None
+            elif time.monotonic() - asked_at >= grace_s and not done.is_set():
                 exit_now(EXIT_PEER_LOST, f"its agent asked this worker (pid {os.getpid()}) to park while {what}, in "
-                         "native code that cannot be asked to leave: this process ends and its agent starts a new "
-                         "one in its place")
+                         f"native code that cannot be asked to leave, and {grace_s:g}s later it was still there: this "
+                         "process ends and its agent starts a new one in its place")
 
     watcher = threading.Thread(target=watch, name="elastic-runner-leaves-when-asked", daemon=True)
     watcher.start()
@@ -104,6 +112,14 @@ EXIT_PEER_LOST`) and its agent, waiting for it to park, starts a new process in 
     finally:
         done.set()
         watcher.join()
+
+
+def first_collective(device: torch.device) -> None:
+    """The first collective of a new group, waited for on the host: every member is there and reachable, not just
+    registered. (An NCCL collective returns before it ran: a dead member would hold the next step instead.)"""
+    tdist.all_reduce(torch.zeros(1, device=device))
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def chosen_regroup(wanted: str, backend: str) -> str:
@@ -186,7 +202,7 @@ class Regroup:
                 self._recreate(membership, rank, wait or self.wait, leaving)
             # Every member is there and reachable, not just registered.
             with leaves_when_asked(leaving, f"generation {membership.generation}'s first collective"):
-                tdist.all_reduce(torch.zeros(1, device=self.device))
+                first_collective(self.device)
         except RegroupError:
             raise
         except Exception as exc:  # noqa: BLE001 - store timeouts and backend errors alike: the caller falls back

@@ -19,7 +19,7 @@ from ..lifecycle import EXIT_PEER_TIMEOUT, exit_now
 from ..snapshot.format import current_signing_key
 from ..recovery import liveness
 from ..recovery.rebuild import (ARRIVAL_POLLS, AskedToPark, ReconfigureRefused, RegroupError, chosen_regroup,
-                                leaves_when_asked)
+                                first_collective, leaves_when_asked)
 from ..recovery.regroup import SameMembers
 
 log = logging.getLogger(__name__)
@@ -196,7 +196,7 @@ def _up(env: WorkerEnv, backend: str, device: str, timeout_seconds: float, init_
         if not joined:  # (a rebuilt group's join ends with one)
             # The first collective proves every peer is reachable, not just registered.
             with leaves_when_asked(leaving, "the round's first collective"):
-                dist.all_reduce_sum(torch.zeros(1, device=dev))
+                first_collective(dev)
         if same is not None and same.generation == 0:
             same.formed()
     log.debug("process group up in %.3fs", time.monotonic() - started)

@@ -174,6 +174,8 @@ def _recover(broken: Broken, cfg: Config, env: WorkerEnv, dist: Dist, handover: 
         try:
             seconds = group.rejoin(dist, cfg.dist.init_timeout_seconds,
                                    leaving=handover.requested if handover is not None else None)
+            if handover is not None and handover.requested():  # asked while the rebuild ran in native code
+                raise AskedToPark("its group to be rebuilt with the replacement")
             # This worker's start in the next attempt (its start-up figures, goodput's "worker start and
             # restore"): now, not its process's start long ago; the replacement's start is earlier.
             started_at = time.time()
@@ -261,6 +263,12 @@ def _park(cfg: Config, env: WorkerEnv, dist: Dist, handover: Handover, stop: Sto
             rebuilt = _up(cfg, new, None, leaving=handover.requested)
         except AskedToPark as exc:
             log.info("rank %d: %s; parking again for the round after", new.rank, exc)
+            env, lost = new, None
+            continue
+        if rebuilt is not None and handover.requested():  # asked while the group's start ran in native code
+            log.info("rank %d: its agent asked it to park as its group came up; parking again for the round after",
+                     new.rank)
+            rebuilt.down()
             env, lost = new, None
             continue
         handover.busy()  # until the next attempt's loop: it cannot park while it resumes

@@ -165,3 +165,29 @@ def _kept_rank_1(port: int, asked: str) -> None:
     except AskedToPark:
         sys.exit(_PARKED)
     sys.exit(0)
+
+
+@pytest.mark.parametrize("section_s, status", [(0.3, 0), (3.0, 76)])
+def test_a_start_that_comes_out_within_the_grace_keeps_its_process_and_one_that_does_not_ends_it(
+        section_s: float, status: int) -> None:
+    # Asked from the first look: a native start that works comes out within milliseconds (the worker then parks),
+    # and a kept process is worth a second's wait; one still inside after the grace (1 s) is stuck there.
+    import multiprocessing
+
+    child = multiprocessing.get_context("spawn").Process(target=_inside_a_native_start, args=(section_s,))
+    child.start()
+    child.join(30)
+    if child.is_alive():
+        child.kill()
+        child.join()
+    assert child.exitcode == status
+
+
+def _inside_a_native_start(seconds: float) -> None:
+    import sys
+
+    from elastic_runner.recovery.rebuild import leaves_when_asked
+
+    with leaves_when_asked(lambda: True, "a test's start", grace_s=1.0):
+        time.sleep(seconds)  # (the main thread busy elsewhere, as inside native code)
+    sys.exit(0)
