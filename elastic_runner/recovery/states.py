@@ -41,9 +41,10 @@ it saves the process's start (imports, the model's build and compile), not steps
 are made anew either way (``recreate``). ``recovery.in_process: true`` keeps sharded workers all the same.
 
 A worker asked to park while its group's start is in native code (the members connecting, a reconfigure, the first
-collective) cannot leave it: a member that arrived and then died holds it there until the start's deadline. It ends
-its process at once instead (:func:`~elastic_runner.recovery.rebuild.leaves_when_asked`, status 76), and its agent,
-which waits for it to park, starts a new process in its place.
+collective) cannot leave it: a member that arrived and then died holds it there until the start's deadline. Still
+inside a second after the request, it ends its process instead (:func:`~elastic_runner.recovery.rebuild.\
+leaves_when_asked`, status 76), and its agent, which waits for it to park, starts a new process in its place; out
+within that second, it parks.
 
 Exit statuses are :mod:`elastic_runner.worker.ending`'s: 0 for a finish or a stop, 76 where no place or group came
 (every worker restarts), the error's own otherwise.
