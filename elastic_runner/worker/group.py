@@ -92,8 +92,10 @@ def job_store(env: WorkerEnv, timeout: datetime.timedelta, leaving: Callable[[],
     if env.rank != 0:
         if leaving is not None:
             _until_listening(env.master_addr, env.master_port, timeout, leaving)
-        return tdist.TCPStore(env.master_addr, env.master_port, env.world_size, False, timeout=timeout,
-                              multi_tenant=True)
+        # (rank 0's worker may end between the look and the connect: torch's client then retries in native code)
+        with leaves_when_asked(leaving, "its client connects to rank 0's store"):
+            return tdist.TCPStore(env.master_addr, env.master_port, env.world_size, False, timeout=timeout,
+                                  multi_tenant=True)
     try:
         sock = reuseport_socket(env.master_port)
     except OSError as exc:
