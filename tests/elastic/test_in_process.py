@@ -765,6 +765,21 @@ def test_a_peer_stopped_inside_a_collective_ends_in_a_recovered_job(
     assert "no replacement was announced" not in logs, "a live peer gets no replacement: the survivor did not wait"
 
 
+def _killed_while_its_peer_waits_inside_a_collective(job: Any, rank: int) -> tuple[Any, Any, dict[int, int], float]:
+    """Both workers stopped at step 130 (their standbys ready), the other rank let go: once its main thread is
+    blocked in the next collective, waiting there for ``rank``, ``rank``'s worker is SIGKILLed. The survivor, the
+    victim, the standbys by agent pid, and when it was killed. (A heartbeat longer than the test's wait: the kill,
+    not the watchdog, must end the attempt.)"""
+    workers, standbys = _stopped_with_standbys_ready(job, 130)
+    victim = next(w for w in workers if w.rank == rank)
+    survivor = next(w for w in workers if w.rank != rank)
+    continue_workers(job, [survivor])
+    wait_until_blocked(survivor.pid)
+    killed_at = time.time()
+    job.signal_worker(victim, signal.SIGKILL)
+    return survivor, victim, standbys, killed_at
+
+
 def test_a_worker_killed_while_its_peer_waits_for_it_inside_a_collective_is_replaced_alone(
         resume_config: Path, reference_model: Any, local_job: Any, tmp_path: Path) -> None:
     """Both workers stopped at step 130, then rank 0 let go: it runs into the next collective and waits there for
@@ -773,12 +788,7 @@ def test_a_worker_killed_while_its_peer_waits_for_it_inside_a_collective_is_repl
     from node memory and ends bitwise. (A heartbeat longer than the test's wait: the kill, not the watchdog, must
     end the attempt.)"""
     job = _started(local_job, resume_config, "elastic-runner", "dist.heartbeat_seconds=20")
-    workers, standbys = _stopped_with_standbys_ready(job, 130)
-    survivor, victim = (next(w for w in workers if w.rank == rank) for rank in (0, 1))
-    continue_workers(job, [survivor])
-    wait_until_blocked(survivor.pid)
-    killed_at = time.time()
-    job.signal_worker(victim, signal.SIGKILL)
+    survivor, victim, standbys, killed_at = _killed_while_its_peer_waits_inside_a_collective(job, 1)
     run_dir = _ends_as_the_uninterrupted_run(job, reference_model, tmp_path)
 
     starts = events(run_dir, "start")
@@ -803,12 +813,7 @@ def test_the_jobs_store_lost_while_a_peer_waits_inside_a_collective_for_its_host
     out. No replacement can join the old group (its store is gone): both agents start a new round, rank 1 keeps its
     process into it, rank 0's place gets a new process, and the run is the uninterrupted one."""
     job = _started(local_job, resume_config, "elastic-runner", "dist.heartbeat_seconds=20")
-    workers, _ = _stopped_with_standbys_ready(job, 130)
-    victim, survivor = (next(w for w in workers if w.rank == rank) for rank in (0, 1))
-    continue_workers(job, [survivor])
-    wait_until_blocked(survivor.pid)
-    killed_at = time.time()
-    job.signal_worker(victim, signal.SIGKILL)
+    survivor, victim, _, killed_at = _killed_while_its_peer_waits_inside_a_collective(job, 0)
     run_dir = _ends_as_the_uninterrupted_run(job, reference_model, tmp_path)
 
     starts = events(run_dir, "start")
